@@ -1,0 +1,3 @@
+from kvtune.tuner.cli import main
+
+raise SystemExit(main())

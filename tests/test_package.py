@@ -1,0 +1,98 @@
+"""Packaging: the folders map into one ``kvtune`` namespace, and imports point one way (DESIGN §4)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvtune
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kernels", "cache_impl", "search_spaces", "studies", "tuner")
+# what each package may import from kvtune (besides itself and the root package)
+ALLOWED: dict[str, set[str]] = {
+    "kernels": set(),
+    "cache_impl": {"kernels"},
+    "search_spaces": {"kernels", "cache_impl"},
+    "studies": {"kernels", "cache_impl", "search_spaces"},
+    "tuner": {"kernels", "cache_impl", "search_spaces", "studies"},
+}
+FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
+    "kernels": {"optuna", "ray"},
+    "cache_impl": {"optuna", "ray"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _edges() -> list[tuple[str, Path, str]]:
+    return [
+        (package, path, name)
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name in _imports(path)
+    ]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_point_one_way(package: str) -> None:
+    wrong = []
+    for owner, path, name in _edges():
+        if owner != package:
+            continue
+        parts = name.split(".")
+        if parts[0] == "kvtune" and len(parts) > 1 and parts[1] in PACKAGES and parts[1] != package:
+            if parts[1] not in ALLOWED[package]:
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+        if parts[0] in FORBIDDEN_THIRD_PARTY.get(package, set()):
+            wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+        if parts[0] in PACKAGES:
+            wrong.append(
+                f"{path.relative_to(ROOT)} imports the bare top-level name {name}; use kvtune.{name}"
+            )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_installed_kernels_is_the_projects_own(tmp_path: Path) -> None:
+    """Hugging Face ships a top-level ``kernels`` package; ours must stay ``kvtune.kernels``."""
+    pytest.importorskip("kernels", reason="Hugging Face's `kernels` package is not installed")
+    code = (
+        "import kernels, kvtune.kernels, kvtune.kernels.layout as lay, pathlib;"
+        "print(pathlib.Path(kernels.__file__).resolve());"
+        "print(pathlib.Path(kvtune.kernels.__file__).resolve());"
+        "print(lay.ColdLayout.__module__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    hf_file, ours, layout_module = out.stdout.split()
+    assert Path(ours) == ROOT / "kernels" / "__init__.py" or "site-packages" in ours
+    assert Path(hf_file).parent != Path(ours).parent, (hf_file, ours)
+    assert layout_module == "kvtune.kernels.layout"
+
+
+def test_version_is_exposed() -> None:
+    assert kvtune.__version__.count(".") == 2
+
+
+def test_console_command_runs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtune", "--version"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.startswith("kvtune ")

@@ -1,0 +1,1 @@
+"""One module per ``kvtune`` command: ``NAME``, ``HELP``, ``add_arguments(parser)``, ``run(args) -> int``."""
