@@ -180,7 +180,7 @@ class HybridConfig:
         return self.quantization_bits
 
     def unquantized(self) -> HybridConfig:
-        """The baseline this config is compared with: same hot zone and block size, nothing quantized or sparse."""
+        """The baseline of this config: same hot zone and block size, nothing quantized, no sparse tier."""
         return self.replace(quantization_bits=0, sparse_top_k=0, migration_throttling=False)
 
 
