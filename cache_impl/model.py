@@ -1,0 +1,305 @@
+"""A Llama-family decoder whose attention goes through a KV cache.
+
+Per layer: ``x += o_proj(attention(rope(q), rope(k), v))`` after RMSNorm, then ``x += down(silu(gate(h)) *
+up(h))`` after RMSNorm; grouped-query attention (``num_heads / num_kv_heads`` query heads share a KV head),
+rotate-half RoPE with optional Llama-3.1 frequency scaling, tied or separate output embeddings. Queries and
+keys are rotated here, so a cache stores rotated keys; positions are the model's business.
+
+The cache is any object with ``prefill(layer, seq_id, q [T,Hq,D], k [T,H,D], v [T,H,D]) -> [T,Hq,D]`` and
+``decode(layer, plan, q [B,Hq,D], k [B,H,D], v [B,H,D]) -> [B,Hq,D]`` (the hybrid cache, or a dense one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvtune.cache_impl.layout import ModelKVShape
+from kvtune.cache_impl.tokenizer import TextTokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
+from kvtune.cache_impl.weights import (
+    SHAPES,
+    ModelSpec,
+    RopeScaling,
+    load_gguf,
+    load_hf_dir,
+    random_tensors,
+    save_hf_dir,
+    smollm2_gguf_path,
+)
+
+__all__ = [
+    "SHAPES",
+    "LlamaModel",
+    "LoadedModel",
+    "ModelSpec",
+    "RopeScaling",
+    "export_hf_dir",
+    "load_model",
+    "model_names",
+]
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class KVCacheLike(Protocol):
+    def prefill(
+        self, layer: int, seq_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def decode(
+        self, layer: int, plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer; projections [out, in], q/k/v and gate/up fused along ``out``."""
+
+    attn_norm: torch.Tensor  # [hidden]
+    wqkv: torch.Tensor  # [(Hq + 2 H) * D, hidden]
+    wo: torch.Tensor  # [hidden, Hq * D]
+    ffn_norm: torch.Tensor  # [hidden]
+    w_gate_up: torch.Tensor  # [2 * ffn, hidden]
+    w_down: torch.Tensor  # [hidden, ffn]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x²) + eps)`` computed in float32, returned in ``x.dtype``; x [..., hidden]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies [D/2] float32: ``theta^(-2i/D)``, Llama-3.1-scaled when ``spec.rope_scaling``."""
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    return inv if spec.rope_scaling is None else _llama3_scaled(inv, spec.rope_scaling)
+
+
+def _llama3_scaled(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama-3.1: long wavelengths divided by ``factor``, short ones kept, a smooth blend between."""
+    wavelen = 2 * math.pi / inv
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, D] float32 for positions [N] (rotate-half layout: both halves share frequencies)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, heads, D] by cos/sin [N, D]: ``x cos + rotate_half(x) sin``."""
+    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense causal GQA attention: q [T,Hq,D], k/v [T,H,D] -> [T,Hq,D], scale 1/sqrt(D)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    )
+    return out.transpose(0, 1)
+
+
+class LlamaModel:
+    """Inference-only Llama decoder (weights in one dtype on one device)."""
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+        """Build from Hugging Face-named tensors; empties ``tensors`` as layers are fused (peak memory)."""
+        self.spec = spec
+        self.embed = tensors["model.embed_tokens.weight"]  # [V, hidden]
+        self.lm_head = self.embed if spec.tie_embeddings else tensors["lm_head.weight"]  # [V, hidden]
+        self.norm = tensors["model.norm.weight"]
+        self.layers = [_layer_weights(tensors, i) for i in range(spec.num_layers)]
+        self.inv_freq = rope_inv_freq(spec).to(self.embed.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def kv_shape(self) -> ModelKVShape:
+        """The KV shape and precision a cache needs for this model."""
+        s = self.spec
+        return ModelKVShape(s.num_layers, s.num_kv_heads, s.head_dim, s.num_heads, self.dtype)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        cache: KVCacheLike,
+        seq_id: int,
+        token_ids: torch.Tensor,
+        start_pos: int,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits [T, V] float32 (``last_only``: [1, V]) of T tokens at positions ``start_pos + arange(T)``.
+
+        Calls ``cache.prefill(layer, seq_id, q, k, v)`` once per layer with the rotated q/k of these tokens.
+        """
+        positions = torch.arange(start_pos, start_pos + len(token_ids), device=self.device)
+        attend: Attend = lambda i, q, k, v: cache.prefill(i, seq_id, q, k, v)
+        return self._forward(token_ids, positions, attend, last_only)
+
+    @torch.inference_mode()
+    def decode(
+        self, cache: KVCacheLike, plan: Any, token_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [B, V] float32 of one new token per sequence (token_ids, positions [B]).
+
+        Calls ``cache.decode(layer, plan, q, k, v)`` once per layer.
+        """
+        attend: Attend = lambda i, q, k, v: cache.decode(i, plan, q, k, v)
+        return self._forward(token_ids, positions.to(self.device), attend, False)
+
+    @torch.inference_mode()
+    def forward_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V] float32 of a whole sequence with dense causal attention (no cache)."""
+        positions = torch.arange(len(token_ids), device=self.device)
+        return self._forward(token_ids, positions, lambda i, q, k, v: causal_attention(q, k, v), False)
+
+    def _forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, last_only: bool
+    ) -> torch.Tensor:
+        x = F.embedding(token_ids.to(self.device), self.embed)  # [N, hidden]
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        for i, w in enumerate(self.layers):
+            x = x + self._attention(i, w, x, cos, sin, attend)
+            x = x + self._mlp(w, x)
+        if last_only:
+            x = x[-1:]
+        return F.linear(rms_norm(x, self.norm, self.spec.rms_eps), self.lm_head).float()
+
+    def _attention(
+        self, i: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        s, n = self.spec, x.shape[0]
+        qkv = F.linear(rms_norm(x, w.attn_norm, s.rms_eps), w.wqkv)
+        q, k, v = qkv.split(
+            [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1
+        )
+        q = apply_rope(q.view(n, s.num_heads, s.head_dim), cos, sin)
+        k = apply_rope(k.view(n, s.num_kv_heads, s.head_dim), cos, sin)
+        out = attend(i, q, k, v.reshape(n, s.num_kv_heads, s.head_dim).contiguous())
+        return F.linear(out.reshape(n, s.num_heads * s.head_dim), w.wo)
+
+    def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rms_norm(x, w.ffn_norm, self.spec.rms_eps), w.w_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w.w_down)
+
+
+def _layer_weights(t: dict[str, torch.Tensor], i: int) -> LayerWeights:
+    """Pop layer ``i``'s tensors from ``t`` and fuse q/k/v and gate/up."""
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    return LayerWeights(
+        attn_norm=t.pop(p + "input_layernorm.weight"),
+        wqkv=torch.cat(
+            [t.pop(attn + "q_proj.weight"), t.pop(attn + "k_proj.weight"), t.pop(attn + "v_proj.weight")]
+        ),
+        wo=t.pop(attn + "o_proj.weight"),
+        ffn_norm=t.pop(p + "post_attention_layernorm.weight"),
+        w_gate_up=torch.cat([t.pop(mlp + "gate_proj.weight"), t.pop(mlp + "up_proj.weight")]),
+        w_down=t.pop(mlp + "down_proj.weight"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run, its spec, its tokenizer (None for random weights), whether weights are real."""
+
+    model: LlamaModel
+    spec: ModelSpec
+    tokenizer: TextTokenizer | None
+    real_weights: bool
+
+
+def model_names() -> list[str]:
+    """The names :func:`load_model` accepts besides paths."""
+    return ["smollm2", *(f"random:{name}" for name in SHAPES)]
+
+
+def load_model(
+    name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+) -> LoadedModel:
+    """Load ``smollm2`` (the real SmolLM2-135M GGUF), ``random:<shape>``, a Hugging Face dir or a .gguf."""
+    dev = torch.device(device)
+    if name == "smollm2":
+        return _from_gguf(smollm2_gguf_path(), dev, dtype)
+    if name.startswith("random:"):
+        shape = name.removeprefix("random:")
+        if shape not in SHAPES:
+            raise ValueError(f"model {name!r}: unknown shape {shape!r}, expected one of {list(SHAPES)}")
+        spec = SHAPES[shape]
+        return LoadedModel(LlamaModel(spec, random_tensors(spec, dev, dtype, seed)), spec, None, False)
+    path = Path(name)
+    if path.is_dir():
+        return _from_hf_dir(path, dev, dtype)
+    if path.suffix == ".gguf" and path.is_file():
+        return _from_gguf(path, dev, dtype)
+    raise ValueError(
+        f"model {name!r}: not found; expected one of {model_names()}, a Hugging Face model directory "
+        "(config.json + *.safetensors) or a .gguf file"
+    )
+
+
+def _from_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    spec, tensors, meta = load_gguf(path, device, dtype)
+    return LoadedModel(LlamaModel(spec, tensors), spec, tokenizer_from_gguf_metadata(meta), True)
+
+
+def _from_hf_dir(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    spec, tensors = load_hf_dir(path, device, dtype)
+    tok_file = path / "tokenizer.json"
+    tokenizer = (
+        tokenizer_from_file(tok_file, spec.bos_token_id, spec.eos_token_id) if tok_file.is_file() else None
+    )
+    return LoadedModel(LlamaModel(spec, tensors), spec, tokenizer, True)
+
+
+def export_hf_dir(
+    name: str, out_dir: str | Path, dtype: torch.dtype = torch.float16, shard_mb: float = 0
+) -> Path:
+    """Write ``smollm2``, a .gguf or a directory as config.json + safetensors (+ tokenizer.json).
+
+    ``shard_mb > 0`` splits the weights into files of at most about that size, so a machine without ``gguf``
+    can load the real weights from parts copied one by one.
+    """
+    path = smollm2_gguf_path() if name == "smollm2" else Path(name)
+    cpu = torch.device("cpu")
+    tokenizer: TextTokenizer | None = None
+    if path.is_dir():
+        spec, tensors = load_hf_dir(path, cpu, dtype)
+    else:
+        spec, tensors, meta = load_gguf(path, cpu, dtype)
+        tokenizer = tokenizer_from_gguf_metadata(meta)
+    out = save_hf_dir(spec, tensors, out_dir, shard_mb)
+    if tokenizer is not None:
+        tokenizer.backend.save(str(out / "tokenizer.json"))
+    return out
