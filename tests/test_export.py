@@ -1,0 +1,208 @@
+"""Presets: content, the vLLM section's limits, no silent overwrite, export from a real SQLite study."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.tuner import export as ex
+from kvtune.tuner.cli import main
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+CONFIG = HybridConfig("hybrid_v2", 32, 64, 8, sparse_top_k=128, migration_throttling=True)
+BASELINE = CONFIG.unquantized()
+
+
+def _metrics(tpot: float, tps: float) -> dict[str, Any]:
+    return {"tpot_p50_ms": tpot / 2, "tpot_p99_ms": tpot, "ttft_p99_ms": 3 * tpot, "e2e_p99_ms": 9 * tpot,
+            "tokens_per_s": tps, "preemptions": 0, "warnings": []}  # fmt: skip
+
+
+def _validation(repeats: int = 3) -> dict[str, Any]:
+    return {
+        "trial": 1,
+        "config": CONFIG.to_dict(),
+        "baseline_config": BASELINE.to_dict(),
+        "window": {"start_fraction": 0.8, "end_fraction": 1.0, "requests": 64},
+        "repeats": repeats,
+        "best": [_metrics(t, 900.0 + t) for t in (10.0, 11.0, 12.0)[:repeats]],
+        "baseline": [_metrics(t, 500.0 + t) for t in (20.0, 21.0, 25.0)[:repeats]],
+        "quality": {"mean_kl": 1e-4, "ppl_change_pct": 0.1, "passkey_rate": 1.0},
+        "date": "2026-11-29T09:00:00+00:00",
+        "versions": ex.runtime_versions(),
+        "device": "cpu",
+    }
+
+
+PROVENANCE = {"card": "h200", "objective": "tpot_p99", "study": "s"}
+
+
+# ---- vLLM section ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("card", "block", "backend", "exported"),
+    [
+        ("h200", 64, "TRITON_ATTN", True),
+        ("h100-sxm", 16, "TRITON_ATTN", True),
+        ("h100-sxm", 24, "TRITON_ATTN", False),
+        ("cpu", 64, "CPU_ATTN", True),
+        ("cpu", 16, "CPU_ATTN", False),
+    ],
+)
+def test_block_size_only_when_the_backend_accepts_it(
+    card: str, block: int, backend: str, exported: bool
+) -> None:
+    section = ex.vllm_section(HybridConfig("hybrid_v2", 32, block, 4), card)
+    assert section["backend"] == backend
+    assert ("--block-size" in section["args"]) == exported
+    assert backend in section["block_size"]
+    assert section["block_size"].startswith("--block-size omitted") != exported
+
+
+def test_vllm_section_carries_only_equivalent_flags() -> None:
+    section = ex.vllm_section(CONFIG, "h200")
+    args = section["args"]
+    assert args[-3:-1] == ["--enable-prefix-caching", "--additional-config"]
+    assert json.loads(args[-1]) == {"kvtune": CONFIG.to_dict()}
+    assert HybridConfig.from_dict({"additional_config": json.loads(args[-1])}) == CONFIG
+    assert not any("kv-cache-dtype" in a or "per_token_head" in a for a in args[:-1])
+    assert "ignores the 'kvtune' block unless a kvtune plugin reads it" in section["note"]
+    assert "not equivalents" in section["not_exported"]
+    assert section["command"].startswith("vllm serve <model> --block-size 64 --enable-prefix-caching")
+
+
+# ---- content -------------------------------------------------------------------------------------------
+def test_preset_content() -> None:
+    preset = ex.build_preset(CONFIG, _validation(), {"mean_kl": 1e-4}, PROVENANCE)
+    assert set(preset) == {"format", "config", "metrics", "quality", "provenance", "vllm"}
+    assert HybridConfig.from_dict(preset["config"]) == CONFIG
+    tpot = preset["metrics"]["best"]["tpot_p99_ms"]
+    assert (tpot["median"], tpot["min"], tpot["max"], tpot["values"]) == (
+        11.0,
+        10.0,
+        12.0,
+        [10.0, 11.0, 12.0],
+    )
+    gain = preset["metrics"]["gain"]
+    assert gain["ratio"] == pytest.approx(21.0 / 11.0)
+    assert gain["range"] == pytest.approx([20.0 / 12.0, 25.0 / 10.0])
+    assert "warnings" not in preset["metrics"]["best"]
+
+
+def test_throughput_gain_is_preset_over_baseline() -> None:
+    preset = ex.build_preset(CONFIG, _validation(), None, {**PROVENANCE, "objective": "throughput"})
+    assert preset["metrics"]["gain"]["ratio"] == pytest.approx(911.0 / 521.0)
+
+
+@pytest.mark.parametrize(
+    ("validation", "match"),
+    [
+        (_validation(repeats=2), r"needs >= 3 repeats of each side, got \(2, 2, 2\)"),
+        ({"trial": 0}, r"kvtune.validation: missing keys \['config'"),
+    ],
+)
+def test_bad_validation_is_refused(validation: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ex.build_preset(CONFIG, validation, None, PROVENANCE)
+
+
+@pytest.mark.parametrize(
+    ("model", "workload", "name"),
+    [
+        ("random:llama-3-8b", "traces/mooncake.jsonl", "random-llama-3-8b-mooncake.json"),
+        ("/models/Llama-3-8B/", "azure 2024.csv", "llama-3-8b-azure-2024.json"),
+    ],
+)
+def test_preset_path(model: str, workload: str, name: str, tmp_path: Path) -> None:
+    assert ex.preset_path("h200", model, workload, tmp_path) == tmp_path / "h200" / name
+
+
+# ---- no silent overwrite -----------------------------------------------------------------------------------
+def test_existing_preset_is_never_silently_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "cpu" / "m-w.json"
+    first = ex.write_preset({"n": 1}, path)
+    second = ex.write_preset({"n": 2}, path)
+    third = ex.write_preset({"n": 3}, path)
+    assert (first, second, third) == (path, path.with_name("m-w-2.json"), path.with_name("m-w-3.json"))
+    assert json.loads(path.read_text()) == {"n": 1}
+    assert ex.write_preset({"n": 4}, path, overwrite=True) == path
+    assert json.loads(path.read_text()) == {"n": 4}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["m-w-2.json", "m-w-3.json", "m-w.json"]
+
+
+# ---- from a real SQLite study ----------------------------------------------------------------------
+def _study(tmp_path: Path, validated: bool = True) -> str:
+    storage = f"sqlite:///{tmp_path / 'kvtune.db'}"
+    study = optuna.create_study(study_name="cpu-tiny-sample", storage=storage)
+    workload = {"name": "sample", "path": "t/sample.jsonl", "sha256": "ab" * 32, "requests": 32}
+    attrs = {
+        ex.ATTR_CARD: "cpu",
+        ex.ATTR_MODEL: "random:tiny",
+        ex.ATTR_OBJECTIVE: "tpot_p99",
+        ex.ATTR_WORKLOAD: workload,
+        ex.ATTR_SPACE: "0123456789abcdef",
+        ex.ATTR_BUDGET: 2**26,
+        ex.ATTR_TIME_SCALE: 3.5,
+        ex.ATTR_SEED: 0,
+        ex.ATTR_QUALITY_LIMITS: {"max_ppl_increase": 1.0, "max_kl": None},
+    }
+    if validated:
+        attrs[ex.ATTR_VALIDATION] = _validation()
+    for key, value in attrs.items():
+        study.set_user_attr(key, value)
+    for value in (20.0, 11.0):
+        trial = study.ask()
+        trial.set_user_attr(ex.ATTR_CONFIG, CONFIG.to_dict())
+        trial.set_user_attr(ex.ATTR_SEED, 7)
+        trial.set_user_attr(ex.ATTR_DEVICE, "cpu")
+        study.tell(trial, value)
+    return storage
+
+
+def test_export_from_study(tmp_path: Path) -> None:
+    storage = _study(tmp_path)
+    path = ex.export_from_study(storage, "cpu-tiny-sample", root=tmp_path / "presets")
+    assert path == tmp_path / "presets" / "cpu" / "random-tiny-sample.json"
+    preset = json.loads(path.read_text())
+    assert HybridConfig.from_dict(preset["config"]) == CONFIG
+    prov = preset["provenance"]
+    assert (prov["study"], prov["trial"], prov["card"], prov["model"], prov["seed"]) == (
+        "cpu-tiny-sample", 1, "cpu", "random:tiny", 7)  # fmt: skip
+    assert prov["workload"]["sha256"] == "ab" * 32 and set(prov["versions"]) >= {"kvtune", "torch", "triton"}
+    assert preset["quality"]["limits"] == {"max_ppl_increase": 1.0, "max_kl": None}
+    assert "--block-size" in preset["vllm"]["args"]  # 64 is a multiple of 32 (CPU_ATTN)
+    again = ex.export_from_study(storage, "cpu-tiny-sample", root=tmp_path / "presets")
+    assert again == path.with_name("random-tiny-sample-2.json")
+    strip = lambda p: {**p, "provenance": {**p["provenance"], "exported": None}}
+    assert strip(json.loads(again.read_text())) == strip(preset)
+
+
+@pytest.mark.parametrize(
+    ("study", "validated", "error", "match"),
+    [
+        ("nope", True, ValueError, r"no study named 'nope'; studies there: \['cpu-tiny-sample'\]"),
+        ("cpu-tiny-sample", False, ValueError, r"missing attributes \['kvtune.validation'\]"),
+    ],
+)
+def test_export_errors(tmp_path: Path, study: str, validated: bool, error: type, match: str) -> None:
+    storage = _study(tmp_path, validated)
+    with pytest.raises(error, match=match):
+        ex.export_from_study(storage, study, root=tmp_path)
+
+
+def test_export_missing_database_creates_nothing(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ex.export_from_study(f"sqlite:///{tmp_path / 'none.db'}", "s", root=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    storage, out = _study(tmp_path), tmp_path / "config.json"
+    assert main(["export", "--study", "cpu-tiny-sample", "--storage", storage, "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert main(["export", "--study", "x", "--storage", storage, "--out", str(out)]) == 2
+    assert "kvtune: error: storage" in capsys.readouterr().err

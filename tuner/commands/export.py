@@ -1,0 +1,29 @@
+"""``kvtune export --study NAME [--out FILE]``: write a study's preset again from the database."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtune.tuner.export import DEFAULT_STORAGE, PRESETS_DIR, export_from_study
+
+NAME = "export"
+HELP = "write a finished study's preset (config, validated metrics, vLLM section) from the database"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--study", required=True, help="the study's name")
+    parser.add_argument(
+        "--storage", default=DEFAULT_STORAGE, help=f"study database URL (default {DEFAULT_STORAGE})"
+    )
+    parser.add_argument(
+        "--out", help=f"output file (default {PRESETS_DIR}/<card>/<model>-<workload>.json); kept if it exists"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing file instead of adding -2, -3..."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    path = export_from_study(args.storage, args.study, out=args.out, overwrite=args.overwrite)
+    print(f"kvtune: wrote {path}")
+    return 0

@@ -1,0 +1,345 @@
+"""Presets: ``presets/<card>/<model>-<workload>.json``, written from what the study stores (DESIGN §3).
+
+A preset holds the hybrid_v2 config, its validated metrics with their spread (best config and the
+unquantized baseline, each re-measured ≥ 3 times on a window of the trace the search never saw), its
+quality, provenance, and a ``vllm`` section limited to what means the same in vLLM (``../shared/VLLM.md``).
+A preset is never silently overwritten: an existing file gets a sibling with a ``-2``, ``-3``... suffix
+unless ``overwrite=True``.
+
+The study carries everything the preset needs, under these user attributes (the driver writes them):
+
+Study attributes
+    ``kvtune.card`` (card id), ``kvtune.model`` (model name as given), ``kvtune.workload``
+    (``{"name", "path", "sha256", "requests"}``), ``kvtune.objective`` (a key of :data:`OBJECTIVE_METRICS`),
+    ``kvtune.space`` (the search space fingerprint), ``kvtune.kv_budget_bytes``, ``kvtune.time_scale``,
+    ``kvtune.seed``, ``kvtune.quality_limits`` (``{"max_ppl_increase", "max_kl"}``, values may be null),
+    ``kvtune.validation`` (see :data:`VALIDATION_KEYS`).
+Trial attributes
+    ``kvtune.config`` (resolved config dict), ``kvtune.seed``, ``kvtune.versions`` (:func:`runtime_versions`),
+    ``kvtune.device`` (device name), ``kvtune.metrics`` (final replay metrics dict), ``kvtune.quality``
+    (quality dict), ``kvtune.error`` (one line, when the config crashed or ran out of memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import statistics
+import tempfile
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kvtune.cache_impl.config import HybridConfig
+
+# ---- the attribute names the driver and the exporter share ------------------------------------------
+ATTR_CARD = "kvtune.card"
+ATTR_MODEL = "kvtune.model"
+ATTR_WORKLOAD = "kvtune.workload"
+ATTR_OBJECTIVE = "kvtune.objective"
+ATTR_SPACE = "kvtune.space"
+ATTR_BUDGET = "kvtune.kv_budget_bytes"
+ATTR_TIME_SCALE = "kvtune.time_scale"
+ATTR_SEED = "kvtune.seed"
+ATTR_QUALITY_LIMITS = "kvtune.quality_limits"
+ATTR_VALIDATION = "kvtune.validation"
+ATTR_CONFIG = "kvtune.config"
+ATTR_VERSIONS = "kvtune.versions"
+ATTR_DEVICE = "kvtune.device"
+ATTR_METRICS = "kvtune.metrics"
+ATTR_QUALITY = "kvtune.quality"
+ATTR_ERROR = "kvtune.error"
+STUDY_ATTRS_REQUIRED = (ATTR_CARD, ATTR_MODEL, ATTR_WORKLOAD, ATTR_OBJECTIVE, ATTR_VALIDATION)
+# ``kvtune.validation``: trial (best trial number), config and baseline_config (config dicts), window
+# ({"start_fraction", "end_fraction", "requests"}), repeats, best and baseline (lists of replay metrics
+# dicts, one per repeat), quality (quality dict of the best config or null), date (ISO 8601), versions,
+# device.
+VALIDATION_KEYS = ("trial", "config", "baseline_config", "window", "repeats", "best", "baseline", "date")
+MIN_REPEATS = 3
+
+DEFAULT_STORAGE = "sqlite:///studies/kvtune.db"
+PRESETS_DIR = Path("presets")
+PRESET_FORMAT = "kvtune-preset/1"
+# objective name -> (metric key, direction)
+OBJECTIVE_METRICS: dict[str, tuple[str, str]] = {
+    "tpot_p99": ("tpot_p99_ms", "minimize"),
+    "ttft_p99": ("ttft_p99_ms", "minimize"),
+    "e2e_p99": ("e2e_p99_ms", "minimize"),
+    "throughput": ("tokens_per_s", "maximize"),
+}
+SUMMARY_METRICS = (
+    "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+    "itl_p99_ms", "tokens_per_s", "attn_bandwidth_gbs", "bookkeeping_share", "peak_kv_bytes", "preemptions",
+    "prefix_hit_rate",
+)  # fmt: skip
+
+# ---- vLLM: only what means the same there ----------------------------------------------------------
+# backend -> the multiple --block-size must be (VLLM.md); GPU presets name TRITON_ATTN, the one GPU
+# backend whose rule is recorded; FlashAttention / FlashInfer keep their own lists.
+VLLM_BLOCK_MULTIPLE = {"TRITON_ATTN": 16, "CPU_ATTN": 32}
+VLLM_IGNORES = (
+    "vLLM has no hybrid_v2 cache: it parses --additional-config and includes it in its config hash, but "
+    "ignores the 'kvtune' block unless a kvtune plugin reads it; without one vLLM runs its own cache."
+)
+VLLM_NOT_EQUIVALENT = (
+    "No --kv-cache-dtype is exported: vLLM's int8_per_token_head / int4_per_token_head quantize the whole "
+    "cache per token (no hot zone, per-token keys) and are not equivalents of this config."
+)
+
+
+def runtime_versions() -> dict[str, str]:
+    """Versions of kvtune and the libraries that decide results (``"absent"`` when not installed)."""
+    out = {}
+    for name in ("kvtune", "torch", "triton", "optuna", "ray"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def vllm_backend(card: str) -> str:
+    return "CPU_ATTN" if card == "cpu" else "TRITON_ATTN"
+
+
+def vllm_section(config: HybridConfig, card: str) -> dict[str, Any]:
+    """The flags of ``vllm serve`` that mean the same as ``config``, and what vLLM does with the rest."""
+    backend, block = vllm_backend(card), config.block_size
+    multiple = VLLM_BLOCK_MULTIPLE[backend]
+    block_ok = block % multiple == 0
+    extra = {"kvtune": config.to_dict()}
+    args = ["--block-size", str(block)] if block_ok else []
+    args += ["--enable-prefix-caching", "--additional-config", json.dumps(extra, separators=(",", ":"))]
+    rule = f"a multiple of {multiple}"
+    block_note = (
+        f"--block-size {block} is valid for vLLM's {backend} backend ({rule}); FlashAttention and "
+        "FlashInfer keep their own lists of block sizes"
+        if block_ok
+        else f"--block-size omitted: {block} is not {rule}, which vLLM's {backend} backend requires"
+    )
+    return {
+        "backend": backend,
+        "args": args,
+        "command": f"vllm serve <model> {shlex.join(args)}",
+        "additional_config": extra,
+        "block_size": block_note,
+        "prefix_caching": "--enable-prefix-caching: block-granular prefix reuse, as kvtune's prefix sharing",
+        "note": VLLM_IGNORES,
+        "not_exported": VLLM_NOT_EQUIVALENT,
+    }
+
+
+# ---- metrics with spread -----------------------------------------------------------------------------
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """``{"median", "min", "max", "values"}`` of repeated measurements."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "values": list(values),
+    }
+
+
+def summarize(repeats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per metric of :data:`SUMMARY_METRICS` present in every repeat: its spread over the repeats."""
+    keys = [k for k in SUMMARY_METRICS if all(isinstance(r.get(k), int | float) for r in repeats)]
+    return {k: spread([float(r[k]) for r in repeats]) for k in keys}
+
+
+def gain(objective: str, best: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any]:
+    """How much better the best config is than the baseline on the objective (> 1: better), with range."""
+    metric, direction = _objective(objective)
+    if metric not in best or metric not in baseline:
+        raise ValueError(
+            f"{ATTR_VALIDATION}: every repeat needs a number for {metric!r} (objective {objective})"
+        )
+    b, u = best[metric], baseline[metric]
+    if direction == "maximize":
+        b, u = u, b  # a ratio above 1 always means the preset is better
+    if min(b["min"], b["median"]) <= 0:
+        return {"metric": metric, "ratio": None, "why": f"{metric} of the better side is 0"}
+    return {
+        "metric": metric,
+        "ratio": u["median"] / b["median"],
+        "range": [u["min"] / b["max"], u["max"] / b["min"]],
+        "meaning": "baseline / preset for latencies, preset / baseline for throughput; > 1 is a gain",
+    }
+
+
+def _objective(objective: str) -> tuple[str, str]:
+    if objective not in OBJECTIVE_METRICS:
+        raise ValueError(f"objective {objective!r} is unknown; expected one of {list(OBJECTIVE_METRICS)}")
+    return OBJECTIVE_METRICS[objective]
+
+
+def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str, Any]:
+    """The preset's ``metrics`` section from a ``kvtune.validation`` record."""
+    missing = [k for k in VALIDATION_KEYS if k not in validation]
+    if missing:
+        raise ValueError(f"{ATTR_VALIDATION}: missing keys {missing}; expected {list(VALIDATION_KEYS)}")
+    counts = (validation["repeats"], len(validation["best"]), len(validation["baseline"]))
+    if min(counts) < MIN_REPEATS:
+        raise ValueError(f"{ATTR_VALIDATION}: needs >= {MIN_REPEATS} repeats of each side, got {counts}")
+    best, baseline = summarize(validation["best"]), summarize(validation["baseline"])
+    return {
+        "objective": objective,
+        "window": validation["window"],
+        "repeats": validation["repeats"],
+        "best": best,
+        "baseline": baseline,
+        "baseline_config": validation["baseline_config"],
+        "gain": gain(objective, best, baseline),
+    }
+
+
+# ---- the preset --------------------------------------------------------------------------------------
+def build_preset(
+    config: HybridConfig,
+    validation: Mapping[str, Any],
+    quality: Mapping[str, Any] | None,
+    provenance: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The preset object; ``provenance`` needs at least ``card`` and ``objective``."""
+    for key in ("card", "objective"):
+        if key not in provenance:
+            raise ValueError(f"preset provenance: missing key {key!r}")
+    return {
+        "format": PRESET_FORMAT,
+        "config": config.to_dict(),
+        "metrics": validated_metrics(provenance["objective"], validation),
+        "quality": dict(quality) if quality is not None else None,
+        "provenance": dict(provenance),
+        "vllm": vllm_section(config, provenance["card"]),
+    }
+
+
+def slug(name: str) -> str:
+    """A file-name-safe form: ``random:llama-3-8b`` -> ``random-llama-3-8b``, a path -> its last part."""
+    base = Path(name.rstrip("/")).name if "/" in name else name
+    return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-.") or "unnamed"
+
+
+def preset_path(card: str, model: str, workload: str, root: str | Path = PRESETS_DIR) -> Path:
+    """``root/<card>/<model>-<workload>.json`` with each part made file-name-safe."""
+    return Path(root) / slug(card) / f"{slug(model)}-{slug(Path(workload).stem)}.json"
+
+
+def write_preset(preset: Mapping[str, Any], path: str | Path, overwrite: bool = False) -> Path:
+    """Write ``preset`` as JSON; an existing file is kept and a ``-2``, ``-3``... sibling is used instead,
+    unless ``overwrite``. Atomic: readers never see a half-written file. Returns the path written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(preset, indent=2) + "\n"
+    tmp = _temp_file(path.parent, text)
+    try:
+        if overwrite:
+            os.replace(tmp, path)
+            return path
+        return _link_first_free(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _temp_file(folder: Path, text: str) -> Path:
+    fd, name = tempfile.mkstemp(prefix=".preset-", suffix=".tmp", dir=folder)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    return Path(name)
+
+
+def _link_first_free(tmp: Path, path: Path) -> Path:
+    for n in range(1, 10_000):
+        candidate = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+        try:
+            os.link(tmp, candidate)  # atomic, and fails if the name exists
+        except FileExistsError:
+            continue
+        return candidate
+    raise ValueError(f"{path}: 10000 presets of that name exist; pass overwrite=True or another --out")
+
+
+# ---- from the study ------------------------------------------------------------------------------------
+def load_study(storage: str, study_name: str) -> Any:
+    """Open an existing study; ``ValueError`` naming the known studies when it does not exist."""
+    import optuna
+
+    check_storage(storage)
+    names = optuna.get_all_study_names(storage=storage)
+    if study_name not in names:
+        raise ValueError(f"storage {storage}: no study named {study_name!r}; studies there: {names}")
+    return optuna.load_study(study_name=study_name, storage=storage)
+
+
+def check_storage(storage: str) -> None:
+    """``FileNotFoundError`` when an SQLite storage names a missing file (no empty database is created)."""
+    if storage.startswith("sqlite:///"):
+        path = Path(storage.removeprefix("sqlite:///"))
+        if str(path) not in ("", ":memory:") and not path.is_file():
+            raise FileNotFoundError(f"storage {storage}: the SQLite file {path} does not exist")
+
+
+def preset_from_study(study: Any) -> tuple[dict[str, Any], Mapping[str, Any]]:
+    """The preset and the study's user attributes (``ValueError`` when an attribute is missing)."""
+    attrs = study.user_attrs
+    missing = [a for a in STUDY_ATTRS_REQUIRED if a not in attrs]
+    if missing:
+        raise ValueError(
+            f"study {study.study_name!r}: missing attributes {missing}; a study gets them when the tuner "
+            "finishes its validation"
+        )
+    validation = attrs[ATTR_VALIDATION]
+    config = HybridConfig.from_dict(validation["config"])
+    trial = study.trials[validation["trial"]] if validation["trial"] < len(study.trials) else None
+    quality = validation.get("quality") or (trial.user_attrs.get(ATTR_QUALITY) if trial else None)
+    if quality is not None:
+        quality = {**quality, "limits": attrs.get(ATTR_QUALITY_LIMITS)}
+    return build_preset(config, validation, quality, _provenance(study, attrs, trial)), attrs
+
+
+def _provenance(study: Any, attrs: Mapping[str, Any], trial: Any) -> dict[str, Any]:
+    validation, t_attrs = attrs[ATTR_VALIDATION], (trial.user_attrs if trial else {})
+    return {
+        "study": study.study_name,
+        "trial": validation["trial"],
+        "card": attrs[ATTR_CARD],
+        "device": validation.get("device") or t_attrs.get(ATTR_DEVICE),
+        "model": attrs[ATTR_MODEL],
+        "workload": attrs[ATTR_WORKLOAD],
+        "objective": attrs[ATTR_OBJECTIVE],
+        "space": attrs.get(ATTR_SPACE),
+        "kv_budget_bytes": attrs.get(ATTR_BUDGET),
+        "time_scale": attrs.get(ATTR_TIME_SCALE),
+        "seed": t_attrs.get(ATTR_SEED, attrs.get(ATTR_SEED)),
+        "date": validation["date"],
+        "versions": validation.get("versions") or t_attrs.get(ATTR_VERSIONS),
+        "exported": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def export_from_study(
+    storage: str,
+    study_name: str,
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    root: str | Path = PRESETS_DIR,
+) -> Path:
+    """Rebuild the preset of ``study_name`` from ``storage`` and write it to ``out`` (default:
+    :func:`preset_path` under ``root``). Returns the path written (never silently overwrites)."""
+    preset, attrs = preset_from_study(load_study(storage, study_name))
+    workload = attrs[ATTR_WORKLOAD]
+    name = workload.get("name") or workload.get("path") or "workload"
+    target = Path(out) if out is not None else preset_path(attrs[ATTR_CARD], attrs[ATTR_MODEL], name, root)
+    return write_preset(preset, target, overwrite=overwrite)
