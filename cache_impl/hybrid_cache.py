@@ -1,0 +1,439 @@
+"""The hybrid_v2 KV cache: hot zone in model precision + cold blocks (INT8/INT4/unquantized) in tiers L1/L2.
+
+Per sequence::
+
+    tokens: [ block 0 | block 1 | ... | block n-1 ][ hot zone: hot_tokens ≤ len < hot_tokens + block_size ]
+             cold (layout: kvtune.kernels.layout)    model precision, newest tokens
+
+Decode step: ``begin_step`` (allocates the blocks that seal this step, returns the immutable
+:class:`DecodePlan`) → ``decode`` per layer (append the new K/V to the hot zone → seal the oldest
+``block_size`` hot tokens when the zone holds ``hot_tokens + block_size`` → attend over hot + L1 +
+Quest-selected L2 blocks, then update the layer's access statistics from the per-block attention mass) →
+``end_step`` (prefix registration, tier planning every ``migration_interval`` steps, the migration queue,
+debug statistics).
+
+Choices where DESIGN is silent: query head ``j`` uses KV head ``j // G``; the softmax scale is
+``1/sqrt(head_dim)``; prefill attention is dense and causal over the dequantized cached prefix + the new
+tokens (float32); a prefix hit is limited to the blocks the prompt itself would seal (so the hot zone keeps
+at least ``hot_tokens`` tokens); blocks become findable for prefix reuse once the owning sequence has
+prefilled every layer (prompt blocks sealed later, during decode, at the end of their step); blocks holding
+generated tokens are never shared; blocks sealed by a prefill get ``last_access`` = the latest clock the
+cache was given (or the ``now_ms`` passed to ``add_sequence``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtune.cache_impl.block_pool import BlockPool, CacheFullError, chain_hashes
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.debug import DebugStats
+from kvtune.cache_impl.layout import CacheLayout, ModelKVShape, cache_layout, hot_capacity, kv_bytes_for
+from kvtune.cache_impl.plan import DecodePlan
+from kvtune.cache_impl.tiers import L1, L2, MigrationQueue, TierState
+from kvtune.kernels.access import update_access
+from kvtune.kernels.decode_attention import hybrid_decode_attention
+from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.quant import dequantize_blocks, seal_blocks
+from kvtune.kernels.quest import quest_topk
+
+__all__ = ["CacheFullError", "CacheLayout", "DecodePlan", "HybridCache", "ModelKVShape", "kv_bytes_for"]
+
+_PREFILL_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class _Seq:
+    """Host state of one sequence."""
+
+    seq_id: int
+    slot: int
+    token_ids: list[int]
+    hashes: list[int]
+    blocks: list[int]
+    hits: int
+    length: int
+    hot_len: int
+    layers_done: int = 0
+    ready: bool = False
+    registered: set[int] = field(default_factory=set)
+
+
+class HybridCache:
+    """The cache of one model under a byte budget (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        shape: ModelKVShape,
+        budget_bytes: int,
+        device: torch.device | str,
+        max_seqs: int | None = None,
+    ) -> None:
+        self.config, self.shape, self.device = config, shape, torch.device(device)
+        self.layout = cache_layout(config, shape, budget_bytes, max_seqs)
+        lay, n_layers = self.layout, shape.num_layers
+        hot_shape = (n_layers, lay.num_slots, shape.num_kv_heads, hot_capacity(config), shape.head_dim)
+        self.hot_k = torch.zeros(hot_shape, dtype=shape.dtype, device=self.device)
+        self.hot_v = torch.zeros(hot_shape, dtype=shape.dtype, device=self.device)
+        self.pools: list[ColdPool] = [lay.cold.allocate(lay.num_blocks, self.device) for _ in range(n_layers)]
+        self.blocks = BlockPool(lay.num_blocks)
+        self.tiers = TierState(n_layers, lay.num_blocks, self.device)
+        self.queue = MigrationQueue(config)
+        self.debug = DebugStats(self.device, enabled=config.kv_cache_debug)
+        self.sm_scale = shape.head_dim**-0.5
+        self._seqs: dict[int, _Seq] = {}
+        self._free_slots = list(range(lay.num_slots - 1, -1, -1))
+        self._step = 0
+        self._now = 0.0
+        self._bytes_dev = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._bytes_host = 0
+        self._cost = self._bytes_per_entry()
+        self.counters = {"prefix_lookup_blocks": 0, "prefix_hit_blocks": 0, "migrations_done": 0, "plans": 0}
+
+    # ---- capacity -------------------------------------------------------------------------------------
+    def blocks_free(self) -> int:
+        return self.blocks.num_free()
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Could a sequence of ``num_tokens`` tokens live in an empty cache."""
+        return self.layout.blocks_for(num_tokens) <= self.layout.num_blocks
+
+    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None) -> bool:
+        """Would a new sequence with this prompt fit now (a slot, and blocks for what prefix reuse cannot
+        give)."""
+        if not self._free_slots:
+            return False
+        n_total = self.layout.blocks_for(num_tokens)
+        hits = self._match(token_ids, n_total) if token_ids is not None else []
+        from_lru = sum(self.blocks.in_lru(b) for b in hits)
+        return n_total - len(hits) <= self.blocks.num_free() - from_lru
+
+    def blocks_needed_for_step(self, seq_ids: Sequence[int]) -> int:
+        """Blocks the next ``begin_step(seq_ids)`` allocates (sequences whose hot zone fills)."""
+        full = self.config.hot_tokens + self.config.block_size
+        return sum(self._seq(s).hot_len + 1 == full for s in seq_ids)
+
+    # ---- sequences ------------------------------------------------------------------------------------
+    def _seq(self, seq_id: int) -> _Seq:
+        if seq_id not in self._seqs:
+            raise ValueError(f"unknown seq_id={seq_id}; known: {sorted(self._seqs)[:16]}")
+        return self._seqs[seq_id]
+
+    def _match(self, token_ids: list[int], n_total: int) -> list[int]:
+        return self.blocks.match(chain_hashes(token_ids, self.config.block_size, n_total))
+
+    def add_sequence(self, seq_id: int, token_ids: list[int], now_ms: float | None = None) -> int:
+        """Register a sequence with its prompt; returns the prompt tokens already cached (whole blocks, <
+        len).
+
+        Reuses registered prefix blocks at their current precision and tier, allocates the blocks its prefill
+        will seal and a hot-zone slot. Raises :class:`CacheFullError` when it does not fit (``can_allocate``).
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id={seq_id} is already registered")
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        if not self.can_allocate(len(token_ids), token_ids):
+            raise CacheFullError(f"a prompt of {len(token_ids)} tokens does not fit now")
+        now = self._now if now_ms is None else now_ms
+        bs, n_total = self.config.block_size, self.layout.blocks_for(len(token_ids))
+        hashes = chain_hashes(token_ids, bs, len(token_ids) // bs)
+        hits = self.blocks.match(hashes[:n_total])
+        self.blocks.acquire(hits)
+        fresh = self.blocks.allocate(n_total - len(hits))
+        self.tiers.reset(fresh, now)
+        self.counters["prefix_lookup_blocks"] += n_total
+        self.counters["prefix_hit_blocks"] += len(hits)
+        hot_len = len(token_ids) - n_total * bs
+        slot = self._free_slots.pop()
+        self._seqs[seq_id] = _Seq(
+            seq_id, slot, list(token_ids), hashes, hits + fresh, len(hits), len(token_ids), hot_len
+        )
+        return len(hits) * bs
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Drop a sequence: its slot is free, its blocks lose a reference (registered ones go to the LRU)."""
+        seq = self._seq(seq_id)
+        self.blocks.release(seq.blocks)
+        self._free_slots.append(seq.slot)
+        del self._seqs[seq_id]
+
+    # ---- prefill ---------------------------------------------------------------------------------------
+    def prefill(
+        self, layer: int, seq_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write the uncached prompt tokens of one layer and attend (dense, causal).
+
+        q: [T, Hq, D], k, v: [T, H, D] with ``T = len(prompt) − cached``; returns [T, Hq, D] (q.dtype). Blocks
+        the prompt seals are sealed here, the rest goes to the hot zone. After the last layer the sequence is
+        ready for decode and its new prompt blocks become reusable.
+        """
+        seq = self._seq(seq_id)
+        bs, cached = self.config.block_size, seq.hits * self.config.block_size
+        if q.shape[0] != seq.length - cached or layer != seq.layers_done or seq.ready:
+            raise ValueError(
+                f"prefill(layer={layer}) of seq_id={seq_id} expects layer {seq.layers_done} and "
+                f"{seq.length - cached} tokens, got {q.shape[0]}"
+            )
+        pool = self.pools[layer]
+        prefix_k, prefix_v = self._prefix_kv(pool, seq.blocks[: seq.hits])
+        out = _causal_attention(
+            q, torch.cat([prefix_k, k.float()]), torch.cat([prefix_v, v.float()]), cached, self.sm_scale
+        )
+        n_new = len(seq.blocks) - seq.hits
+        if n_new:
+            ids = torch.as_tensor(seq.blocks[seq.hits :], device=self.device)
+            k_new = k[: n_new * bs].reshape(n_new, bs, *k.shape[1:])
+            v_new = v[: n_new * bs].reshape(n_new, bs, *v.shape[1:])
+            seal_blocks(pool, ids, k_new, v_new, self.config.quantization_bits)
+            self.debug.sealed(pool, ids, k_new, v_new)
+        hot = slice(0, seq.hot_len)
+        self.hot_k[layer, seq.slot, :, hot] = k[n_new * bs :].transpose(0, 1).to(self.shape.dtype)
+        self.hot_v[layer, seq.slot, :, hot] = v[n_new * bs :].transpose(0, 1).to(self.shape.dtype)
+        seq.layers_done += 1
+        if seq.layers_done == self.shape.num_layers:
+            seq.ready = True
+            self._register(seq, range(seq.hits, len(seq.blocks)))
+        return out
+
+    def _prefix_kv(self, pool: ColdPool, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V [n·bs, H, D] float32 of cached prefix blocks."""
+        ids = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
+        k, v = dequantize_blocks(pool, ids)
+        return k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1)
+
+    def _register(self, seq: _Seq, indices: Sequence[int]) -> None:
+        for i in indices:
+            if i < len(seq.hashes) and i not in seq.registered:
+                self.blocks.register(seq.blocks[i], seq.hashes[i])
+                seq.registered.add(i)
+
+    # ---- decode ----------------------------------------------------------------------------------------
+    def begin_step(self, seq_ids: Sequence[int], now_ms: float) -> DecodePlan:
+        """Plan one decode step (one new token per sequence) at clock ``now_ms``."""
+        seqs = [self._seq(s) for s in seq_ids]
+        if len(set(seq_ids)) != len(seqs) or not all(s.ready for s in seqs):
+            raise ValueError(f"begin_step needs distinct, fully prefilled sequences, got {list(seq_ids)}")
+        full = self.config.hot_tokens + self.config.block_size
+        sealing = [s for s in seqs if s.hot_len + 1 == full]
+        if len(sealing) > self.blocks.num_free():
+            raise CacheFullError(f"step needs {len(sealing)} blocks, {self.blocks.num_free()} free")
+        fresh = self.blocks.allocate(len(sealing))
+        self.tiers.reset(fresh, now_ms)
+        self._now = float(now_ms)
+        write_pos = [s.hot_len for s in seqs]
+        for s in seqs:
+            s.hot_len += 1
+            s.length += 1
+        for s, block in zip(sealing, fresh):
+            s.blocks.append(block)
+            s.hot_len -= self.config.block_size
+        return self._plan(seqs, write_pos, sealing, fresh)
+
+    def _plan(
+        self, seqs: list[_Seq], write_pos: list[int], sealing: list[_Seq], fresh: list[int]
+    ) -> DecodePlan:
+        dev = self.device
+        width = max((len(s.blocks) for s in seqs), default=0)
+        table = np.full((len(seqs), width), -1, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.blocks)] = s.blocks
+        as_t = lambda x, dt: torch.as_tensor(x, dtype=dt, device=dev)
+        return DecodePlan(
+            seq_ids=tuple(s.seq_id for s in seqs),
+            step=self._step,
+            now_ms=self._now,
+            slots=as_t([s.slot for s in seqs], torch.int64),
+            write_pos=as_t(write_pos, torch.int64),
+            hot_slot=as_t([s.slot for s in seqs], torch.int32),
+            hot_len=as_t([s.hot_len for s in seqs], torch.int32),
+            seal_slots=as_t([s.slot for s in sealing], torch.int64),
+            seal_blocks=as_t(fresh, torch.int64),
+            blocks=torch.from_numpy(table).to(dev),
+            num_blocks=as_t([len(s.blocks) for s in seqs], torch.int32),
+            lengths=tuple(s.length for s in seqs),
+            hot_tokens=sum(s.hot_len for s in seqs),
+            sealed_seq_ids=tuple(s.seq_id for s in sealing),
+        )
+
+    def decode(
+        self, layer: int, plan: DecodePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Append → seal → attend for one layer. q: [B, Hq, D], k, v: [B, H, D] → out [B, Hq, D] (q.dtype)."""
+        hk, hv, pool = self.hot_k[layer], self.hot_v[layer], self.pools[layer]
+        hk[plan.slots, :, plan.write_pos] = k.to(hk.dtype)
+        hv[plan.slots, :, plan.write_pos] = v.to(hv.dtype)
+        if plan.seals:
+            self._seal(layer, plan)
+        table, num_cold, num_l1, l2_count = self._block_table(layer, plan, q)
+        out, mass, hot_mass = hybrid_decode_attention(
+            q, hk, hv, plan.hot_slot, plan.hot_len, pool, table, num_cold, self.sm_scale
+        )
+        update_access(
+            self.tiers.last_access[layer], self.tiers.ema[layer], mass, table, num_cold, plan.now_ms
+        )
+        self._count_bytes(pool, plan, table, num_cold, l2_count)
+        self.debug.attention(mass, hot_mass, num_l1)
+        return out
+
+    def _seal(self, layer: int, plan: DecodePlan) -> None:
+        """The oldest ``block_size`` hot tokens of the sealing slots become their fresh blocks."""
+        bs, hot = self.config.block_size, self.config.hot_tokens
+        pool, rows = self.pools[layer], plan.seal_slots
+        k = self.hot_k[layer][rows, :, :bs].transpose(1, 2)
+        v = self.hot_v[layer][rows, :, :bs].transpose(1, 2)
+        seal_blocks(pool, plan.seal_blocks, k, v, self.config.quantization_bits)
+        self.debug.sealed(pool, plan.seal_blocks, k, v)
+        for zone in (self.hot_k[layer], self.hot_v[layer]):
+            zone[rows, :, :hot] = zone[rows, :, bs : bs + hot]
+
+    def _block_table(
+        self, layer: int, plan: DecodePlan, q: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Cold blocks attended per (sequence, KV head): L1 then Quest-selected L2; [B, H, M] int32,
+        counts."""
+        b, h = plan.batch_size, self.shape.num_kv_heads
+        blocks = plan.blocks
+        if self.config.sparse_top_k == 0 or self.tiers.l2_blocks[layer] == 0:
+            num = plan.num_blocks[:, None].expand(b, h).contiguous()
+            return blocks.to(torch.int32)[:, None].expand(b, h, -1).contiguous(), num, num, None
+        tier = self.tiers.tier[layer][blocks.clamp(min=0)]
+        l1, n1 = _compact(blocks, (blocks >= 0) & (tier == L1))
+        l2, n2 = _compact(blocks, (blocks >= 0) & (tier == L2))
+        sel = quest_topk(
+            q, self.pools[layer], l2.to(torch.int32), n2.to(torch.int32), self.config.sparse_blocks
+        )
+        both = torch.cat([l1[:, None].expand(b, h, -1), sel.long()], dim=-1)
+        table, num = _compact(both, both >= 0)
+        return table.to(torch.int32), num.to(torch.int32), n1[:, None].expand(b, h), n2
+
+    def _bytes_per_entry(self) -> torch.Tensor:
+        """Bytes attention reads per (block, KV head) entry, indexed by block_bits (0..8)."""
+        bs, d, elem = self.config.block_size, self.shape.head_dim, self.shape.element_size
+        cost = torch.zeros(9, dtype=torch.int64)
+        cost[0] = 2 * bs * d * elem
+        for bits in (4, 8):
+            cost[bits] = 2 * bs * d * bits // 8 + 2 * 2 * d + 2 * 2 * bs
+        return cost.to(self.device)
+
+    def _count_bytes(
+        self,
+        pool: ColdPool,
+        plan: DecodePlan,
+        table: torch.Tensor,
+        num_cold: torch.Tensor,
+        l2: torch.Tensor | None,
+    ) -> None:
+        h, d, elem = self.shape.num_kv_heads, self.shape.head_dim, self.shape.element_size
+        self._bytes_host += 2 * plan.hot_tokens * h * d * elem
+        bits = pool.block_bits[table.long().clamp(min=0)].long()
+        self._bytes_dev += torch.where(table >= 0, self._cost[bits], 0).sum()
+        if l2 is not None:
+            self._bytes_dev += l2.sum() * h * 2 * 2 * d  # Quest reads key min and scale of every L2 block
+
+    @property
+    def attention_bytes_read(self) -> int:
+        """Bytes the decode attention read so far (hot zone, codes, scales, mins; Quest's metadata)."""
+        return self._bytes_host + int(self._bytes_dev.item())
+
+    # ---- end of step ----------------------------------------------------------------------------------
+    def end_step(self, plan: DecodePlan) -> None:
+        """Prefix registration, tier planning every ``migration_interval`` steps, the migration queue."""
+        self._step += 1
+        for seq_id in plan.sealed_seq_ids:
+            if seq_id in self._seqs:
+                seq = self._seqs[seq_id]
+                self._register(seq, [len(seq.blocks) - 1])
+        if self._step % self.config.migration_interval == 0:
+            in_use = self.blocks.refcount > 0
+            self.queue.replace(self.tiers.plan(self.config, plan.now_ms, in_use, plan.lengths))
+            self.counters["plans"] += 1
+        if len(self.queue):
+            done = self.tiers.apply(self.queue.take(self.blocks.refcount), self.pools)
+            self.counters["migrations_done"] += done
+        self.debug.end_step()
+
+    # ---- reports ----------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        lay, c = self.layout, self.counters
+        in_use = self.blocks.num_in_use()
+        return {
+            "budget_bytes": lay.budget_bytes,
+            "total_bytes": lay.total_bytes,
+            "kv_bytes_in_use": len(self._seqs) * lay.hot_bytes_per_seq + in_use * lay.block_bytes,
+            "num_slots": lay.num_slots,
+            "num_blocks": lay.num_blocks,
+            "blocks_in_use": in_use,
+            "blocks_free": self.blocks.num_free(),
+            "blocks_cached_free": self.blocks.num_cached_free(),
+            "block_evictions": self.blocks.evictions,
+            "sequences": len(self._seqs),
+            "steps": self._step,
+            "prefix_lookup_blocks": c["prefix_lookup_blocks"],
+            "prefix_hit_blocks": c["prefix_hit_blocks"],
+            "prefix_hit_tokens": c["prefix_hit_blocks"] * self.config.block_size,
+            "migrations_done": c["migrations_done"],
+            "migrations_queued": len(self.queue),
+            "plans": c["plans"],
+            "l2_blocks": int(self.tiers.l2_blocks.sum()),
+            "attention_bytes_read": self.attention_bytes_read,
+        }
+
+    def debug_stats(self) -> dict[str, Any]:
+        """Attention shares (hot, L1, L2; means over decode calls), L2 occupancy, migrations, seal errors."""
+        in_use = self.blocks.refcount > 0
+        l2 = (self.tiers.tier_host[:, in_use] == L2).sum()
+        occupancy = float(l2) / max(1, int(in_use.sum()) * self.shape.num_layers)
+        self.queue.drop_unused(self.blocks.refcount)
+        return {
+            **self.debug.report(),
+            "l2_occupancy": occupancy,
+            "migrations_done": self.counters["migrations_done"],
+            "migrations_queued": len(self.queue),
+        }
+
+    def check_integrity(self) -> None:
+        """Assert the invariants: refcounts, slots, hot lengths, block counts, tier mirror."""
+        expected = np.zeros(self.layout.num_blocks, dtype=np.int32)
+        for s in self._seqs.values():
+            np.add.at(expected, np.asarray(s.blocks, dtype=np.int64), 1)
+            assert len(s.blocks) == self.layout.blocks_for(s.length), f"seq {s.seq_id}: block count"
+            assert s.length - len(s.blocks) * self.config.block_size == s.hot_len, f"seq {s.seq_id}: hot_len"
+        self.blocks.check_integrity(expected)
+        slots = sorted([s.slot for s in self._seqs.values()] + self._free_slots)
+        assert slots == list(range(self.layout.num_slots)), "hot-zone slots leaked or doubled"
+        self.tiers.check()
+
+
+def _compact(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries of ``x`` where ``mask`` moved to the front of the last dim (order kept), -1 after; and
+    counts."""
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
+    count = mask.sum(-1)
+    out = torch.gather(x, -1, order)
+    keep = torch.arange(x.shape[-1], device=x.device) < count[..., None]
+    return torch.where(keep, out, -1), count
+
+
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, sm_scale: float
+) -> torch.Tensor:
+    """q [T, Hq, D] at positions offset..offset+T-1 over k, v [P, H, D] float32 (causal) → [T, Hq, D]."""
+    t, hq, d = q.shape
+    p, h = k.shape[0], k.shape[1]
+    step = max(1, _PREFILL_CHUNK_ELEMENTS // max(1, p * hq))
+    pos = torch.arange(p, device=q.device)
+    outs = []
+    for i0 in range(0, t, step):
+        qi = q[i0 : i0 + step].float().view(-1, h, hq // h, d) * sm_scale
+        s = torch.einsum("thgd,phd->thgp", qi, k)
+        rows = offset + i0 + torch.arange(qi.shape[0], device=q.device)
+        s = s.masked_fill((pos[None, :] > rows[:, None])[:, None, None, :], float("-inf"))
+        outs.append(torch.einsum("thgp,phd->thgd", torch.softmax(s, dim=-1), v).reshape(-1, hq, d))
+    return torch.cat(outs).to(q.dtype)

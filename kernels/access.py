@@ -1,0 +1,70 @@
+"""Access statistics of cold blocks, updated from the attention pass (DESIGN §1, all tensor ops on the
+device).
+
+For each sequence and KV head, the attention mass on cold blocks is ``cold = Σ_j block_mass[b, h, j]`` over
+the ``num_cold[b, h]`` listed blocks; block ``j`` is accessed for that head when ``block_mass > cold /
+num_cold`` (more than its uniform share). A block is accessed at this step when any head of any sequence
+that lists it accesses it (sharing sequences are pooled). For an accessed block: ``interval = now −
+last_access``, ``ema ← interval`` on the first interval, else ``ema ← 0.25 · interval + 0.75 · ema``; then
+``last_access ← now``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EMA_WEIGHT = 0.25
+
+
+def accessed_blocks_ref(
+    num_blocks: int, block_mass: torch.Tensor, block_table: torch.Tensor, num_cold: torch.Tensor
+) -> torch.Tensor:
+    """bool [num_blocks]: blocks accessed at this step (block_mass, block_table: [B, H, M]; num_cold: [B,
+    H])."""
+    m = block_table.shape[-1]
+    valid = torch.arange(m, device=block_mass.device) < num_cold[..., None]
+    mass = torch.where(valid, block_mass, 0.0)
+    share = mass.sum(-1, keepdim=True) / num_cold.clamp(min=1)[..., None].to(mass.dtype)
+    hit = (valid & (mass > share)).flatten().to(torch.int32)
+    ids = block_table.long().clamp(min=0).flatten()
+    acc = torch.zeros(num_blocks, dtype=torch.int32, device=block_mass.device)
+    return acc.scatter_reduce_(0, ids, hit, reduce="amax").bool()
+
+
+def update_access_ref(
+    last_access: torch.Tensor,
+    ema: torch.Tensor,
+    block_mass: torch.Tensor,
+    block_table: torch.Tensor,
+    num_cold: torch.Tensor,
+    now_ms: float,
+) -> torch.Tensor:
+    """Update one layer's statistics in place; returns the accessed mask (bool [N]).
+
+    last_access, ema: [N] float64 (ms; ``ema`` is NaN until a block's first interval); block_mass: [B, H, M]
+    float32; block_table: [B, H, M] int32 (-1 padding); num_cold: [B, H] int32.
+    """
+    acc = accessed_blocks_ref(last_access.shape[0], block_mass, block_table, num_cold)
+    interval = now_ms - last_access
+    new_ema = torch.where(torch.isnan(ema), interval, EMA_WEIGHT * interval + (1 - EMA_WEIGHT) * ema)
+    ema.copy_(torch.where(acc, new_ema, ema))
+    last_access.masked_fill_(acc, now_ms)
+    return acc
+
+
+def update_access(
+    last_access: torch.Tensor,
+    ema: torch.Tensor,
+    block_mass: torch.Tensor,
+    block_table: torch.Tensor,
+    num_cold: torch.Tensor,
+    now_ms: float,
+) -> torch.Tensor:
+    """See :func:`update_access_ref`."""
+    return update_access_ref(last_access, ema, block_mass, block_table, num_cold, now_ms)
+
+
+def inter_access_interval(last_access: torch.Tensor, ema: torch.Tensor, now_ms: float) -> torch.Tensor:
+    """IAI = max(EMA_0.25(intervals), now − last_access); ``now − last_access`` alone before any interval."""
+    since = now_ms - last_access
+    return torch.where(torch.isnan(ema), since, torch.maximum(ema, since))

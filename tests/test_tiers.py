@@ -1,0 +1,154 @@
+"""Access rule, IAI, planning thresholds, demotion/promotion and the throttled queue, on a fake clock."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvtune.cache_impl.tiers import L1, L2, MigrationQueue, Migrations, TierState, load_factor, threshold_ms
+from kvtune.kernels.access import inter_access_interval, update_access
+from kvtune.kernels.layout import ColdLayout
+from kvtune.kernels.quant import seal_blocks
+from kvtune.tests.cache_testlib import config, decode_step, new_cache, prefill, qkv
+
+TABLE = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 3]]], dtype=torch.int32)  # one sequence, two KV heads
+COUNT = torch.tensor([[4, 4]], dtype=torch.int32)
+
+
+def _mass(head0: list[float], head1: list[float]) -> torch.Tensor:
+    return torch.tensor([[head0, head1]], dtype=torch.float32)
+
+
+def _state(bits: int) -> tuple[TierState, list]:
+    state = TierState(num_layers=1, num_blocks=4, device=torch.device("cpu"))
+    pool = ColdLayout(8, 2, 16, bits, torch.float32).allocate(4, "cpu")
+    seal_blocks(pool, torch.arange(4), torch.randn(4, 8, 2, 16), torch.randn(4, 8, 2, 16), bits)
+    state.reset([0, 1, 2, 3], now_ms=0.0)
+    return state, [pool]
+
+
+def _access(state: TierState, now: float, head0: list[float], head1: list[float]) -> list[int]:
+    acc = update_access(state.last_access[0], state.ema[0], _mass(head0, head1), TABLE, COUNT, now)
+    return acc.nonzero().flatten().tolist()
+
+
+def test_access_rule_and_ema() -> None:
+    state, _ = _state(8)
+    # cold mass 0.8 per head, uniform share 0.2: block 0 (head 0) and block 3 (head 1) are above it
+    assert _access(state, 100.0, [0.5, 0.1, 0.1, 0.1], [0.1, 0.1, 0.0, 0.6]) == [0, 3]
+    assert _access(state, 400.0, [0.5, 0.2, 0.1, 0.0], [0.2, 0.2, 0.2, 0.2]) == [0]  # 0.2 is not above 0.2
+    assert state.last_access[0].tolist() == [400.0, 0.0, 0.0, 100.0]
+    ema = state.ema[0].tolist()
+    assert ema[0] == 0.25 * 300 + 0.75 * 100 and ema[3] == 100.0 and math.isnan(ema[1])
+    iai = inter_access_interval(state.last_access[0], state.ema[0], 500.0).tolist()
+    assert iai == [150.0, 500.0, 500.0, 400.0]
+
+
+@pytest.mark.parametrize(("lengths", "factor"), [([512], 1.0), ([128, 2048], 1.0), ([], 0.0), ([256], 0.5)])
+def test_load_factor_is_geometric_mean_over_512(lengths: list[int], factor: float) -> None:
+    assert load_factor(lengths) == pytest.approx(factor)
+    cfg = config(migration_threshold_ms=200.0)
+    assert threshold_ms(cfg, lengths) == pytest.approx(200.0 * (1 + 0.2 * factor))
+
+
+@pytest.mark.parametrize(("bits", "demoted_bits"), [(8, 4), (4, 4), (0, 0)])
+def test_demotion_then_promotion_follow_the_formulas(bits: int, demoted_bits: int) -> None:
+    cfg = config(
+        sparse_top_k=8, migration_threshold_ms=200.0
+    )  # threshold 240 at length 512, demote above 360
+    state, pools = _state(bits)
+    in_use = np.ones(4, dtype=bool)
+    _access(state, 100.0, [0.5, 0.1, 0.1, 0.1], [0.1, 0.1, 0.0, 0.6])
+    _access(state, 400.0, [0.5, 0.2, 0.1, 0.0], [0.2, 0.2, 0.2, 0.2])
+    plan = state.plan(cfg, 500.0, in_use, [512])  # IAI = [150, 500, 500, 400]
+    assert plan.blocks.tolist() == [1, 2, 3] and (plan.targets == L2).all()
+    assert state.apply(plan, pools) == 3
+    assert state.tier_host[0].tolist() == [L1, L2, L2, L2]
+    assert pools[0].block_bits.tolist() == [bits, demoted_bits, demoted_bits, demoted_bits]
+    _access(state, 550.0, [0.1, 0.1, 0.1, 0.5], [0.2, 0.2, 0.2, 0.2])  # ema(3) = 0.25·450 + 0.75·100 = 187.5
+    _access(state, 600.0, [0.1, 0.1, 0.1, 0.5], [0.2, 0.2, 0.2, 0.2])  # ema(3) = 153.125 < 240
+    plan = state.plan(cfg, 610.0, in_use, [512])  # IAI(0) = max(150, 210) = 210 < 360: stays in L1
+    assert plan.blocks.tolist() == [3] and plan.targets.tolist() == [L1]
+    state.apply(plan, pools)
+    assert state.tier_host[0].tolist() == [L1, L2, L2, L1] and pools[0].block_bits[3] == demoted_bits
+    state.check()
+
+
+def test_nothing_is_demoted_without_sparse_tier() -> None:
+    state, _ = _state(8)
+    plan = state.plan(config(sparse_top_k=0, migration_threshold_ms=1.0), 1e6, np.ones(4, dtype=bool), [512])
+    assert len(plan) == 0
+
+
+def test_blocks_not_in_use_are_not_planned() -> None:
+    state, _ = _state(8)
+    in_use = np.array([True, False, True, False])
+    plan = state.plan(config(sparse_top_k=8, migration_threshold_ms=1.0), 1e6, in_use, [512])
+    assert plan.blocks.tolist() == [0, 2]
+
+
+def _migrations(n: int) -> Migrations:
+    return Migrations(
+        np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64), np.full(n, L2, dtype=np.int64)
+    )
+
+
+@pytest.mark.parametrize(
+    ("throttling", "max_per_step", "interval", "takes"),
+    [
+        (False, None, 2, [5, 0]),
+        (True, None, 2, [3, 2, 0]),
+        (True, 1, 2, [1, 1, 1, 1, 1, 0]),
+        (True, 2, 4, [2, 2, 1]),
+    ],
+)
+def test_queue_throttling(
+    throttling: bool, max_per_step: int | None, interval: int, takes: list[int]
+) -> None:
+    cfg = config(
+        migration_throttling=throttling, max_migrations_per_step=max_per_step, migration_interval=interval
+    )
+    queue = MigrationQueue(cfg)
+    queue.replace(_migrations(5))
+    refcount = np.ones(5, dtype=np.int32)
+    assert [len(queue.take(refcount)) for _ in takes] == takes
+
+
+def test_queue_new_plan_replaces_rest_and_drops_finished() -> None:
+    queue = MigrationQueue(config(migration_throttling=True, max_migrations_per_step=2))
+    queue.replace(_migrations(5))
+    queue.take(np.ones(5, dtype=np.int32))
+    queue.replace(_migrations(3))
+    assert len(queue) == 3
+    taken = queue.take(np.array([0, 1, 1], dtype=np.int32))  # block 0's sequence finished
+    assert taken.blocks.tolist() == [1, 2] and len(queue) == 0
+
+
+@pytest.mark.parametrize(("throttling", "done_per_step"), [(False, [12, 0]), (True, [3, 3])])
+def test_cache_plans_every_interval_and_demotes(throttling: bool, done_per_step: list[int]) -> None:
+    """Threshold 1 ms and 1 s steps: at the planning step every in-use block is cold enough to go to L2."""
+    cfg = config(
+        quantization_bits=8,
+        sparse_top_k=8,
+        migration_interval=3,
+        migration_threshold_ms=1.0,
+        migration_throttling=throttling,
+        max_migrations_per_step=3 if throttling else None,
+    )
+    cache = new_cache(cfg)
+    n = 16 + 6 * 8  # 6 sealed blocks, 2 layers: 12 (layer, block) pairs
+    q, k, v = qkv(3, n + 6)
+    prefill(cache, 0, list(range(n)), q[:, :n], k[:, :n], v[:, :n])
+    done = []
+    for t in range(n, n + 5):
+        decode_step(cache, [0], 1000.0 * (t - n + 1), q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+        done.append(cache.stats()["migrations_done"])
+    assert done[:2] == [0, 0]
+    assert [done[2], done[3] - done[2]] == done_per_step
+    stats = cache.stats()
+    assert stats["plans"] == 1 and stats["l2_blocks"] == done[-1]
+    assert cache.debug_stats()["migrations_queued"] == 12 - done[-1]
+    cache.check_integrity()
