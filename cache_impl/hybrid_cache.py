@@ -82,6 +82,8 @@ class HybridCache:
         self.hot_k = torch.zeros(hot_shape, dtype=shape.dtype, device=self.device)
         self.hot_v = torch.zeros(hot_shape, dtype=shape.dtype, device=self.device)
         self.pools: list[ColdPool] = [lay.cold.allocate(lay.num_blocks, self.device) for _ in range(n_layers)]
+        for pool in self.pools:
+            pool.may_demote = config.sparse_top_k > 0  # demotion is the only way a block's bits change
         self.blocks = BlockPool(lay.num_blocks)
         self.tiers = TierState(n_layers, lay.num_blocks, self.device)
         self.queue = MigrationQueue(config)

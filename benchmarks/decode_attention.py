@@ -1,0 +1,402 @@
+"""Decode attention on one GPU: dense bf16 SDPA against the fused hybrid kernel (INT8, INT4, bf16 cold).
+
+Llama-3-8B heads (32 query, 8 KV, head_dim 128), hot_tokens 64, block_size 64, bf16 model precision. For each
+B x L: median times (``triton.testing.do_bench``), each kernel's ratio to SDPA, and achieved TB/s counting
+every byte read (codes, fp16 scales and mins, block table, hot zone, q, split partials); the sparse tier
+(sparse_top_k 2048 at 32K: Quest bound over the L2 blocks + top-k + attention over L1 + selected L2) on the
+32K row; the copy bandwidth (read + write) of the same card. Writes ``results.json`` and ``table.md`` under
+``--out`` and prints the table last.
+
+    python benchmarks/decode_attention.py --out $OUT [--sweep] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from kvtune.kernels.layout import ColdLayout, ColdPool
+from kvtune.kernels.quant import dequantize_blocks_ref
+from kvtune.kernels.triton_decode import (
+    PURE_INT8,
+    DecodeKernelOptions,
+    default_options,
+    hybrid_decode_attention_triton,
+    plan_splits,
+)
+from kvtune.kernels.triton_quest import quest_topk_triton
+
+HQ, H, D = 32, 8, 128
+HOT, BS = 64, 64
+SHAPES = [(8, 2048), (64, 2048), (64, 8192), (16, 32768), (128, 4096)]
+SPARSE_TOKENS = 2048
+SWEEP_SHAPE = (64, 8192)
+PPS_SHAPES = [(64, 8192), (16, 32768)]
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interpreter: no bf16 tl.dot
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --smoke under TRITON_INTERPRET=1 only
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    if DEVICE == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """TB/s of a device-to-device copy of 2 GiB, counting bytes read plus bytes written."""
+    src = torch.randn(2**29 if DEVICE == "cuda" else 2**10, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / ms / 1e9
+
+
+@dataclass(frozen=True)
+class Case:
+    """One hybrid decode problem: B sequences of L tokens, cold blocks of `bits`."""
+
+    batch: int
+    length: int
+    bits: int
+    l1_blocks: int | None = None  # sparse: newest cold blocks kept in L1; the rest are L2 (None: all L1)
+
+    @property
+    def cold(self) -> int:
+        return (self.length - HOT) // BS
+
+    @property
+    def hot_len(self) -> int:
+        return self.length - self.cold * BS
+
+
+def make_pool(num_blocks: int, bits: int, dtype: torch.dtype) -> ColdPool:
+    """A random cold pool in the cold layout (codes, fp16 scales and mins), bits 0, 4 or 8."""
+    pool = ColdLayout(BS, H, D, bits, dtype).allocate(num_blocks, DEVICE)
+    if bits == 0:
+        pool.k.normal_()
+        pool.v.normal_()
+    else:
+        pool.k.random_(0, 256)
+        pool.v.random_(0, 256)
+    levels = 1 if bits == 0 else 2**bits - 1
+    for lo, sc in ((pool.k_min, pool.k_scale), (pool.v_min, pool.v_scale)):
+        lo.normal_().sub_(2)
+        sc.uniform_(0.5, 1.5).mul_(4 / levels)
+    return pool
+
+
+def make_inputs(case: Case) -> dict:
+    """q, hot zone, pool and block table; blocks scattered over the pool (a random permutation)."""
+    B, nc = case.batch, case.cold
+    pool = make_pool(B * nc, case.bits, DTYPE)
+    ids = torch.randperm(B * nc, device=DEVICE).to(torch.int32).view(B, 1, nc).expand(B, H, nc).contiguous()
+    hot_cap = HOT + BS
+    return dict(
+        q=torch.randn((B, HQ, D), device=DEVICE, dtype=DTYPE),
+        hot_k=torch.randn((B, H, hot_cap, D), device=DEVICE, dtype=DTYPE),
+        hot_v=torch.randn((B, H, hot_cap, D), device=DEVICE, dtype=DTYPE),
+        hot_slot=torch.arange(B, device=DEVICE, dtype=torch.int32),
+        hot_len=torch.full((B,), case.hot_len, device=DEVICE, dtype=torch.int32),
+        pool=pool, block_table=ids, num_cold=torch.full((B, H), nc, device=DEVICE, dtype=torch.int32),
+    )  # fmt: skip
+
+
+def cold_block_bytes(bits: int, mixed: bool) -> int:
+    """Bytes read per attended (block, KV head): K/V codes, key min+scale [D], value min+scale [BS], table."""
+    codes = 2 * BS * (D * 2 if bits == 0 else D * bits // 8)
+    meta = 0 if bits == 0 else 2 * D * 2 + 2 * BS * 2
+    return codes + meta + 4 + (1 if mixed else 0)
+
+
+def hybrid_bytes(case: Case, attended: int, splits: int, mixed: bool) -> int:
+    B = case.batch
+    hot = B * H * case.hot_len * D * 2 * 2
+    cold = B * H * attended * cold_block_bytes(case.bits, mixed)
+    q = B * HQ * D * 2
+    partials = B * H * splits * (HQ // H) * (D + 2) * 4
+    return hot + cold + q + partials
+
+
+def run_hybrid(inp: dict, options: DecodeKernelOptions):
+    return hybrid_decode_attention_triton(
+        inp["q"], inp["hot_k"], inp["hot_v"], inp["hot_slot"], inp["hot_len"], inp["pool"],
+        inp["block_table"], inp["num_cold"], 1 / math.sqrt(D), options=options,
+    )  # fmt: skip
+
+
+def reference(inp: dict) -> torch.Tensor:
+    """Dequantize every listed block (fp32) + hot zone, then attention: [B, Hq, D] fp32 (small cases only)."""
+    pool, table, B = inp["pool"], inp["block_table"], inp["q"].shape[0]
+    outs = []
+    for b in range(B):
+        ids = table[b, 0, : int(inp["num_cold"][b, 0])].long()
+        k, v = dequantize_blocks_ref(pool, ids)  # [n, H, BS, D]
+        k = torch.cat(
+            [k.permute(1, 0, 2, 3).reshape(H, -1, D), inp["hot_k"][b, :, : int(inp["hot_len"][b])].float()], 1
+        )
+        v = torch.cat(
+            [v.permute(1, 0, 2, 3).reshape(H, -1, D), inp["hot_v"][b, :, : int(inp["hot_len"][b])].float()], 1
+        )
+        q = inp["q"][b].float().view(H, HQ // H, D)
+        p = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(D), -1)
+        outs.append((p @ v).reshape(HQ, D))
+    return torch.stack(outs)
+
+
+def check(options: DecodeKernelOptions, bits: int) -> float:
+    """Relative error against the fp32 reference on a small case (fresh inputs)."""
+    inp = make_inputs(Case(3, 1000 + 37, bits))
+    out, mass, hot = run_hybrid(inp, options)
+    ref = reference(inp)
+    err = float((out.float() - ref).norm() / ref.norm())
+    total = float(mass.sum(-1).mean() + hot.mean())
+    return err if abs(total - 1) < 1e-3 else float("inf")
+
+
+def sdpa_case(batch: int, length: int) -> tuple[float, float]:
+    q = torch.randn((batch, HQ, 1, D), device=DEVICE, dtype=DTYPE)
+    k = torch.randn((batch, H, length, D), device=DEVICE, dtype=DTYPE)
+    v = torch.randn_like(k)
+    ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
+    return ms, nbytes / ms / 1e9
+
+
+def hybrid_case(case: Case, options: DecodeKernelOptions) -> dict:
+    inp = make_inputs(case)
+    splits, _ = plan_splits(case.batch * H, case.cold, inp["q"].device, options)
+    mixed = case.bits == 8 and options.mixed
+    ms = bench(lambda: run_hybrid(inp, options))
+    nbytes = hybrid_bytes(case, case.cold, splits, mixed)
+    return dict(ms=ms, tbs=nbytes / ms / 1e9, bytes=nbytes, splits=splits)
+
+
+def sparse_case(case: Case, options: DecodeKernelOptions) -> dict:
+    """L1 = the newest `l1_blocks` cold blocks, the rest in L2 (4-bit in an 8-bit pool); attend L1 + top-k."""
+    inp = make_inputs(case)
+    B, nc, l1 = case.batch, case.cold, case.l1_blocks or 0
+    k_blocks = SPARSE_TOKENS // BS
+    pool = inp["pool"]
+    table_all = inp["block_table"][:, 0, :]
+    l2_table = table_all[:, : nc - l1].contiguous()
+    l1_table = inp["block_table"][:, :, nc - l1 :]
+    if case.bits == 8:
+        pool.block_bits[l2_table.flatten().long()] = 4
+    l2_count = torch.full((B,), nc - l1, device=DEVICE, dtype=torch.int32)
+    num_cold = torch.full((B, H), l1 + k_blocks, device=DEVICE, dtype=torch.int32)
+
+    def step():
+        sel = quest_topk_triton(inp["q"], pool, l2_table, l2_count, k_blocks)
+        table = torch.cat([l1_table, sel], 2)
+        return hybrid_decode_attention_triton(
+            inp["q"], inp["hot_k"], inp["hot_v"], inp["hot_slot"], inp["hot_len"], pool, table, num_cold,
+            1 / math.sqrt(D), options=options,
+        )  # fmt: skip
+
+    ms = bench(step)
+    splits, _ = plan_splits(B * H, l1 + k_blocks, inp["q"].device, options)
+    attn = hybrid_bytes(case, 0, splits, False) + B * H * (
+        l1 * cold_block_bytes(case.bits, case.bits == 8)
+        + k_blocks * cold_block_bytes(4 if case.bits == 8 else case.bits, case.bits == 8)
+    )
+    quest = B * H * (nc - l1) * (2 * D * 2 + 4)
+    return dict(ms=ms, tbs=(attn + quest) / ms / 1e9, bytes=attn + quest, splits=splits)
+
+
+def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float, DecodeKernelOptions] | None:
+    """Check one compile-time variant, then time it at the sweep shape; None if it fails or is wrong."""
+    t0 = time.time()
+    try:
+        err = check(opt, bits)
+        res = hybrid_case(Case(*SWEEP_SHAPE, bits), opt)
+    except Exception as exc:  # a variant that fails to compile is reported and skipped
+        log(f"sweep bits={bits} {opt}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+        return None
+    ok = err < (2e-2 if bits else 1e-2)
+    rows.append(dict(bits=bits, options=asdict(opt), err=err, ms=res["ms"], tbs=res["tbs"], ok=ok))
+    log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
+        f"s={opt.num_stages}: {res['ms']:.4f} ms "
+        f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
+    return (res["ms"], opt) if ok else None
+
+
+def defaults() -> dict[str, DecodeKernelOptions]:
+    """The launcher's defaults per column; the INT8 column is a pure INT8 pool (nothing demoted)."""
+    chosen = {f"{kind}{bits}": default_options(bits) for bits in (8, 4, 0) for kind in ("int", "sparse")}
+    return {**chosen, "int8": PURE_INT8}
+
+
+def sweep(results: dict) -> dict[str, DecodeKernelOptions]:
+    """Try compile-time variants at 64x8K, then the split count; the fastest correct one per column."""
+    rows: list = []
+    best: dict[str, DecodeKernelOptions] = {}
+    grids: dict[int, list[dict[str, Any]]] = {
+        8: [
+            dict(mixed=m, k_transposed=kt, cvt=c)
+            for m in (False, True)
+            for kt in (False, True)
+            for c in (0, 2)
+        ],
+        4: [dict(k_transposed=kt, cvt=c) for kt in (False, True) for c in (1, 2)],
+        0: [{}],
+    }
+    for bits, grid in grids.items():
+        scored = [
+            x for g in grid if (x := try_variant(replace(default_options(bits), **g), bits, rows)) is not None
+        ]
+        if bits and scored:  # a register cap: more programs per multiprocessor, maybe spills
+            tops = {min(scored, key=lambda x: x[0])[1]}
+            tops |= {min((x for x in scored if x[1].mixed), key=lambda x: x[0], default=scored[0])[1]}
+            capped = [replace(top, maxnreg=128) for top in tops]
+            scored += [x for opt in capped if (x := try_variant(opt, bits, rows)) is not None]
+        names = ["int8", "sparse8"] if bits == 8 else [f"int{bits}", f"sparse{bits}"]
+        for name in names:
+            pool = [x for x in scored if name != "sparse8" or x[1].mixed] or [(0.0, default_options(bits))]
+            top = min(pool, key=lambda x: x[0])[1]
+            best[name] = pick_splits(top, bits, rows)
+    results["sweep"] = rows
+    return best
+
+
+def pick_splits(opt: DecodeKernelOptions, bits: int, rows: list) -> DecodeKernelOptions:
+    """The programs-per-SM target with the lowest summed time at 64x8K and 16x32K."""
+    totals = {}
+    for pps in (2, 4, 8):
+        cand = replace(opt, programs_per_sm=pps)
+        times = [hybrid_case(Case(*shape, bits), cand)["ms"] for shape in PPS_SHAPES]
+        rows.append(dict(bits=bits, options=asdict(cand), pps_ms=times))
+        log(f"splits bits={bits} mixed={cand.mixed} pps={pps}: {times}")
+        totals[pps] = sum(times)
+    return replace(opt, programs_per_sm=min(totals, key=lambda k: totals[k]))
+
+
+def profile(args: argparse.Namespace) -> int:
+    """One case, a few launches, for a profiler (ncu) to read: options from an earlier results.json."""
+    chosen = json.loads(args.options_from.read_text())["chosen"][f"int{args.profile}"]
+    opt = DecodeKernelOptions(**chosen)
+    inp = make_inputs(Case(64, 8192, args.profile))
+    for _ in range(3):
+        run_hybrid(inp, opt)
+    torch.cuda.synchronize()
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--sweep", action="store_true", help="try kernel variants at 64x8K first")
+    ap.add_argument("--quick", action="store_true", help="only 64x8K and 16x32K")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shapes (CPU, TRITON_INTERPRET=1): the script runs"
+    )
+    ap.add_argument(
+        "--profile", type=int, choices=(0, 4, 8), help="only launch 64x8K with these bits (for ncu)"
+    )
+    ap.add_argument("--options-from", type=Path, help="results.json whose chosen options --profile uses")
+    args = ap.parse_args()
+    if args.profile is not None:
+        return profile(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    if args.smoke:
+        global SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS
+        SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS = (2, 256), [(1, 512)], 128
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
+    results: dict = dict(device=name, torch=torch.__version__, triton=triton.__version__)
+    results["copy_tbs"] = copy_bandwidth()
+    log(f"copy bandwidth {results['copy_tbs']:.2f} TB/s")
+    chosen = sweep(results) if args.sweep else defaults()
+    results["chosen"] = {name: asdict(o) for name, o in chosen.items()}
+    for name, o in chosen.items():
+        err = check(o, int(name[-1]))
+        results.setdefault("errors", {})[name] = err
+        log(f"chosen {name}: {o} rel err {err:.2e}")
+    shapes = [(64, 8192), (16, 32768)] if args.quick else SHAPES
+    if args.smoke:
+        shapes = [(2, 256), (1, 1024)]
+    rows = []
+    for batch, length in shapes:
+        row: dict = dict(batch=batch, length=length)
+        row["sdpa_ms"], row["sdpa_tbs"] = sdpa_case(batch, length)
+        for bits in (8, 4, 0):
+            row[f"int{bits}"] = hybrid_case(Case(batch, length, bits), chosen[f"int{bits}"])
+        if length in (32768, 1024):
+            for bits in (8, 4, 0):
+                case = Case(batch, length, bits, l1_blocks=(length - HOT) // BS // 8)
+                row[f"sparse{bits}"] = sparse_case(case, chosen[f"sparse{bits}"])
+        rows.append(row)
+        log(json.dumps(row))
+    results["rows"] = rows
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if DEVICE == "cuda":
+        dump_kernels(args.out)
+    table = format_table(results)
+    (args.out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def dump_kernels(out: Path) -> None:
+    """Registers, spills, shared memory of every compiled split kernel; their TTGIR + PTX (for reading)."""
+    from kvtune.kernels import triton_decode
+
+    lines, asm = [], []
+    for cache in triton_decode._split_kernel.device_caches.values():
+        for key, kern in cache[0].items():
+            try:
+                meta = kern.metadata
+                lines.append(
+                    f"regs={kern.n_regs} spills={kern.n_spills} shared={meta.shared} warps={meta.num_warps} "
+                    f"stages={meta.num_stages} key={str(key)[:600]}"
+                )
+                asm.append(
+                    f"===== {str(key)[:600]}\n{kern.asm.get('ttgir', '')}\n{kern.asm.get('ptx', '')[:300000]}"
+                )
+            except Exception as exc:  # reporting only
+                lines.append(f"unreadable: {exc}")
+    (out / "kernels.txt").write_text("\n".join(lines) + "\n")
+    (out / "kernels_asm.txt").write_text("\n".join(asm)[:15_000_000])
+
+
+def format_table(results: dict) -> str:
+    head = (
+        f"{results['device']}, torch {results['torch']}, triton {results['triton']}; copy bandwidth "
+        f"{results['copy_tbs']:.2f} TB/s (read + write). Times: median ms; (x SDPA); TB/s on bytes read.\n\n"
+        "| B x L | SDPA bf16 | SDPA TB/s | INT8 | INT4 | unquantized "
+        "| sparse INT8 / INT4 / unq. (L1 1/8 + top 2048) |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    lines = [head]
+    for r in results["rows"]:
+        cells = [f"{r['batch']} x {r['length'] // 1024}K", f"{r['sdpa_ms']:.3f}", f"{r['sdpa_tbs']:.2f}"]
+        for bits in (8, 4, 0):
+            x = r[f"int{bits}"]
+            cells.append(f"{x['ms']:.3f} ({x['ms'] / r['sdpa_ms']:.2f}x, {x['tbs']:.2f})")
+        sparse = [r.get(f"sparse{b}") for b in (8, 4, 0)]
+        cells.append(
+            " / ".join(f"{s['ms']:.3f} ({s['ms'] / r['sdpa_ms']:.2f}x)" for s in sparse if s)
+            if sparse[0]
+            else "-"
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

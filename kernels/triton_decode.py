@@ -1,0 +1,496 @@
+"""Fused hybrid decode attention in Triton: one split-K pass, then a merge.
+
+One program of ``_split_kernel`` owns one (sequence ``b``, KV head ``h``, split ``s``) and all ``G`` query
+heads of that KV head's group (padded to ``GP >= 16`` rows for ``tl.dot``). It walks its share of the cold
+blocks listed in ``block_table[b, h, :num_cold[b, h]]`` (the last split also walks the hot zone) with an
+online softmax in base 2. Quantized blocks are never dequantized element by element (``x = min + code *
+scale``):
+
+* keys, per channel: ``q . k = sum_d (q_d scale_d) code_d + sum_d q_d min_d`` -- the scale and min fold into
+  ``q`` once per block, and the matrix unit multiplies ``q * scale`` (fp16) by the raw codes (fp16, exact);
+* values, per token: ``p . v = sum_t (p_t scale_t) code_t + sum_t p_t min_t`` -- the scales fold into ``p``.
+
+The head dimension is processed as two halves ``[0, D/2)`` and ``[D/2, D)``: an INT4 byte ``c`` holds channel
+``c`` (low nibble) and ``c + D/2`` (high nibble), so both halves come from one byte tile with a mask and a
+shift. An 8-bit pool whose block was demoted to 4 bits (``block_bits == 4``) takes the same path with
+per-block shift, mask and column offset, without a branch. The codes become fp16 by the magic-number trick
+(``0x6400 | c`` is ``1024 + c`` in fp16) -- as pure ``tl`` bit operations, or as PTX ``prmt`` on four codes at
+once (GPU only, ``cvt=2``).
+
+``_merge_kernel`` combines the splits (log-sum-exp), writes the output, the per-block attention mass
+``exp2(lse_block - lse_total)`` averaged over the group, and the hot zone's mass.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtune.kernels.decode_attention import hybrid_decode_attention_ref
+from kvtune.kernels.layout import ColdPool
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeKernelOptions:
+    """Tuning knobs of the split kernel (per-pool-width defaults: :func:`default_options`).
+
+    cvt: code -> fp16 conversion, 0 plain cast, 1 magic number in pure ``tl``, 2 PTX ``prmt`` (GPU only).
+    mixed: 8-bit pools honour ``block_bits`` per block (False only if no block was ever demoted).
+    k_transposed: load key codes as ``[D/2, T]`` tiles (no register transpose before the matrix unit).
+    programs_per_sm: the split count aims at this many programs per multiprocessor.
+    maxnreg: register cap per thread (more programs per multiprocessor), None for the compiler's choice.
+    """
+
+    cvt: int = 2
+    mixed: bool = True
+    k_transposed: bool = False
+    programs_per_sm: int = 4
+    num_warps: int = 4
+    num_stages: int = 2
+    min_blocks_per_split: int = 4
+    maxnreg: int | None = None
+
+
+# Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
+# with
+# per-block bits (a demoted block may sit in it); ``PURE_INT8`` is faster where no block was ever demoted.
+_DEFAULTS = {
+    8: DecodeKernelOptions(cvt=2, mixed=True, programs_per_sm=8, maxnreg=128),
+    4: DecodeKernelOptions(cvt=2, k_transposed=True, num_stages=3, programs_per_sm=8),
+    0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
+}
+PURE_INT8 = DecodeKernelOptions(cvt=2, mixed=False, programs_per_sm=2, maxnreg=128)
+
+
+def default_options(bits: int) -> DecodeKernelOptions:
+    """The kernel options used for a pool of ``bits`` (0, 4 or 8) when none are given."""
+    return _DEFAULTS[bits]
+
+
+@triton.jit
+def _codes_to_f16_prmt(x):
+    """uint8 codes -> fp16 (exact), four at a time: bytes c -> fp16 bits 0x64cc, minus 1024."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, bias;
+        mov.b32 bias, 0x64006400;
+        prmt.b32 t0, $2, 0x64646464, 0x4140;
+        prmt.b32 t1, $2, 0x64646464, 0x4342;
+        sub.f16x2 $0, t0, bias;
+        sub.f16x2 $1, t1, bias;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _codes_to(x, CDT: tl.constexpr, CVT: tl.constexpr):
+    """uint8 codes [.., n] -> CDT, exact (codes <= 255)."""
+    if CVT == 2:
+        return _codes_to_f16_prmt(x)
+    elif CVT == 1:
+        return (x.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return x.to(CDT)
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax (base 2) over scores s [GP, T]: probabilities, rescale, new state, tile lse."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_tile = tl.sum(p, 1)
+    return p, alpha, m_new, l_i * alpha + l_tile, m_new + tl.log2(l_tile)
+
+
+@triton.jit
+def _dense_tile(
+    k_ptr,
+    v_ptr,
+    s_t,
+    n_valid,
+    q_lo,
+    q_hi,
+    qk_scale,
+    m_i,
+    l_i,
+    acc_lo,
+    acc_hi,
+    DH: tl.constexpr,
+    T: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """T tokens in model precision (hot zone or an unquantized block); rows t >= n_valid masked."""
+    t = tl.arange(0, T)
+    c = tl.arange(0, DH)
+    valid = t < n_valid
+    offs = t[:, None].to(tl.int64) * s_t + c[None, :]
+    k_lo = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+    k_hi = tl.load(k_ptr + offs + DH, mask=valid[:, None], other=0.0)
+    s = tl.dot(q_lo, tl.trans(k_lo), input_precision=PREC) + tl.dot(
+        q_hi, tl.trans(k_hi), input_precision=PREC
+    )
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    p, alpha, m_i, l_i, lse = _softmax_step(s, m_i, l_i)
+    v_lo = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+    v_hi = tl.load(v_ptr + offs + DH, mask=valid[:, None], other=0.0)
+    pv = p.to(v_lo.dtype)
+    acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo, input_precision=PREC)
+    acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi, input_precision=PREC)
+    return m_i, l_i, acc_lo, acc_hi, lse
+
+
+@triton.jit
+def _code_halves(
+    ptr,
+    s_t,
+    hi_off,
+    shift,
+    mask,
+    T: tl.constexpr,
+    DH: tl.constexpr,
+    BS: tl.constexpr,
+    KIND: tl.constexpr,
+    MIXED: tl.constexpr,
+    TRANS: tl.constexpr,
+):
+    """Codes of channels [0, D/2) and [D/2, D) of one block: two uint8 tiles [T, DH] ([DH, T] if TRANS)."""
+    t = tl.arange(0, T)
+    c = tl.arange(0, DH)
+    if TRANS:
+        offs = t[None, :].to(tl.int64) * s_t + c[:, None]
+        tmask = (t < BS)[None, :]
+    else:
+        offs = t[:, None].to(tl.int64) * s_t + c[None, :]
+        tmask = (t < BS)[:, None]
+    raw_lo = tl.load(ptr + offs, mask=tmask, other=0)
+    if KIND == 4:
+        return raw_lo & 15, raw_lo >> 4
+    elif MIXED:
+        raw_hi = tl.load(ptr + offs + hi_off, mask=tmask, other=0)
+        return raw_lo & mask, raw_hi >> shift
+    else:
+        return raw_lo, tl.load(ptr + offs + DH, mask=tmask, other=0)
+
+
+@triton.jit
+def _quant_tile(
+    k_ptr,
+    v_ptr,
+    s_t,
+    kmin_ptr,
+    ksc_ptr,
+    vmin_ptr,
+    vsc_ptr,
+    bits,
+    q_lo,
+    q_hi,
+    m_i,
+    l_i,
+    acc_lo,
+    acc_hi,
+    DH: tl.constexpr,
+    T: tl.constexpr,
+    BS: tl.constexpr,
+    KIND: tl.constexpr,
+    MIXED: tl.constexpr,
+    CDT: tl.constexpr,
+    CVT: tl.constexpr,
+    PREC: tl.constexpr,
+    KT: tl.constexpr,
+):
+    """One quantized cold block; every pointer is already at this (block, head). KT: load keys as [DH, T]."""
+    four = bits == 4
+    hi_off = tl.where(four, 0, DH)
+    shift = tl.where(four, 4, 0).to(tl.uint8)
+    mask = tl.where(four, 15, 255).to(tl.uint8)
+    c = tl.arange(0, DH)
+    t = tl.arange(0, T)
+    kmin_lo = tl.load(kmin_ptr + c).to(tl.float32)
+    kmin_hi = tl.load(kmin_ptr + DH + c).to(tl.float32)
+    ksc_lo = tl.load(ksc_ptr + c).to(tl.float32)
+    ksc_hi = tl.load(ksc_ptr + DH + c).to(tl.float32)
+    k_lo, k_hi = _code_halves(k_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, KT)
+    if KT:
+        k_lo = _codes_to(k_lo, CDT, CVT)
+        k_hi = _codes_to(k_hi, CDT, CVT)
+    else:
+        k_lo = tl.trans(_codes_to(k_lo, CDT, CVT))
+        k_hi = tl.trans(_codes_to(k_hi, CDT, CVT))
+    qm = tl.sum(q_lo * kmin_lo[None, :], 1) + tl.sum(q_hi * kmin_hi[None, :], 1)
+    s = tl.dot((q_lo * ksc_lo[None, :]).to(CDT), k_lo, input_precision=PREC)
+    s += tl.dot((q_hi * ksc_hi[None, :]).to(CDT), k_hi, input_precision=PREC)
+    s = tl.where((t < BS)[None, :], s + qm[:, None], float("-inf"))
+    p, alpha, m_i, l_i, lse = _softmax_step(s, m_i, l_i)
+    vmin = tl.load(vmin_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
+    vsc = tl.load(vsc_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
+    ps = (p * vsc[None, :]).to(CDT)
+    pm = tl.sum(p * vmin[None, :], 1)
+    v_lo, v_hi = _code_halves(v_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, False)
+    acc_lo = (
+        acc_lo * alpha[:, None] + tl.dot(ps, _codes_to(v_lo, CDT, CVT), input_precision=PREC) + pm[:, None]
+    )
+    acc_hi = (
+        acc_hi * alpha[:, None] + tl.dot(ps, _codes_to(v_hi, CDT, CVT), input_precision=PREC) + pm[:, None]
+    )
+    return m_i, l_i, acc_lo, acc_hi, lse
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, hot_k_ptr, hot_v_ptr, hot_slot_ptr, hot_len_ptr,
+    ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, bits_ptr, table_ptr, num_cold_ptr,
+    part_acc_ptr, part_ml_ptr, blk_lse_ptr, hot_lse_ptr,
+    qk_scale, blocks_per_split, num_splits, M,
+    s_qb, s_qh, s_hs, s_hh, s_ht, s_cn, s_ch, s_ct, s_kn, s_kh, s_vn, s_vh,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr, BS: tl.constexpr,
+    HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
+    PREC: tl.constexpr, KT: tl.constexpr,
+):  # fmt: skip
+    """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse."""
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    DH: tl.constexpr = D // 2
+    g = tl.arange(0, GP)
+    c = tl.arange(0, DH)
+    gmask = g < G
+    q_off = b.to(tl.int64) * s_qb + (h * G + g)[:, None] * s_qh + c[None, :]
+    q_lo = tl.load(q_ptr + q_off, mask=gmask[:, None], other=0.0)
+    q_hi = tl.load(q_ptr + q_off + DH, mask=gmask[:, None], other=0.0)
+    qf_lo = q_lo.to(tl.float32) * qk_scale
+    qf_hi = q_hi.to(tl.float32) * qk_scale
+    m_i = tl.full([GP], -1.0e30, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc_lo = tl.zeros([GP, DH], tl.float32)
+    acc_hi = tl.zeros([GP, DH], tl.float32)
+    # The hot zone (model precision, newest tokens) belongs to the last split.
+    is_last = pid_s == num_splits - 1
+    n_hot = tl.where(is_last, tl.load(hot_len_ptr + b), 0)
+    hot_off = tl.load(hot_slot_ptr + b).to(tl.int64) * s_hs + h * s_hh
+    for t0 in range(0, n_hot, HOT_T):
+        m_i, l_i, acc_lo, acc_hi, _ = _dense_tile(
+            hot_k_ptr + hot_off + t0 * s_ht, hot_v_ptr + hot_off + t0 * s_ht, s_ht, n_hot - t0,
+            q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, HOT_T, PREC)  # fmt: skip
+    lse_hot = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    tl.store(hot_lse_ptr + bh * G + g, lse_hot, mask=gmask & is_last)
+    # This split's share of the cold blocks (L1, then selected L2).
+    nc = tl.load(num_cold_ptr + bh)
+    j0 = pid_s * blocks_per_split
+    j1 = tl.minimum(j0 + blocks_per_split, nc)
+    row = bh.to(tl.int64) * M
+    for j in range(j0, j1):
+        bid = tl.load(table_ptr + row + j).to(tl.int64)
+        k_ptr = ck_ptr + bid * s_cn + h * s_ch
+        v_ptr = cv_ptr + bid * s_cn + h * s_ch
+        if KIND == 0:
+            m_i, l_i, acc_lo, acc_hi, lse = _dense_tile(
+                k_ptr, v_ptr, s_ct, BS, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, T,
+                PREC)  # fmt: skip
+        else:
+            bits = tl.load(bits_ptr + bid) if MIXED else KIND
+            kq = bid * s_kn + h * s_kh
+            vq = bid * s_vn + h * s_vh
+            m_i, l_i, acc_lo, acc_hi, lse = _quant_tile(
+                k_ptr, v_ptr, s_ct, kmin_ptr + kq, ksc_ptr + kq, vmin_ptr + vq, vsc_ptr + vq, bits,
+                qf_lo, qf_hi, m_i, l_i, acc_lo, acc_hi, DH, T, BS, KIND, MIXED, CDT, CVT, PREC,
+                KT)  # fmt: skip
+        tl.store(blk_lse_ptr + (row + j) * G + g, lse, mask=gmask)
+    part = (bh * num_splits + pid_s).to(tl.int64)
+    acc_off = part * G * D + g[:, None] * D + c[None, :]
+    tl.store(part_acc_ptr + acc_off, acc_lo, mask=gmask[:, None])
+    tl.store(part_acc_ptr + acc_off + DH, acc_hi, mask=gmask[:, None])
+    tl.store(part_ml_ptr + part * 2 * G + g, m_i, mask=gmask)
+    tl.store(part_ml_ptr + part * 2 * G + G + g, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_acc_ptr, part_ml_ptr, blk_lse_ptr, hot_lse_ptr, num_cold_ptr, out_ptr, mass_ptr, hot_mass_ptr,
+    num_splits, M, s_ob, s_oh,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
+):  # fmt: skip
+    """Merge the splits of one (sequence, KV head): output rows, per-block mass, hot mass."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    gmask = g < G
+    m = tl.full([GP], -1.0e30, tl.float32)
+    l_sum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for s in range(0, num_splits):
+        part = (bh * num_splits + s).to(tl.int64)
+        m_s = tl.load(part_ml_ptr + part * 2 * G + g, mask=gmask, other=-1.0e30)
+        l_s = tl.load(part_ml_ptr + part * 2 * G + G + g, mask=gmask, other=0.0)
+        a_s = tl.load(
+            part_acc_ptr + part * G * D + g[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0
+        )
+        m_new = tl.maximum(m, m_s)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_s - m_new)
+        l_sum = l_sum * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m = m_new
+    safe_l = tl.where(l_sum > 0, l_sum, 1.0)
+    lse = m + tl.log2(safe_l)
+    out_off = b.to(tl.int64) * s_ob + (h * G + g)[:, None] * s_oh + d[None, :]
+    tl.store(out_ptr + out_off, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    hot = tl.exp2(tl.load(hot_lse_ptr + bh * G + g, mask=gmask, other=float("-inf")) - lse)
+    tl.store(hot_mass_ptr + bh, tl.sum(hot, 0) / G)
+    nc = tl.load(num_cold_ptr + bh)
+    row = bh.to(tl.int64) * M
+    for j0 in range(0, M, MB):
+        j = j0 + tl.arange(0, MB)
+        valid = j < nc
+        lb = tl.load(blk_lse_ptr + (row + j)[:, None] * G + g[None, :], mask=valid[:, None] & gmask[None, :],
+                     other=float("-inf"))  # fmt: skip
+        tl.store(mass_ptr + row + j, tl.sum(tl.exp2(lb - lse[None, :]), 1) / G, mask=j < M)
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def plan_splits(bh: int, m: int, device: torch.device, options: DecodeKernelOptions) -> tuple[int, int]:
+    """(number of splits, cold blocks per split) for bh = B * H programs over a table of m blocks."""
+    target = options.programs_per_sm * _num_sms(device)
+    most = max(1, triton.cdiv(m, options.min_blocks_per_split))
+    splits = max(1, min(triton.cdiv(target, bh), most))
+    per = max(1, triton.cdiv(m, splits))
+    return triton.cdiv(max(m, 1), per), per
+
+
+def _resolve(options: DecodeKernelOptions | None, bits: int, model_dtype: torch.dtype) -> DecodeKernelOptions:
+    opts = options or default_options(bits)
+    cvt = opts.cvt
+    if model_dtype == torch.float32:
+        cvt = 0
+    elif cvt == 2 and _interpreting():
+        cvt = 1
+    return replace(opts, cvt=cvt)
+
+
+def tileable_head_dim(d: int) -> bool:
+    """Head dims the kernels tile: two halves of a power of two >= 16 (others take the reference)."""
+    half = d // 2
+    return d % 2 == 0 and half >= 16 and half & (half - 1) == 0
+
+
+def _check_inputs(q: torch.Tensor, hot_k: torch.Tensor, hot_v: torch.Tensor, pool: ColdPool,
+                  block_table: torch.Tensor, num_cold: torch.Tensor) -> None:  # fmt: skip
+    """Shapes, dtypes, devices and unit inner strides the kernel relies on (ValueError naming the rule)."""
+    B, Hq, D = q.shape
+    H = block_table.shape[1]
+    rules = {
+        "q, hot_k, hot_v and the pool on one device":
+            len({str(x.device) for x in (q, hot_k, hot_v, pool.k)}) == 1,
+        "Hq % H == 0": Hq % H == 0,
+        "hot_k.shape == hot_v.shape == [S, H, C, D]":
+            hot_k.shape == hot_v.shape and tuple(hot_k.shape[1::2]) == (H, D),
+        "hot_k.stride() == hot_v.stride()": hot_k.stride() == hot_v.stride(),
+        "unit stride on D (q, hot, pool rows)":
+            all(x.stride(-1) == 1 for x in (q, hot_k, pool.k, pool.k_min, pool.v_min)),
+        "pool.k.stride() == pool.v.stride()": pool.k.stride() == pool.v.stride(),
+        "block_table [B, H, M] int32, num_cold [B, H]": block_table.dtype == torch.int32
+        and block_table.shape[0] == B and tuple(num_cold.shape) == (B, H),
+    }  # fmt: skip
+    broken = [rule for rule, ok in rules.items() if not ok]
+    if broken:
+        raise ValueError(
+            f"hybrid_decode_attention: `{broken[0]}` must hold (q {tuple(q.shape)}, hot_k "
+            f"{tuple(hot_k.shape)}, block_table {tuple(block_table.shape)} {block_table.dtype})"
+        )
+
+
+def hybrid_decode_attention_triton(
+    q: torch.Tensor,
+    hot_k: torch.Tensor,
+    hot_v: torch.Tensor,
+    hot_slot: torch.Tensor,
+    hot_len: torch.Tensor,
+    pool: ColdPool,
+    block_table: torch.Tensor,
+    num_cold: torch.Tensor,
+    sm_scale: float,
+    options: DecodeKernelOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused hybrid decode attention (module docstring); the contract of ``hybrid_decode_attention_ref``.
+
+    q [B, Hq, D]; hot_k/hot_v [S, H, C, D] model dtype; hot_slot, hot_len int32 [B]; block_table int32
+    [B, H, M] (padded -1); num_cold int32 [B, H]. Returns out [B, Hq, D] (q.dtype), block_mass float32
+    [B, H, M], hot_mass float32 [B, H].
+    """
+    if not tileable_head_dim(q.shape[2]):
+        return hybrid_decode_attention_ref(
+            q, hot_k, hot_v, hot_slot, hot_len, pool, block_table, num_cold, sm_scale
+        )
+    _check_inputs(q, hot_k, hot_v, pool, block_table, num_cold)
+    B, Hq, D = q.shape
+    H, M = block_table.shape[1], block_table.shape[2]
+    G = Hq // H
+    bits = pool.bits
+    if options is None and bits == 8 and not pool.may_demote:
+        options = PURE_INT8
+    opts = _resolve(options, bits, hot_k.dtype)
+    cdt = tl.float32 if hot_k.dtype == torch.float32 else tl.float16
+    prec = "ieee" if hot_k.dtype == torch.float32 else "tf32"
+    splits, per = plan_splits(B * H, M, q.device, opts)
+    dev = q.device
+    part_acc = torch.empty((B * H * splits, G, D), dtype=torch.float32, device=dev)
+    part_ml = torch.empty((B * H * splits, 2, G), dtype=torch.float32, device=dev)
+    blk_lse = torch.empty((B * H, max(M, 1), G), dtype=torch.float32, device=dev)
+    hot_lse = torch.empty((B * H, G), dtype=torch.float32, device=dev)
+    table = block_table.contiguous()
+    ncold = num_cold.to(torch.int32).contiguous()
+    hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
+    T = max(16, triton.next_power_of_2(pool.k.shape[2]))
+    _split_kernel[(splits, B * H)](
+        q, hot_k, hot_v, hot_slot, hot_len,
+        pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
+        part_acc, part_ml, blk_lse, hot_lse,
+        sm_scale * LOG2E, per, splits, M,
+        q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
+        pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
+        pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
+        H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, T=T, BS=pool.k.shape[2],
+        HOT_T=min(64, max(16, triton.next_power_of_2(hot_k.shape[2]))), KIND=bits,
+        MIXED=bits == 8 and opts.mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
+        num_warps=opts.num_warps, num_stages=opts.num_stages,
+        **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    mass = torch.empty((B, H, M), dtype=torch.float32, device=dev)
+    hot_mass = torch.empty((B, H), dtype=torch.float32, device=dev)
+    _merge_kernel[(B * H,)](
+        part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass, splits, M,
+        out.stride(0), out.stride(1),
+        H=H, G=G, GP=triton.next_power_of_2(G), D=D, MB=64,
+    )  # fmt: skip
+    return out, mass, hot_mass

@@ -1,0 +1,224 @@
+"""Sealing (quantize + pack) and INT8 -> INT4 demotion in Triton; layout in :mod:`kvtune.kernels.layout`.
+
+One program per (block, KV head) holds the block's ``[block_size, D]`` keys and values in registers as two
+channel halves ``[0, D/2)`` and ``[D/2, D)`` (an INT4 byte ``c`` packs channel ``c`` with ``c + D/2``). The
+arithmetic repeats :mod:`kvtune.kernels.quant` operation by operation, in float32 with IEEE division, no fused
+multiply-add (``enable_fp_fusion=False``) and round-half-even through ``(y + 2^23) - 2^23``, so codes, mins
+and scales equal the reference's on the CPU (interpreter tests). On the GPU the tests check the layout's error
+bound instead: the reference run by PyTorch on CUDA divides by a Python scalar through its reciprocal and can
+land one fp16 step away.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.quant import seal_blocks_ref
+from kvtune.kernels.requant import requantize_int4_ref
+from kvtune.kernels.triton_decode import tileable_head_dim
+
+
+@triton.jit
+def _round_f16(x, UP: tl.constexpr):
+    """fp16 value (as float32) >= x (UP) or <= x, at most one ulp from the nearest rounding."""
+    y = x.to(tl.float16).to(tl.float32)
+    if UP:
+        bumped = ((y + tl.abs(y) * 0.0009765625) + 5.960464477539063e-08).to(tl.float16).to(tl.float32)
+        return tl.where(y < x, bumped, y)
+    else:
+        bumped = ((y - tl.abs(y) * 0.0009765625) - 5.960464477539063e-08).to(tl.float16).to(tl.float32)
+        return tl.where(y > x, bumped, y)
+
+
+@triton.jit
+def _min_scale(lo, hi, LEVELS: tl.constexpr):
+    """fp16-exact (min, scale) with min <= lo and min + LEVELS * scale >= hi."""
+    lo16 = _round_f16(lo, False)
+    return lo16, _round_f16(tl.div_rn(tl.maximum(hi - lo16, 0.0), LEVELS * 1.0), True)
+
+
+@triton.jit
+def _quantize(x, lo16, scale16, LEVELS: tl.constexpr):
+    """uint8 codes round((x - min) / scale) clamped to [0, LEVELS] (round half to even)."""
+    safe = tl.where(scale16 > 0, scale16, 1.0)
+    y = tl.minimum(tl.maximum(tl.div_rn(x - lo16, safe), 0.0), LEVELS * 1.0)
+    return ((y + 8388608.0) - 8388608.0).to(tl.uint8)
+
+
+@triton.jit
+def _store_codes(ptr, t, c, tmask, c_lo, c_hi, BITS: tl.constexpr, POOL_BITS: tl.constexpr, DH: tl.constexpr):
+    """Code halves [T, DH] -> block rows: 8 bits as is; 4 bits packed (+ zeroed tail in an 8-bit slot)."""
+    offs = t[:, None] * (DH * POOL_BITS // 4) + c[None, :]
+    if BITS == 8:
+        tl.store(ptr + offs, c_lo, mask=tmask[:, None])
+        tl.store(ptr + offs + DH, c_hi, mask=tmask[:, None])
+    else:
+        tl.store(ptr + offs, c_lo | (c_hi << 4), mask=tmask[:, None])
+        if POOL_BITS == 8:
+            tl.store(ptr + offs + DH, tl.zeros_like(c_lo), mask=tmask[:, None])
+
+
+@triton.jit
+def _seal_tile(
+    x_lo,
+    x_hi,
+    tmask,
+    code_ptr,
+    kmin_ptr,
+    ksc_ptr,
+    t,
+    c,
+    IS_KEY: tl.constexpr,
+    BITS: tl.constexpr,
+    POOL_BITS: tl.constexpr,
+    DH: tl.constexpr,
+):
+    """Quantize one head's keys (per channel) or values (per token) of a block; store codes + min/scale."""
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    big = float("inf")
+    if IS_KEY:
+        lo_lo, sc_lo = _min_scale(tl.min(tl.where(tmask[:, None], x_lo, big), 0),
+                                  tl.max(tl.where(tmask[:, None], x_lo, -big), 0), LEVELS)  # fmt: skip
+        lo_hi, sc_hi = _min_scale(tl.min(tl.where(tmask[:, None], x_hi, big), 0),
+                                  tl.max(tl.where(tmask[:, None], x_hi, -big), 0), LEVELS)  # fmt: skip
+        c_lo = _quantize(x_lo, lo_lo[None, :], sc_lo[None, :], LEVELS)
+        c_hi = _quantize(x_hi, lo_hi[None, :], sc_hi[None, :], LEVELS)
+        tl.store(kmin_ptr + c, lo_lo.to(tl.float16))
+        tl.store(kmin_ptr + DH + c, lo_hi.to(tl.float16))
+        tl.store(ksc_ptr + c, sc_lo.to(tl.float16))
+        tl.store(ksc_ptr + DH + c, sc_hi.to(tl.float16))
+    else:
+        lo, sc = _min_scale(tl.minimum(tl.min(x_lo, 1), tl.min(x_hi, 1)),
+                            tl.maximum(tl.max(x_lo, 1), tl.max(x_hi, 1)), LEVELS)  # fmt: skip
+        c_lo = _quantize(x_lo, lo[:, None], sc[:, None], LEVELS)
+        c_hi = _quantize(x_hi, lo[:, None], sc[:, None], LEVELS)
+        tl.store(kmin_ptr + t, lo.to(tl.float16), mask=tmask)
+        tl.store(ksc_ptr + t, sc.to(tl.float16), mask=tmask)
+    _store_codes(code_ptr, t, c, tmask, c_lo, c_hi, BITS, POOL_BITS, DH)
+
+
+@triton.jit
+def _seal_kernel(
+    k_ptr, v_ptr, ids_ptr, pk_ptr, pv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr,
+    s_in, s_it, s_ih, s_pn, s_ph, s_kn, s_kh, s_vn, s_vh,
+    BS: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, POOL_BITS: tl.constexpr,
+):  # fmt: skip
+    """Seal block i (of k, v [n, bs, H, D]) for KV head h into pool row ids[i]."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    DH: tl.constexpr = D // 2
+    bid = tl.load(ids_ptr + i).to(tl.int64)
+    t = tl.arange(0, T)
+    c = tl.arange(0, DH)
+    tmask = t < BS
+    src = i * s_in + t[:, None] * s_it + h * s_ih + c[None, :]
+    dst = bid * s_pn + h * s_ph
+    kq = bid * s_kn + h * s_kh
+    for which in tl.static_range(2):
+        x_ptr = k_ptr if which == 0 else v_ptr
+        x_lo = tl.load(x_ptr + src, mask=tmask[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(x_ptr + src + DH, mask=tmask[:, None], other=0.0).to(tl.float32)
+        if which == 0:
+            _seal_tile(
+                x_lo, x_hi, tmask, pk_ptr + dst, kmin_ptr + kq, ksc_ptr + kq, t, c, True, BITS, POOL_BITS, DH
+            )
+        else:
+            vq = bid * s_vn + h * s_vh
+            _seal_tile(x_lo, x_hi, tmask, pv_ptr + dst, vmin_ptr + vq, vsc_ptr + vq, t, c, False, BITS,
+                       POOL_BITS,
+                       DH)  # fmt: skip
+
+
+@triton.jit
+def _requant_kernel(
+    ids_ptr, keep_ptr, pk_ptr, pv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr,
+    s_pn, s_ph, s_kn, s_kh, s_vn, s_vh,
+    BS: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """Dequantize 8-bit block ids[i] (head h) and seal it again at 4 bits in place; skip if keep[i]."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    if tl.load(keep_ptr + i) == 0:
+        DH: tl.constexpr = D // 2
+        bid = tl.load(ids_ptr + i).to(tl.int64)
+        t = tl.arange(0, T)
+        c = tl.arange(0, DH)
+        tmask = t < BS
+        row = bid * s_pn + h * s_ph + t[:, None] * D + c[None, :]
+        kq = bid * s_kn + h * s_kh
+        vq = bid * s_vn + h * s_vh
+        # keys: x = min_c + code * scale_c; values: x = min_t + code * scale_t (all loads before any store)
+        k_lo = (
+            tl.load(kmin_ptr + kq + c).to(tl.float32)[None, :]
+            + tl.load(pk_ptr + row, mask=tmask[:, None], other=0).to(tl.float32)
+            * tl.load(ksc_ptr + kq + c).to(tl.float32)[None, :]
+        )
+        k_hi = (
+            tl.load(kmin_ptr + kq + DH + c).to(tl.float32)[None, :]
+            + tl.load(pk_ptr + row + DH, mask=tmask[:, None], other=0).to(tl.float32)
+            * tl.load(ksc_ptr + kq + DH + c).to(tl.float32)[None, :]
+        )
+        vmin = tl.load(vmin_ptr + vq + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        vsc = tl.load(vsc_ptr + vq + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        v_lo = vmin + tl.load(pv_ptr + row, mask=tmask[:, None], other=0).to(tl.float32) * vsc
+        v_hi = vmin + tl.load(pv_ptr + row + DH, mask=tmask[:, None], other=0).to(tl.float32) * vsc
+        dst = bid * s_pn + h * s_ph
+        _seal_tile(k_lo, k_hi, tmask, pk_ptr + dst, kmin_ptr + kq, ksc_ptr + kq, t, c, True, 4, 8, DH)
+        _seal_tile(v_lo, v_hi, tmask, pv_ptr + dst, vmin_ptr + vq, vsc_ptr + vq, t, c, False, 4, 8, DH)
+
+
+def _check_pool_rows(pool: ColdPool) -> None:
+    for name in ("k", "v", "k_min", "k_scale", "v_min", "v_scale"):
+        x = getattr(pool, name)
+        if x.stride(-1) != 1 or (x.dim() == 4 and x.stride(2) != x.shape[3]):
+            raise ValueError(f"pool.{name} must have contiguous rows (strides {x.stride()})")
+
+
+def seal_blocks_triton(
+    pool: ColdPool, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: int
+) -> None:
+    """Same contract as ``seal_blocks_ref``: k, v [n, bs, H, D] model dtype -> pool rows block_ids [n]."""
+    if bits not in (pool.bits, 4 if pool.bits == 8 else pool.bits):
+        raise ValueError(f"bits={bits} cannot be stored in a {pool.bits}-bit pool")
+    n = int(block_ids.numel())
+    if n == 0:
+        return
+    if bits == 0 or not tileable_head_dim(k.shape[3]):  # bits 0: a copy, plus the key bounds
+        seal_blocks_ref(pool, block_ids, k, v, bits)
+        return
+    _check_pool_rows(pool)
+    k, v = k.contiguous(), v.contiguous()
+    bs, H, D = k.shape[1], k.shape[2], k.shape[3]
+    _seal_kernel[(n, H)](
+        k, v, block_ids.to(torch.int64).contiguous(), pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min,
+        pool.v_scale, k.stride(0), k.stride(1), k.stride(2), pool.k.stride(0), pool.k.stride(1),
+        pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
+        BS=bs, T=triton.next_power_of_2(bs), D=D, BITS=bits, POOL_BITS=pool.bits, enable_fp_fusion=False,
+    )  # fmt: skip
+    pool.block_bits[block_ids] = bits
+
+
+def requantize_int4_triton(pool: ColdPool, block_ids: torch.Tensor) -> None:
+    """Same contract as ``requantize_int4_ref``: 8-bit blocks -> 4 bits in place; 4-bit blocks stay."""
+    if pool.bits != 8:
+        raise ValueError(f"requantize_int4 needs an 8-bit pool, got a {pool.bits}-bit one")
+    n = int(block_ids.numel())
+    if n == 0:
+        return
+    if not tileable_head_dim(pool.k.shape[3]):
+        requantize_int4_ref(pool, block_ids)
+        return
+    _check_pool_rows(pool)
+    ids = block_ids.to(torch.int64).contiguous()
+    keep = (pool.block_bits[ids] == 4).to(torch.int8)
+    bs, H, D = pool.k.shape[2], pool.k.shape[1], pool.k.shape[3]
+    _requant_kernel[(n, H)](
+        ids, keep, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale,
+        pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0), pool.k_min.stride(1),
+        pool.v_min.stride(0), pool.v_min.stride(1),
+        BS=bs, T=triton.next_power_of_2(bs), D=D, enable_fp_fusion=False,
+    )  # fmt: skip
+    pool.block_bits[ids] = 4

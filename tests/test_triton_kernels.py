@@ -1,0 +1,343 @@
+"""The Triton kernels against their plain-PyTorch references.
+
+Where there is no GPU, the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``) with tiny shapes
+and fp16/fp32 model precision (``tl.dot`` on bf16 is wrong under the interpreter). Triton reads the variable
+when a ``@triton.jit`` function is *defined* -- its own ``tl.zeros`` & co. when ``triton`` is imported, which
+``import torch`` already does -- so setting it inside a running pytest process is too late. The interpreted
+tests therefore run in one child pytest process started with the variable set (``test_interpreted_suite``, a
+subprocess for this file only); in the parent they skip with that reason. Where there is a GPU, the
+``gpu``-marked tests run the compiled kernels with larger shapes, bf16 included, and the interpreter suite is
+skipped.
+
+Every test draws fresh random inputs; outputs written by a kernel are poisoned first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvtune.kernels.decode_attention import hybrid_decode_attention, hybrid_decode_attention_ref
+from kvtune.kernels.layout import ColdLayout, ColdPool
+from kvtune.kernels.quant import codes_of_rows, dequantize_blocks_ref, seal_blocks_ref
+from kvtune.kernels.quest import quest_topk, quest_topk_ref
+from kvtune.kernels.requant import requantize_int4_ref
+
+pytest.importorskip("triton")
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MODULES = ("kvtune.kernels.triton_decode", "kvtune.kernels.triton_quest", "kvtune.kernels.triton_quant")
+
+# model dtype -> (relative L2 error of the attention output, absolute error of block/hot mass)
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 1e-3), torch.bfloat16: (1.5e-2, 5e-3)}
+
+
+def _load() -> SimpleNamespace:
+    return SimpleNamespace(**{n.rsplit(".", 1)[1]: importlib.import_module(n) for n in MODULES})
+
+
+@pytest.fixture(scope="module")
+def kernels() -> SimpleNamespace:
+    """The kernel modules under the interpreter (only inside the child process of test_interpreted_suite)."""
+    if not INTERPRETING:
+        pytest.skip("runs in the TRITON_INTERPRET=1 child process of test_interpreted_suite")
+    return _load()
+
+
+@pytest.fixture(scope="module")
+def gpu_kernels() -> SimpleNamespace:
+    if not HAS_CUDA or INTERPRETING:
+        pytest.skip("needs a CUDA GPU (and no TRITON_INTERPRET)")
+    return _load()
+
+
+@pytest.mark.skipif(HAS_CUDA or INTERPRETING, reason="CPU-only machines run the interpreter suite")
+def test_interpreted_suite() -> None:
+    """This file's interpreted tests in a child pytest with TRITON_INTERPRET=1 (module docstring)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-m", "not gpu", "-k", "interpreted", "-p",
+           "no:cacheprovider"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+
+
+# ---- problem builders
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    kv_heads: int
+    group: int
+    head_dim: int
+    block_size: int
+    max_blocks: int
+    hot_cap: int
+
+
+CPU_SHAPES = [Shape(1, 1, 1, 32, 8, 1, 16), Shape(2, 2, 3, 32, 24, 5, 40), Shape(3, 2, 4, 64, 16, 7, 24)]
+GPU_SHAPES = [
+    Shape(4, 8, 4, 128, 64, 40, 128),
+    Shape(5, 3, 7, 64, 24, 33, 56),
+    Shape(2, 8, 4, 128, 64, 300, 128),
+]
+
+
+def make_pool(shape: Shape, bits: int, dtype: torch.dtype, device: str, demote: bool) -> ColdPool:
+    """A pool sealed by the reference from random K/V; in an 8-bit pool some blocks demoted to 4 bits."""
+    n = shape.batch * shape.kv_heads * shape.max_blocks + 2
+    pool = ColdLayout(shape.block_size, shape.kv_heads, shape.head_dim, bits, dtype).allocate(n, device)
+    kv = torch.randn(2, n, shape.block_size, shape.kv_heads, shape.head_dim, device=device) * 2 + 0.5
+    seal_blocks_ref(pool, torch.arange(n, device=device), kv[0].to(dtype), kv[1].to(dtype), bits)
+    if bits == 8 and demote:
+        requantize_int4_ref(pool, torch.randperm(n, device=device)[: n // 3])
+    return pool
+
+
+def make_decode(shape: Shape, bits: int, dtype: torch.dtype, device: str, demote: bool = True) -> dict:
+    """Random decode inputs: scattered block ids, num_cold in [0, max_blocks], hot_len in [0, hot_cap]."""
+    pool = make_pool(shape, bits, dtype, device, demote)
+    B, H, M = shape.batch, shape.kv_heads, shape.max_blocks
+    num_cold = torch.randint(0, M + 1, (B, H), device=device, dtype=torch.int32)
+    num_cold[0, 0] = M
+    ids = torch.randperm(pool.num_blocks, device=device)[: B * H * M].view(B, H, M).to(torch.int32)
+    table = torch.where(torch.arange(M, device=device) < num_cold[..., None], ids, -1).to(torch.int32)
+    slots = B + 1
+    hot_len = torch.randint(0, shape.hot_cap + 1, (B,), device=device, dtype=torch.int32)
+    hot_len[0] = max(1, shape.hot_cap - 1)
+    return dict(
+        q=torch.randn(B, H * shape.group, shape.head_dim, device=device).to(dtype),
+        hot_k=torch.randn(slots, H, shape.hot_cap, shape.head_dim, device=device).to(dtype),
+        hot_v=torch.randn(slots, H, shape.hot_cap, shape.head_dim, device=device).to(dtype),
+        hot_slot=torch.randperm(slots, device=device)[:B].to(torch.int32),
+        hot_len=hot_len, pool=pool, block_table=table, num_cold=num_cold,
+        sm_scale=1 / math.sqrt(shape.head_dim),
+    )  # fmt: skip
+
+
+def assert_decode_close(got: tuple, want: tuple, num_cold: torch.Tensor, dtype: torch.dtype) -> None:
+    out_tol, mass_tol = TOLERANCE[dtype]
+    out, mass, hot = got
+    assert out.dtype == want[0].dtype and torch.isfinite(out).all()
+    err = float((out.float() - want[0].float()).norm() / want[0].float().norm())
+    assert err < out_tol, f"relative error {err:.2e} >= {out_tol:.0e}"
+    padding = torch.arange(mass.shape[2], device=mass.device) >= num_cold[..., None]
+    assert (mass[padding] == 0).all()
+    torch.testing.assert_close(mass, want[1], atol=mass_tol, rtol=0)
+    torch.testing.assert_close(hot, want[2], atol=mass_tol, rtol=0)
+
+
+def poison_allocator(device: str) -> None:
+    """Fill freed cached memory with NaN so that unwritten outputs of the next launch show up."""
+    if device == "cuda":
+        torch.full((1 << 26,), float("nan"), device=device)
+
+
+# ---- CPU: interpreter
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
+@pytest.mark.parametrize(
+    ("bits", "dtype", "knobs"),
+    [(8, torch.float32, {}), (8, torch.float16, {"cvt": 1}),
+     (8, torch.float16, {"cvt": 0, "k_transposed": True}),
+     (8, torch.float16, {"cvt": 1, "k_transposed": True, "mixed": False}), (4, torch.float16, {"cvt": 1}),
+     (4, torch.float16, {"cvt": 1, "k_transposed": True}), (4, torch.float32, {}), (0, torch.float16, {}),
+     (0, torch.float32, {})],
+    ids=str,
+)  # fmt: skip
+def test_decode_attention_interpreted(
+    kernels, shape: Shape, bits: int, dtype: torch.dtype, knobs: dict
+) -> None:
+    inp = make_decode(shape, bits, dtype, "cpu", demote=knobs.get("mixed", True))
+    opts = kernels.triton_decode.DecodeKernelOptions(**{"min_blocks_per_split": 2, **knobs})
+    got = kernels.triton_decode.hybrid_decode_attention_triton(**inp, options=opts)
+    assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], dtype)
+
+
+@pytest.mark.parametrize("head_dim", [16, 48])
+def test_untileable_head_dim_takes_reference_interpreted(kernels, head_dim: int) -> None:
+    inp = make_decode(Shape(2, 2, 2, head_dim, 8, 3, 8), 8, torch.float32, "cpu")
+    got = kernels.triton_decode.hybrid_decode_attention_triton(**inp)
+    for a, b in zip(got, hybrid_decode_attention_ref(**inp)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 0])
+@pytest.mark.parametrize(("m2", "k_blocks"), [(1, 1), (9, 4), (20, 25)])
+def test_quest_topk_interpreted(kernels, bits: int, m2: int, k_blocks: int) -> None:
+    shape = Shape(3, 2, 3, 32, 8, m2, 8)
+    check_quest(kernels, shape, bits, torch.float32, "cpu", k_blocks)
+
+
+@pytest.mark.parametrize("block_size", [8, 24])
+@pytest.mark.parametrize(("pool_bits", "bits"), [(8, 8), (8, 4), (4, 4), (0, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_seal_interpreted(kernels, block_size: int, pool_bits: int, bits: int, dtype: torch.dtype) -> None:
+    check_seal(kernels, Shape(1, 2, 1, 32, block_size, 3, 8), pool_bits, bits, dtype, "cpu")
+
+
+@pytest.mark.parametrize("block_size", [8, 24])
+def test_requantize_interpreted(kernels, block_size: int) -> None:
+    check_requant(kernels, Shape(1, 2, 1, 32, block_size, 4, 8), torch.float16, "cpu")
+
+
+# ---- shared checks
+# ---------------------------------------------------------------------------------------------
+def check_quest(kernels, shape: Shape, bits: int, dtype: torch.dtype, device: str, k_blocks: int) -> None:
+    pool = make_pool(shape, bits, dtype, device, demote=True)
+    B, M2 = shape.batch, shape.max_blocks
+    count = torch.randint(0, M2 + 1, (B,), device=device, dtype=torch.int32)
+    count[0] = M2
+    ids = torch.randperm(pool.num_blocks, device=device)[: B * M2].view(B, M2).to(torch.int32)
+    l2_table = torch.where(torch.arange(M2, device=device) < count[:, None], ids, -1).to(torch.int32)
+    q = torch.randn(B, shape.kv_heads * shape.group, shape.head_dim, device=device).to(dtype)
+    got = kernels.triton_quest.quest_topk_triton(q, pool, l2_table, count, k_blocks)
+    want = quest_topk_ref(q, pool, l2_table, count, k_blocks)
+    assert got.dtype == torch.int32 and got.shape == want.shape
+    assert [sorted(r) for r in got.flatten(0, 1).tolist()] == [sorted(r) for r in want.flatten(0, 1).tolist()]
+
+
+def _poisoned_pair(
+    shape: Shape, pool_bits: int, dtype: torch.dtype, device: str
+) -> tuple[ColdPool, ColdPool]:
+    n = shape.max_blocks + 2
+    layout = ColdLayout(shape.block_size, shape.kv_heads, shape.head_dim, pool_bits, dtype)
+    a, b = layout.allocate(n, device), layout.allocate(n, device)
+    for pool in (a, b):
+        for name in ("k", "v", "k_min", "k_scale", "v_min", "v_scale"):
+            x = getattr(pool, name)
+            x.copy_(torch.full_like(x, 171 if x.dtype == torch.uint8 else float("nan")))
+    return a, b
+
+
+def assert_pools_equal(got: ColdPool, want: ColdPool) -> None:
+    for name in ("k", "v", "k_min", "k_scale", "v_min", "v_scale", "block_bits"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m, name=name: f"pool.{name}: {m}")  # fmt: skip
+
+
+def _codes(pool: ColdPool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of every row as ints [N, H, bs, D] (4-bit rows unpacked; demoted rows of an 8-bit pool too)."""
+    bits = pool.block_bits.view(-1, 1, 1)
+    return codes_of_rows(pool.k, bits, pool.bits), codes_of_rows(pool.v, bits, pool.bits)
+
+
+def assert_pools_close(got: ColdPool, want: ColdPool, ids: torch.Tensor, x: tuple | None) -> None:
+    """The GPU form of equality: the Triton seal was seen one fp16 step off the reference run by PyTorch on
+    CUDA in 1-4 % of the scales (likely PyTorch dividing by a Python scalar through its reciprocal). So:
+    scales and mins agree within one fp16 ulp, codes within one step in under 1 % of entries, and the
+    Triton output meets the layout's bound |x - (min + code * scale)| <= scale / 2 on the input x
+    (k, v [n, H, bs, D] float32)."""
+    assert torch.equal(got.block_bits, want.block_bits)
+    for name in ("k_min", "k_scale", "v_min", "v_scale"):
+        torch.testing.assert_close(
+            getattr(got, name)[ids], getattr(want, name)[ids], rtol=2**-10, atol=2**-24,
+            msg=lambda m, name=name: f"pool.{name}: {m}",
+        )  # fmt: skip
+    for mine, theirs in zip(_codes(got), _codes(want)):
+        diff = (mine[ids] - theirs[ids]).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, (
+            f"codes differ: {diff.max()}, {diff.mean()}"
+        )
+    if x is not None:
+        k, v = dequantize_blocks_ref(got, ids)
+        k_step = got.k_scale[ids].float()[:, :, None, :]
+        v_step = got.v_scale[ids].float()[..., None]
+        assert ((x[0] - k).abs() <= k_step * (0.5 + 2**-9) + 1e-6).all()
+        assert ((x[1] - v).abs() <= v_step * (0.5 + 2**-9) + 1e-6).all()
+
+
+def check_seal(kernels, shape: Shape, pool_bits: int, bits: int, dtype: torch.dtype, device: str) -> None:
+    got, want = _poisoned_pair(shape, pool_bits, dtype, device)
+    n = shape.max_blocks
+    ids = torch.randperm(got.num_blocks, device=device)[:n]
+    kv = torch.randn(2, n, shape.block_size, shape.kv_heads, shape.head_dim, device=device).to(dtype) * 3
+    kernels.triton_quant.seal_blocks_triton(got, ids, kv[0], kv[1], bits)
+    seal_blocks_ref(want, ids, kv[0], kv[1], bits)
+    if device == "cpu" or bits == 0:
+        assert_pools_equal(got, want)
+    else:
+        x = kv.float().permute(0, 1, 3, 2, 4)
+        assert_pools_close(got, want, ids, (x[0], x[1]))
+
+
+def check_requant(kernels, shape: Shape, dtype: torch.dtype, device: str) -> None:
+    got, want = _poisoned_pair(shape, 8, dtype, device)
+    n = got.num_blocks
+    kv = torch.randn(2, n, shape.block_size, shape.kv_heads, shape.head_dim, device=device).to(dtype)
+    for pool in (got, want):
+        seal_blocks_ref(pool, torch.arange(n, device=device), kv[0], kv[1], 8)
+        requantize_int4_ref(pool, torch.tensor([0], device=device))  # already 4 bits: must stay as is
+    ids = torch.randperm(n, device=device)[: n - 1]
+    before = dequantize_blocks_ref(got, ids)
+    kernels.triton_quant.requantize_int4_triton(got, ids)
+    requantize_int4_ref(want, ids)
+    if device == "cpu":
+        assert_pools_equal(got, want)
+    else:
+        assert_pools_close(got, want, ids, before)
+
+
+# ---- GPU: compiled
+# -----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("bits", [8, 4, 0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_gpu(gpu_kernels, shape: Shape, bits: int, dtype: torch.dtype) -> None:
+    inp = make_decode(shape, bits, dtype, "cuda")
+    want = hybrid_decode_attention_ref(**inp)
+    poison_allocator("cuda")
+    got = hybrid_decode_attention(**inp)  # the public launcher dispatches to Triton on CUDA tensors
+    assert_decode_close(got, want, inp["num_cold"], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cvt", [0, 1, 2])
+@pytest.mark.parametrize("k_transposed", [False, True])
+@pytest.mark.parametrize(("bits", "mixed"), [(8, True), (8, False), (4, True)])
+def test_decode_variants_gpu(gpu_kernels, cvt: int, k_transposed: bool, bits: int, mixed: bool) -> None:
+    inp = make_decode(GPU_SHAPES[0], bits, torch.bfloat16, "cuda", demote=mixed)
+    opts = gpu_kernels.triton_decode.DecodeKernelOptions(cvt=cvt, k_transposed=k_transposed, mixed=mixed)
+    got = gpu_kernels.triton_decode.hybrid_decode_attention_triton(**inp, options=opts)
+    assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4, 0])
+@pytest.mark.parametrize(("m2", "k_blocks"), [(200, 32), (7, 16)])
+def test_quest_topk_gpu(gpu_kernels, bits: int, m2: int, k_blocks: int) -> None:
+    shape = Shape(3, 8, 4, 128, 64, m2, 64)
+    check_quest(gpu_kernels, shape, bits, torch.bfloat16, "cuda", k_blocks)
+    q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
+    pool = make_pool(Shape(2, 8, 4, 128, 64, 4, 64), bits, torch.bfloat16, "cuda", demote=True)
+    table = torch.arange(6, device="cuda", dtype=torch.int32).view(2, 3)
+    count = torch.tensor([3, 2], device="cuda", dtype=torch.int32)
+    assert torch.equal(quest_topk(q, pool, table, count, 2).sort(-1).values,
+                       quest_topk_ref(q, pool, table, count, 2).sort(-1).values)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [64, 24])
+@pytest.mark.parametrize(("pool_bits", "bits"), [(8, 8), (8, 4), (4, 4), (0, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_seal_gpu(gpu_kernels, block_size: int, pool_bits: int, bits: int, dtype: torch.dtype) -> None:
+    check_seal(gpu_kernels, Shape(1, 8, 1, 128, block_size, 37, 8), pool_bits, bits, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [64, 24])
+def test_requantize_gpu(gpu_kernels, block_size: int) -> None:
+    check_requant(gpu_kernels, Shape(1, 8, 1, 128, block_size, 37, 8), torch.bfloat16, "cuda")
