@@ -108,7 +108,7 @@ class ColdPool:
     v_min: torch.Tensor
     v_scale: torch.Tensor
     block_bits: torch.Tensor
-    may_demote: bool = True  # an 8-bit pool may hold 4-bit (demoted) blocks; False lets kernels skip block_bits
+    may_demote: bool = True  # 8-bit pools may hold demoted 4-bit blocks; False lets kernels skip block_bits
 
     @property
     def bits(self) -> int:
