@@ -43,6 +43,7 @@ SHAPES = [(8, 2048), (64, 2048), (64, 8192), (16, 32768), (128, 4096)]
 SPARSE_TOKENS = 2048
 SWEEP_SHAPE = (64, 8192)
 PPS_SHAPES = [(64, 8192), (16, 32768)]
+PPS_NAMES = ("int8", "int4")  # columns whose split count the sweep chooses (the others keep the default)
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interpreter: no bf16 tl.dot
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --smoke under TRITON_INTERPRET=1 only
 
@@ -231,7 +232,8 @@ def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float,
     ok = err < (2e-2 if bits else 1e-2)
     rows.append(dict(bits=bits, options=asdict(opt), err=err, ms=res["ms"], tbs=res["tbs"], ok=ok))
     log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
-        f"s={opt.num_stages}: {res['ms']:.4f} ms "
+        f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min}: "
+        f"{res['ms']:.4f} ms "
         f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
     return (res["ms"], opt) if ok else None
 
@@ -242,34 +244,47 @@ def defaults() -> dict[str, DecodeKernelOptions]:
     return {**chosen, "int8": PURE_INT8}
 
 
+# Compile-time variants tried at the sweep shape, per pool bits, as changes to a base: the launcher's
+# default for that width (``PURE_INT8`` for the pure 8-bit rows). The fastest correct one per column then
+# gets its split count chosen.
+SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
+    8: [
+        {},
+        dict(fold_bias=True, defer_min=True),
+        dict(words=True),
+        dict(words=True, defer_min=True),
+        dict(words=True, fold_bias=True, defer_min=True),
+        dict(maxnreg=96),  # 5 programs of 4 warps per SM instead of 4 (spills to be read in kernels.txt)
+        dict(words=True, maxnreg=96),
+        dict(mixed=True),
+        dict(mixed=True, fold_bias=True, defer_min=True),
+        dict(mixed=True, maxnreg=96),
+    ],
+    4: [
+        {},
+        dict(num_stages=2),
+        dict(num_stages=2, maxnreg=128),  # 4 programs per SM instead of 3 (registers and shared memory)
+        dict(words=True, k_transposed=False),
+        dict(words=True, k_transposed=False, num_stages=2, maxnreg=128),
+        dict(words=True, k_transposed=False, fold_bias=True, defer_min=True, num_stages=2, maxnreg=128),
+    ],
+    0: [{}],
+}
+
+
 def sweep(results: dict) -> dict[str, DecodeKernelOptions]:
     """Try compile-time variants at 64x8K, then the split count; the fastest correct one per column."""
     rows: list = []
     best: dict[str, DecodeKernelOptions] = {}
-    grids: dict[int, list[dict[str, Any]]] = {
-        8: [
-            dict(mixed=m, k_transposed=kt, cvt=c)
-            for m in (False, True)
-            for kt in (False, True)
-            for c in (0, 2)
-        ],
-        4: [dict(k_transposed=kt, cvt=c) for kt in (False, True) for c in (1, 2)],
-        0: [{}],
-    }
-    for bits, grid in grids.items():
-        scored = [
-            x for g in grid if (x := try_variant(replace(default_options(bits), **g), bits, rows)) is not None
-        ]
-        if bits and scored:  # a register cap: more programs per multiprocessor, maybe spills
-            tops = {min(scored, key=lambda x: x[0])[1]}
-            tops |= {min((x for x in scored if x[1].mixed), key=lambda x: x[0], default=scored[0])[1]}
-            capped = [replace(top, maxnreg=128) for top in tops]
-            scored += [x for opt in capped if (x := try_variant(opt, bits, rows)) is not None]
+    for bits, grid in SWEEP_GRIDS.items():
+        base = PURE_INT8 if bits == 8 else default_options(bits)
+        scored = [x for g in grid if (x := try_variant(replace(base, **g), bits, rows)) is not None]
         names = ["int8", "sparse8"] if bits == 8 else [f"int{bits}", f"sparse{bits}"]
         for name in names:
-            pool = [x for x in scored if name != "sparse8" or x[1].mixed] or [(0.0, default_options(bits))]
+            mixed_ok = [x for x in scored if x[1].mixed or bits != 8]
+            pool = (mixed_ok if name == "sparse8" else scored) or [(0.0, default_options(bits))]
             top = min(pool, key=lambda x: x[0])[1]
-            best[name] = pick_splits(top, bits, rows)
+            best[name] = pick_splits(top, bits, rows) if name in PPS_NAMES else top
     results["sweep"] = rows
     return best
 
@@ -277,7 +292,7 @@ def sweep(results: dict) -> dict[str, DecodeKernelOptions]:
 def pick_splits(opt: DecodeKernelOptions, bits: int, rows: list) -> DecodeKernelOptions:
     """The programs-per-SM target with the lowest summed time at 64x8K and 16x32K."""
     totals = {}
-    for pps in (2, 4, 8):
+    for pps in (2, 4, 8, 16):
         cand = replace(opt, programs_per_sm=pps)
         times = [hybrid_case(Case(*shape, bits), cand)["ms"] for shape in PPS_SHAPES]
         rows.append(dict(bits=bits, options=asdict(cand), pps_ms=times))

@@ -46,6 +46,14 @@ class DecodeKernelOptions:
     k_transposed: load key codes as ``[D/2, T]`` tiles (no register transpose before the matrix unit).
     programs_per_sm: the split count aims at this many programs per multiprocessor.
     maxnreg: register cap per thread (more programs per multiprocessor), None for the compiler's choice.
+    words: load codes as int32 words (4 INT8 codes or 8 INT4 nibbles each) and split them into fp16 with bit
+        operations on the whole word (PTX ``prmt``/``lop3`` with ``cvt=2``); 4-bit and pure 8-bit pools only
+        (``mixed=True`` pools take the byte path).
+    fold_bias: the magic-number conversion leaves ``1024 + code`` (no subtraction per code); the ``1024``
+        folds into the per-block terms, ``-1024 * sum(q * scale)`` for keys and ``-1024 * sum(p * scale)``
+        for values (``cvt`` 1 or 2 only).
+    defer_min: the value-min term ``sum_t p_t min_t`` (one number per query row) is accumulated in its own
+        rescaled vector and added to the output once per split, not to every output channel per block.
     """
 
     cvt: int = 2
@@ -56,6 +64,9 @@ class DecodeKernelOptions:
     num_stages: int = 2
     min_blocks_per_split: int = 4
     maxnreg: int | None = None
+    words: bool = False
+    fold_bias: bool = False
+    defer_min: bool = False
 
 
 # Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
@@ -66,7 +77,10 @@ _DEFAULTS = {
     4: DecodeKernelOptions(cvt=2, k_transposed=True, num_stages=3, programs_per_sm=8),
     0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
 }
-PURE_INT8 = DecodeKernelOptions(cvt=2, mixed=False, programs_per_sm=2, maxnreg=128)
+# programs_per_sm 16 (was 2): chosen by the split sweep of run 3 (16x32K 0.598 -> 0.553 ms, 64x8K 0.515 ->
+# 0.525 ms in the same run). The options ``words``, ``fold_bias`` and ``defer_min`` are correct on the H200
+# but were not faster there (benchmarks/NOTES.md, run 3); they stay off.
+PURE_INT8 = DecodeKernelOptions(cvt=2, mixed=False, programs_per_sm=16, maxnreg=128)
 
 
 def default_options(bits: int) -> DecodeKernelOptions:
@@ -97,14 +111,212 @@ def _codes_to_f16_prmt(x):
 
 
 @triton.jit
-def _codes_to(x, CDT: tl.constexpr, CVT: tl.constexpr):
-    """uint8 codes [.., n] -> CDT, exact (codes <= 255)."""
+def _codes_to_f16_prmt_biased(x):
+    """uint8 codes -> fp16 ``1024 + code`` (exact), four at a time, one ``prmt`` per two codes."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        prmt.b32 $0, $2, 0x64646464, 0x4140;
+        prmt.b32 $1, $2, 0x64646464, 0x4342;
+        """,
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _codes_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr = False):
+    """uint8 codes [.., n] -> CDT, exact (codes <= 255); ``1024 + code`` if FOLD (fp16 magic number)."""
     if CVT == 2:
-        return _codes_to_f16_prmt(x)
+        if FOLD:
+            return _codes_to_f16_prmt_biased(x)
+        else:
+            return _codes_to_f16_prmt(x)
     elif CVT == 1:
-        return (x.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        if FOLD:
+            return (x.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        else:
+            return (x.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
     else:
         return x.to(CDT)
+
+
+@triton.jit
+def _small_int_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr):
+    """int32 values in [0, 255] -> CDT, exact; ``1024 + x`` if FOLD (pure ``tl``)."""
+    if CVT == 0:
+        return x.to(CDT)
+    else:
+        h = (x | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        if FOLD:
+            return h
+        else:
+            return h - 1024.0
+
+
+@triton.jit
+def _bytes_of_words_asm(w, FOLD: tl.constexpr):
+    """int32 words -> their four bytes as fp16 ``1024 + byte`` (``byte`` if not FOLD), byte 0 first."""
+    if FOLD:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t0, t1;
+            prmt.b32 t0, $4, 0x64646464, 0x4140;
+            prmt.b32 t1, $4, 0x64646464, 0x4342;
+            mov.b32 {$0, $1}, t0;
+            mov.b32 {$2, $3}, t1;
+            }
+            """,
+            constraints="=h,=h,=h,=h,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t0, t1, bias;
+            mov.b32 bias, 0x64006400;
+            prmt.b32 t0, $4, 0x64646464, 0x4140;
+            prmt.b32 t1, $4, 0x64646464, 0x4342;
+            sub.f16x2 t0, t0, bias;
+            sub.f16x2 t1, t1, bias;
+            mov.b32 {$0, $1}, t0;
+            mov.b32 {$2, $3}, t1;
+            }
+            """,
+            constraints="=h,=h,=h,=h,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+
+
+@triton.jit
+def _nibbles_of_words_asm(w, FOLD: tl.constexpr):
+    """int32 words -> fp16 ``1024 + nibble``: low nibbles of bytes 0..3, then high nibbles of bytes 0..3.
+
+    ``lop3`` puts the low nibbles of bytes 0 and 2 into one f16x2 register (``(w & 0x000F000F) |
+    0x64006400``); shifts by 4, 8 and 12 give the other three pairs.
+    """
+    if FOLD:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t0, t1, t2, t3, s;
+            lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 s, $8, 4;
+            lop3.b32 t1, s, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 s, $8, 8;
+            lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 s, $8, 12;
+            lop3.b32 t3, s, 0x000F000F, 0x64006400, 0xEA;
+            mov.b32 {$0, $2}, t0;
+            mov.b32 {$4, $6}, t1;
+            mov.b32 {$1, $3}, t2;
+            mov.b32 {$5, $7}, t3;
+            }
+            """,
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+            args=[w],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t0, t1, t2, t3, s, bias;
+            mov.b32 bias, 0x64006400;
+            lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 s, $8, 4;
+            lop3.b32 t1, s, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 s, $8, 8;
+            lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 s, $8, 12;
+            lop3.b32 t3, s, 0x000F000F, 0x64006400, 0xEA;
+            sub.f16x2 t0, t0, bias;
+            sub.f16x2 t1, t1, bias;
+            sub.f16x2 t2, t2, bias;
+            sub.f16x2 t3, t3, bias;
+            mov.b32 {$0, $2}, t0;
+            mov.b32 {$4, $6}, t1;
+            mov.b32 {$1, $3}, t2;
+            mov.b32 {$5, $7}, t3;
+            }
+            """,
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+            args=[w],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+
+
+@triton.jit
+def _interleave4(c0, c1, c2, c3, T: tl.constexpr, N: tl.constexpr):
+    """Four [T, N/4] tiles -> [T, N] with column 4 w + j from tile j (no data movement: register joins)."""
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [T, N])
+
+
+@triton.jit
+def _word_halves(
+    ptr,
+    s_t,
+    T: tl.constexpr,
+    DH: tl.constexpr,
+    BS: tl.constexpr,
+    KIND: tl.constexpr,
+    CDT: tl.constexpr,
+    CVT: tl.constexpr,
+    FOLD: tl.constexpr,
+):
+    """Codes of channels [0, D/2) and [D/2, D) of one block from int32 words: two CDT tiles [T, DH].
+
+    Row stride ``s_t`` in bytes (a multiple of 4). INT8: words ``w`` of each half hold channels ``4w..4w+3``;
+    INT4: word ``w`` holds channels ``4w..4w+3`` (low nibbles) and ``DH + 4w..`` (high nibbles).
+    """
+    WH: tl.constexpr = DH // 4
+    t = tl.arange(0, T)
+    w = tl.arange(0, WH)
+    wptr = ptr.to(tl.pointer_type(tl.int32))
+    offs = t[:, None].to(tl.int64) * (s_t // 4) + w[None, :]
+    tmask = (t < BS)[:, None]
+    lo = tl.load(wptr + offs, mask=tmask, other=0)
+    if KIND == 8:
+        hi = tl.load(wptr + offs + WH, mask=tmask, other=0)
+        if CVT == 2:
+            a0, a1, a2, a3 = _bytes_of_words_asm(lo, FOLD)
+            b0, b1, b2, b3 = _bytes_of_words_asm(hi, FOLD)
+        else:
+            a0 = _small_int_to(lo & 255, CDT, CVT, FOLD)
+            a1 = _small_int_to((lo >> 8) & 255, CDT, CVT, FOLD)
+            a2 = _small_int_to((lo >> 16) & 255, CDT, CVT, FOLD)
+            a3 = _small_int_to((lo >> 24) & 255, CDT, CVT, FOLD)
+            b0 = _small_int_to(hi & 255, CDT, CVT, FOLD)
+            b1 = _small_int_to((hi >> 8) & 255, CDT, CVT, FOLD)
+            b2 = _small_int_to((hi >> 16) & 255, CDT, CVT, FOLD)
+            b3 = _small_int_to((hi >> 24) & 255, CDT, CVT, FOLD)
+    else:
+        if CVT == 2:
+            a0, a1, a2, a3, b0, b1, b2, b3 = _nibbles_of_words_asm(lo, FOLD)
+        else:
+            a0 = _small_int_to(lo & 15, CDT, CVT, FOLD)
+            a1 = _small_int_to((lo >> 8) & 15, CDT, CVT, FOLD)
+            a2 = _small_int_to((lo >> 16) & 15, CDT, CVT, FOLD)
+            a3 = _small_int_to((lo >> 24) & 15, CDT, CVT, FOLD)
+            b0 = _small_int_to((lo >> 4) & 15, CDT, CVT, FOLD)
+            b1 = _small_int_to((lo >> 12) & 15, CDT, CVT, FOLD)
+            b2 = _small_int_to((lo >> 20) & 15, CDT, CVT, FOLD)
+            b3 = _small_int_to((lo >> 28) & 15, CDT, CVT, FOLD)
+    return _interleave4(a0, a1, a2, a3, T, DH), _interleave4(b0, b1, b2, b3, T, DH)
 
 
 @triton.jit
@@ -203,6 +415,7 @@ def _quant_tile(
     l_i,
     acc_lo,
     acc_hi,
+    acc_m,
     DH: tl.constexpr,
     T: tl.constexpr,
     BS: tl.constexpr,
@@ -212,8 +425,13 @@ def _quant_tile(
     CVT: tl.constexpr,
     PREC: tl.constexpr,
     KT: tl.constexpr,
+    WORDS: tl.constexpr = False,
+    FOLD: tl.constexpr = False,
+    DEFER: tl.constexpr = False,
 ):
-    """One quantized cold block; every pointer is already at this (block, head). KT: load keys as [DH, T]."""
+    """One quantized cold block; every pointer is already at this (block, head). KT: load keys as [DH, T];
+    WORDS: codes from int32 words (:func:`_word_halves`); FOLD: codes arrive as ``1024 + code``; DEFER: the
+    value-min term goes to ``acc_m`` [GP] (added to every channel by the caller at the end)."""
     four = bits == 4
     hi_off = tl.where(four, 0, DH)
     shift = tl.where(four, 4, 0).to(tl.uint8)
@@ -224,30 +442,47 @@ def _quant_tile(
     kmin_hi = tl.load(kmin_ptr + DH + c).to(tl.float32)
     ksc_lo = tl.load(ksc_ptr + c).to(tl.float32)
     ksc_hi = tl.load(ksc_ptr + DH + c).to(tl.float32)
-    k_lo, k_hi = _code_halves(k_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, KT)
-    if KT:
-        k_lo = _codes_to(k_lo, CDT, CVT)
-        k_hi = _codes_to(k_hi, CDT, CVT)
+    if WORDS:
+        k_lo, k_hi = _word_halves(k_ptr, s_t, T, DH, BS, KIND, CDT, CVT, FOLD)
+        k_lo = tl.trans(k_lo)
+        k_hi = tl.trans(k_hi)
     else:
-        k_lo = tl.trans(_codes_to(k_lo, CDT, CVT))
-        k_hi = tl.trans(_codes_to(k_hi, CDT, CVT))
+        k_lo, k_hi = _code_halves(k_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, KT)
+        if KT:
+            k_lo = _codes_to(k_lo, CDT, CVT, FOLD)
+            k_hi = _codes_to(k_hi, CDT, CVT, FOLD)
+        else:
+            k_lo = tl.trans(_codes_to(k_lo, CDT, CVT, FOLD))
+            k_hi = tl.trans(_codes_to(k_hi, CDT, CVT, FOLD))
+    qs_lo = (q_lo * ksc_lo[None, :]).to(CDT)
+    qs_hi = (q_hi * ksc_hi[None, :]).to(CDT)
     qm = tl.sum(q_lo * kmin_lo[None, :], 1) + tl.sum(q_hi * kmin_hi[None, :], 1)
-    s = tl.dot((q_lo * ksc_lo[None, :]).to(CDT), k_lo, input_precision=PREC)
-    s += tl.dot((q_hi * ksc_hi[None, :]).to(CDT), k_hi, input_precision=PREC)
+    if FOLD:  # the codes are 1024 + code: take 1024 * sum(q * scale) (the rounded operands) back out
+        qm -= 1024.0 * (tl.sum(qs_lo.to(tl.float32), 1) + tl.sum(qs_hi.to(tl.float32), 1))
+    s = tl.dot(qs_lo, k_lo, input_precision=PREC)
+    s += tl.dot(qs_hi, k_hi, input_precision=PREC)
     s = tl.where((t < BS)[None, :], s + qm[:, None], float("-inf"))
     p, alpha, m_i, l_i, lse = _softmax_step(s, m_i, l_i)
     vmin = tl.load(vmin_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
     vsc = tl.load(vsc_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
     ps = (p * vsc[None, :]).to(CDT)
     pm = tl.sum(p * vmin[None, :], 1)
-    v_lo, v_hi = _code_halves(v_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, False)
-    acc_lo = (
-        acc_lo * alpha[:, None] + tl.dot(ps, _codes_to(v_lo, CDT, CVT), input_precision=PREC) + pm[:, None]
-    )
-    acc_hi = (
-        acc_hi * alpha[:, None] + tl.dot(ps, _codes_to(v_hi, CDT, CVT), input_precision=PREC) + pm[:, None]
-    )
-    return m_i, l_i, acc_lo, acc_hi, lse
+    if FOLD:
+        pm -= 1024.0 * tl.sum(ps.to(tl.float32), 1)
+    if WORDS:
+        v_lo, v_hi = _word_halves(v_ptr, s_t, T, DH, BS, KIND, CDT, CVT, FOLD)
+    else:
+        v_lo, v_hi = _code_halves(v_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, False)
+        v_lo = _codes_to(v_lo, CDT, CVT, FOLD)
+        v_hi = _codes_to(v_hi, CDT, CVT, FOLD)
+    if DEFER:
+        acc_m = acc_m * alpha + pm
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(ps, v_lo, input_precision=PREC)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(ps, v_hi, input_precision=PREC)
+    else:
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(ps, v_lo, input_precision=PREC) + pm[:, None]
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(ps, v_hi, input_precision=PREC) + pm[:, None]
+    return m_i, l_i, acc_lo, acc_hi, acc_m, lse
 
 
 @triton.jit
@@ -259,7 +494,8 @@ def _split_kernel(
     s_qb, s_qh, s_hs, s_hh, s_ht, s_cn, s_ch, s_ct, s_kn, s_kh, s_vn, s_vh,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr, BS: tl.constexpr,
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
-    PREC: tl.constexpr, KT: tl.constexpr,
+    PREC: tl.constexpr, KT: tl.constexpr, WORDS: tl.constexpr = False, FOLD: tl.constexpr = False,
+    DEFER: tl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse."""
     pid_s = tl.program_id(0)
@@ -279,6 +515,7 @@ def _split_kernel(
     l_i = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, DH], tl.float32)
     acc_hi = tl.zeros([GP, DH], tl.float32)
+    acc_m = tl.zeros([GP], tl.float32)  # deferred value-min term (DEFER), rescaled like acc
     # The hot zone (model precision, newest tokens) belongs to the last split.
     is_last = pid_s == num_splits - 1
     n_hot = tl.where(is_last, tl.load(hot_len_ptr + b), 0)
@@ -306,13 +543,16 @@ def _split_kernel(
             bits = tl.load(bits_ptr + bid) if MIXED else KIND
             kq = bid * s_kn + h * s_kh
             vq = bid * s_vn + h * s_vh
-            m_i, l_i, acc_lo, acc_hi, lse = _quant_tile(
+            m_i, l_i, acc_lo, acc_hi, acc_m, lse = _quant_tile(
                 k_ptr, v_ptr, s_ct, kmin_ptr + kq, ksc_ptr + kq, vmin_ptr + vq, vsc_ptr + vq, bits,
-                qf_lo, qf_hi, m_i, l_i, acc_lo, acc_hi, DH, T, BS, KIND, MIXED, CDT, CVT, PREC,
-                KT)  # fmt: skip
+                qf_lo, qf_hi, m_i, l_i, acc_lo, acc_hi, acc_m, DH, T, BS, KIND, MIXED, CDT, CVT, PREC,
+                KT, WORDS, FOLD, DEFER)  # fmt: skip
         tl.store(blk_lse_ptr + (row + j) * G + g, lse, mask=gmask)
     part = (bh * num_splits + pid_s).to(tl.int64)
     acc_off = part * G * D + g[:, None] * D + c[None, :]
+    if DEFER:
+        acc_lo += acc_m[:, None]
+        acc_hi += acc_m[:, None]
     tl.store(part_acc_ptr + acc_off, acc_lo, mask=gmask[:, None])
     tl.store(part_acc_ptr + acc_off + DH, acc_hi, mask=gmask[:, None])
     tl.store(part_ml_ptr + part * 2 * G + g, m_i, mask=gmask)
@@ -397,6 +637,11 @@ def _resolve(options: DecodeKernelOptions | None, bits: int, model_dtype: torch.
     return replace(opts, cvt=cvt)
 
 
+def _word_aligned(pool: ColdPool) -> bool:
+    """Code rows start at 4-byte boundaries (int32 word loads)."""
+    return all(x.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in x.stride()[:3]) for x in (pool.k, pool.v))
+
+
 def tileable_head_dim(d: int) -> bool:
     """Head dims the kernels tile: two halves of a power of two >= 16 (others take the reference)."""
     half = d // 2
@@ -471,6 +716,7 @@ def hybrid_decode_attention_triton(
     ncold = num_cold.to(torch.int32).contiguous()
     hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
     T = max(16, triton.next_power_of_2(pool.k.shape[2]))
+    mixed = bits == 8 and opts.mixed
     _split_kernel[(splits, B * H)](
         q, hot_k, hot_v, hot_slot, hot_len,
         pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
@@ -481,7 +727,9 @@ def hybrid_decode_attention_triton(
         pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, T=T, BS=pool.k.shape[2],
         HOT_T=min(64, max(16, triton.next_power_of_2(hot_k.shape[2]))), KIND=bits,
-        MIXED=bits == 8 and opts.mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
+        MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
+        WORDS=opts.words and not mixed and bits > 0 and _word_aligned(pool),
+        FOLD=opts.fold_bias and opts.cvt > 0, DEFER=opts.defer_min and bits > 0,
         num_warps=opts.num_warps, num_stages=opts.num_stages,
         **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
     )  # fmt: skip

@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -154,7 +155,14 @@ def poison_allocator(device: str) -> None:
      (8, torch.float16, {"cvt": 0, "k_transposed": True}),
      (8, torch.float16, {"cvt": 1, "k_transposed": True, "mixed": False}), (4, torch.float16, {"cvt": 1}),
      (4, torch.float16, {"cvt": 1, "k_transposed": True}), (4, torch.float32, {}), (0, torch.float16, {}),
-     (0, torch.float32, {})],
+     (0, torch.float32, {}),
+     (8, torch.float16, {"cvt": 1, "mixed": False, "words": True}),
+     (8, torch.float16, {"cvt": 1, "mixed": False, "words": True, "fold_bias": True, "defer_min": True}),
+     (8, torch.float16, {"cvt": 0, "mixed": False, "words": True, "defer_min": True}),
+     (8, torch.float16, {"cvt": 1, "fold_bias": True}), (8, torch.float32, {"mixed": False, "words": True}),
+     (4, torch.float16, {"cvt": 1, "words": True}),
+     (4, torch.float16, {"cvt": 1, "words": True, "fold_bias": True, "defer_min": True}),
+     (4, torch.float16, {"cvt": 1, "k_transposed": True, "fold_bias": True})],
     ids=str,
 )  # fmt: skip
 def test_decode_attention_interpreted(
@@ -222,10 +230,15 @@ def _poisoned_pair(
     return a, b
 
 
+def _field_msg(name: str) -> Callable[[str], str]:
+    """assert_close's message callback naming the pool field."""
+    return lambda m: f"pool.{name}: {m}"
+
+
 def assert_pools_equal(got: ColdPool, want: ColdPool) -> None:
     for name in ("k", "v", "k_min", "k_scale", "v_min", "v_scale", "block_bits"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0, equal_nan=True,
-                                   msg=lambda m, name=name: f"pool.{name}: {m}")  # fmt: skip
+                                   msg=_field_msg(name))  # fmt: skip
 
 
 def _codes(pool: ColdPool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +257,7 @@ def assert_pools_close(got: ColdPool, want: ColdPool, ids: torch.Tensor, x: tupl
     for name in ("k_min", "k_scale", "v_min", "v_scale"):
         torch.testing.assert_close(
             getattr(got, name)[ids], getattr(want, name)[ids], rtol=2**-10, atol=2**-24,
-            msg=lambda m, name=name: f"pool.{name}: {m}",
+            msg=_field_msg(name),
         )  # fmt: skip
     for mine, theirs in zip(_codes(got), _codes(want)):
         diff = (mine[ids] - theirs[ids]).abs()
@@ -313,6 +326,25 @@ def test_decode_variants_gpu(gpu_kernels, cvt: int, k_transposed: bool, bits: in
     opts = gpu_kernels.triton_decode.DecodeKernelOptions(cvt=cvt, k_transposed=k_transposed, mixed=mixed)
     got = gpu_kernels.triton_decode.hybrid_decode_attention_triton(**inp, options=opts)
     assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[:2], ids=str)
+@pytest.mark.parametrize(
+    ("cvt", "knobs"),
+    [(2, {"words": True}), (2, {"words": True, "fold_bias": True, "defer_min": True}),
+     (2, {"fold_bias": True, "defer_min": True}), (2, {"words": True, "num_warps": 2}),
+     (1, {"words": True, "fold_bias": True})], ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("bits", [8, 4])
+def test_decode_word_variants_gpu(gpu_kernels, shape: Shape, cvt: int, knobs: dict, bits: int) -> None:
+    """Word loads, the folded magic-number bias and the deferred value-min term (pure 8-bit or 4-bit)."""
+    inp = make_decode(shape, bits, torch.bfloat16, "cuda", demote=False)
+    opts = gpu_kernels.triton_decode.DecodeKernelOptions(cvt=cvt, mixed=False, **knobs)
+    want = hybrid_decode_attention_ref(**inp)
+    poison_allocator("cuda")
+    got = gpu_kernels.triton_decode.hybrid_decode_attention_triton(**inp, options=opts)
+    assert_decode_close(got, want, inp["num_cold"], torch.bfloat16)
 
 
 @pytest.mark.gpu

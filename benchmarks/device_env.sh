@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Source this at the start of a run on a GPU machine that has torch + triton but not kvtune, ray or optuna:
+#   . benchmarks/device_env.sh
+# It installs the carried wheels in .whl/ (see README: device wheels) into /tmp/site and reassembles
+# the SmolLM2 GGUF from parts carried in .weights/{a,b,c}/ or left in /tmp/weights by earlier runs.
+# The checkout itself goes on PYTHONPATH: kvtune/__init__.py maps the sibling folders as an install would.
+set -u
+repo=$(pwd)
+if [ -d .whl ]; then
+  rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="$repo:/tmp/site" RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+mkdir -p /tmp/weights
+for p in a/part1 b/part2 c/part3; do
+  [ -f ".weights/$p" ] && cp ".weights/$p" "/tmp/weights/$(basename $p)"
+done
+if [ -f /tmp/weights/part1 ] && [ -f /tmp/weights/part2 ] && [ -f /tmp/weights/part3 ]; then
+  cat /tmp/weights/part1 /tmp/weights/part2 /tmp/weights/part3 > /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "gguf sha256: $(sha256sum /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-16)"
+  export KVTUNE_SMOLLM2_GGUF=/tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf
+fi
+kvtune() { python3 -m kvtune "$@"; }
