@@ -60,8 +60,20 @@ def update_access(
     num_cold: torch.Tensor,
     now_ms: float,
 ) -> torch.Tensor:
-    """See :func:`update_access_ref`."""
-    return update_access_ref(last_access, ema, block_mass, block_table, num_cold, now_ms)
+    """See :func:`update_access_ref`; touches only the listed blocks' statistics (O(B·H·M), not O(N)).
+
+    Entries that list the same block gather the same old statistics and the same pooled ``accessed`` flag, so
+    they write identical values and the scatter is deterministic (padding entries alias block 0 the same way).
+    """
+    acc = accessed_blocks_ref(last_access.shape[0], block_mass, block_table, num_cold)
+    ids = block_table.long().clamp(min=0).flatten()
+    hit = acc[ids]
+    last, old = last_access[ids], ema[ids]
+    interval = now_ms - last
+    new_ema = torch.where(torch.isnan(old), interval, EMA_WEIGHT * interval + (1 - EMA_WEIGHT) * old)
+    ema.index_put_((ids,), torch.where(hit, new_ema, old))
+    last_access.index_put_((ids,), torch.where(hit, torch.full_like(last, now_ms), last))
+    return acc
 
 
 def inter_access_interval(last_access: torch.Tensor, ema: torch.Tensor, now_ms: float) -> torch.Tensor:

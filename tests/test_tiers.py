@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtune.cache_impl.tiers import L1, L2, MigrationQueue, Migrations, TierState, load_factor, threshold_ms
-from kvtune.kernels.access import inter_access_interval, update_access
+from kvtune.kernels.access import inter_access_interval, update_access, update_access_ref
 from kvtune.kernels.layout import ColdLayout
 from kvtune.kernels.quant import seal_blocks
 from kvtune.tests.cache_testlib import config, decode_step, new_cache, prefill, qkv
@@ -152,3 +152,21 @@ def test_cache_plans_every_interval_and_demotes(throttling: bool, done_per_step:
     assert stats["plans"] == 1 and stats["l2_blocks"] == done[-1]
     assert cache.debug_stats()["migrations_queued"] == 12 - done[-1]
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sparse_access_update_equals_reference(seed: int) -> None:
+    """The listed-blocks-only update gives the reference's statistics (shared blocks, padding, NaN EMAs)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, b, h, m = 11, 3, 2, 5
+    table = torch.randint(0, n, (b, h, m), generator=gen, dtype=torch.int32)
+    num_cold = torch.randint(1, m + 1, (b, h), generator=gen, dtype=torch.int32)
+    table = torch.where(torch.arange(m) < num_cold[..., None], table, -1)
+    mass = torch.rand((b, h, m), generator=gen)
+    last = torch.rand(n, generator=gen, dtype=torch.float64) * 100
+    ema = torch.where(torch.rand(n, generator=gen) < 0.5, float("nan"), 50.0).to(torch.float64)
+    ref_last, ref_ema = last.clone(), ema.clone()
+    acc_ref = update_access_ref(ref_last, ref_ema, mass, table, num_cold, 200.0)
+    acc = update_access(last, ema, mass, table, num_cold, 200.0)
+    assert torch.equal(acc, acc_ref) and torch.equal(last, ref_last)
+    torch.testing.assert_close(ema, ref_ema, equal_nan=True, rtol=0, atol=0)

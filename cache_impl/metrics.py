@@ -1,0 +1,219 @@
+"""Metrics of one trace replay (DESIGN §2) and the device copy-bandwidth probe.
+
+Per request: TTFT (arrival → first output token), TPOT (mean time per output token after the first), the
+inter-token latencies (every gap between consecutive output tokens) and end-to-end latency (arrival → last
+token); each summarized as P50/P90/P99. A percentile over fewer than :data:`MIN_REQUESTS_FOR_PERCENTILES`
+requests is reported with a warning. Attention bandwidth is the bytes the attention pass read divided by its
+measured time; utilization compares it with the copy bandwidth measured on the device at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+MIN_REQUESTS_FOR_PERCENTILES = 100
+PERCENTILES: tuple[int, ...] = (50, 90, 99)
+
+
+def percentiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """P50, P90 and P99 of ``values`` (linear interpolation); NaN for an empty sequence."""
+    if len(values) == 0:
+        return (math.nan, math.nan, math.nan)
+    p = np.percentile(np.asarray(values, dtype=np.float64), PERCENTILES)
+    return (float(p[0]), float(p[1]), float(p[2]))
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """When one request arrived and when each of its output tokens came out (engine clock, ms)."""
+
+    rid: int
+    arrival_ms: float
+    token_ms: tuple[float, ...]
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.token_ms[0] - self.arrival_ms
+
+    @property
+    def e2e_ms(self) -> float:
+        return self.token_ms[-1] - self.arrival_ms
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first; None for a single-token output."""
+        n = len(self.token_ms)
+        return None if n < 2 else (self.token_ms[-1] - self.token_ms[0]) / (n - 1)
+
+    @property
+    def itl_ms(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_ms, self.token_ms[1:])]
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """Totals the engine accumulates over a replay (times in ms, bytes in bytes)."""
+
+    duration_ms: float = 0.0
+    decode_steps: int = 0
+    decode_ms: float = 0.0  # whole decode steps: scheduling + cache bookkeeping + model + attention
+    model_ms: float = 0.0  # model.decode calls (model math + attention)
+    attention_ms: float = 0.0  # cache.decode calls
+    attention_bytes: int = 0
+    prefill_ms: float = 0.0
+    peak_kv_bytes: int = 0
+    peak_running: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of every admission (recomputes included)
+    prefix_hit_tokens: int = 0
+    refused: int = 0
+    clipped: int = 0
+    copy_bandwidth_gbs: float = math.nan
+    debug: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReplayMetrics:
+    """Everything one replay reports; :meth:`to_dict` is what the tuner stores with a trial."""
+
+    completed: int
+    refused: int
+    clipped: int
+    preemptions: int
+    ttft_ms: tuple[float, float, float]
+    tpot_ms: tuple[float, float, float]
+    itl_ms: tuple[float, float, float]
+    e2e_ms: tuple[float, float, float]
+    tokens_per_s: float
+    requests_per_s: float
+    duration_s: float
+    decode_steps: int
+    step_ms: float
+    attn_ms_per_step: float
+    attn_bandwidth_gbs: float
+    copy_bandwidth_gbs: float
+    attn_utilization: float
+    bookkeeping_ms_per_step: float
+    bookkeeping_share: float
+    peak_kv_bytes: int
+    peak_running: int
+    prefix_hit_rate: float
+    warnings: tuple[str, ...] = ()
+    debug: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        for name in ("ttft", "tpot", "itl", "e2e"):
+            for p, value in zip(PERCENTILES, getattr(self, f"{name}_ms")):
+                d[f"{name}_p{p}_ms"] = value
+        for f in dataclasses.fields(self):
+            if f.name not in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "warnings", "debug"):
+                d[f.name] = getattr(self, f.name)
+        d["warnings"] = list(self.warnings)
+        if self.debug:
+            d["debug"] = dict(self.debug)
+        return d
+
+
+def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetrics:
+    """Fold per-request timings and the engine's counters into :class:`ReplayMetrics`."""
+    tpots = [t.tpot_ms for t in timings if t.tpot_ms is not None]
+    itls = [gap for t in timings for gap in t.itl_ms]
+    tokens = sum(len(t.token_ms) for t in timings)
+    seconds = c.duration_ms / 1000.0
+    steps = max(c.decode_steps, 1)
+    attn_s = c.attention_ms / 1000.0
+    bandwidth = c.attention_bytes / attn_s / 1e9 if attn_s > 0 else math.nan
+    bookkeeping = max(c.decode_ms - c.model_ms, 0.0) / steps
+    step_ms = c.decode_ms / steps
+    return ReplayMetrics(
+        completed=len(timings),
+        refused=c.refused,
+        clipped=c.clipped,
+        preemptions=c.preemptions,
+        ttft_ms=percentiles([t.ttft_ms for t in timings]),
+        tpot_ms=percentiles(tpots),
+        itl_ms=percentiles(itls),
+        e2e_ms=percentiles([t.e2e_ms for t in timings]),
+        tokens_per_s=tokens / seconds if seconds > 0 else math.nan,
+        requests_per_s=len(timings) / seconds if seconds > 0 else math.nan,
+        duration_s=seconds,
+        decode_steps=c.decode_steps,
+        step_ms=step_ms,
+        attn_ms_per_step=c.attention_ms / steps,
+        attn_bandwidth_gbs=bandwidth,
+        copy_bandwidth_gbs=c.copy_bandwidth_gbs,
+        attn_utilization=bandwidth / c.copy_bandwidth_gbs if c.copy_bandwidth_gbs > 0 else math.nan,
+        bookkeeping_ms_per_step=bookkeeping,
+        bookkeeping_share=bookkeeping / step_ms if step_ms > 0 else math.nan,
+        peak_kv_bytes=c.peak_kv_bytes,
+        peak_running=c.peak_running,
+        prefix_hit_rate=c.prefix_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        warnings=_warnings(len(timings), c),
+        debug=dict(c.debug),
+    )
+
+
+def _warnings(completed: int, c: EngineCounters) -> tuple[str, ...]:
+    out = []
+    if completed < MIN_REQUESTS_FOR_PERCENTILES:
+        out.append(
+            f"percentiles over {completed} requests (< {MIN_REQUESTS_FOR_PERCENTILES}): P99 is noisy, "
+            "replay more requests"
+        )
+    if c.refused:
+        out.append(f"{c.refused} request(s) refused: they can never fit in the KV budget")
+    if c.clipped:
+        out.append(f"{c.clipped} request(s) clipped to the model's context")
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------------------ copy bandwidth
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Achieved device-memory bandwidth of a plain tensor copy, in GB/s (best of ``repeats``).
+
+    Counts the bytes read plus the bytes written (``2 * nbytes`` per copy), the usual convention for a copy
+    benchmark. CUDA copies are timed with device events; CPU copies with ``perf_counter`` (on CPU ``nbytes``
+    is capped at 64 MiB so the probe stays quick).
+    """
+    if device.type != "cuda":
+        nbytes = min(nbytes, 64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first touch, allocator
+    best = min(_timed_copy_s(src, dst) for _ in range(repeats))
+    return 2 * nbytes / best / 1e9
+
+
+def _timed_copy_s(src: torch.Tensor, dst: torch.Tensor) -> float:
+    if src.device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with NaN/inf floats replaced by None and tuples by lists (strict JSON for ``json.dumps``)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj

@@ -1,0 +1,384 @@
+"""What a cache configuration costs in quality, measured (DESIGN §2).
+
+A model runs teacher-forced over windows of real text: each window is a prefill of ``prefill_tokens``
+tokens, then ``decode_tokens`` tokens decoded one by one through the hybrid cache, and the same through an
+unquantized cache (``config.unquantized()``: same hot zone and block size, nothing quantized, no sparse
+tier). Per decoded token: KL(base ‖ config) of the next-token distributions, whether the top-1 tokens agree,
+and the negative log likelihood of the true next token under each (→ perplexities). The cache's debug
+statistics give the share of attention on cold (L1 + L2) and on L2 blocks. Time is virtual: decode step
+``i`` happens at ``i × step_ms``, so tier decisions, and hence the result, depend only on the inputs
+(memo-friendly).
+
+The passkey check hides a 5-digit number at 10 depths in filler text of ``prefill_tokens / 2`` to
+``2 × prefill_tokens`` tokens (1-4K at the default 2,048), then greedy-decodes the answer; the unquantized
+cache's pass rate is reported beside the config's. The end of each prompt is fed by decode steps: with a
+sparse tier, enough of them (virtual time) for the first tier plan after unattended blocks pass the demotion
+threshold (``1.5 × threshold``), so the answer is read through L1 + Quest-selected L2 blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.hybrid_cache import HybridCache
+from kvtune.cache_impl.layout import kv_bytes_for
+from kvtune.cache_impl.tiers import threshold_ms
+
+Progress = Callable[[int, int], None]
+PASSKEY_DEPTHS = 10
+PASSKEY_ANSWER_TOKENS = 8
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+KEY_SENTENCE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is"
+_SEQ = 0  # the one sequence id of each single-sequence cache
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    """The quality of one configuration on one text (see the module docstring)."""
+
+    mean_kl: float
+    max_kl: float
+    top1_agreement: float
+    ppl: float
+    ppl_base: float
+    ppl_change_pct: float
+    cold_attention_share: float
+    l2_attention_share: float
+    passkey_rate: float | None
+    passkey_base_rate: float | None
+    windows: int
+    prefill_tokens: int
+    decode_tokens: int
+    step_ms: float
+    text_sha256: str
+    config: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class _Totals:
+    """Sums over every decoded token of every window."""
+
+    tokens: int = 0
+    kl: float = 0.0
+    max_kl: float = 0.0
+    agree: int = 0
+    nll: float = 0.0
+    nll_base: float = 0.0
+    cold_share: list[float] = field(default_factory=list)
+    l2_share: list[float] = field(default_factory=list)
+
+    def add_step(self, logits: torch.Tensor, base: torch.Tensor, target: int) -> None:
+        """logits, base [V] float32: one decoded token's next-token logits under the config and the base."""
+        lp, lq = base.double().log_softmax(-1), logits.double().log_softmax(-1)
+        kl = float((lp.exp() * (lp - lq)).sum())
+        self.tokens += 1
+        self.kl += kl
+        self.max_kl = max(self.max_kl, kl)
+        self.agree += int(int(logits.argmax()) == int(base.argmax()))
+        self.nll -= float(lq[target])
+        self.nll_base -= float(lp[target])
+
+
+# ------------------------------------------------------------------------------------------------ public
+
+
+def measure_quality(
+    loaded: Any,
+    config: HybridConfig,
+    text: str,
+    windows: int = 8,
+    prefill_tokens: int = 2048,
+    decode_tokens: int = 512,
+    step_ms: float = 50.0,
+    passkey: bool = True,
+    progress: Progress | None = None,
+) -> QualityResult:
+    """Measure ``config`` against ``config.unquantized()`` on ``text`` (see the module docstring)."""
+    _check_args(windows, prefill_tokens, decode_tokens, step_ms)
+    ids = text_token_ids(loaded, text)
+    starts = window_starts(len(ids), windows, prefill_tokens + decode_tokens + 1)
+    trials = []
+    if passkey:
+        min_length = passkey_min_length(loaded)
+        trials = passkey_trials(config, prefill_tokens, loaded.spec.max_context, step_ms, min_length)
+    ticker = _Ticker(progress, windows * decode_tokens + sum(t.steps for t in trials))
+    totals = _Totals()
+    for start in starts:
+        window = _window_ids(loaded, ids, start, prefill_tokens + decode_tokens + 1)
+        _measure_window(loaded, config, window, prefill_tokens, step_ms, totals, ticker)
+    rates = _passkey_rates(loaded, config, trials, step_ms, ticker) if passkey else (None, None)
+    return _result(loaded, config, text, totals, rates, (windows, prefill_tokens, decode_tokens, step_ms))
+
+
+def text_token_ids(loaded: Any, text: str) -> list[int]:
+    """The model's tokens of ``text``; without a tokenizer (random weights): UTF-8 bytes modulo the vocab."""
+    if loaded.tokenizer is not None:
+        return list(loaded.tokenizer.encode(text))
+    vocab = loaded.spec.vocab_size
+    return [b % vocab for b in text.encode("utf-8")]
+
+
+def window_starts(num_tokens: int, windows: int, window_tokens: int) -> list[int]:
+    """Start offsets of ``windows`` non-overlapping windows spread evenly over ``num_tokens`` tokens."""
+    if num_tokens < windows * window_tokens:
+        raise ValueError(
+            f"the text has {num_tokens} tokens, but windows × (prefill_tokens + decode_tokens + 1) = "
+            f"{windows} × {window_tokens} = {windows * window_tokens} are needed: give a longer text or "
+            "smaller windows"
+        )
+    stride = num_tokens // windows
+    return [i * stride for i in range(windows)]
+
+
+# ------------------------------------------------------------------------------------------------ windows
+
+
+def _check_args(windows: int, prefill_tokens: int, decode_tokens: int, step_ms: float) -> None:
+    for name, value in (
+        ("windows", windows),
+        ("prefill_tokens", prefill_tokens),
+        ("decode_tokens", decode_tokens),
+    ):
+        if value < 1:
+            raise ValueError(f"`{name} >= 1` must hold, but got {name}={value}")
+    if not (math.isfinite(step_ms) and step_ms > 0):
+        raise ValueError(f"`step_ms > 0` must hold, but got step_ms={step_ms}")
+
+
+def _window_ids(loaded: Any, ids: Sequence[int], start: int, length: int) -> list[int]:
+    """``length`` tokens from ``start``, the first replaced by BOS when the model has one."""
+    window = list(ids[start : start + length])
+    bos = loaded.spec.bos_token_id
+    return window if bos is None else [bos, *window[1:]]
+
+
+def single_sequence_cache(loaded: Any, config: HybridConfig, num_tokens: int) -> HybridCache:
+    """A cache whose budget holds exactly one sequence of ``num_tokens`` tokens (plus one spare block)."""
+    shape = loaded.model.kv_shape
+    budget = kv_bytes_for(config, shape, [num_tokens + config.block_size])
+    return HybridCache(config, shape, budget, loaded.model.device, max_seqs=1)
+
+
+class _Pair:
+    """The config's cache and the unquantized one, fed the same tokens in lockstep on the virtual clock."""
+
+    def __init__(self, loaded: Any, config: HybridConfig, num_tokens: int, step_ms: float) -> None:
+        self.model = loaded.model
+        self.device = loaded.model.device
+        self.step_ms = step_ms
+        self.steps = 0
+        self.cache = single_sequence_cache(loaded, config.replace(kv_cache_debug=True), num_tokens)
+        self.base = single_sequence_cache(loaded, config.unquantized(), num_tokens)
+
+    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last-position logits [V] under the config and the base."""
+        t = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        out = []
+        for cache in (self.cache, self.base):
+            cache.add_sequence(_SEQ, list(ids))
+            out.append(self.model.prefill(cache, _SEQ, t, 0, last_only=True)[-1])
+        return out[0], out[1]
+
+    def decode(
+        self, token: int, position: int, base_token: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``token`` (the base: ``base_token``, default the same) at ``position``; logits [V] of each."""
+        self.steps += 1
+        now = self.steps * self.step_ms
+        pos = torch.tensor([position], dtype=torch.long, device=self.device)
+        out = []
+        for cache, tok in ((self.cache, token), (self.base, token if base_token is None else base_token)):
+            plan = cache.begin_step([_SEQ], now)
+            ids = torch.tensor([tok], dtype=torch.long, device=self.device)
+            out.append(self.model.decode(cache, plan, ids, pos)[0])
+            cache.end_step(plan)
+        return out[0], out[1]
+
+    def attention_shares(self) -> tuple[float, float]:
+        """Mean share of attention on cold (L1 + L2) and on L2 blocks over the config's decode steps."""
+        return attention_shares(self.cache.debug_stats())
+
+
+def attention_shares(debug: dict[str, Any]) -> tuple[float, float]:
+    """(cold, L2) attention shares from a cache's ``debug_stats()``."""
+    l1, l2 = float(debug["l1_attention_share"]), float(debug["l2_attention_share"])
+    return l1 + l2, l2
+
+
+def _measure_window(
+    loaded: Any,
+    config: HybridConfig,
+    window: Sequence[int],
+    prefill_tokens: int,
+    step_ms: float,
+    totals: _Totals,
+    ticker: _Ticker,
+) -> None:
+    pair = _Pair(loaded, config, len(window), step_ms)
+    pair.prefill(window[:prefill_tokens])
+    for pos in range(prefill_tokens, len(window) - 1):
+        logits, base = pair.decode(window[pos], pos)
+        totals.add_step(logits, base, window[pos + 1])
+        ticker.tick()
+    cold, l2 = pair.attention_shares()
+    totals.cold_share.append(cold)
+    totals.l2_share.append(l2)
+
+
+# ------------------------------------------------------------------------------------------------ passkey
+
+
+@dataclass(frozen=True)
+class PasskeyTrial:
+    """One passkey prompt: total length in tokens, depth of the key in [0, 1], the key, and how many of the
+    prompt's last tokens are fed by decode steps (the rest is prefilled)."""
+
+    length: int
+    depth: float
+    key: str
+    forced: int
+
+    @property
+    def steps(self) -> int:
+        return self.forced + PASSKEY_ANSWER_TOKENS
+
+
+def passkey_trials(
+    config: HybridConfig, prefill_tokens: int, max_context: int, step_ms: float, min_length: int = 64
+) -> list[PasskeyTrial]:
+    """10 depths × lengths spread over [prefill/2, 2·prefill] tokens (at least ``min_length``, at most the
+    context less the answer), shuffled so depth and length are not tied."""
+    limit = max_context - PASSKEY_ANSWER_TOKENS - 1
+    lo = max(prefill_tokens // 2, min_length)
+    if lo > limit:
+        raise ValueError(f"a passkey prompt needs {lo} tokens, but the model's context allows {limit}")
+    hi = max(min(2 * prefill_tokens, limit), lo)
+    rng = np.random.default_rng(0)
+    trials = []
+    for i in range(PASSKEY_DEPTHS):
+        length = lo + (hi - lo) * ((3 * i) % PASSKEY_DEPTHS) // (PASSKEY_DEPTHS - 1)
+        key = str(int(rng.integers(10_000, 100_000)))
+        forced = passkey_forced_steps(config, length, step_ms)
+        trials.append(PasskeyTrial(length, i / (PASSKEY_DEPTHS - 1), key, forced))
+    return trials
+
+
+def passkey_forced_steps(config: HybridConfig, length: int, step_ms: float) -> int:
+    """Prompt tokens fed by decode steps: 8 without a sparse tier; with one, up to the first tier plan after
+    ``1.5 × threshold`` ms of virtual time (when unattended blocks become L2). At most half the prompt."""
+    if not config.sparse_top_k:
+        return min(8, length // 4)
+    demote_steps = math.ceil(1.5 * threshold_ms(config, [length]) / step_ms)
+    interval = config.migration_interval
+    return min(length // 2, math.ceil(demote_steps / interval) * interval + 1)
+
+
+def passkey_min_length(loaded: Any) -> int:
+    """Shortest passkey prompt: BOS, the key sentence, the question and as much filler again."""
+    key = len(text_token_ids(loaded, KEY_SENTENCE.format(key="12345")))
+    return 1 + 2 * (key + len(text_token_ids(loaded, QUESTION)))
+
+
+def passkey_prompt(loaded: Any, trial: PasskeyTrial) -> list[int]:
+    """BOS + filler with the key sentence at ``depth`` + the question, ``trial.length`` tokens in all."""
+    key_ids = text_token_ids(loaded, KEY_SENTENCE.format(key=trial.key))
+    question = text_token_ids(loaded, QUESTION)
+    bos = [] if loaded.spec.bos_token_id is None else [loaded.spec.bos_token_id]
+    room = trial.length - len(bos) - len(key_ids) - len(question)
+    if room < 0:
+        raise ValueError(f"passkey length {trial.length} is too short for the key and the question")
+    filler = text_token_ids(loaded, FILLER)
+    filler = (filler * (room // len(filler) + 1))[:room]
+    at = round(trial.depth * room)
+    return bos + filler[:at] + key_ids + filler[at:] + question
+
+
+def passkey_passed(loaded: Any, key: str, answer: Sequence[int]) -> bool:
+    """Whether the greedy answer contains the key (as text, or as the key's token ids without a tokenizer)."""
+    if loaded.tokenizer is not None:
+        return key in loaded.tokenizer.decode(list(answer))
+    want, got = text_token_ids(loaded, key), list(answer)
+    return any(got[i : i + len(want)] == want for i in range(len(got) - len(want) + 1))
+
+
+def _passkey_rates(
+    loaded: Any, config: HybridConfig, trials: Sequence[PasskeyTrial], step_ms: float, ticker: _Ticker
+) -> tuple[float, float]:
+    passed = np.array([_passkey_trial(loaded, config, t, step_ms, ticker) for t in trials], dtype=np.float64)
+    return float(passed[:, 0].mean()), float(passed[:, 1].mean())
+
+
+def _passkey_trial(
+    loaded: Any, config: HybridConfig, trial: PasskeyTrial, step_ms: float, ticker: _Ticker
+) -> tuple[bool, bool]:
+    prompt = passkey_prompt(loaded, trial)
+    pair = _Pair(loaded, config, len(prompt) + PASSKEY_ANSWER_TOKENS, step_ms)
+    split = len(prompt) - trial.forced
+    logits = pair.prefill(prompt[:split])
+    for pos in range(split, len(prompt)):
+        logits = pair.decode(prompt[pos], pos)
+        ticker.tick()
+    answer, base_answer = [int(logits[0].argmax())], [int(logits[1].argmax())]
+    for pos in range(len(prompt), len(prompt) + PASSKEY_ANSWER_TOKENS - 1):
+        cfg, base = pair.decode(answer[-1], pos, base_answer[-1])
+        answer.append(int(cfg.argmax()))
+        base_answer.append(int(base.argmax()))
+        ticker.tick()
+    ticker.tick()
+    return passkey_passed(loaded, trial.key, answer), passkey_passed(loaded, trial.key, base_answer)
+
+
+# ------------------------------------------------------------------------------------------------ result
+
+
+class _Ticker:
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+
+    def tick(self) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+def _result(
+    loaded: Any,
+    config: HybridConfig,
+    text: str,
+    t: _Totals,
+    rates: tuple[float | None, float | None],
+    shape: tuple[int, int, int, float],
+) -> QualityResult:
+    ppl, ppl_base = math.exp(t.nll / t.tokens), math.exp(t.nll_base / t.tokens)
+    return QualityResult(
+        mean_kl=t.kl / t.tokens,
+        max_kl=t.max_kl,
+        top1_agreement=t.agree / t.tokens,
+        ppl=ppl,
+        ppl_base=ppl_base,
+        ppl_change_pct=(ppl / ppl_base - 1.0) * 100.0,
+        cold_attention_share=float(np.mean(t.cold_share)),
+        l2_attention_share=float(np.mean(t.l2_share)),
+        passkey_rate=rates[0],
+        passkey_base_rate=rates[1],
+        windows=shape[0],
+        prefill_tokens=shape[1],
+        decode_tokens=shape[2],
+        step_ms=shape[3],
+        text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        config=config.to_dict(),
+        model=loaded.spec.name,
+    )

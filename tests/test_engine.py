@@ -1,0 +1,275 @@
+"""The serving engine on CPU, tiny random model: replay, batching under the budget, metrics, command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.engine import Engine, calibrate_time_scale, load_workload
+from kvtune.cache_impl.layout import kv_bytes_for
+from kvtune.cache_impl.metrics import (
+    MIN_REQUESTS_FOR_PERCENTILES,
+    EngineCounters,
+    RequestTiming,
+    json_safe,
+    percentiles,
+    summarize,
+)
+from kvtune.cache_impl.model import load_model
+from kvtune.cache_impl.scheduler import Scheduler
+from kvtune.cache_impl.scheduler import Sequence as Seq
+from kvtune.cache_impl.traces import Request
+from kvtune.tuner.cli import main
+
+CPU = torch.device("cpu")
+CONTRACT_KEYS = (
+    "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
+    "e2e_p90_ms", "e2e_p99_ms", "itl_p99_ms", "tokens_per_s", "attn_bandwidth_gbs", "attn_utilization",
+    "bookkeeping_ms_per_step", "bookkeeping_share", "peak_kv_bytes", "preemptions", "prefix_hit_rate",
+    "refused", "clipped", "completed", "warnings",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes: one intra-op thread avoids thread start-up costs dwarfing the work (and shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("random:tiny", CPU)
+
+
+def _config(bits: int = 8, **kw) -> HybridConfig:
+    return HybridConfig("hybrid_v2", hot_tokens=16, block_size=16, quantization_bits=bits, **kw)
+
+
+def _requests(
+    n: int, input_length: int = 48, output_length: int = 8, gap_ms: float = 2.0, shared: bool = False
+):
+    """``n`` requests; ``shared``: all start with the same two 16-token prefix blocks (hash ids 0, 1)."""
+    ids = lambda i: (0, 1, 1000 + i) if shared else (3 * i, 3 * i + 1, 3 * i + 2)
+    return [Request(i, i * gap_ms, input_length, output_length, ids(i), block_tokens=16) for i in range(n)]
+
+
+def _budget(config: HybridConfig, tiny, sequences: int, length: int) -> int:
+    return kv_bytes_for(config, tiny.model.kv_shape, [length] * sequences)
+
+
+def _replay(tiny, config, budget, requests, time_scale=1.0, max_batch=256):
+    engine = Engine(tiny, config, budget, CPU, max_batch=max_batch)
+    return engine.replay(requests, time_scale, warmup_requests=1).to_dict()
+
+
+# ---------------------------------------------------------------------------------------------- replay
+
+
+def test_replay_end_to_end_gives_finite_metrics(tiny):
+    config = _config(8)
+    m = _replay(tiny, config, _budget(config, tiny, 8, 64), _requests(6))
+    assert set(CONTRACT_KEYS) <= set(m)
+    assert m["completed"] == 6 and m["refused"] == 0
+    finite = [k for k in CONTRACT_KEYS if k not in ("warnings",)]
+    assert all(math.isfinite(m[k]) for k in finite), {k: m[k] for k in finite}
+    assert m["tokens_per_s"] > 0 and m["attn_bandwidth_gbs"] > 0 and m["peak_kv_bytes"] > 0
+
+
+def test_small_budget_preempts_and_still_completes(tiny):
+    config = _config(0)
+    m = _replay(tiny, config, _budget(config, tiny, 2, 80), _requests(5, 40, 40), time_scale=0.0)
+    assert m["preemptions"] > 0
+    assert m["completed"] == 5 and m["refused"] == 0
+
+
+@pytest.mark.parametrize(("shared", "hits"), [(True, True), (False, False)])
+def test_prefix_hits_follow_repeated_hash_ids(tiny, shared, hits):
+    config = _config(8)
+    m = _replay(tiny, config, _budget(config, tiny, 8, 64), _requests(4, 40, 4, gap_ms=50.0, shared=shared))
+    assert (m["prefix_hit_rate"] > 0) is hits
+
+
+def test_four_bits_run_more_sequences_than_unquantized_on_one_budget(tiny):
+    budget = _budget(_config(0), tiny, 3, 190)
+    peak = {
+        bits: _replay(tiny, _config(bits), budget, _requests(8, 180, 8), 0.0)["peak_running"]
+        for bits in (0, 4)
+    }
+    assert peak[4] > peak[0] >= 1, peak
+
+
+@pytest.mark.timeout(60)
+def test_request_that_never_fits_is_refused_not_looped(tiny):
+    config = _config(8)
+    requests = [*_requests(2), Request(7, 1.0, 3000, 8, None)]
+    m = _replay(tiny, config, _budget(config, tiny, 2, 64), requests)
+    assert m["refused"] == 1 and m["completed"] == 2
+
+
+def test_too_long_request_is_clipped_to_the_context(tiny):
+    short = dataclasses.replace(tiny, spec=dataclasses.replace(tiny.spec, max_context=128))
+    config = _config(8)
+    requests = [*_requests(1), Request(5, 0.0, 128, 4, None)]
+    m = _replay(short, config, _budget(config, tiny, 2, 128), requests)
+    assert m["clipped"] == 1 and m["completed"] == 2
+
+
+def test_calibrated_time_scale_is_positive(tiny):
+    config = _config(0)
+    scale = calibrate_time_scale(
+        tiny,
+        _requests(4, 32, 4, gap_ms=1.0),
+        _budget(config, tiny, 4, 64),
+        CPU,
+        0.5,
+        config,
+        warmup_requests=0,
+    )
+    assert math.isfinite(scale) and scale > 0
+
+
+# ---------------------------------------------------------------------------------------------- scheduler
+
+
+class _StubCache:
+    """Every running sequence needs one block per step; ``free`` blocks; sequences up to ``limit`` tokens."""
+
+    def __init__(self, free: int, limit: int = 100, allocatable: bool = True) -> None:
+        self.free, self.limit, self.allocatable, self.freed = free, limit, allocatable, []
+
+    def fits_ever(self, n):
+        return n <= self.limit
+
+    def can_allocate(self, n, token_ids=None):
+        return self.allocatable
+
+    def add_sequence(self, seq_id, token_ids, now_ms=None):
+        return 0
+
+    def blocks_needed_for_step(self, ids):
+        return len(ids)
+
+    def blocks_free(self):
+        return self.free
+
+    def free_sequence(self, seq_id):
+        self.freed.append(seq_id)
+
+
+def _seq(rid: int, arrival_ms: float, input_length: int = 8) -> Seq:
+    return Seq(Request(rid, arrival_ms, input_length, 4), [1] * input_length, arrival_ms)
+
+
+def test_scheduler_preempts_the_newest_arrivals_first():
+    scheduler = Scheduler(_StubCache(free=1))
+    for rid, arrival in ((0, 0.0), (1, 5.0), (2, 1.0)):
+        scheduler.add(_seq(rid, arrival))
+    assert len(scheduler.admit()) == 3
+    assert [s.seq_id for s in scheduler.schedule_decode()] == [0]
+    assert [s.seq_id for s in scheduler.waiting] == [2, 1] and scheduler.preemptions == 2
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [
+        _StubCache(free=9, limit=10),  # longer than an empty cache holds
+        _StubCache(free=9, allocatable=False),  # an empty cache cannot take it
+        _StubCache(free=0),  # running alone, its step still finds no block
+    ],
+)
+def test_scheduler_refuses_what_cannot_run_instead_of_waiting(cache):
+    scheduler = Scheduler(cache)
+    scheduler.add(_seq(0, 0.0))
+    scheduler.admit()
+    scheduler.schedule_decode()
+    assert [s.seq_id for s in scheduler.refused] == [0] and not scheduler.has_work()
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [([], (math.nan,) * 3), ([5.0], (5.0, 5.0, 5.0)), (list(range(101)), (50.0, 90.0, 99.0))],
+)
+def test_percentiles(values, expected):
+    assert percentiles(values) == pytest.approx(expected, nan_ok=True)
+
+
+@pytest.mark.parametrize(("n", "warned"), [(1, True), (MIN_REQUESTS_FOR_PERCENTILES, False)])
+def test_percentiles_under_100_requests_warn(n, warned):
+    timings = [RequestTiming(i, 0.0, (10.0, 12.0, 14.0)) for i in range(n)]
+    m = summarize(timings, EngineCounters(duration_ms=100.0, decode_steps=2, decode_ms=4.0))
+    assert any("percentiles over" in w for w in m.warnings) is warned
+    assert m.ttft_ms[2] == 10.0 and m.tpot_ms[0] == 2.0 and m.itl_ms[1] == 2.0 and m.e2e_ms[0] == 14.0
+
+
+def test_json_safe_replaces_non_finite_numbers():
+    assert json_safe({"a": math.nan, "b": (1.0, math.inf), "c": "x"}) == {
+        "a": None,
+        "b": [1.0, None],
+        "c": "x",
+    }
+
+
+# ---------------------------------------------------------------------------------------------- command
+
+
+def _write_trace(path: Path, n: int) -> Path:
+    rows = [
+        {"timestamp": 1000 + 5 * i, "input_length": 40, "output_length": 4, "hash_ids": [0, i + 1]}
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_load_workload_samples_and_scales(tmp_path):
+    requests, counts, record = load_workload(
+        str(_write_trace(tmp_path / "t.jsonl", 6)), 4096, 4, 0, 0.5, None
+    )
+    assert len(requests) == 4 and requests[0].arrival_ms == 0.0
+    assert requests[0].input_length == 20 and counts.total == 4
+    assert record["length_policy"]["scale"] == 0.5
+
+
+def test_replay_command_prints_and_writes_json(tmp_path, capsys):
+    config = tmp_path / "c.json"
+    config.write_text(_config(4).to_json(), encoding="utf-8")
+    out = tmp_path / "m.json"
+    argv = [
+        "replay",
+        "--config",
+        str(config),
+        "--workload",
+        str(_write_trace(tmp_path / "t.jsonl", 5)),
+        "--model",
+        "random:tiny",
+        "--requests",
+        "5",
+        "--device",
+        "cpu",
+        "--budget-gb",
+        "0.001",
+        "--time-scale",
+        "1",
+        "--length-scale",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["metrics"]["completed"] == 5 and record["config"]["quantization_bits"] == 4
+    assert "TPOT" in capsys.readouterr().out

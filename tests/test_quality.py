@@ -1,0 +1,140 @@
+"""Quality measurement on CPU with the tiny random model (parameters scaled down)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.model import load_model
+from kvtune.cache_impl.quality import (
+    PASSKEY_DEPTHS,
+    PasskeyTrial,
+    measure_quality,
+    passkey_forced_steps,
+    passkey_passed,
+    passkey_prompt,
+    passkey_trials,
+    window_starts,
+)
+from kvtune.tuner.cli import main
+
+EXCERPT = Path(__file__).resolve().parents[1] / "examples" / "text" / "wikitext2_excerpt.txt"
+SMALL = {"windows": 2, "prefill_tokens": 64, "decode_tokens": 24, "step_ms": 50.0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes: one intra-op thread avoids thread start-up costs dwarfing the work (and shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("random:tiny", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return EXCERPT.read_text(encoding="utf-8")[:20_000]
+
+
+def _config(bits: int, **kw) -> HybridConfig:
+    return HybridConfig("hybrid_v2", hot_tokens=16, block_size=16, quantization_bits=bits, **kw)
+
+
+@pytest.fixture(scope="module")
+def results(tiny, text):
+    return {bits: measure_quality(tiny, _config(bits), text, passkey=False, **SMALL) for bits in (0, 4, 8)}
+
+
+def test_unquantized_config_matches_its_baseline(results):
+    r = results[0]
+    assert r.mean_kl == pytest.approx(0.0, abs=1e-9)
+    assert r.top1_agreement == 1.0 and r.ppl_change_pct == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_config_measures_a_finite_cost_on_cold_blocks(results, bits):
+    d = results[bits].to_dict()
+    assert all(
+        math.isfinite(d[k]) for k in ("mean_kl", "top1_agreement", "ppl", "ppl_base", "ppl_change_pct")
+    )
+    assert d["mean_kl"] > 0 and 0 < d["cold_attention_share"] <= 1
+    assert d["passkey_rate"] is None and d["windows"] == 2 and len(d["text_sha256"]) == 64
+
+
+def test_four_bits_cost_more_than_eight(results):
+    assert results[4].mean_kl > results[8].mean_kl
+
+
+def test_passkey_runs_beside_the_baseline(tiny, text):
+    config = _config(8, sparse_top_k=16, migration_interval=4, migration_threshold_ms=100.0)
+    r = measure_quality(tiny, config, text, windows=1, prefill_tokens=32, decode_tokens=4, passkey=True)
+    assert 0.0 <= r.passkey_rate <= 1.0 and 0.0 <= r.passkey_base_rate <= 1.0
+
+
+def test_text_too_short_for_the_windows_is_an_error():
+    with pytest.raises(ValueError, match="windows"):
+        window_starts(100, windows=2, window_tokens=60)
+
+
+def test_passkey_trials_cover_ten_depths_within_the_lengths():
+    trials = passkey_trials(_config(8), 2048, 8192, 50.0)
+    assert len(trials) == PASSKEY_DEPTHS and {t.depth for t in trials} == {i / 9 for i in range(10)}
+    assert min(t.length for t in trials) == 1024 and max(t.length for t in trials) == 4096
+
+
+@pytest.mark.parametrize(
+    ("sparse_top_k", "length", "forced"),
+    [(0, 1024, 8), (64, 1024, 201), (64, 4096, 301), (64, 200, 100)],
+)
+def test_passkey_forces_decode_steps_until_demotion_can_happen(sparse_top_k, length, forced):
+    config = HybridConfig(
+        "hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=8, sparse_top_k=sparse_top_k
+    )
+    assert passkey_forced_steps(config, length, 50.0) == forced
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_passkey_prompt_has_the_requested_length_and_key(tiny, depth):
+    trial = PasskeyTrial(300, depth, "71432", forced=8)
+    prompt = passkey_prompt(tiny, trial)
+    assert len(prompt) == 300
+    assert passkey_passed(tiny, "71432", prompt) and not passkey_passed(tiny, "99999", prompt)
+
+
+def test_quality_command_prints_and_writes_json(tmp_path, capsys):
+    config = tmp_path / "c.json"
+    config.write_text(_config(8).to_json(), encoding="utf-8")
+    out = tmp_path / "q.json"
+    argv = [
+        "quality",
+        "--config",
+        str(config),
+        "--model",
+        "random:tiny",
+        "--text",
+        str(EXCERPT),
+        "--windows",
+        "1",
+        "--prefill",
+        "48",
+        "--decode",
+        "8",
+        "--no-passkey",
+        "--device",
+        "cpu",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["decode_tokens"] == 8
+    assert "perplexity" in capsys.readouterr().out

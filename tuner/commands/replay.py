@@ -1,0 +1,206 @@
+"""``kvtune replay --config CFG --workload TRACE``: replay a trace sample on one config, print its metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.engine import (
+    Engine,
+    calibrate_time_scale,
+    default_budget_bytes,
+    load_workload,
+    resolve_device,
+)
+from kvtune.cache_impl.metrics import json_safe
+from kvtune.cache_impl.model import load_model
+
+NAME = "replay"
+HELP = "replay a workload sample on one hybrid_v2 config and report latency, bandwidth and memory metrics"
+CPU_LENGTH_SCALE = 0.125
+CPU_LENGTH_CAP = 1024
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="hybrid_v2 config JSON file")
+    parser.add_argument("--workload", required=True, help="trace: Mooncake JSONL or Azure CSV")
+    parser.add_argument(
+        "--model", default="smollm2", help="smollm2, random:<shape>, a HF directory or a .gguf"
+    )
+    parser.add_argument("--requests", type=int, default=100, help="requests replayed (default 100)")
+    parser.add_argument("--seed", type=int, default=0, help="picks where the sample starts in the trace")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="model precision (default: bfloat16 on CUDA, float32 on CPU)",
+    )
+    parser.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="KV budget in GB (default: 0.9 of the free device memory; CPU: capped at 4 GiB)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="factor on inter-arrival times (default: calibrated so the unquantized baseline "
+        "runs at --load of its saturation throughput); 0 = all requests at once",
+    )
+    parser.add_argument(
+        "--load", type=float, default=0.75, help="target load of the calibration (default 0.75)"
+    )
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        default=None,
+        help=f"factor on request lengths (default: 1 on CUDA, {CPU_LENGTH_SCALE} on CPU)",
+    )
+    parser.add_argument(
+        "--length-cap",
+        type=int,
+        default=None,
+        help=f"cap on prompt + output tokens (default: none on CUDA, {CPU_LENGTH_CAP} on CPU)",
+    )
+    parser.add_argument("--warmup", type=int, default=4, help="warm-up requests, not measured (default 4)")
+    parser.add_argument("--max-batch", type=int, default=256, help="most sequences decoded together")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for PyTorch (default: PyTorch's choice)"
+    )
+    parser.add_argument("--json", default=None, help="write the metrics and their provenance to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = HybridConfig.from_json_file(args.config)
+    device = resolve_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    cpu = device.type == "cpu"
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if cpu else torch.bfloat16)
+    console = Console(stderr=True)
+    with console.status(f"loading {args.model}"):
+        loaded = load_model(args.model, device, dtype)
+    scale = args.length_scale if args.length_scale is not None else (CPU_LENGTH_SCALE if cpu else 1.0)
+    cap = args.length_cap if args.length_cap is not None else (CPU_LENGTH_CAP if cpu else None)
+    requests, counts, workload = load_workload(
+        args.workload, loaded.spec.max_context, args.requests, args.seed, scale, cap
+    )
+    budget = int(args.budget_gb * 1e9) if args.budget_gb is not None else default_budget_bytes(loaded, device)
+    time_scale = args.time_scale
+    if time_scale is None:
+        with console.status(f"calibrating the time scale (unquantized baseline at load {args.load})"):
+            time_scale = calibrate_time_scale(
+                loaded, requests, budget, device, args.load, config, args.warmup
+            )
+    engine = Engine(loaded, config, budget, device, max_batch=args.max_batch)
+    with _progress(console) as bar:
+        task = bar.add_task("replay", total=len(requests))
+        metrics = engine.replay(
+            requests,
+            time_scale,
+            args.warmup,
+            lambda d, t: bar.update(task, completed=d),
+            clipped=counts.clipped,
+        )
+    result = metrics.to_dict()
+    Console().print(_table(result, config, args.model, time_scale, budget))
+    for warning in metrics.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+    if args.json:
+        record = {
+            "metrics": result,
+            "config": config.to_dict(),
+            "model": args.model,
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "budget_bytes": budget,
+            "time_scale": time_scale,
+            "workload": workload,
+        }
+        Path(args.json).write_text(json.dumps(json_safe(record), indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+ROWS: tuple[tuple[str, str, str], ...] = (
+    ("TTFT P50 / P90 / P99", "ttft", "ms"),
+    ("TPOT P50 / P90 / P99", "tpot", "ms"),
+    ("inter-token P50 / P90 / P99", "itl", "ms"),
+    ("end-to-end P50 / P90 / P99", "e2e", "ms"),
+)
+
+
+DEBUG_ROWS = (
+    "hot_attention_share",
+    "l1_attention_share",
+    "l2_attention_share",
+    "l2_occupancy",
+    "migrations_done",
+    "migrations_queued",
+    "seal_key_rel_error",
+    "seal_value_rel_error",
+)
+
+
+def _table(m: dict[str, Any], config: HybridConfig, model: str, time_scale: float, budget: int) -> Table:
+    table = Table(title=f"kvtune replay: {model}, {_describe(config)}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for label, key, unit in ROWS:
+        values = " / ".join(_fmt(m[f"{key}_p{p}_ms"]) for p in (50, 90, 99))
+        table.add_row(label, f"{values} {unit}")
+    table.add_row("output tokens/s", _fmt(m["tokens_per_s"]))
+    table.add_row(
+        "attention bandwidth",
+        f"{_fmt(m['attn_bandwidth_gbs'])} GB/s "
+        f"({_fmt(100 * m['attn_utilization'])} % of copy {_fmt(m['copy_bandwidth_gbs'])} GB/s)",
+    )
+    table.add_row(
+        "bookkeeping per step",
+        f"{_fmt(m['bookkeeping_ms_per_step'])} ms "
+        f"({_fmt(100 * m['bookkeeping_share'])} % of {_fmt(m['step_ms'])} ms)",
+    )
+    table.add_row("peak KV memory", f"{m['peak_kv_bytes'] / 1e9:.3f} GB of {budget / 1e9:.3f} GB")
+    table.add_row("peak running sequences", str(m["peak_running"]))
+    table.add_row("completed / refused / clipped", f"{m['completed']} / {m['refused']} / {m['clipped']}")
+    table.add_row("preemptions", str(m["preemptions"]))
+    table.add_row("prefix-hit rate", f"{_fmt(100 * m['prefix_hit_rate'])} %")
+    table.add_row("time scale", _fmt(time_scale))
+    for key, value in m.get("debug", {}).items():
+        if key in DEBUG_ROWS:
+            table.add_row(f"debug: {key}", _fmt(float(value)))
+    return table
+
+
+def _describe(config: HybridConfig) -> str:
+    bits = "unquantized" if config.quantization_bits == 0 else f"INT{config.quantization_bits}"
+    sparse = f", sparse_top_k {config.sparse_top_k}" if config.sparse_top_k else ""
+    return f"{bits}, hot {config.hot_tokens}, block {config.block_size}{sparse}"
+
+
+def _fmt(x: float) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    return f"{x:.4g}" if abs(x) < 1e4 else f"{x:,.0f}"
