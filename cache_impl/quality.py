@@ -29,7 +29,7 @@ import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
-from kvtune.cache_impl.layout import kv_bytes_for
+from kvtune.cache_impl.layout import hot_bytes_per_seq, kv_bytes_for
 from kvtune.cache_impl.tiers import threshold_ms
 
 Progress = Callable[[int, int], None]
@@ -116,9 +116,8 @@ def measure_quality(
         trials = passkey_trials(config, prefill_tokens, loaded.spec.max_context, step_ms, min_length)
     ticker = _Ticker(progress, windows * decode_tokens + sum(t.steps for t in trials))
     totals = _Totals()
-    for start in starts:
-        window = _window_ids(loaded, ids, start, prefill_tokens + decode_tokens + 1)
-        _measure_window(loaded, config, window, prefill_tokens, step_ms, totals, ticker)
+    windows_ids = [_window_ids(loaded, ids, s, prefill_tokens + decode_tokens + 1) for s in starts]
+    _measure_windows(loaded, config, windows_ids, prefill_tokens, step_ms, totals, ticker)
     rates = _passkey_rates(loaded, config, trials, step_ms, ticker) if passkey else (None, None)
     return _result(loaded, config, text, totals, rates, (windows, prefill_tokens, decode_tokens, step_ms))
 
@@ -165,45 +164,68 @@ def _window_ids(loaded: Any, ids: Sequence[int], start: int, length: int) -> lis
     return window if bos is None else [bos, *window[1:]]
 
 
-def single_sequence_cache(loaded: Any, config: HybridConfig, num_tokens: int) -> HybridCache:
-    """A cache whose budget holds exactly one sequence of ``num_tokens`` tokens (plus one spare block)."""
+def single_sequence_cache(
+    loaded: Any, config: HybridConfig, num_tokens: int, num_seqs: int = 1
+) -> HybridCache:
+    """A cache whose budget holds ``num_seqs`` sequences of ``num_tokens`` tokens (+ a spare block each).
+
+    The layout lets hot zones take at most half the budget, so the budget is at least twice theirs.
+    """
     shape = loaded.model.kv_shape
-    budget = kv_bytes_for(config, shape, [num_tokens + config.block_size])
-    return HybridCache(config, shape, budget, loaded.model.device, max_seqs=1)
+    needed = kv_bytes_for(config, shape, [num_tokens + config.block_size] * num_seqs)
+    budget = max(needed, 2 * num_seqs * hot_bytes_per_seq(config, shape))
+    return HybridCache(config, shape, budget, loaded.model.device, max_seqs=num_seqs)
 
 
 class _Pair:
-    """The config's cache and the unquantized one, fed the same tokens in lockstep on the virtual clock."""
+    """The config's cache and the unquantized one, fed the same tokens in lockstep on the virtual clock.
 
-    def __init__(self, loaded: Any, config: HybridConfig, num_tokens: int, step_ms: float) -> None:
+    Holds ``num_seqs`` sequences of equal length decoded as one batch (the text windows): each sequence only
+    attends its own blocks and the load factor is the same for all, so batching changes no decision.
+    """
+
+    def __init__(
+        self, loaded: Any, config: HybridConfig, num_tokens: int, step_ms: float, num_seqs: int = 1
+    ) -> None:
         self.model = loaded.model
         self.device = loaded.model.device
         self.step_ms = step_ms
         self.steps = 0
-        self.cache = single_sequence_cache(loaded, config.replace(kv_cache_debug=True), num_tokens)
-        self.base = single_sequence_cache(loaded, config.unquantized(), num_tokens)
+        self.seqs = list(range(num_seqs))
+        debug = config.replace(kv_cache_debug=True)
+        self.cache = single_sequence_cache(loaded, debug, num_tokens, num_seqs)
+        self.base = single_sequence_cache(loaded, config.unquantized(), num_tokens, num_seqs)
 
-    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Last-position logits [V] under the config and the base."""
-        t = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last-position logits [num_seqs, V] under the config and the base."""
         out = []
         for cache in (self.cache, self.base):
-            cache.add_sequence(_SEQ, list(ids))
-            out.append(self.model.prefill(cache, _SEQ, t, 0, last_only=True)[-1])
+            rows = []
+            for seq, ids in zip(self.seqs, prompts, strict=True):
+                cache.add_sequence(seq, list(ids))
+                t = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+                rows.append(self.model.prefill(cache, seq, t, 0, last_only=True)[-1])
+            out.append(torch.stack(rows))
         return out[0], out[1]
 
     def decode(
-        self, token: int, position: int, base_token: int | None = None
+        self, tokens: Sequence[int], position: int, base_tokens: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed ``token`` (the base: ``base_token``, default the same) at ``position``; logits [V] of each."""
+        """Feed ``tokens`` (the base: ``base_tokens``, default: the same) at ``position``.
+
+        Returns the logits [num_seqs, V] under the config and the base.
+        """
         self.steps += 1
         now = self.steps * self.step_ms
-        pos = torch.tensor([position], dtype=torch.long, device=self.device)
+        pos = torch.full((len(self.seqs),), position, dtype=torch.long, device=self.device)
         out = []
-        for cache, tok in ((self.cache, token), (self.base, token if base_token is None else base_token)):
-            plan = cache.begin_step([_SEQ], now)
-            ids = torch.tensor([tok], dtype=torch.long, device=self.device)
-            out.append(self.model.decode(cache, plan, ids, pos)[0])
+        for cache, toks in (
+            (self.cache, tokens),
+            (self.base, tokens if base_tokens is None else base_tokens),
+        ):
+            plan = cache.begin_step(self.seqs, now)
+            ids = torch.tensor(list(toks), dtype=torch.long, device=self.device)
+            out.append(self.model.decode(cache, plan, ids, pos))
             cache.end_step(plan)
         return out[0], out[1]
 
@@ -218,21 +240,23 @@ def attention_shares(debug: dict[str, Any]) -> tuple[float, float]:
     return l1 + l2, l2
 
 
-def _measure_window(
+def _measure_windows(
     loaded: Any,
     config: HybridConfig,
-    window: Sequence[int],
+    windows: Sequence[Sequence[int]],
     prefill_tokens: int,
     step_ms: float,
     totals: _Totals,
     ticker: _Ticker,
 ) -> None:
-    pair = _Pair(loaded, config, len(window), step_ms)
-    pair.prefill(window[:prefill_tokens])
-    for pos in range(prefill_tokens, len(window) - 1):
-        logits, base = pair.decode(window[pos], pos)
-        totals.add_step(logits, base, window[pos + 1])
-        ticker.tick()
+    """All windows (equal lengths) prefilled, then decoded teacher-forced as one batch."""
+    pair = _Pair(loaded, config, len(windows[0]), step_ms, num_seqs=len(windows))
+    pair.prefill([w[:prefill_tokens] for w in windows])
+    for pos in range(prefill_tokens, len(windows[0]) - 1):
+        logits, base = pair.decode([w[pos] for w in windows], pos)
+        for row, window in enumerate(windows):
+            totals.add_step(logits[row], base[row], window[pos + 1])
+        ticker.tick(len(windows))
     cold, l2 = pair.attention_shares()
     totals.cold_share.append(cold)
     totals.l2_share.append(l2)
@@ -327,15 +351,15 @@ def _passkey_trial(
     prompt = passkey_prompt(loaded, trial)
     pair = _Pair(loaded, config, len(prompt) + PASSKEY_ANSWER_TOKENS, step_ms)
     split = len(prompt) - trial.forced
-    logits = pair.prefill(prompt[:split])
+    logits = pair.prefill([prompt[:split]])
     for pos in range(split, len(prompt)):
-        logits = pair.decode(prompt[pos], pos)
+        logits = pair.decode([prompt[pos]], pos)
         ticker.tick()
-    answer, base_answer = [int(logits[0].argmax())], [int(logits[1].argmax())]
+    answer, base_answer = [int(logits[0][0].argmax())], [int(logits[1][0].argmax())]
     for pos in range(len(prompt), len(prompt) + PASSKEY_ANSWER_TOKENS - 1):
-        cfg, base = pair.decode(answer[-1], pos, base_answer[-1])
-        answer.append(int(cfg.argmax()))
-        base_answer.append(int(base.argmax()))
+        cfg, base = pair.decode([answer[-1]], pos, [base_answer[-1]])
+        answer.append(int(cfg[0].argmax()))
+        base_answer.append(int(base[0].argmax()))
         ticker.tick()
     ticker.tick()
     return passkey_passed(loaded, trial.key, answer), passkey_passed(loaded, trial.key, base_answer)
@@ -348,8 +372,8 @@ class _Ticker:
     def __init__(self, progress: Progress | None, total: int) -> None:
         self.progress, self.total, self.done = progress, total, 0
 
-    def tick(self) -> None:
-        self.done += 1
+    def tick(self, n: int = 1) -> None:
+        self.done += n
         if self.progress is not None:
             self.progress(self.done, self.total)
 
