@@ -1,0 +1,40 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+# Small CPU shapes run fastest single-threaded, and two test processes on a 2-core machine don't fight.
+torch.set_num_threads(1)
+
+# ---- Ray: one session for the whole test run (tuner tests) ------------------------------------------------
+# A fake multi-GPU node, described the way Ray describes a real one: 4 GPUs and one accelerator_type resource.
+# GPU workers ask for num_gpus=1 and accelerator_type="H200" (they compute on the CPU here); CPU workers ask
+# for CPUs. Started on first use, shut down at the end of the run.
+FAKE_GPUS = 4
+FAKE_ACCELERATOR = "H200"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=2,
+            num_gpus=FAKE_GPUS,
+            resources={f"accelerator_type:{FAKE_ACCELERATOR}": 1},
+            include_dashboard=False,
+            logging_level="ERROR",
+            log_to_driver=False,
+        )
+    yield ray
+    ray.shutdown()
+
+
+# ---- end of the Ray block ----------------------------------------------------------------------------------

@@ -1,0 +1,229 @@
+"""The tuner on a CPU: a short real study (tiny random model, real Ray workers, real SQLite) that writes a
+preset,
+its resume, the seed contract, and bad inputs that must fail clearly and leave the study as it was.
+
+The Ray session is the one of ``tests/conftest.py`` (a fake 4-GPU H200 node with 2 CPUs); CPU workers use
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from kvtune.cache_impl.layout import ModelKVShape
+from kvtune.search_spaces.cards import resolve_gpu
+from kvtune.search_spaces.space import SearchSpace, WorkloadStats
+from kvtune.tests.tuner_fakes import CRASH_BITS, BrokenWorker, CrashingWorker, FakeWorker
+from kvtune.tuner import cli
+from kvtune.tuner.driver import Bounds, Event
+from kvtune.tuner.job import TuneJob, tune
+from kvtune.tuner.pool import WorkerStartError
+from kvtune.tuner.study import ATTR_RESUME_OF, SpaceId, StudyOptions, open_study
+from kvtune.tuner.worker import QualitySettings, WorkerSpec
+from kvtune.tuner.workload import WorkloadSample
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "examples" / "traces" / "mooncake_sample.jsonl"
+TEXT = ROOT / "examples" / "text" / "wikitext2_excerpt.txt"
+TRIALS = 3
+SMALL = [
+    "--model", "random:tiny", "--quality-model", "random:tiny", "--requests", "3", "--windows", "2",
+    "--length-scale", "0.01", "--length-cap", "96", "--quality-windows", "1", "--quality-prefill", "24",
+    "--quality-decode", "4", "--kv-budget", "64MiB", "--seed", "0",
+]  # fmt: skip
+
+
+def argv(storage: str, *extra: str, gpu: str = "cpu", trace: Path = TRACE) -> list[str]:
+    return ["--gpu", gpu, "--workload", str(trace), "--storage", storage, "--study", "s", *SMALL, *extra]
+
+
+def snapshot(storage: str, name: str = "s") -> tuple[Any, ...]:
+    study = optuna.load_study(study_name=name, storage=storage)
+    return tuple((t.number, t.state, t.values, t.params) for t in study.trials), dict(study.user_attrs)
+
+
+@pytest.fixture(scope="module")
+def study_dir(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A finished real study of ``TRIALS`` trials and its preset (working directory: a temporary folder)."""
+    tmp = tmp_path_factory.mktemp("study")
+    storage = f"sqlite:///{tmp}/studies.db"
+    out = tmp / "preset.json"
+    assert cli.main(argv(storage, "--trials", str(TRIALS), "--out", str(out))) == 0
+    return tmp, storage
+
+
+def test_study_writes_a_preset(study_dir: tuple[Path, str]) -> None:
+    tmp, storage = study_dir
+    preset = json.loads((tmp / "preset.json").read_text())
+    assert preset["config"]["kv_cache_strategy"] == "hybrid_v2"
+    assert preset["metrics"]["repeats"] >= 3
+    assert preset["vllm"]["additional_config"]["kvtune"] == preset["config"]
+    study = optuna.load_study(study_name="s", storage=storage)
+    assert len(study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))) == TRIALS
+    assert study.user_attrs["kvtune.validation"]["config"] == preset["config"]
+
+
+@pytest.mark.parametrize("attr", ["kvtune.config", "kvtune.seed", "kvtune.versions", "kvtune.device"])
+def test_every_trial_records(study_dir: tuple[Path, str], attr: str) -> None:
+    study = optuna.load_study(study_name="s", storage=study_dir[1])
+    assert all(attr in t.user_attrs for t in study.trials)
+
+
+def test_study_records_reduced_quality_and_time_scale(study_dir: tuple[Path, str]) -> None:
+    attrs = optuna.load_study(study_name="s", storage=study_dir[1]).user_attrs
+    assert attrs["kvtune.quality_settings"]["windows"] == 1
+    assert attrs["kvtune.time_scale_source"] == "calibrated" and attrs["kvtune.time_scale"] > 0
+
+
+def test_resume_adds_trials_and_keeps_the_old(study_dir: tuple[Path, str]) -> None:
+    _, storage = study_dir
+    before, _ = snapshot(storage)
+    assert cli.main(argv(storage, "--trials", str(TRIALS + 1), "--resume", "--no-export")) == 0
+    after, _ = snapshot(storage)
+    assert after[: len(before)] == before
+    finished = [t for t in after if t[1] in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == TRIALS + 1
+
+
+BAD: dict[str, tuple[Callable[[str, Path], list[str]], str]] = {
+    "unknown gpu": (lambda s, tmp: argv(s, gpu="b300"), "unknown GPU"),
+    "missing trace": (lambda s, tmp: argv(s, trace=tmp / "nope.jsonl"), "no such trace file"),
+    "no such gpu in the cluster": (lambda s, tmp: argv(s, gpu="l4"), "no L4 GPU in the Ray cluster"),
+    "exists, no resume": (lambda s, tmp: argv(s), "already exists"),
+    "another space": (lambda s, tmp: argv(s, "--resume", "--length-cap", "400"), "another search space"),
+    "another objective": (lambda s, tmp: argv(s, "--resume", "--objective", "throughput"), "objective"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_clear_line_and_the_study_is_intact(
+    study_dir: tuple[Path, str], capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    tmp, storage = study_dir
+    make, message = BAD[case]
+    before = snapshot(storage)
+    assert cli.main(make(storage, tmp)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvtune: error: ") and message in err[-1], err
+    assert snapshot(storage) == before
+
+
+# ---- jobs without the CLI ----------------------------------------------------------------------------------
+def job(tmp: Path, worker_cls: type, trials: int = 2, resume: bool = False, **changes: Any) -> TuneJob:
+    quality = QualitySettings(model="random:tiny", text_path=str(TEXT), windows=1, prefill_tokens=24,
+                              decode_tokens=4, passkey=False)  # fmt: skip
+    base = TuneJob(
+        options=StudyOptions(f"sqlite:///{tmp}/j.db", "j", "tpot_p99", False, seed=0, resume=resume),
+        trials=trials,
+        card=resolve_gpu("cpu"),
+        sample=WorkloadSample(str(TRACE), requests=3, windows=1, seed=0, length_scale=0.01, length_cap=96),
+        spec=WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26, threads=1),
+        bounds=Bounds(max_ppl_increase=2.0),
+        time_scale=1.0,
+        write_preset=False,
+        presets_dir=str(tmp / "presets"),
+        worker_cls=worker_cls,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_a_config_that_crashes_is_an_infeasible_trial(ray_cluster: Any, tmp_path: Path) -> None:
+    j = job(tmp_path, CrashingWorker, trials=3)
+    tune(j)
+    study = optuna.load_study(study_name="j", storage=j.options.storage)
+    crashed = [t for t in study.trials if t.params.get("quantization_bits") == CRASH_BITS]
+    assert crashed, "the defaults enqueue a 4-bit config"
+    assert all(t.state == TrialState.COMPLETE and t.constraints["ran"] == 1.0 for t in crashed)
+    assert all("out of memory" in t.user_attrs["kvtune.error"] for t in crashed)
+    assert study.best_trial.params["quantization_bits"] != CRASH_BITS
+
+
+def test_a_worker_that_cannot_start_is_a_clear_error(ray_cluster: Any, tmp_path: Path) -> None:
+    with pytest.raises(WorkerStartError, match=r"failed to start: .*corrupt"):
+        tune(job(tmp_path, BrokenWorker))
+    assert optuna.get_all_study_names(f"sqlite:///{tmp_path}/j.db") == []
+
+
+class Interrupt:
+    """Raises KeyboardInterrupt (as Ctrl-C does) at the first finished window."""
+
+    def __call__(self, e: Event) -> None:
+        if e.kind == "window":
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_leaves_the_study_consistent_and_resume_reruns(ray_cluster: Any, tmp_path: Path) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        tune(job(tmp_path, FakeWorker, trials=2), Interrupt())
+    j = job(tmp_path, FakeWorker, trials=2, resume=True)
+    study = optuna.load_study(study_name="j", storage=j.options.storage)
+    states = [t.state for t in study.trials]
+    assert TrialState.RUNNING not in states
+    interrupted = [t for t in study.trials if t.user_attrs.get("kvtune.interrupted")]
+    assert len(interrupted) == 1 and interrupted[0].state == TrialState.FAIL
+    tune(j)
+    study = optuna.load_study(study_name="j", storage=j.options.storage)
+    reruns = [t for t in study.trials if t.user_attrs.get(ATTR_RESUME_OF) == interrupted[0].number]
+    assert len(reruns) == 1 and reruns[0].state == TrialState.COMPLETE
+    assert reruns[0].params == interrupted[0].params
+
+
+def test_pareto_mode_has_two_objectives_and_never_prunes(ray_cluster: Any, tmp_path: Path) -> None:
+    j = job(tmp_path, FakeWorker, trials=4, sample=WorkloadSample(str(TRACE), 3, windows=2, seed=0))
+    report = tune(dataclasses.replace(j, options=dataclasses.replace(j.options, pareto=True)))
+    study = optuna.load_study(study_name="j", storage=j.options.storage)
+    assert [d.name for d in study.directions] == ["MINIMIZE", "MAXIMIZE"]
+    assert all(t.state == TrialState.COMPLETE for t in study.trials)
+    assert report.validation is not None and report.validation["trial"] in {
+        t.number for t in study.best_trials
+    }
+
+
+def test_presets_are_enqueued_and_abandoned_trials_rerun(ray_cluster: Any, tmp_path: Path) -> None:
+    preset = {"kv_cache_strategy": "hybrid_v2", "hot_tokens": 16, "block_size": 32, "quantization_bits": 8}
+    (tmp_path / "presets" / "cpu").mkdir(parents=True)
+    (tmp_path / "presets" / "cpu" / "old.json").write_text(json.dumps({"config": preset}))
+    tune(job(tmp_path, FakeWorker, trials=3))
+    study = optuna.load_study(study_name="j", storage=job(tmp_path, FakeWorker).options.storage)
+    from_presets = [t for t in study.trials if t.user_attrs.get("kvtune.enqueued_from") == "presets"]
+    assert [t.user_attrs["kvtune.config"]["block_size"] for t in from_presets] == [32]
+    left = study.ask()  # as if a driver had been killed with this trial running
+    tune(job(tmp_path, FakeWorker, trials=4, resume=True))
+    study = optuna.load_study(study_name="j", storage=job(tmp_path, FakeWorker).options.storage)
+    assert study.trials[left.number].state == TrialState.FAIL
+    assert study.trials[left.number].user_attrs["kvtune.abandoned"] is True
+    assert [t.user_attrs.get(ATTR_RESUME_OF) for t in study.trials].count(left.number) == 1
+
+
+# ---- the seed contract -------------------------------------------------------------------------------------
+def proposals(tmp: Path, seed: int, n: int = 8) -> list[dict[str, Any]]:
+    shape = ModelKVShape(num_layers=2, num_kv_heads=2, head_dim=16, num_q_heads=4, dtype=torch.float32)
+    space = SearchSpace.build(
+        resolve_gpu("cpu"), "random:tiny", shape, WorkloadStats(512, 256, 99.0, 4), True
+    )
+    options = StudyOptions(
+        f"sqlite:///{tmp}/seed.db", f"seed-{seed}", "tpot_p99", False, seed=seed, resume=False
+    )
+    tmp.mkdir()
+    study = open_study(options, {}, SpaceId(space.space_fingerprint(), ""), {})
+    out = []
+    for _ in range(n):
+        trial = study.ask()
+        out.append(space.suggest(trial).to_dict())
+        study.tell(trial, float(len(out)))
+    return out
+
+
+def test_same_seed_proposes_the_same_configs(tmp_path: Path) -> None:
+    first = proposals(tmp_path / "a", 7)
+    assert proposals(tmp_path / "b", 7) == first
+    assert proposals(tmp_path / "c", 8) != first

@@ -1,0 +1,341 @@
+"""``kvtune --gpu GPU --workload TRACE``: tune the hybrid KV cache for one card, one model and one workload.
+
+Parses the options, builds a :class:`~kvtune.tuner.job.TuneJob` and runs it; shows progress and the best
+trials. Defaults differ on a CPU (``--gpu cpu``) so that a study of 12 trials finishes in minutes on two
+cores:
+shorter requests (length scale and cap), fewer requests per window, and quality measured on fewer, shorter
+text
+windows without the passkey check. What was used is printed and stored with the study.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtune.search_spaces.cards import Card, resolve_gpu
+from kvtune.tuner.driver import Bounds, Event
+from kvtune.tuner.export import ATTR_CONFIG, ATTR_ERROR, ATTR_METRICS, ATTR_QUALITY
+from kvtune.tuner.job import TuneJob, TuneReport, tune
+from kvtune.tuner.study import DEFAULT_STORAGE, OBJECTIVES, StudyOptions, resolve_storage, study_name
+from kvtune.tuner.validation import gains
+from kvtune.tuner.worker import QualitySettings, WorkerSpec
+from kvtune.tuner.workload import WorkloadSample
+
+NAME = "tune"
+HELP = "run a tuning study: kvtune --gpu GPU --workload TRACE [options]"
+TEXT = Path("examples") / "text" / "wikitext2_excerpt.txt"
+BEST_ROWS = 10
+CPU_WORKERS = 2
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Defaults of one kind of device (every one is printed by ``--help``)."""
+
+    trials: int
+    requests: int
+    windows: int
+    length_scale: float
+    length_cap: int | None
+    dtype: str
+    quality_windows: int
+    quality_prefill: int
+    quality_decode: int
+    passkey: bool
+
+
+GPU = Defaults(30, 100, 3, 1.0, None, "bfloat16", 8, 2048, 512, True)
+CPU = Defaults(12, 4, 2, 1 / 32, 192, "float32", 2, 192, 16, False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--gpu", required=True, help="card to tune for: an id (h200, h100-sxm, l4, ...), a family, or cpu")
+    add("--workload", required=True, help="trace: Mooncake/vLLM JSONL or Azure CSV")
+    add("--model", default="smollm2", help="smollm2 (default), random:<shape>, a HF directory or a .gguf")
+    add("--quality-model", default=None, help="model for quality (default: --model, or smollm2 if random)")
+    add("--trials", type=int, default=None, help=f"finished trials to reach ({GPU.trials}; CPU {CPU.trials})")
+    add(
+        "--requests", type=int, default=None, help=f"requests per window ({GPU.requests}; CPU {CPU.requests})"
+    )
+    add(
+        "--windows",
+        type=int,
+        default=None,
+        help=f"replay windows per trial ({GPU.windows}; CPU {CPU.windows})",
+    )
+    add("--time-scale", type=float, default=None, help="factor on arrival gaps (default: calibrated, stored)")
+    add("--kv-budget", default=None, help="KV budget, e.g. 40GiB (default: 0.9 of free memory; CPU <= 4 GiB)")
+    add("--objective", choices=list(OBJECTIVES), default="tpot_p99", help="what to optimize (tpot_p99)")
+    add("--max-ppl-increase", type=float, default=2.0, help="quality bound: perplexity increase, %% (2.0)")
+    add("--max-kl", type=float, default=None, help="quality bound: mean KL in nats (default: none)")
+    add("--storage", default=DEFAULT_STORAGE, help=f"study database URL ({DEFAULT_STORAGE})")
+    add("--study", default=None, help="study name (default <card>-<model>-<workload>)")
+    add("--resume", action="store_true", help="continue the study (settings must match)")
+    add("--address", default=None, help="Ray cluster address (default: a local Ray)")
+    add("--seed", type=int, default=0, help="seed of the workload sample and the sampler (0)")
+    add("--pareto", action="store_true", help="two objectives (with throughput), no pruning")
+    add("--out", default=None, help="preset path (default presets/<card>/<model>-<workload>.json)")
+    _add_more(parser)
+
+
+def _add_more(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--workers", type=int, default=None, help="workers (one per GPU of the card; CPU min(2, cores))")
+    add("--length-scale", type=float, default=None, help=f"factor on lengths (1; CPU {CPU.length_scale:g})")
+    add("--length-cap", type=int, default=None, help=f"cap on prompt + output (none; CPU {CPU.length_cap})")
+    add("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="bfloat16; CPU float32")
+    add("--quality-text", default=None, help=f"text for quality (default {TEXT})")
+    add("--quality-windows", type=int, default=None, help=f"{GPU.quality_windows}; CPU {CPU.quality_windows}")
+    add("--quality-prefill", type=int, default=None, help=f"{GPU.quality_prefill}; CPU {CPU.quality_prefill}")
+    add("--quality-decode", type=int, default=None, help=f"{GPU.quality_decode}; CPU {CPU.quality_decode}")
+    add("--no-passkey", action="store_true", help="skip the passkey check (always skipped on CPU)")
+    add("--repeats", type=int, default=3, help="validation repeats of best and baseline (3)")
+    add("--time-budget", type=float, default=None, help="minutes after which no new trial starts")
+    add("--no-export", action="store_true", help="do not write a preset")
+
+
+def run(args: argparse.Namespace) -> int:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    card = resolve_gpu(args.gpu, _present_gpus())
+    defaults = GPU if card.is_gpu else CPU
+    job = build_job(args, card, defaults)
+    console = Console(stderr=True)
+    _print_settings(console, job, defaults)
+    started_ray = _init_ray(args.address)
+    try:
+        report = _run_with_progress(console, job)
+        study = _load(job)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    Console().print(best_table(study, job.options))
+    _print_outcome(console, report, job)
+    return 0
+
+
+# ---- building the job ------------------------------------------------------------------------------------
+def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
+    """The job of ``args``: every unset option takes the default of ``d`` (GPU or CPU)."""
+    pick = lambda value, default: default if value is None else value
+    sample = WorkloadSample(
+        path=str(args.workload),
+        requests=pick(args.requests, d.requests),
+        windows=pick(args.windows, d.windows),
+        seed=args.seed,
+        length_scale=pick(args.length_scale, d.length_scale),
+        length_cap=pick(args.length_cap, d.length_cap),
+    )
+    spec = WorkerSpec(
+        model=args.model,
+        device="cuda" if card.is_gpu else "cpu",
+        quality=_quality(args, d),
+        dtype=pick(args.dtype, d.dtype),
+        budget_bytes=parse_bytes(args.kv_budget) if args.kv_budget else None,
+        threads=None if card.is_gpu else _threads(args),
+    )
+    name = args.study or study_name(card.id, args.model, args.workload)
+    options = StudyOptions(
+        resolve_storage(args.storage), name, args.objective, args.pareto, args.seed, args.resume
+    )
+    return TuneJob(
+        options=options, trials=pick(args.trials, d.trials), card=card, sample=sample, spec=spec,
+        bounds=Bounds(args.max_ppl_increase, args.max_kl), workers=_workers(args, card),
+        cpus_per_worker=float(_threads(args)), time_scale=args.time_scale,
+        repeats=args.repeats, time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
+        write_preset=not args.no_export, out=args.out,
+    )  # fmt: skip
+
+
+def _workers(args: argparse.Namespace, card: Card) -> int | None:
+    """--workers, else one per GPU (None: Ray counts them), else on a CPU min(2, cores) workers: a CPU replay
+    is bound by Python overhead more than by math, so two single-thread trials beat one two-thread trial."""
+    if args.workers is not None or card.is_gpu:
+        return args.workers
+    return min(CPU_WORKERS, os.cpu_count() or 1)
+
+
+def _threads(args: argparse.Namespace) -> int:
+    """CPU threads of each CPU worker: the machine's cores shared among the workers."""
+    cores = os.cpu_count() or 1
+    return max(1, cores // (args.workers or min(CPU_WORKERS, cores)))
+
+
+def _quality(args: argparse.Namespace, d: Defaults) -> QualitySettings:
+    model = args.quality_model or ("smollm2" if args.model.startswith("random:") else args.model)
+    text = Path(args.quality_text) if args.quality_text else _default_text()
+    if not text.is_file():
+        raise FileNotFoundError(f"--quality-text {text}: no such file")
+    pick = lambda value, default: default if value is None else value
+    return QualitySettings(
+        model=model,
+        text_path=str(text.resolve()),
+        windows=pick(args.quality_windows, d.quality_windows),
+        prefill_tokens=pick(args.quality_prefill, d.quality_prefill),
+        decode_tokens=pick(args.quality_decode, d.quality_decode),
+        passkey=d.passkey and not args.no_passkey,
+    )
+
+
+def _default_text() -> Path:
+    here = Path(__file__).resolve().parents[2] / TEXT
+    return TEXT if TEXT.is_file() else here
+
+
+def parse_bytes(text: str) -> int:
+    """``40GiB``, ``512MB``, ``1.5G`` or a plain byte count, as bytes (K/M/G/T: powers of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if m is None:
+        raise ValueError(f"--kv-budget {text!r}: expected a size such as 40GiB, 512MB or 1073741824")
+    value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+    if value < 1:
+        raise ValueError(f"--kv-budget {text!r}: must be at least 1 byte")
+    return int(value)
+
+
+def _present_gpus() -> list[tuple[str, int]]:
+    """GPUs this machine sees (NVML name, memory), for resolving a family such as ``h100``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return [(p.name, int(p.total_memory)) for p in props]
+
+
+def _init_ray(address: str | None) -> bool:
+    """Connect to ``address`` or start a local Ray; True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address=address, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    return True
+
+
+# ---- showing ---------------------------------------------------------------------------------------------
+def _print_settings(console: Console, job: TuneJob, d: Defaults) -> None:
+    s, q = job.sample, job.spec.quality
+    lengths = f"lengths x{s.length_scale:g}" + (f", capped at {s.length_cap} tokens" if s.length_cap else "")
+    console.print(f"[bold]kvtune[/] study [cyan]{job.options.name}[/] in {job.options.storage}")
+    console.print(
+        f"  {job.card.id}, {job.spec.model} ({job.spec.dtype}); {s.windows} window(s) x {s.requests} "
+        f"requests of {Path(s.path).name} (seed {s.seed}; {lengths}); objective {job.options.objective}"
+        + (" + Pareto" if job.options.pareto else "")
+    )
+    reduced = " [yellow](reduced for CPU; DESIGN asks >= 8 x (2048 + 512))[/]" if d is CPU else ""
+    console.print(
+        f"  quality on {q.model}: {q.windows} x ({q.prefill_tokens} + {q.decode_tokens}) tokens of "
+        f"{Path(q.text_path).name}, passkey {'on' if q.passkey else 'off'}{reduced}"
+    )
+
+
+def _run_with_progress(console: Console, job: TuneJob) -> TuneReport:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("trials", total=job.trials)
+        status = bar.add_task("", total=None)
+
+        def on_event(e: Event) -> None:
+            if e.kind in ("complete", "pruned", "crash"):
+                bar.advance(task)
+            bar.update(status, description=_describe(e))
+
+        return tune(job, on_event)
+
+
+def _describe(e: Event) -> str:
+    value = "" if math.isnan(e.value) else f" {e.value:.4g}"
+    step = f" window {e.step}" if e.step >= 0 else ""
+    return f"  trial {e.trial} on worker {e.worker}: {e.kind}{step}{value} {e.message}"[:160]
+
+
+def _load(job: TuneJob) -> Any:
+    import optuna
+
+    return optuna.load_study(study_name=job.options.name, storage=job.options.storage)
+
+
+def best_table(study: Any, options: StudyOptions, rows: int = BEST_ROWS) -> Table:
+    """The best finished trials: feasible first, then by the primary objective."""
+    from optuna.trial import TrialState
+
+    sign = 1.0 if OBJECTIVES[options.objective][1] == "minimize" else -1.0
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    ranked = sorted(done, key=lambda t: (any(c > 0 for c in t.constraints.values()), sign * t.values[0]))
+    table = Table(title=f"best trials of {study.study_name} ({len(done)} complete)")
+    for col in (
+        "#",
+        "bits",
+        "hot",
+        "block",
+        "top-k",
+        "P99 TPOT ms",
+        "P99 TTFT ms",
+        "tok/s",
+        "ppl +%",
+        "KL",
+        "ok",
+    ):
+        table.add_column(col, justify="right")
+    for t in ranked[:rows]:
+        table.add_row(*_row(t))
+    return table
+
+
+def _row(t: Any) -> list[str]:
+    c, m, q = (
+        t.user_attrs.get(ATTR_CONFIG, {}),
+        t.user_attrs.get(ATTR_METRICS, {}),
+        t.user_attrs.get(ATTR_QUALITY),
+    )
+    fmt = lambda v, spec: "-" if not isinstance(v, int | float) else format(v, spec)
+    ok = (
+        "crash"
+        if ATTR_ERROR in t.user_attrs
+        else ("yes" if all(v <= 0 for v in t.constraints.values()) else "no")
+    )
+    return [
+        str(t.number), str(c.get("quantization_bits", "?")), str(c.get("hot_tokens", "?")),
+        str(c.get("block_size", "?")), str(c.get("sparse_top_k", "?")), fmt(m.get("tpot_p99_ms"), ".2f"),
+        fmt(m.get("ttft_p99_ms"), ".1f"), fmt(m.get("tokens_per_s"), ".1f"),
+        fmt((q or {}).get("ppl_change_pct"), ".3f"), fmt((q or {}).get("mean_kl"), ".2e"), ok,
+    ]  # fmt: skip
+
+
+def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
+    console.print(f"study {report.study}: {report.finished}/{report.target} trials finished")
+    if report.finished < report.target:
+        console.print("  stopped before the target: run again with --resume to continue")
+    v = report.validation
+    if v is None:
+        if report.finished >= report.target:
+            console.print("  [yellow]no feasible trial: nothing validated, no preset written[/]")
+        return
+    metric = OBJECTIVES[job.options.objective][0]
+    for key in dict.fromkeys((metric, "tokens_per_s")):
+        g = gains(v["best"], v["baseline"], key)
+        if g["median"] is not None:
+            console.print(
+                f"  validated on {v['window']['requests']} held-out requests x {v['repeats']}: trial "
+                f"{v['trial']} is {g['median']:.3f}x the unquantized baseline on {key} "
+                f"(range {g['min']:.3f}-{g['max']:.3f})"
+            )
+    if report.preset:
+        console.print(f"  preset written: [green]{report.preset}[/]")

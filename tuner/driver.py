@@ -1,0 +1,334 @@
+"""The driver: the one process that asks the study for configs, runs them on workers and tells results.
+
+A trial is ``configure → run_window(0..W-1) → finish → quality`` on one worker (``tuner/worker.py``).
+After each window the driver reports that window's objective and may prune (single-objective studies;
+Pareto mode never prunes). Quality is a constraint, measured once per config and reused.
+
+Outcomes, told by the driver alone:
+
+- **COMPLETE** with the mean objective over windows and the constraints ``ran`` (0), ``ppl_increase_pct``
+  and ``kl`` (the measured value minus the user's bound; a bound not given is not a constraint).
+- **COMPLETE, infeasible** when the config crashed or ran out of memory on the worker: ``ran`` = 1 and the
+  penalty value (1e9 ms for latencies, 0 tokens/s for throughput), so the sampler learns to avoid it.
+- **COMPLETE, reused** when the sampler proposes a config the study already completed: that trial's result
+  is told again without running (``reused_from``), which saves a run in a small discrete space.
+- **PRUNED** when the pruner stops it after a window.
+- **FAIL** when its worker process was lost (``lost_worker``): the params are re-enqueued once
+  (``retry_of``) and the worker replaced. On Ctrl-C every running trial is told FAIL (``interrupted``) and its
+  params re-enqueued (``resume_of``), so the study holds no RUNNING trial and ``--resume`` runs them first;
+  nothing completed is lost, since each result is committed when it is told.
+
+Constraints are set with ``trial.set_constraint`` (what Optuna 5's samplers read; ``constraints_func`` is
+deprecated there), so ``study.best_trial`` and the TPE sampler both see them.
+
+Trial user attributes (all prefixed ``kvtune.``): ``config`` (the resolved hybrid_v2 dict), ``seed``,
+``versions`` (kvtune, python, torch, triton, ray, optuna), ``device`` (device name), ``host``, ``worker``
+(index), ``metrics`` (mean over windows), ``window_metrics`` (list), ``quality`` (QualityResult dict),
+``error`` (one line, when the config crashed), ``lost_worker`` (one line), ``interrupted``, ``abandoned``,
+``retry_of`` / ``resume_of`` (the trial number a re-run repeats), ``reused_from``, ``enqueued_from``
+(``defaults`` or ``presets``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+import ray
+import ray.exceptions
+from optuna.trial import TrialState
+
+from kvtune.tuner.export import (
+    ATTR_CONFIG,
+    ATTR_DEVICE,
+    ATTR_ERROR,
+    ATTR_METRICS,
+    ATTR_QUALITY,
+    ATTR_SEED,
+    ATTR_VERSIONS,
+)
+from kvtune.tuner.pool import WorkerPool, _last_line
+from kvtune.tuner.study import (
+    ATTR_RESUME_OF,
+    ATTR_RETRY_OF,
+    OBJECTIVES,
+    PENALTY,
+    StudyOptions,
+    enqueue_rerun,
+    finished_trials,
+)
+from kvtune.tuner.worker import TrialResult, WorkerInfo, Workload
+
+ATTR_HOST = "kvtune.host"
+ATTR_WORKER = "kvtune.worker"
+ATTR_WINDOW_METRICS = "kvtune.window_metrics"
+ATTR_LOST = "kvtune.lost_worker"
+ATTR_INTERRUPTED = "kvtune.interrupted"
+ATTR_REUSED = "kvtune.reused_from"
+WAIT_S = 1.0  # the loop wakes this often (Ctrl-C, deadlines)
+Suggest = Callable[[optuna.Trial], dict[str, Any]]  # define-by-run: the trial's resolved hybrid_v2 dict
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Quality bounds (None: not a constraint): perplexity increase in percent, mean KL in nats."""
+
+    max_ppl_increase: float | None = None
+    max_kl: float | None = None
+
+    def constraints(self, quality: dict[str, Any]) -> dict[str, float]:
+        out = {"ran": 0.0}
+        if self.max_ppl_increase is not None:
+            out["ppl_increase_pct"] = float(quality["ppl_change_pct"]) - self.max_ppl_increase
+        if self.max_kl is not None:
+            out["kl"] = float(quality["mean_kl"]) - self.max_kl
+        return out
+
+    def crashed(self) -> dict[str, float]:
+        return {
+            key: (1.0 if key == "ran" else 0.0)
+            for key in self.constraints({"ppl_change_pct": 0, "mean_kl": 0})
+        }
+
+
+@dataclass(frozen=True)
+class Event:
+    """What happened (for progress displays): kind is one of start, window, pruned, complete, crash, lost,
+    replaced, interrupted."""
+
+    kind: str
+    trial: int
+    worker: int
+    step: int = -1
+    value: float = math.nan
+    message: str = ""
+    actor: Any = None
+
+
+@dataclass
+class _Running:
+    """A trial in flight (driver-internal bookkeeping)."""
+
+    trial: optuna.Trial
+    config: dict[str, Any]
+    worker: int
+    step: int = 0
+    stage: str = "configure"
+    result: TrialResult | None = None
+
+
+class TrialLoop:
+    """Runs trials on every idle worker until the study holds ``target`` finished trials."""
+
+    def __init__(
+        self,
+        study: optuna.Study,
+        options: StudyOptions,
+        pool: WorkerPool,
+        workload: Workload,
+        suggest: Suggest,
+        bounds: Bounds,
+        events: Callable[[Event], None] | None = None,
+    ) -> None:
+        self.study, self.options, self.pool, self.suggest, self.bounds = study, options, pool, suggest, bounds
+        self.windows = len(workload.windows)
+        self.workload_ref = ray.put(workload)
+        self.events = events or (lambda e: None)
+        self.memo = quality_memo(study)
+        self.inflight: dict[Any, _Running] = {}
+        self.idle = list(range(len(pool.actors)))
+        self._current: _Running | None = None
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def run(self, target: int, deadline: float | None = None) -> None:
+        """Keep every worker busy until ``target`` trials finished (or ``deadline``, a monotonic time)."""
+        try:
+            while True:
+                while self.idle and self._wants_more(target, deadline):
+                    self._start(self.idle.pop(0))
+                if not self.inflight:
+                    return
+                ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=WAIT_S)
+                if ready:
+                    self._current = self.inflight.pop(ready[0])
+                    self._advance(ready[0], self._current)
+                    self._current = None
+        except KeyboardInterrupt:
+            self.interrupt()
+            raise
+
+    def _wants_more(self, target: int, deadline: float | None) -> bool:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        return finished_trials(self.study) + len(self.inflight) < target
+
+    def _start(self, worker: int) -> None:
+        trial = self.study.ask()
+        config = self.suggest(trial)
+        info: WorkerInfo = self.pool.infos[worker]
+        attrs = {ATTR_CONFIG: config, ATTR_SEED: self.options.seed, ATTR_VERSIONS: info.versions,
+                 ATTR_DEVICE: info.device_name, ATTR_HOST: info.hostname, ATTR_WORKER: worker}  # fmt: skip
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        earlier = self._measured(config)
+        if earlier is not None:
+            self._reuse(trial, earlier, worker)
+            self.idle.insert(0, worker)
+            return
+        run = _Running(trial, config, worker)
+        self._submit(run, self.pool.actors[worker].configure.remote(config, self.workload_ref))
+        self.events(Event("start", trial.number, worker, message=_short_config(config)))
+
+    def _measured(self, config: dict[str, Any]) -> optuna.trial.FrozenTrial | None:
+        """A complete trial of the study that already ran ``config``."""
+        done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        return next((t for t in done if t.user_attrs.get(ATTR_CONFIG) == config), None)
+
+    def _reuse(self, trial: optuna.Trial, earlier: optuna.trial.FrozenTrial, worker: int) -> None:
+        """Tell ``trial`` the result of ``earlier``, which ran the same config (proposed again)."""
+        for key in (ATTR_METRICS, ATTR_WINDOW_METRICS, ATTR_QUALITY, ATTR_ERROR):
+            if key in earlier.user_attrs:
+                trial.set_user_attr(key, earlier.user_attrs[key])
+        trial.set_user_attr(ATTR_REUSED, earlier.number)
+        for key, c in earlier.constraints.items():
+            trial.set_constraint(key, c)
+        self.study.tell(trial, earlier.values)
+        message = f"same config as trial {earlier.number}: its result reused"
+        self.events(Event("complete", trial.number, worker, value=earlier.values[0], message=message))
+
+    def _submit(self, run: _Running, ref: Any) -> None:
+        self.inflight[ref] = run
+
+    # ---- one step of a trial -------------------------------------------------------------------------
+    def _advance(self, ref: Any, run: _Running) -> None:
+        try:
+            value = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            self._lost(run, e)
+            return
+        except ray.exceptions.RayTaskError as e:
+            self._crash(run, _last_line(e))
+            return
+        actor = self.pool.actors[run.worker]
+        if run.stage == "configure":
+            run.stage = "window"
+            self._submit(run, actor.run_window.remote(0))
+        elif run.stage == "window":
+            self._window_done(run, value, actor)
+        elif run.stage == "finish":
+            run.result = value
+            self._finished(run, actor)
+        else:
+            self.memo[config_key(run.config)] = value
+            self._complete(run, value)
+
+    def _window_done(self, run: _Running, metrics: dict[str, Any], actor: Any) -> None:
+        value = float(metrics.get(self.options.metrics[0], math.nan))
+        self.events(Event("window", run.trial.number, run.worker, run.step, value, actor=actor))
+        last = run.step == self.windows - 1
+        if not self.options.pareto and math.isfinite(value):
+            run.trial.report(value, run.step)
+            if not last and run.trial.should_prune():
+                self.study.tell(run.trial, state=TrialState.PRUNED)
+                self.events(Event("pruned", run.trial.number, run.worker, run.step, value))
+                self.idle.append(run.worker)
+                return
+        if last:
+            run.stage = "finish"
+            self._submit(run, actor.finish.remote())
+        else:
+            run.step += 1
+            self._submit(run, actor.run_window.remote(run.step))
+
+    def _finished(self, run: _Running, actor: Any) -> None:
+        quality = self.memo.get(config_key(run.config))
+        if quality is not None:
+            self._complete(run, quality)
+            return
+        run.stage = "quality"
+        self._submit(run, actor.quality.remote(run.config))
+
+    # ---- outcomes ------------------------------------------------------------------------------------
+    def _complete(self, run: _Running, quality: dict[str, Any]) -> None:
+        assert run.result is not None, f"trial {run.trial.number} completes without a result"
+        values = [run.result.mean.get(m, math.nan) for m in self.options.metrics]
+        if not all(math.isfinite(v) for v in values):
+            self._crash(run, f"no finite {self.options.metrics} in the replay (every request refused?)")
+            return
+        t = run.trial
+        t.set_user_attr(ATTR_METRICS, _finite(run.result.mean))
+        t.set_user_attr(ATTR_WINDOW_METRICS, [_finite(w) for w in run.result.windows])
+        t.set_user_attr(ATTR_QUALITY, _finite(quality))
+        for key, c in self.bounds.constraints(quality).items():
+            t.set_constraint(key, c)
+        self.study.tell(t, values)
+        self.events(Event("complete", t.number, run.worker, value=values[0]))
+        self.idle.append(run.worker)
+
+    def _crash(self, run: _Running, message: str) -> None:
+        t = run.trial
+        t.set_user_attr(ATTR_ERROR, message)
+        for key, c in self.bounds.crashed().items():
+            t.set_constraint(key, c)
+        self.study.tell(t, [PENALTY[OBJECTIVES[o][1]] for o in self.options.objectives])
+        self.events(Event("crash", t.number, run.worker, message=message))
+        self.idle.append(run.worker)
+
+    def _lost(self, run: _Running, error: BaseException) -> None:
+        t = run.trial
+        t.set_user_attr(ATTR_LOST, _last_line(error))
+        self.study.tell(t, state=TrialState.FAIL)
+        if ATTR_RETRY_OF not in t.user_attrs:
+            enqueue_rerun(self.study, t.params, t.number, ATTR_RETRY_OF)
+        self.events(Event("lost", t.number, run.worker, message=_last_line(error)))
+        self.pool.replace(run.worker)
+        self.events(Event("replaced", t.number, run.worker, actor=self.pool.actors[run.worker]))
+        self.idle.append(run.worker)
+
+    def interrupt(self) -> None:
+        """Tell every running trial FAIL (``interrupted``) and re-enqueue its params for ``--resume``."""
+        runs = [*self.inflight.values(), *([self._current] if self._current else [])]
+        for run in runs:
+            t = run.trial
+            if self.study._storage.get_trial(t._trial_id).state != TrialState.RUNNING:
+                continue  # told before the interrupt arrived
+            t.set_user_attr(ATTR_INTERRUPTED, True)
+            self.study.tell(t, state=TrialState.FAIL)
+            enqueue_rerun(self.study, t.params, t.number, ATTR_RESUME_OF)
+            self.events(Event("interrupted", t.number, run.worker))
+        self.inflight.clear()
+        self._current = None
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+def config_key(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True)
+
+
+def quality_memo(study: optuna.Study) -> dict[str, dict[str, Any]]:
+    """Quality already measured in this study, by config (quality is a pure function of the config)."""
+    return {
+        config_key(t.user_attrs[ATTR_CONFIG]): t.user_attrs[ATTR_QUALITY]
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if ATTR_QUALITY in t.user_attrs and ATTR_CONFIG in t.user_attrs
+    }
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    """JSON-safe copy: non-finite floats become None."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def _short_config(config: dict[str, Any]) -> str:
+    keys = ("hot_tokens", "block_size", "quantization_bits", "sparse_top_k", "migration_throttling")
+    return " ".join(f"{k}={config[k]}" for k in keys if k in config)
+
+
+def result_dict(result: TrialResult) -> dict[str, Any]:
+    return dataclasses.asdict(result)

@@ -1,0 +1,246 @@
+"""The Optuna study of a tuning run: storage, identity, objectives, known-good points, leftovers.
+
+Study user attributes (the names :mod:`kvtune.tuner.export` reads, plus the tuner's own), set when the study
+is
+created; ``kvtune.identity`` and ``kvtune.space`` are compared on ``--resume``::
+
+    kvtune.card, kvtune.model, kvtune.objective, kvtune.seed, kvtune.pareto
+    kvtune.workload           {name, path, sha256, requests}
+    kvtune.sample             how the windows were cut (requests, windows, seed, length scale and cap)
+    kvtune.space              the search space fingerprint; kvtune.space_description its text
+    kvtune.kv_budget_bytes    the workers' KV budget
+    kvtune.time_scale         the replay time scale; kvtune.time_scale_source "calibrated" or "given"
+    kvtune.quality_limits     {max_ppl_increase, max_kl}; kvtune.quality_settings how quality is measured
+    kvtune.identity           what a resumed run must repeat (all of the above that shape results)
+    kvtune.version, kvtune.created
+    kvtune.validation         the re-measurement of the best config and its baseline (DESIGN §3), when done
+
+Trial user attributes: see :mod:`kvtune.tuner.driver`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+import kvtune
+from kvtune.tuner.export import ATTR_SPACE, OBJECTIVE_METRICS
+
+ATTR_IDENTITY = "kvtune.identity"
+ATTR_SPACE_TEXT = "kvtune.space_description"
+ATTR_VERSION = "kvtune.version"
+ATTR_CREATED = "kvtune.created"
+ATTR_ENQUEUED_FROM = "kvtune.enqueued_from"
+ATTR_ABANDONED = "kvtune.abandoned"
+ATTR_RESUME_OF = "kvtune.resume_of"
+ATTR_RETRY_OF = "kvtune.retry_of"
+OBJECTIVES: dict[str, tuple[str, str]] = OBJECTIVE_METRICS  # name -> (metric key, direction)
+PARETO_PARTNER: dict[str, str] = {
+    "tpot_p99": "throughput",
+    "ttft_p99": "throughput",
+    "e2e_p99": "throughput",
+    "throughput": "tpot_p99",
+}
+PENALTY: dict[str, float] = {"minimize": 1e9, "maximize": 0.0}  # the value told for a config that crashed
+DEFAULT_STORAGE = "sqlite:///studies/kvtune.db"
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+class StudyMismatchError(ValueError):
+    """An existing study was made with other settings (search space, workload, objective, ...)."""
+
+
+@dataclass(frozen=True)
+class StudyOptions:
+    """How the study is found and what it optimizes."""
+
+    storage: str
+    name: str
+    objective: str
+    pareto: bool
+    seed: int
+    resume: bool
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(
+                f"objective must be one of {list(OBJECTIVES)}, but got objective={self.objective!r}"
+            )
+
+    @property
+    def objectives(self) -> tuple[str, ...]:
+        """Objective names, in the order of the study's values (Pareto mode adds a partner)."""
+        return (self.objective, PARETO_PARTNER[self.objective]) if self.pareto else (self.objective,)
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return tuple(OBJECTIVES[o][0] for o in self.objectives)
+
+    @property
+    def directions(self) -> list[optuna.study.StudyDirection]:
+        return [optuna.study.StudyDirection[OBJECTIVES[o][1].upper()] for o in self.objectives]
+
+
+@dataclass(frozen=True)
+class SpaceId:
+    """A search space as the study stores it: its fingerprint (compared on resume) and its description."""
+
+    fingerprint: str
+    description: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"fingerprint": self.fingerprint, "description": self.description}
+
+
+def study_name(card: str, model: str, workload: str | Path) -> str:
+    """Default study name: ``<card>-<model>-<workload file stem>`` (e.g.
+    ``h200-smollm2-conversation_trace``)."""
+    model_part = Path(model).name if ("/" in model or model.endswith(".gguf")) else model
+    return f"{card}-{model_part.replace(':', '-')}-{Path(workload).stem}"
+
+
+def resolve_storage(url: str, workdir: Path | None = None) -> str:
+    """A SQLAlchemy URL; a relative SQLite file lives under ``workdir`` (default: cwd), its folder created."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or url == prefix + ":memory:":
+        return url
+    path = Path(url.removeprefix(prefix))
+    if not path.is_absolute():
+        path = (workdir or Path.cwd()) / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return prefix + str(path)
+
+
+def _sampler(options: StudyOptions, existing: int) -> optuna.samplers.BaseSampler:
+    """TPE seeded by ``seed + trials already in the study``: a resumed study does not replay its first
+    points."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # multivariate TPE
+        return optuna.samplers.TPESampler(seed=options.seed + existing, multivariate=True, n_startup_trials=6)
+
+
+def _pruner(options: StudyOptions, startup_trials: int) -> optuna.pruners.BasePruner:
+    if options.pareto:
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=0)
+
+
+def _existing_trials(storage: str, name: str) -> int | None:
+    """How many trials study ``name`` holds, or None when it does not exist."""
+    summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
+    return next((s.n_trials for s in summaries if s.study_name == name), None)
+
+
+def open_study(
+    options: StudyOptions,
+    identity: Mapping[str, Any],
+    space: SpaceId,
+    attrs: Mapping[str, Any],
+    pruner_startup: int = 4,
+) -> optuna.Study:
+    """Create the study, or load it for ``--resume`` after checking it was made with the same settings.
+
+    Nothing is written to an existing study before the checks pass.
+    """
+    existing = _existing_trials(options.storage, options.name)
+    if existing is not None and not options.resume:
+        raise ValueError(
+            f"study {options.name!r} already exists in {options.storage} with {existing} trial(s); pass "
+            "--resume to continue it, or --study NAME to start another"
+        )
+    sampler, pruner = _sampler(options, existing or 0), _pruner(options, pruner_startup)
+    if existing is not None:
+        study = optuna.load_study(
+            study_name=options.name, storage=options.storage, sampler=sampler, pruner=pruner
+        )
+        check_identity(study, identity, space)
+        return study
+    study = optuna.create_study(
+        storage=options.storage, study_name=options.name, directions=options.directions, sampler=sampler,
+        pruner=pruner,
+    )  # fmt: skip
+    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    own = {ATTR_IDENTITY: dict(identity), ATTR_SPACE: space.fingerprint, ATTR_SPACE_TEXT: space.description,
+           ATTR_VERSION: kvtune.__version__, ATTR_CREATED: created}  # fmt: skip
+    for key, value in {**attrs, **own}.items():
+        study.set_user_attr(key, _jsonable(value))
+    return study
+
+
+def check_identity(study: optuna.Study, identity: Mapping[str, Any], space: SpaceId) -> None:
+    """Raise :class:`StudyMismatchError` when ``study`` was made with another space or other settings."""
+    stored_space = study.user_attrs.get(ATTR_SPACE)
+    if stored_space != space.fingerprint:
+        raise StudyMismatchError(
+            f"study {study.study_name!r} exists with another search space ({stored_space}, "
+            f"now {space.fingerprint}: card, model, workload or KV budget differ); use --study NAME for a "
+            "new study"
+        )
+    stored = study.user_attrs.get(ATTR_IDENTITY, {})
+    for key, value in _jsonable(dict(identity)).items():
+        if stored.get(key) != value:
+            raise StudyMismatchError(
+                f"study {study.study_name!r} was made with {key}={_short(stored.get(key))}, not "
+                f"{_short(value)}; use the same settings with --resume, or --study NAME for a new study"
+            )
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as it comes back from the storage (JSON round trip: tuples become lists)."""
+    return json.loads(json.dumps(value))
+
+
+def enqueue_known_good(study: optuna.Study, params: Iterable[Mapping[str, Any]], source: str) -> int:
+    """Enqueue each parameter set once (``skip_if_exists``), marked ``enqueued_from=source``; how many were
+    new."""
+    before = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    for p in params:
+        study.enqueue_trial(dict(p), user_attrs={ATTR_ENQUEUED_FROM: source}, skip_if_exists=True)
+    return len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,))) - before
+
+
+def recover_abandoned(study: optuna.Study) -> list[int]:
+    """Trials left RUNNING by a driver that was killed: told FAIL (``abandoned``) and their params
+    re-enqueued.
+
+    Only the study's one driver runs trials, so at start any RUNNING trial is a leftover.
+    """
+    numbers = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study._storage.set_trial_user_attr(t._trial_id, ATTR_ABANDONED, True)
+        study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+        enqueue_rerun(study, t.params, t.number, ATTR_RESUME_OF)
+        numbers.append(t.number)
+    return numbers
+
+
+def enqueue_rerun(study: optuna.Study, params: Mapping[str, Any], number: int, key: str) -> bool:
+    """Enqueue ``params`` again, marked ``{key: number}``, unless a trial already carries that mark."""
+    if any(t.user_attrs.get(key) == number for t in study.get_trials(deepcopy=False)):
+        return False
+    study.enqueue_trial(dict(params), user_attrs={key: number})
+    return True
+
+
+def finished_trials(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=FINISHED))
+
+
+def stored_attrs(storage: str, name: str) -> dict[str, Any] | None:
+    """The user attributes of study ``name`` (read only), or None when it does not exist."""
+    if _existing_trials(storage, name) is None:
+        return None
+    return dict(optuna.load_study(study_name=name, storage=storage).user_attrs)

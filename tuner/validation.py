@@ -1,0 +1,91 @@
+"""Validation before export: the best config and its unquantized baseline, re-measured on held-out requests.
+
+The best of many noisy trials overstates itself (DESIGN §3). Each repeat replays both configs back to back on
+the same worker (which goes first alternates), on requests of the trace the search never saw; repeats are
+spread
+over the workers. :func:`gains` compares the two runs of each repeat (baseline ÷ best for latencies, best ÷
+baseline for
+throughput, so > 1 is better); the preset reports medians with their range (:mod:`kvtune.tuner.export`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import optuna
+import ray
+from optuna.trial import FrozenTrial, TrialState
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.traces import Request
+from kvtune.tuner.pool import WorkerPool
+from kvtune.tuner.study import OBJECTIVES, StudyOptions
+from kvtune.tuner.worker import WARMUP_REQUESTS
+
+MIN_REPEATS = 3
+KEY_METRICS: dict[str, str] = {
+    "tpot_p99_ms": "minimize",
+    "tpot_p50_ms": "minimize",
+    "ttft_p99_ms": "minimize",
+    "e2e_p99_ms": "minimize",
+    "tokens_per_s": "maximize",
+    "peak_kv_bytes": "minimize",
+}
+
+
+def feasible(trial: FrozenTrial) -> bool:
+    return trial.state == TrialState.COMPLETE and all(c <= 0 for c in trial.constraints.values())
+
+
+def best_trial(study: optuna.Study, options: StudyOptions) -> FrozenTrial | None:
+    """The feasible completed trial with the best primary objective (Pareto mode: among the Pareto front)."""
+    pool = [t for t in (study.best_trials if options.pareto else study.trials) if feasible(t)]
+    if not pool:
+        return None
+    sign = 1.0 if OBJECTIVES[options.objective][1] == "minimize" else -1.0
+    return min(pool, key=lambda t: (sign * t.values[0], t.number))
+
+
+def validate(
+    pool: WorkerPool,
+    best: HybridConfig,
+    requests: tuple[Request, ...],
+    time_scale: float,
+    repeats: int = MIN_REPEATS,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Replay ``best`` and ``best.unquantized()`` ``repeats`` times each: the metrics of every run of each."""
+    if repeats < MIN_REPEATS:
+        raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
+    baseline = best.unquantized()
+    refs = []
+    for r in range(repeats):
+        actor = pool.actors[r % len(pool.actors)]
+        first, second = (best, baseline) if r % 2 == 0 else (baseline, best)
+        one, two = (
+            actor.replay.remote(c.to_dict(), requests, time_scale, WARMUP_REQUESTS) for c in (first, second)
+        )
+        refs.append((one, two) if r % 2 == 0 else (two, one))
+    runs = [(ray.get(b), ray.get(base)) for b, base in refs]
+    return [_finite(b) for b, _ in runs], [_finite(base) for _, base in runs]
+
+
+def gains(best: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> dict[str, float | None]:
+    """Per repeat, how many times better ``best`` is than the baseline on ``key`` (> 1 is better):
+    median, min and max over the repeats."""
+    ratios = []
+    for b, s in zip(best, base, strict=True):
+        num, den = (
+            (s.get(key), b.get(key)) if KEY_METRICS.get(key) == "minimize" else (b.get(key), s.get(key))
+        )
+        if isinstance(num, int | float) and isinstance(den, int | float) and den > 0:
+            ratios.append(num / den)
+    if not ratios:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def _finite(metrics: dict[str, Any]) -> dict[str, Any]:
+    """JSON-safe metrics: non-finite numbers become None."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
