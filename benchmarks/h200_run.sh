@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One GPU call's work, by step: tests | replays | study-llama | study-smol (several steps in order).
+# Run from the checkout on the GPU machine after `. benchmarks/device_env.sh`; logs and results go to $OUT.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+TRACE=examples/traces/mooncake_sample.jsonl
+C=examples/configs
+log() { echo "== $(date +%T) $*"; }
+
+for step in "$@"; do
+  case "$step" in
+  tests)
+    log "GPU tests"
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -4 ;;
+  replays)
+    log "replay llama-3-8b shape (random weights, bf16), lengths x0.25"
+    timeout 200 python3 benchmarks/replay_compare.py --model random:llama-3-8b --workload $TRACE --requests 48 \
+      --budget-gb 40 --length-scale 0.25 --json "$OUT/replay_llama3_8b.json" \
+      $C/q_unquantized.json $C/q_int8.json $C/q_int4.json 2>&1 | tee "$OUT/replay_llama3_8b.log" | tail -5
+    log "replay SmolLM2-135M real weights (bf16), lengths x0.5"
+    timeout 200 python3 benchmarks/replay_compare.py --model smollm2 --workload $TRACE --requests 128 \
+      --budget-gb 40 --length-scale 0.5 --json "$OUT/replay_smollm2.json" \
+      $C/q_unquantized.json $C/q_int8.json $C/q_int4.json $C/q_int8_sparse512.json 2>&1 \
+      | tee "$OUT/replay_smollm2.log" | tail -6 ;;
+  study-llama)
+    log "study: llama-3-8b shape (non-tier parameters), quality on SmolLM2"
+    timeout 280 python3 -m kvtune --gpu h200 --workload $TRACE --model random:llama-3-8b --trials 8 \
+      --requests 24 --windows 1 --length-scale 0.25 --kv-budget 40GB --time-budget 2.5 \
+      --quality-windows 4 --quality-prefill 1024 --quality-decode 128 --no-passkey \
+      --storage "sqlite:///$OUT/h200_llama3_8b.db" --out "$OUT/preset_llama3_8b.json" 2>&1 | tee "$OUT/study_llama.log" | tail -25 ;;
+  study-smol)
+    log "study: SmolLM2-135M real weights"
+    timeout 560 python3 -m kvtune --gpu h200 --workload $TRACE --model smollm2 --trials 20 \
+      --requests 24 --windows 2 --length-scale 0.25 --kv-budget 40GB --time-budget 6.5 \
+      --quality-windows 4 --quality-prefill 1024 --quality-decode 128 --no-passkey \
+      --storage "sqlite:///$OUT/h200_smollm2.db" --out "$OUT/preset_smollm2.json" 2>&1 | tee "$OUT/study_smol.log" | tail -30 ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
