@@ -1,8 +1,8 @@
 """Attention-output error of the hybrid cache on K/V of a real model (SmolLM2-135M, real text).
 
-The unquantized cache drives the model; every layer's decode call is also sent, with the very same q/k/v, to an
-INT8 and an INT4 cache that saw the same prefill. So each layer's error is the cache's own (no propagation from
-earlier layers). Prints, per config, the mean over decode steps, layers and rows of
+The unquantized cache drives the model; every layer's decode call is also sent, with the very same q/k/v,
+to an INT8 and an INT4 cache that saw the same prefill. So each layer's error is the cache's own (no
+propagation from earlier layers). Prints, per config, the mean over decode steps, layers and rows of
 ``‖out − out_unquantized‖ / ‖out_unquantized‖`` and the worst layer.
 
     python benchmarks/kv_error_real.py [--tokens 2048] [--steps 64] [--text FILE]
@@ -59,7 +59,8 @@ def main() -> None:
         {"kv_cache_strategy": "hybrid_v2", "hot_tokens": 32, "block_size": 64, "quantization_bits": 0}
     )
     budget = 1 << 30
-    make = lambda bits: HybridCache(base.replace(quantization_bits=bits), loaded.model.kv_shape, budget, "cpu", 1)
+    shape = loaded.model.kv_shape
+    make = lambda bits: HybridCache(base.replace(quantization_bits=bits), shape, budget, "cpu", 1)
     tee = TeeCache(make(0), {"int8": make(8), "int4": make(4)})
     for cache in (tee.main, *tee.others.values()):
         cache.add_sequence(SEQ, ids[: args.tokens], now_ms=0.0)
@@ -74,12 +75,13 @@ def main() -> None:
             tee.main.end_step(plan)
             for name, cache in tee.others.items():
                 cache.end_step(tee.plans[name])  # type: ignore[arg-type]
-    print(f"SmolLM2-135M (GGUF Q4_1 weights), {args.text.name}, prefill {args.tokens}, {args.steps} decode steps,")
+    print(f"SmolLM2-135M (GGUF Q4_1), {args.text.name}, prefill {args.tokens}, {args.steps} decode steps,")
     print("hot_tokens 32, block_size 64; per-layer attention-output relative error vs the unquantized cache:")
     for name, per_layer in tee.errors.items():
         means = {layer: statistics.fmean(v) for layer, v in per_layer.items()}
         worst = max(means, key=means.__getitem__)
-        print(f"  {name}: mean {statistics.fmean(means.values()):.4%}, worst layer {worst}: {means[worst]:.4%}")
+        mean = statistics.fmean(means.values())
+        print(f"  {name}: mean {mean:.4%}, worst layer {worst}: {means[worst]:.4%}")
 
 
 if __name__ == "__main__":

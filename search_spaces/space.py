@@ -241,7 +241,7 @@ class SearchSpace:
         base = dict(DEFAULT_POINTS[0])
         for change in DEFAULT_POINTS:
             base.update(change)
-            config = HybridConfig("hybrid_v2", **base, **TIER_FIXED)
+            config = HybridConfig.from_dict({"kv_cache_strategy": "hybrid_v2", **base, **TIER_FIXED})
             if _inside(self, config):
                 out.append(config)
         return out or [self._middle()]
