@@ -6,13 +6,13 @@ import argparse
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from kvtune.cache_impl.layout import ModelKVShape
 from kvtune.cache_impl.weights import SHAPES, ModelSpec, spec_from_hf_config
 from kvtune.search_spaces.cards import CARDS, Card, Present, match_card, resolve_gpu
 from kvtune.search_spaces.space import BUDGET_FRACTION, SearchSpace, WorkloadStats
+from kvtune.tuner.console import table_console
 
 NAME = "gpus"
 HELP = "list the known cards, the GPUs present, and the search space of each card for a model"
@@ -97,7 +97,7 @@ def _space(card: Card, args: argparse.Namespace) -> SearchSpace:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = table_console()
     present = present_gpus()
     console.print(_card_table(present))
     console.print(f"GPUs present: {[name for name, _ in present] or 'none (cpu only)'}")

@@ -25,6 +25,7 @@ from kvtune.cache_impl.engine import resolve_device
 from kvtune.cache_impl.metrics import json_safe
 from kvtune.cache_impl.model import load_model
 from kvtune.cache_impl.quality import measure_quality
+from kvtune.tuner.console import table_console
 
 NAME = "quality"
 HELP = "measure a hybrid_v2 config's quality (KL, top-1, perplexity, passkey) against the unquantized cache"
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )
     d = result.to_dict()
-    Console().print(_table(d, args.model, text_path))
+    table_console().print(_table(d, args.model, text_path))
     if args.json:
         record = {**d, "text": str(text_path), "device": str(device), "dtype": args.dtype}
         Path(args.json).write_text(json.dumps(json_safe(record), indent=2) + "\n", encoding="utf-8")

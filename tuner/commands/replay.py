@@ -23,6 +23,7 @@ from kvtune.cache_impl.engine import (
 )
 from kvtune.cache_impl.metrics import json_safe
 from kvtune.cache_impl.model import load_model
+from kvtune.tuner.console import table_console
 
 NAME = "replay"
 HELP = "replay a workload sample on one hybrid_v2 config and report latency, bandwidth and memory metrics"
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             clipped=counts.clipped,
         )
     result = metrics.to_dict()
-    Console().print(_table(result, config, args.model, time_scale, budget))
+    table_console().print(_table(result, config, args.model, time_scale, budget))
     for warning in metrics.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
     if args.json:

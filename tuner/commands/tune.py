@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtune.search_spaces.cards import Card, resolve_gpu
+from kvtune.tuner.console import table_console
 from kvtune.tuner.driver import Bounds, Event
 from kvtune.tuner.export import ATTR_CONFIG, ATTR_ERROR, ATTR_METRICS, ATTR_QUALITY
 from kvtune.tuner.job import TuneJob, TuneReport, tune
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             import ray
 
             ray.shutdown()
-    Console().print(best_table(study, job.options))
+    table_console().print(best_table(study, job.options))
     _print_outcome(console, report, job)
     return 0
 
