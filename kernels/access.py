@@ -31,6 +31,11 @@ def accessed_blocks_ref(
     return acc.scatter_reduce_(0, ids, hit, reduce="amax").bool()
 
 
+def _next_ema(interval: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
+    """EMA_0.25 of the intervals after one more ``interval`` (the first interval starts it)."""
+    return torch.where(torch.isnan(ema), interval, EMA_WEIGHT * interval + (1 - EMA_WEIGHT) * ema)
+
+
 def update_access_ref(
     last_access: torch.Tensor,
     ema: torch.Tensor,
@@ -45,8 +50,7 @@ def update_access_ref(
     float32; block_table: [B, H, M] int32 (-1 padding); num_cold: [B, H] int32.
     """
     acc = accessed_blocks_ref(last_access.shape[0], block_mass, block_table, num_cold)
-    interval = now_ms - last_access
-    new_ema = torch.where(torch.isnan(ema), interval, EMA_WEIGHT * interval + (1 - EMA_WEIGHT) * ema)
+    new_ema = _next_ema(now_ms - last_access, ema)
     ema.copy_(torch.where(acc, new_ema, ema))
     last_access.masked_fill_(acc, now_ms)
     return acc
@@ -69,8 +73,7 @@ def update_access(
     ids = block_table.long().clamp(min=0).flatten()
     hit = acc[ids]
     last, old = last_access[ids], ema[ids]
-    interval = now_ms - last
-    new_ema = torch.where(torch.isnan(old), interval, EMA_WEIGHT * interval + (1 - EMA_WEIGHT) * old)
+    new_ema = _next_ema(now_ms - last, old)
     ema.index_put_((ids,), torch.where(hit, new_ema, old))
     last_access.index_put_((ids,), torch.where(hit, torch.full_like(last, now_ms), last))
     return acc
