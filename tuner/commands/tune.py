@@ -111,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if not Path(args.workload).is_file():
+        raise FileNotFoundError(f"--workload {args.workload}: no such trace file")
     card = resolve_gpu(args.gpu, _present_gpus())
     defaults = GPU if card.is_gpu else CPU
     job = build_job(args, card, defaults)
