@@ -12,6 +12,15 @@ import torch
 # Small CPU shapes run fastest single-threaded, and two test processes on a 2-core machine don't fight.
 torch.set_num_threads(1)
 
+
+@pytest.fixture(scope="session")
+def tiny() -> Any:
+    """The tiny random-weight Llama on the CPU (engine and quality tests)."""
+    from kvtune.cache_impl.model import load_model
+
+    return load_model("random:tiny", torch.device("cpu"))
+
+
 # ---- Ray: one session for the whole test run (tuner tests) ------------------------------------------------
 # A fake multi-GPU node, described the way Ray describes a real one: 4 GPUs and one accelerator_type resource.
 # GPU workers ask for num_gpus=1 and accelerator_type="H200" (they compute on the CPU here); CPU workers ask

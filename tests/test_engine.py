@@ -21,7 +21,6 @@ from kvtune.cache_impl.metrics import (
     percentiles,
     summarize,
 )
-from kvtune.cache_impl.model import load_model
 from kvtune.cache_impl.scheduler import Scheduler
 from kvtune.cache_impl.scheduler import Sequence as Seq
 from kvtune.cache_impl.traces import Request
@@ -34,20 +33,6 @@ CONTRACT_KEYS = (
     "bookkeeping_ms_per_step", "bookkeeping_share", "peak_kv_bytes", "preemptions", "prefix_hit_rate",
     "refused", "clipped", "completed", "warnings",
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: one intra-op thread avoids thread start-up costs dwarfing the work (and shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("random:tiny", CPU)
 
 
 def _config(bits: int = 8, **kw) -> HybridConfig:

@@ -7,10 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.cache_impl.model import load_model
 from kvtune.cache_impl.quality import (
     PASSKEY_DEPTHS,
     PasskeyTrial,
@@ -25,20 +23,6 @@ from kvtune.tuner.cli import main
 
 EXCERPT = Path(__file__).resolve().parents[1] / "examples" / "text" / "wikitext2_excerpt.txt"
 SMALL = {"windows": 2, "prefill_tokens": 64, "decode_tokens": 24, "step_ms": 50.0}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: one intra-op thread avoids thread start-up costs dwarfing the work (and shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("random:tiny", torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")

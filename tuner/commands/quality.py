@@ -10,14 +10,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from kvtune.cache_impl.config import HybridConfig
@@ -25,7 +17,7 @@ from kvtune.cache_impl.engine import resolve_device
 from kvtune.cache_impl.metrics import json_safe
 from kvtune.cache_impl.model import load_model
 from kvtune.cache_impl.quality import measure_quality
-from kvtune.tuner.console import table_console
+from kvtune.tuner.console import progress_bar, table_console
 
 NAME = "quality"
 HELP = "measure a hybrid_v2 config's quality (KL, top-1, perplexity, passkey) against the unquantized cache"
@@ -77,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         loaded = load_model(args.model, device, DTYPES[args.dtype])
     if not loaded.real_weights:
         console.print("[yellow]warning:[/] random weights: attention patterns, and so quality, mean nothing")
-    with _progress(console) as bar:
+    with progress_bar(console, remaining=True) as bar:
         task = bar.add_task("decode steps", total=None)
         result = measure_quality(
             loaded,
@@ -106,18 +98,6 @@ def _default_text() -> Path:
     raise FileNotFoundError(
         f"the default text {EXCERPT} was not found (looked in {[str(c) for c in candidates]}); "
         "pass --text FILE"
-    )
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
     )
 
 

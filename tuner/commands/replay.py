@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvtune.cache_impl.config import HybridConfig
@@ -23,7 +22,7 @@ from kvtune.cache_impl.engine import (
 )
 from kvtune.cache_impl.metrics import json_safe
 from kvtune.cache_impl.model import load_model
-from kvtune.tuner.console import table_console
+from kvtune.tuner.console import progress_bar, table_console
 
 NAME = "replay"
 HELP = "replay a workload sample on one hybrid_v2 config and report latency, bandwidth and memory metrics"
@@ -106,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 loaded, requests, budget, device, args.load, config, args.warmup
             )
     engine = Engine(loaded, config, budget, device, max_batch=args.max_batch)
-    with _progress(console) as bar:
+    with progress_bar(console) as bar:
         task = bar.add_task("replay", total=len(requests))
         metrics = engine.replay(
             requests,
@@ -132,17 +131,6 @@ def run(args: argparse.Namespace) -> int:
         }
         Path(args.json).write_text(json.dumps(json_safe(record), indent=2) + "\n", encoding="utf-8")
     return 0
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    )
 
 
 ROWS: tuple[tuple[str, str, str], ...] = (
