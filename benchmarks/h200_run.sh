@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU call's work, by step: tests | replays | study-llama | study-smol (several steps in order).
+# One GPU call's work, by step: tests | step | replays-llama | replays-smol | quality | study-llama |
+# study-smol (several steps in order).
 # Run from the checkout on the GPU machine after `. benchmarks/device_env.sh`; logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,18 +13,33 @@ for step in "$@"; do
   tests)
     log "GPU tests"
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
-    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 \
-      | tee "$OUT/gpu_tests.log" | tail -4 ;;
-  replays)
+    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_kernels.py \
+      tests/test_triton_step.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
+  step)
+    log "decode step: Triton per-token kernels vs PyTorch (attention Triton in both)"
+    timeout 150 python3 benchmarks/decode_step.py --model random:smollm2-135m --batch 32 --length 2048 \
+      --json "$OUT/step_smollm2.json" $C/q_unquantized.json $C/q_int8.json $C/q_int4.json \
+      $C/q_int8_sparse512_fast.json 2>&1 | grep -v USDT | tee "$OUT/step_smollm2.log" | tail -14
+    timeout 150 python3 benchmarks/decode_step.py --model random:llama-3-8b --batch 16 --length 2048 \
+      --json "$OUT/step_llama3_8b.json" $C/q_unquantized.json $C/q_int8.json $C/q_int4.json 2>&1 \
+      | grep -v USDT | tee "$OUT/step_llama3_8b.log" | tail -10 ;;
+  replays-llama)
     log "replay llama-3-8b shape (random weights, bf16), lengths x0.25"
-    timeout 200 python3 benchmarks/replay_compare.py --model random:llama-3-8b --workload $TRACE --requests 48 \
+    timeout 240 python3 benchmarks/replay_compare.py --model random:llama-3-8b --workload $TRACE --requests 48 \
       --budget-gb 40 --length-scale 0.25 --json "$OUT/replay_llama3_8b.json" \
-      $C/q_unquantized.json $C/q_int8.json $C/q_int4.json 2>&1 | tee "$OUT/replay_llama3_8b.log" | tail -5
+      $C/q_unquantized.json $C/q_int8.json $C/q_int4.json 2>&1 | tee "$OUT/replay_llama3_8b.log" | tail -5 ;;
+  replays-smol)
     log "replay SmolLM2-135M real weights (bf16), lengths x0.5"
-    timeout 200 python3 benchmarks/replay_compare.py --model smollm2 --workload $TRACE --requests 128 \
+    timeout 240 python3 benchmarks/replay_compare.py --model smollm2 --workload $TRACE --requests 128 \
       --budget-gb 40 --length-scale 0.5 --json "$OUT/replay_smollm2.json" \
       $C/q_unquantized.json $C/q_int8.json $C/q_int4.json $C/q_int8_sparse512.json 2>&1 \
       | tee "$OUT/replay_smollm2.log" | tail -6 ;;
+  quality)
+    log "quality: SmolLM2-135M real weights, 8 x (2048 + 512), passkey"
+    for c in q_unquantized q_int8 q_int4 q_int4_hot16 q_int8_sparse512; do
+      timeout 150 python3 -m kvtune quality --config $C/$c.json --json "$OUT/quality_$c.json" 2>&1 \
+        | tail -16 | tee "$OUT/quality_$c.log"
+    done ;;
   study-llama)
     log "study: llama-3-8b shape (non-tier parameters), quality on SmolLM2"
     timeout 280 python3 -m kvtune --gpu h200 --workload $TRACE --model random:llama-3-8b --trials 8 \

@@ -95,7 +95,8 @@ class HybridCache:
         self._now = 0.0
         self._bytes_dev = torch.zeros((), dtype=torch.int64, device=self.device)
         self._bytes_host = 0
-        self._cost = self._bytes_per_entry()
+        self._cost_host = self._bytes_per_entry()
+        self._cost = self._cost_host.to(self.device)
         self.counters = {"prefix_lookup_blocks": 0, "prefix_hit_blocks": 0, "migrations_done": 0, "plans": 0}
 
     # ---- capacity -------------------------------------------------------------------------------------
@@ -241,26 +242,40 @@ class HybridCache:
     def _plan(
         self, seqs: list[_Seq], write_pos: list[int], sealing: list[_Seq], fresh: list[int]
     ) -> DecodePlan:
-        dev = self.device
+        """The step's index tensors, packed on the host and sent to the device in one copy."""
+        b, n_seal, h = len(seqs), len(sealing), self.shape.num_kv_heads
         width = max((len(s.blocks) for s in seqs), default=0)
-        table = np.full((len(seqs), width), -1, dtype=np.int64)
+        packed = np.full(5 * b + 2 * n_seal + b * width, -1, dtype=np.int64)
+        packed[0:b] = [s.slot for s in seqs]
+        packed[b : 2 * b] = write_pos
+        packed[2 * b : 3 * b] = [s.hot_len for s in seqs]
+        packed[3 * b : 4 * b] = [len(s.blocks) for s in seqs]
+        packed[5 * b : 5 * b + n_seal] = [s.slot for s in sealing]
+        packed[5 * b + n_seal : 5 * b + 2 * n_seal] = fresh
+        table = packed[5 * b + 2 * n_seal :].reshape(b, width)
         for i, s in enumerate(seqs):
             table[i, : len(s.blocks)] = s.blocks
-        as_t = lambda x, dt: torch.as_tensor(x, dtype=dt, device=dev)
+        dev = torch.from_numpy(packed).to(self.device)
+        small = dev[: 4 * b].to(torch.int32)
+        blocks = dev[5 * b + 2 * n_seal :].view(b, width)
+        num_blocks = small[3 * b : 4 * b]
         return DecodePlan(
             seq_ids=tuple(s.seq_id for s in seqs),
             step=self._step,
             now_ms=self._now,
-            slots=as_t([s.slot for s in seqs], torch.int64),
-            write_pos=as_t(write_pos, torch.int64),
-            hot_slot=as_t([s.slot for s in seqs], torch.int32),
-            hot_len=as_t([s.hot_len for s in seqs], torch.int32),
-            seal_slots=as_t([s.slot for s in sealing], torch.int64),
-            seal_blocks=as_t(fresh, torch.int64),
-            blocks=torch.from_numpy(table).to(dev),
-            num_blocks=as_t([len(s.blocks) for s in seqs], torch.int32),
+            slots=dev[0:b],
+            write_pos=dev[b : 2 * b],
+            hot_slot=small[0:b],
+            hot_len=small[2 * b : 3 * b],
+            seal_slots=dev[5 * b : 5 * b + n_seal],
+            seal_blocks=dev[5 * b + n_seal : 5 * b + 2 * n_seal],
+            blocks=blocks,
+            num_blocks=num_blocks,
+            cold_table=blocks.to(torch.int32)[:, None].expand(b, h, width).contiguous(),
+            cold_count=num_blocks[:, None].expand(b, h).contiguous(),
             lengths=tuple(s.length for s in seqs),
             hot_tokens=sum(s.hot_len for s in seqs),
+            cold_blocks=sum(len(s.blocks) for s in seqs),
             sealed_seq_ids=tuple(s.seq_id for s in sealing),
         )
 
@@ -278,7 +293,13 @@ class HybridCache:
             q, hk, hv, plan.hot_slot, plan.hot_len, pool, table, num_cold, self.sm_scale
         )
         update_access(
-            self.tiers.last_access[layer], self.tiers.ema[layer], mass, table, num_cold, plan.now_ms
+            self.tiers.last_access[layer],
+            self.tiers.ema[layer],
+            mass,
+            table,
+            num_cold,
+            plan.now_ms,
+            self.tiers.flags,
         )
         self._count_bytes(pool, plan, table, num_cold, l2_count)
         self.debug.attention(mass, hot_mass, num_l1)
@@ -303,8 +324,7 @@ class HybridCache:
         b, h = plan.batch_size, self.shape.num_kv_heads
         blocks = plan.blocks
         if self.config.sparse_top_k == 0 or self.tiers.l2_blocks[layer] == 0:
-            num = plan.num_blocks[:, None].expand(b, h).contiguous()
-            return blocks.to(torch.int32)[:, None].expand(b, h, -1).contiguous(), num, num, None
+            return plan.cold_table, plan.cold_count, plan.cold_count, None
         tier = self.tiers.tier[layer][blocks.clamp(min=0)]
         l1, n1 = _compact(blocks, (blocks >= 0) & (tier == L1))
         l2, n2 = _compact(blocks, (blocks >= 0) & (tier == L2))
@@ -322,7 +342,7 @@ class HybridCache:
         cost[0] = 2 * bs * d * elem
         for bits in (4, 8):
             cost[bits] = 2 * bs * d * bits // 8 + 2 * 2 * d + 2 * 2 * bs
-        return cost.to(self.device)
+        return cost
 
     def _count_bytes(
         self,
@@ -334,6 +354,9 @@ class HybridCache:
     ) -> None:
         h, d, elem = self.shape.num_kv_heads, self.shape.head_dim, self.shape.element_size
         self._bytes_host += 2 * plan.hot_tokens * h * d * elem
+        if not pool.may_demote:  # every block has the pool's bits and every head reads all of them
+            self._bytes_host += plan.cold_blocks * h * int(self._cost_host[pool.bits])
+            return
         bits = pool.block_bits[table.long().clamp(min=0)].long()
         self._bytes_dev += torch.where(table >= 0, self._cost[bits], 0).sum()
         if l2 is not None:

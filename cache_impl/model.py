@@ -32,6 +32,7 @@ from kvtune.cache_impl.weights import (
     save_hf_dir,
     smollm2_gguf_path,
 )
+from kvtune.kernels.elementwise import add_rms_norm, rope_qkv, silu_mul
 
 __all__ = [
     "SHAPES",
@@ -69,13 +70,6 @@ class LayerWeights:
     w_down: torch.Tensor  # [hidden, ffn]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x²) + eps)`` computed in float32, returned in ``x.dtype``; x [..., hidden]."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     """Inverse frequencies [D/2] float32: ``theta^(-2i/D)``, Llama-3.1-scaled when ``spec.rope_scaling``."""
     d = spec.head_dim
@@ -102,13 +96,6 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, heads, D] by cos/sin [N, D]: ``x cos + rotate_half(x) sin``."""
-    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -184,31 +171,26 @@ class LlamaModel:
     def _forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, last_only: bool
     ) -> torch.Tensor:
+        """Residual stream ``x``; each layer adds attention then MLP, the add fused with the next RMSNorm."""
+        eps = self.spec.rms_eps
         x = F.embedding(token_ids.to(self.device), self.embed)  # [N, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions)
+        delta: torch.Tensor | None = None
         for i, w in enumerate(self.layers):
-            x = x + self._attention(i, w, x, cos, sin, attend)
-            x = x + self._mlp(w, x)
+            x, h = add_rms_norm(x, delta, w.attn_norm, eps)
+            x, h = add_rms_norm(x, self._attention(i, w, h, cos, sin, attend), w.ffn_norm, eps)
+            delta = F.linear(silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
         if last_only:
-            x = x[-1:]
-        return F.linear(rms_norm(x, self.norm, self.spec.rms_eps), self.lm_head).float()
+            x, delta = x[-1:], None if delta is None else delta[-1:]
+        return F.linear(add_rms_norm(x, delta, self.norm, eps)[1], self.lm_head).float()
 
     def _attention(
-        self, i: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+        self, i: int, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
-        s, n = self.spec, x.shape[0]
-        qkv = F.linear(rms_norm(x, w.attn_norm, s.rms_eps), w.wqkv)
-        q, k, v = qkv.split(
-            [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1
-        )
-        q = apply_rope(q.view(n, s.num_heads, s.head_dim), cos, sin)
-        k = apply_rope(k.view(n, s.num_kv_heads, s.head_dim), cos, sin)
-        out = attend(i, q, k, v.reshape(n, s.num_kv_heads, s.head_dim).contiguous())
-        return F.linear(out.reshape(n, s.num_heads * s.head_dim), w.wo)
-
-    def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rms_norm(x, w.ffn_norm, self.spec.rms_eps), w.w_gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w.w_down)
+        """o_proj(attention) of the normed input ``h`` [N, hidden]."""
+        s, n = self.spec, h.shape[0]
+        q, k, v = rope_qkv(F.linear(h, w.wqkv), cos, sin, s.num_heads, s.num_kv_heads)
+        return F.linear(attend(i, q, k, v).reshape(n, s.num_heads * s.head_dim), w.wo)
 
 
 def _layer_weights(t: dict[str, torch.Tensor], i: int) -> LayerWeights:

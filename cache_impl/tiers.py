@@ -78,6 +78,7 @@ class TierState:
         self.tier = torch.full((num_layers, num_blocks), L1, dtype=torch.int8, device=device)
         self.last_access = torch.zeros(num_layers, num_blocks, dtype=torch.float64, device=device)
         self.ema = torch.full((num_layers, num_blocks), math.nan, dtype=torch.float64, device=device)
+        self.flags = torch.zeros(num_blocks, dtype=torch.int32, device=device)  # update_access's scratch
         self.tier_host = np.full((num_layers, num_blocks), L1, dtype=np.int8)
         self.l2_blocks = np.zeros(num_layers, dtype=np.int64)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from kvtune.kernels.backend import use_triton
+
 EMA_WEIGHT = 0.25
 
 
@@ -63,12 +65,22 @@ def update_access(
     block_table: torch.Tensor,
     num_cold: torch.Tensor,
     now_ms: float,
-) -> torch.Tensor:
+    flags: torch.Tensor | None = None,
+) -> None:
     """See :func:`update_access_ref`; touches only the listed blocks' statistics (O(B·H·M), not O(N)).
 
-    Entries that list the same block gather the same old statistics and the same pooled ``accessed`` flag, so
-    they write identical values and the scatter is deterministic (padding entries alias block 0 the same way).
+    On CUDA two Triton launches (:mod:`kvtune.kernels.triton_access`; ``flags``, int32 [N] zeros, is their
+    scratch and is zero again afterwards). Elsewhere: entries that list the same block gather the same old
+    statistics and the same pooled ``accessed`` flag, so they write identical values and the scatter is
+    deterministic (padding entries alias block 0 the same way).
     """
+    if use_triton(block_mass):
+        from kvtune.kernels.triton_access import update_access_triton
+
+        if flags is None:
+            flags = torch.zeros(last_access.shape, dtype=torch.int32, device=last_access.device)
+        update_access_triton(last_access, ema, block_mass, block_table, num_cold, now_ms, flags)
+        return
     acc = accessed_blocks_ref(last_access.shape[0], block_mass, block_table, num_cold)
     ids = block_table.long().clamp(min=0).flatten()
     hit = acc[ids]
@@ -76,7 +88,6 @@ def update_access(
     new_ema = _next_ema(now_ms - last, old)
     ema.index_put_((ids,), torch.where(hit, new_ema, old))
     last_access.index_put_((ids,), torch.where(hit, torch.full_like(last, now_ms), last))
-    return acc
 
 
 def inter_access_interval(last_access: torch.Tensor, ema: torch.Tensor, now_ms: float) -> torch.Tensor:

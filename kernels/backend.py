@@ -1,11 +1,31 @@
-"""Whether the Triton kernels can be used: the public launchers dispatch to them for CUDA tensors.
+"""Whether the Triton kernels are used: the public launchers dispatch to them for CUDA tensors.
 
-The Triton modules (``triton_decode``, ``triton_quest``, ``triton_quant``) are imported on first CUDA use, not
-here: Triton chooses between its compiler and its CPU interpreter when a kernel is defined.
+The Triton modules (``triton_decode``, ``triton_quest``, ``triton_quant``, ...) are imported on first CUDA
+use, not here: Triton chooses between its compiler and its CPU interpreter when a kernel is defined.
+
+``KVTUNE_KERNELS=torch`` in the environment makes every launcher take its PyTorch reference, also on CUDA (to
+compare, or to step around a kernel problem); the default, ``triton``, uses the kernels wherever they can run.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+
+import torch
 
 HAS_TRITON: bool = importlib.util.find_spec("triton") is not None
+KERNEL_CHOICES = ("triton", "torch")
+
+
+def kernel_choice() -> str:
+    """``KVTUNE_KERNELS`` (default ``triton``); ValueError naming the variable for anything else."""
+    choice = os.environ.get("KVTUNE_KERNELS", "triton")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"KVTUNE_KERNELS={choice!r}: expected one of {list(KERNEL_CHOICES)}")
+    return choice
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Take the Triton kernel for this tensor: CUDA, Triton installed, and not ``KVTUNE_KERNELS=torch``."""
+    return t.is_cuda and HAS_TRITON and kernel_choice() == "triton"

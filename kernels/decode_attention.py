@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.backend import HAS_TRITON
+from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_gathered
 
@@ -105,7 +105,7 @@ def hybrid_decode_attention(
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`hybrid_decode_attention_ref`; the fused Triton kernel on CUDA tensors."""
-    if q.is_cuda and HAS_TRITON:
+    if use_triton(q):
         from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
 
         return hybrid_decode_attention_triton(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.backend import HAS_TRITON
+from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool, levels_for_bits
 
 _F16_TINY = 2.0**-24  # the smallest fp16 subnormal
@@ -110,7 +110,7 @@ def seal_blocks_ref(
 
 def seal_blocks(pool: ColdPool, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: int) -> None:
     """Quantize + pack ``n`` blocks into the pool (see :func:`seal_blocks_ref`); Triton on CUDA tensors."""
-    if k.is_cuda and HAS_TRITON:
+    if use_triton(k):
         from kvtune.kernels.triton_quant import seal_blocks_triton
 
         return seal_blocks_triton(pool, block_ids, k, v, bits)

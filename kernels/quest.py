@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.backend import HAS_TRITON
+from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool, key_bounds
 
 
@@ -53,7 +53,7 @@ def quest_topk(
     q: torch.Tensor, pool: ColdPool, l2_table: torch.Tensor, l2_count: torch.Tensor, k_blocks: int
 ) -> torch.Tensor:
     """See :func:`quest_topk_ref`; the Triton bound kernel + ``torch.topk`` on CUDA tensors."""
-    if q.is_cuda and HAS_TRITON:
+    if use_triton(q):
         from kvtune.kernels.triton_quest import quest_topk_triton
 
         return quest_topk_triton(q, pool, l2_table, l2_count, k_blocks)

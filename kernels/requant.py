@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.backend import HAS_TRITON
+from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks_ref, seal_blocks_ref
 
@@ -44,7 +44,7 @@ def requantize_int4_ref(pool: ColdPool, block_ids: torch.Tensor) -> None:
 
 def requantize_int4(pool: ColdPool, block_ids: torch.Tensor) -> None:
     """See :func:`requantize_int4_ref`; Triton on CUDA tensors."""
-    if pool.k.is_cuda and HAS_TRITON:
+    if use_triton(pool.k):
         from kvtune.kernels.triton_quant import requantize_int4_triton
 
         return requantize_int4_triton(pool, block_ids)

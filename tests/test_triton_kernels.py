@@ -64,9 +64,10 @@ def gpu_kernels() -> SimpleNamespace:
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRETING, reason="CPU-only machines run the interpreter suite")
 def test_interpreted_suite() -> None:
-    """This file's interpreted tests in a child pytest with TRITON_INTERPRET=1 (module docstring)."""
+    """This file's and test_triton_step.py's interpreted tests in a child pytest with TRITON_INTERPRET=1."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-m", "not gpu", "-k", "interpreted", "-p",
+    files = [__file__, str(Path(__file__).with_name("test_triton_step.py"))]
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-m", "not gpu", "-k", "interpreted", "-p",
            "no:cacheprovider"]  # fmt: skip
     proc = subprocess.run(
         cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600
