@@ -40,18 +40,19 @@ for step in "$@"; do
       timeout 150 python3 -m kvtune quality --config $C/$c.json --json "$OUT/quality_$c.json" 2>&1 \
         | tail -16 | tee "$OUT/quality_$c.log"
     done ;;
-  study-llama)
-    log "study: llama-3-8b shape (non-tier parameters), quality on SmolLM2"
-    timeout 280 python3 -m kvtune --gpu h200 --workload $TRACE --model random:llama-3-8b --trials 8 \
-      --requests 24 --windows 1 --length-scale 0.25 --kv-budget 40GB --time-budget 2.5 \
-      --quality-windows 4 --quality-prefill 1024 --quality-decode 128 --no-passkey \
-      --storage "sqlite:///$OUT/h200_llama3_8b.db" --out "$OUT/preset_llama3_8b.json" 2>&1 | tee "$OUT/study_llama.log" | tail -25 ;;
-  study-smol)
-    log "study: SmolLM2-135M real weights"
-    timeout 560 python3 -m kvtune --gpu h200 --workload $TRACE --model smollm2 --trials 20 \
-      --requests 24 --windows 2 --length-scale 0.25 --kv-budget 40GB --time-budget 6.5 \
-      --quality-windows 4 --quality-prefill 1024 --quality-decode 128 --no-passkey \
-      --storage "sqlite:///$OUT/h200_smollm2.db" --out "$OUT/preset_smollm2.json" 2>&1 | tee "$OUT/study_smol.log" | tail -30 ;;
+  study-llama|study-smol)
+    # MINUTES: time budget of this call's share; RESUME=1 continues the study kept in benchmarks/studies/.
+    if [ "$step" = study-llama ]; then
+      model=random:llama-3-8b name=h200_llama3_8b extra="--requests 24 --length-scale 0.25"
+    else
+      model=smollm2 name=h200_smollm2 extra="--requests 32 --length-scale 0.5"
+    fi
+    log "study: $model (quality on SmolLM2), ${MINUTES:-6} min"
+    [ -n "${RESUME:-}" ] && cp "benchmarks/studies/$name.db" "$OUT/$name.db"
+    timeout $(( ${MINUTES:-6} * 60 + 150 )) python3 -m kvtune --gpu h200 --workload $TRACE --model $model \
+      --trials ${TRIALS:-20} $extra --windows 1 --kv-budget 40GB --time-budget ${MINUTES:-6} \
+      --quality-windows 4 --quality-prefill 1024 --quality-decode 128 --no-passkey ${RESUME:+--resume} \
+      --storage "sqlite:///$OUT/$name.db" --out "$OUT/preset_$name.json" 2>&1 | tee -a "$OUT/$step.log" | tail -30 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
