@@ -1,11 +1,10 @@
 """Several GPUs at once, on a CPU: a Ray session that fakes a 4-GPU H200 node (``tests/conftest.py``).
 
-One study runs on four workers placed with ``num_gpus=1`` and ``accelerator_type="H200"``; while it runs, the
-worker of one trial is killed (``ray.kill``) between that trial's last window and its final result. The
-workers compute nothing real
-(:class:`FakeWorker`: metrics from the config, a fixed time per window), so the checks are about placement,
+One study runs on four real workers (the tiny random model, one CPU thread each, on the session's 2 CPUs)
+placed with ``num_gpus=1`` and ``accelerator_type="H200"``; while it runs, the worker of one trial is killed
+(``ray.kill``) between that trial's last window and its final result. The checks are about placement,
 concurrency and bookkeeping: one worker per GPU, trials overlapping, the killed trial told FAIL and re-run
-once, the worker replaced, no trial lost or run twice.
+once, the worker replaced, no trial lost or run twice, validation repeats spread over the workers.
 """
 
 from __future__ import annotations
@@ -19,11 +18,10 @@ import pytest
 from optuna.trial import TrialState
 
 from kvtune.search_spaces.cards import resolve_gpu
-from kvtune.tests.tuner_fakes import FakeWorker
 from kvtune.tuner.driver import Bounds, Event
 from kvtune.tuner.job import TuneJob, TuneReport, tune
 from kvtune.tuner.study import ATTR_RETRY_OF, StudyOptions
-from kvtune.tuner.worker import QualitySettings, WorkerSpec
+from kvtune.tuner.worker import QualitySettings, TrialWorker, WorkerSpec
 from kvtune.tuner.workload import WorkloadSample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,12 +39,12 @@ def fake_job(tmp_path: Path, trials: int, card: str = "h200", name: str = "multi
         trials=trials,
         card=resolve_gpu(card),
         sample=WorkloadSample(str(TRACE), requests=4, windows=2, seed=0, length_scale=0.01, length_cap=64),
-        spec=WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26),
+        spec=WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26, threads=1),
         bounds=Bounds(max_ppl_increase=2.0),
         time_scale=1.0,
         write_preset=False,
         presets_dir=str(tmp_path / "presets"),
-        worker_cls=FakeWorker,
+        worker_cls=TrialWorker,
     )
 
 
@@ -119,5 +117,6 @@ def test_validation_spreads_over_workers(killed_run: tuple[TuneReport, Any, Kill
     report, study, _ = killed_run
     v = report.validation
     assert v is not None and v["repeats"] == 3
-    assert len({run["pid"] for run in v["best"]}) == 3  # one repeat per worker
+    assert len({run["worker"] for run in v["best"]}) == 3  # one repeat per worker
+    assert [run["worker"] for run in v["best"]] == [run["worker"] for run in v["baseline"]]
     assert study.user_attrs["kvtune.validation"]["trial"] == v["trial"]

@@ -22,13 +22,13 @@ from optuna.trial import TrialState
 from kvtune.cache_impl.layout import ModelKVShape
 from kvtune.search_spaces.cards import resolve_gpu
 from kvtune.search_spaces.space import SearchSpace, WorkloadStats
-from kvtune.tests.tuner_fakes import CRASH_BITS, BrokenWorker, CrashingWorker, FakeWorker
+from kvtune.tests.tuner_fakes import CRASH_BITS, BrokenWorker, CrashingWorker
 from kvtune.tuner import cli
 from kvtune.tuner.driver import Bounds, Event
 from kvtune.tuner.job import TuneJob, tune
 from kvtune.tuner.pool import WorkerStartError
 from kvtune.tuner.study import ATTR_RESUME_OF, SpaceId, StudyOptions, open_study
-from kvtune.tuner.worker import QualitySettings, WorkerSpec
+from kvtune.tuner.worker import QualitySettings, TrialWorker, WorkerSpec
 from kvtune.tuner.workload import WorkloadSample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +66,7 @@ def test_study_writes_a_preset(study_dir: tuple[Path, str]) -> None:
     preset = json.loads((tmp / "preset.json").read_text())
     assert preset["config"]["kv_cache_strategy"] == "hybrid_v2"
     assert preset["metrics"]["repeats"] >= 3
+    assert preset["metrics"]["workers"] and all("/" in w for w in preset["metrics"]["workers"])
     assert preset["vllm"]["additional_config"]["kvtune"] == preset["config"]
     study = optuna.load_study(study_name="s", storage=storage)
     assert len(study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))) == TRIALS
@@ -163,8 +164,8 @@ class Interrupt:
 
 def test_ctrl_c_leaves_the_study_consistent_and_resume_reruns(ray_cluster: Any, tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
-        tune(job(tmp_path, FakeWorker, trials=2), Interrupt())
-    j = job(tmp_path, FakeWorker, trials=2, resume=True)
+        tune(job(tmp_path, TrialWorker, trials=2), Interrupt())
+    j = job(tmp_path, TrialWorker, trials=2, resume=True)
     study = optuna.load_study(study_name="j", storage=j.options.storage)
     states = [t.state for t in study.trials]
     assert TrialState.RUNNING not in states
@@ -178,7 +179,8 @@ def test_ctrl_c_leaves_the_study_consistent_and_resume_reruns(ray_cluster: Any, 
 
 
 def test_pareto_mode_has_two_objectives_and_never_prunes(ray_cluster: Any, tmp_path: Path) -> None:
-    j = job(tmp_path, FakeWorker, trials=4, sample=WorkloadSample(str(TRACE), 3, windows=2, seed=0))
+    j = job(tmp_path, TrialWorker, trials=4)
+    j = dataclasses.replace(j, sample=dataclasses.replace(j.sample, windows=2))
     report = tune(dataclasses.replace(j, options=dataclasses.replace(j.options, pareto=True)))
     study = optuna.load_study(study_name="j", storage=j.options.storage)
     assert [d.name for d in study.directions] == ["MINIMIZE", "MAXIMIZE"]
@@ -192,13 +194,13 @@ def test_presets_are_enqueued_and_abandoned_trials_rerun(ray_cluster: Any, tmp_p
     preset = {"kv_cache_strategy": "hybrid_v2", "hot_tokens": 16, "block_size": 32, "quantization_bits": 8}
     (tmp_path / "presets" / "cpu").mkdir(parents=True)
     (tmp_path / "presets" / "cpu" / "old.json").write_text(json.dumps({"config": preset}))
-    tune(job(tmp_path, FakeWorker, trials=3))
-    study = optuna.load_study(study_name="j", storage=job(tmp_path, FakeWorker).options.storage)
+    tune(job(tmp_path, TrialWorker, trials=3))
+    study = optuna.load_study(study_name="j", storage=job(tmp_path, TrialWorker).options.storage)
     from_presets = [t for t in study.trials if t.user_attrs.get("kvtune.enqueued_from") == "presets"]
     assert [t.user_attrs["kvtune.config"]["block_size"] for t in from_presets] == [32]
     left = study.ask()  # as if a driver had been killed with this trial running
-    tune(job(tmp_path, FakeWorker, trials=4, resume=True))
-    study = optuna.load_study(study_name="j", storage=job(tmp_path, FakeWorker).options.storage)
+    tune(job(tmp_path, TrialWorker, trials=4, resume=True))
+    study = optuna.load_study(study_name="j", storage=job(tmp_path, TrialWorker).options.storage)
     assert study.trials[left.number].state == TrialState.FAIL
     assert study.trials[left.number].user_attrs["kvtune.abandoned"] is True
     assert [t.user_attrs.get(ATTR_RESUME_OF) for t in study.trials].count(left.number) == 1

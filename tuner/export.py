@@ -198,6 +198,7 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
         "objective": objective,
         "window": validation["window"],
         "repeats": validation["repeats"],
+        "workers": sorted({str(r["worker"]) for r in validation["best"] if r.get("worker")}),
         "best": best,
         "baseline": baseline,
         "baseline_config": validation["baseline_config"],

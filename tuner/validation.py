@@ -55,7 +55,8 @@ def validate(
     time_scale: float,
     repeats: int = MIN_REPEATS,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Replay ``best`` and ``best.unquantized()`` ``repeats`` times each: the metrics of every run of each."""
+    """Replay ``best`` and ``best.unquantized()`` ``repeats`` times each: the metrics of every run of each,
+    with the ``worker`` that ran it."""
     if repeats < MIN_REPEATS:
         raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
     baseline = best.unquantized()
@@ -68,7 +69,17 @@ def validate(
         )
         refs.append((one, two) if r % 2 == 0 else (two, one))
     runs = [(ray.get(b), ray.get(base)) for b, base in refs]
-    return [_finite(b) for b, _ in runs], [_finite(base) for _, base in runs]
+    where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(repeats)]
+    return (
+        [{**_finite(b), "worker": w} for (b, _), w in zip(runs, where)],
+        [{**_finite(base), "worker": w} for (_, base), w in zip(runs, where)],
+    )
+
+
+def _worker_name(info: Any) -> str:
+    """``host/gpu0`` (or ``host/cpu``): where a validation repeat ran."""
+    gpus = ",".join(g for g in info.gpu_ids if g)
+    return f"{info.hostname}/{'gpu' + gpus if gpus else 'cpu'}"
 
 
 def gains(best: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> dict[str, float | None]:

@@ -163,7 +163,7 @@ class TrialWorker:
             device_name=name,
             device_memory_bytes=memory,
             hostname=socket.gethostname(),
-            gpu_ids=tuple(os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")) if memory else (),
+            gpu_ids=tuple(g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g),
             versions=versions(),
             budget_bytes=self.budget_bytes,
             real_weights=bool(self.loaded.real_weights),
