@@ -14,11 +14,11 @@ debug statistics).
 
 Choices where DESIGN is silent: query head ``j`` uses KV head ``j // G``; the softmax scale is
 ``1/sqrt(head_dim)``; prefill attention is dense and causal over the dequantized cached prefix + the new
-tokens (float32); a prefix hit is limited to the blocks the prompt itself would seal (so the hot zone keeps
-at least ``hot_tokens`` tokens); blocks become findable for prefix reuse once the owning sequence has
-prefilled every layer (prompt blocks sealed later, during decode, at the end of their step); blocks holding
-generated tokens are never shared; blocks sealed by a prefill get ``last_access`` = the latest clock the
-cache was given (or the ``now_ms`` passed to ``add_sequence``).
+tokens (scaled-dot-product attention in the model dtype); a prefix hit is limited to the blocks the prompt
+itself would seal (so the hot zone keeps at least ``hot_tokens`` tokens); blocks become findable for prefix
+reuse once the owning sequence has prefilled every layer (prompt blocks sealed later, during decode, at the
+end of their step); blocks holding generated tokens are never shared; blocks sealed by a prefill get
+``last_access`` = the latest clock the cache was given (or the ``now_ms`` passed to ``add_sequence``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kvtune.cache_impl.block_pool import BlockPool, CacheFullError, chain_hashes
 from kvtune.cache_impl.config import HybridConfig
@@ -43,8 +45,6 @@ from kvtune.kernels.quant import dequantize_blocks, seal_blocks
 from kvtune.kernels.quest import quest_topk
 
 __all__ = ["CacheFullError", "CacheLayout", "DecodePlan", "HybridCache", "ModelKVShape", "kv_bytes_for"]
-
-_PREFILL_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -186,9 +186,8 @@ class HybridCache:
             )
         pool = self.pools[layer]
         prefix_k, prefix_v = self._prefix_kv(pool, seq.blocks[: seq.hits])
-        out = _causal_attention(
-            q, torch.cat([prefix_k, k.float()]), torch.cat([prefix_v, v.float()]), cached, self.sm_scale
-        )
+        keys, values = torch.cat([prefix_k.to(k.dtype), k]), torch.cat([prefix_v.to(v.dtype), v])
+        out = _causal_attention(q, keys, values, cached, self.sm_scale)
         n_new = len(seq.blocks) - seq.hits
         if n_new:
             ids = torch.as_tensor(seq.blocks[seq.hits :], device=self.device)
@@ -449,16 +448,18 @@ def _compact(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def _causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, sm_scale: float
 ) -> torch.Tensor:
-    """q [T, Hq, D] at positions offset..offset+T-1 over k, v [P, H, D] float32 (causal) → [T, Hq, D]."""
-    t, hq, d = q.shape
-    p, h = k.shape[0], k.shape[1]
-    step = max(1, _PREFILL_CHUNK_ELEMENTS // max(1, p * hq))
-    pos = torch.arange(p, device=q.device)
-    outs = []
-    for i0 in range(0, t, step):
-        qi = q[i0 : i0 + step].float().view(-1, h, hq // h, d) * sm_scale
-        s = torch.einsum("thgd,phd->thgp", qi, k)
-        rows = offset + i0 + torch.arange(qi.shape[0], device=q.device)
-        s = s.masked_fill((pos[None, :] > rows[:, None])[:, None, None, :], float("-inf"))
-        outs.append(torch.einsum("thgp,phd->thgd", torch.softmax(s, dim=-1), v).reshape(-1, hq, d))
-    return torch.cat(outs).to(q.dtype)
+    """q [T, Hq, D] at positions offset..offset+T-1 over k, v [P, H, D] (P = offset + T), causal → [T, Hq, D].
+
+    One ``scaled_dot_product_attention`` in q's dtype with grouped-query heads and a lower-right causal mask
+    (query ``i`` sees keys ``0 … offset + i``): flash/memory-efficient kernels on a GPU, no [T, P] score
+    matrix in float32.
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.to(q.dtype).transpose(0, 1)[None],
+        v.to(q.dtype).transpose(0, 1)[None],
+        attn_mask=causal_lower_right(q.shape[0], k.shape[0]),
+        scale=sm_scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
