@@ -37,12 +37,12 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.debug import DebugStats
 from kvtune.cache_impl.layout import CacheLayout, ModelKVShape, cache_layout, hot_capacity, kv_bytes_for
 from kvtune.cache_impl.plan import DecodePlan
-from kvtune.cache_impl.tiers import L1, L2, MigrationQueue, TierState
+from kvtune.cache_impl.tiers import L2, MigrationQueue, TierState
 from kvtune.kernels.access import update_access
 from kvtune.kernels.decode_attention import hybrid_decode_attention
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
-from kvtune.kernels.quest import quest_topk
+from kvtune.kernels.sparse_table import sparse_block_table
 
 __all__ = ["CacheFullError", "CacheLayout", "DecodePlan", "HybridCache", "ModelKVShape", "kv_bytes_for"]
 
@@ -287,7 +287,7 @@ class HybridCache:
         hv[plan.slots, :, plan.write_pos] = v.to(hv.dtype)
         if plan.seals:
             self._seal(layer, plan)
-        table, num_cold, num_l1, l2_count = self._block_table(layer, plan, q)
+        table, num_cold, num_l1, counted = self._block_table(layer, plan, q)
         out, mass, hot_mass = hybrid_decode_attention(
             q, hk, hv, plan.hot_slot, plan.hot_len, pool, table, num_cold, self.sm_scale
         )
@@ -300,7 +300,7 @@ class HybridCache:
             plan.now_ms,
             self.tiers.flags,
         )
-        self._count_bytes(pool, plan, table, num_cold, l2_count)
+        self._count_bytes(pool, plan, table, counted)
         self.debug.attention(mass, hot_mass, num_l1)
         return out
 
@@ -317,22 +317,23 @@ class HybridCache:
 
     def _block_table(
         self, layer: int, plan: DecodePlan, q: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Cold blocks attended per (sequence, KV head): L1 then Quest-selected L2; [B, H, M] int32,
-        counts."""
-        b, h = plan.batch_size, self.shape.num_kv_heads
-        blocks = plan.blocks
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """Cold blocks attended per (sequence, KV head): L1 then Quest-selected L2; [B, H, M] int32, counts,
+        and whether the bytes they read are already counted (the sparse path counts them itself)."""
         if self.config.sparse_top_k == 0 or self.tiers.l2_blocks[layer] == 0:
-            return plan.cold_table, plan.cold_count, plan.cold_count, None
-        tier = self.tiers.tier[layer][blocks.clamp(min=0)]
-        l1, n1 = _compact(blocks, (blocks >= 0) & (tier == L1))
-        l2, n2 = _compact(blocks, (blocks >= 0) & (tier == L2))
-        sel = quest_topk(
-            q, self.pools[layer], l2.to(torch.int32), n2.to(torch.int32), self.config.sparse_blocks
+            return plan.cold_table, plan.cold_count, plan.cold_count, False
+        quest_cost = self.shape.num_kv_heads * 2 * 2 * self.shape.head_dim  # key mins + scales, fp16
+        table, num, n1 = sparse_block_table(
+            q,
+            self.pools[layer],
+            plan.blocks,
+            self.tiers.tier[layer],
+            self.config.sparse_blocks,
+            self._cost,
+            quest_cost,
+            self._bytes_dev,
         )
-        both = torch.cat([l1[:, None].expand(b, h, -1), sel.long()], dim=-1)
-        table, num = _compact(both, both >= 0)
-        return table.to(torch.int32), num.to(torch.int32), n1[:, None].expand(b, h), n2
+        return table, num, n1, True
 
     def _bytes_per_entry(self) -> torch.Tensor:
         """Bytes attention reads per (block, KV head) entry, indexed by block_bits (0..8)."""
@@ -343,23 +344,16 @@ class HybridCache:
             cost[bits] = 2 * bs * d * bits // 8 + 2 * 2 * d + 2 * 2 * bs
         return cost
 
-    def _count_bytes(
-        self,
-        pool: ColdPool,
-        plan: DecodePlan,
-        table: torch.Tensor,
-        num_cold: torch.Tensor,
-        l2: torch.Tensor | None,
-    ) -> None:
+    def _count_bytes(self, pool: ColdPool, plan: DecodePlan, table: torch.Tensor, counted: bool) -> None:
         h, d, elem = self.shape.num_kv_heads, self.shape.head_dim, self.shape.element_size
         self._bytes_host += 2 * plan.hot_tokens * h * d * elem
+        if counted:
+            return
         if not pool.may_demote:  # every block has the pool's bits and every head reads all of them
             self._bytes_host += plan.cold_blocks * h * int(self._cost_host[pool.bits])
             return
         bits = pool.block_bits[table.long().clamp(min=0)].long()
         self._bytes_dev += torch.where(table >= 0, self._cost[bits], 0).sum()
-        if l2 is not None:
-            self._bytes_dev += l2.sum() * h * 2 * 2 * d  # Quest reads key min and scale of every L2 block
 
     @property
     def attention_bytes_read(self) -> int:
@@ -433,16 +427,6 @@ class HybridCache:
         slots = sorted([s.slot for s in self._seqs.values()] + self._free_slots)
         assert slots == list(range(self.layout.num_slots)), "hot-zone slots leaked or doubled"
         self.tiers.check()
-
-
-def _compact(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entries of ``x`` where ``mask`` moved to the front of the last dim (order kept), -1 after; and
-    counts."""
-    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
-    count = mask.sum(-1)
-    out = torch.gather(x, -1, order)
-    keep = torch.arange(x.shape[-1], device=x.device) < count[..., None]
-    return torch.where(keep, out, -1), count
 
 
 def _causal_attention(

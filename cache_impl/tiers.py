@@ -27,8 +27,8 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.kernels.access import inter_access_interval
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.requant import requantize_int4
+from kvtune.kernels.sparse_table import L1, L2
 
-L1, L2 = 1, 2
 LOAD_FACTOR_TOKENS = 512.0
 
 

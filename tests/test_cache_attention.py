@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -102,3 +104,44 @@ def test_quantized_cache_output_error_is_small(bits: int, bound: float) -> None:
         cache.check_integrity()
     rel = (outs[1] - outs[0]).norm() / outs[0].norm()
     assert 0 < rel < bound
+
+
+def _bytes_after(cfg: Any, demotable: bool, steps: int = 20) -> tuple[int, dict]:
+    """Two sequences (40 and 75 prompt tokens) decoded ``steps`` steps; bytes read and the cache's stats."""
+    cache = new_cache(cfg)
+    for pool in cache.pools:
+        pool.may_demote = demotable
+    q, k, v = qkv(5, 75 + steps)
+    for seq_id, n in ((0, 40), (1, 75)):
+        prefill(cache, seq_id, list(range(seq_id, seq_id + n)), q[:, :n], k[:, :n], v[:, :n])
+    for t in range(steps):
+        sl = slice(75 + t, 75 + t + 1)
+        both = [torch.cat([x[:, sl]] * 2, dim=1) for x in (q, k, v)]
+        decode_step(cache, [0, 1], 10.0 * t, *both)
+    return cache.attention_bytes_read, cache.stats()
+
+
+@pytest.mark.parametrize("bits", [0, 4, 8])
+def test_bytes_read_follow_the_formula(bits: int) -> None:
+    """Host counting (no block can change precision) = the device count = hot zones + every block's cost."""
+    cfg = config(quantization_bits=bits)
+    host, _ = _bytes_after(cfg, demotable=False)
+    device, _ = _bytes_after(cfg, demotable=True)
+    assert host == device
+    h, d, bs, hot, elem = SHAPE.num_kv_heads, SHAPE.head_dim, 8, 16, 4
+    per_block = 2 * bs * d * elem if bits == 0 else 2 * bs * d * bits // 8 + 4 * d + 4 * bs
+    want = 0
+    for t in range(20):
+        for n in (40 + t + 1, 75 + t + 1):
+            sealed = (n - hot) // bs
+            want += SHAPE.num_layers * h * (2 * (n - sealed * bs) * d * elem + sealed * per_block)
+    assert host == want
+
+
+def test_sparse_tier_bytes_count_quest_and_selected_blocks_only() -> None:
+    """With blocks in L2, a step reads fewer cold bytes than with all in L1, plus Quest's key bounds."""
+    cfg = config(quantization_bits=8, sparse_top_k=8, migration_interval=4, migration_threshold_ms=5.0)
+    sparse, stats = _bytes_after(cfg, demotable=True, steps=24)
+    assert stats["l2_blocks"] > 0
+    dense_bytes, _ = _bytes_after(config(quantization_bits=8), demotable=True, steps=24)
+    assert 0 < sparse < dense_bytes

@@ -1,5 +1,5 @@
 """The decode step's small Triton kernels (RMSNorm + residual, RoPE of the fused qkv, SiLU·up, the access
-update) against their PyTorch references.
+update, the sparse tier's table) against their PyTorch references.
 
 As in ``test_triton_kernels.py`` (whose ``test_interpreted_suite`` also runs this file's ``interpreted`` tests
 in its TRITON_INTERPRET=1 child process): tiny shapes under the interpreter on the CPU, larger ones, bf16
@@ -29,7 +29,7 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfl
 
 
 def _load() -> SimpleNamespace:
-    names = ("triton_elementwise", "triton_access")
+    names = ("triton_elementwise", "triton_access", "triton_sparse_table")
     return SimpleNamespace(**{n: importlib.import_module(f"kvtune.kernels.{n}") for n in names})
 
 
@@ -156,3 +156,45 @@ def test_silu_mul_gpu(gpu_kernels, n: int, f: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_update_access_gpu(gpu_kernels, n_blocks: int, b: int, h: int, m: int, seed: int) -> None:
     check_access(gpu_kernels, n_blocks, b, h, m, "cuda", seed)
+
+
+# ---- the sparse tier's table
+def check_sparse_table(k, b: int, m: int, k_blocks: int, bits: int, device: str, seed: int) -> None:
+    """Random tiers over scattered blocks (a shared prefix, padding); table, counts and bytes equal."""
+    from kvtune.kernels.layout import ColdLayout
+    from kvtune.kernels.quant import seal_blocks_ref
+    from kvtune.kernels.sparse_table import sparse_block_table_ref
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, g, d, bs = 2, 3, 32, 8
+    n = b * m + 3
+    pool = ColdLayout(bs, h, d, bits, torch.float32).allocate(n, device)
+    kv = torch.randn(2, n, bs, h, d, generator=gen, device=device)
+    seal_blocks_ref(pool, torch.arange(n, device=device), kv[0], kv[1], bits)
+    blocks = torch.randperm(n, generator=gen, device=device)[: b * m].view(b, m)
+    blocks[:, : m // 4] = blocks[:1, : m // 4]
+    lengths = torch.randint(0, m + 1, (b,), generator=gen, device=device)
+    blocks = torch.where(torch.arange(m, device=device) < lengths[:, None], blocks, -1)
+    tier = torch.randint(1, 3, (n,), generator=gen, device=device).to(torch.int8)
+    q = torch.randn(b, h * g, d, generator=gen, device=device)
+    cost = torch.arange(9, device=device, dtype=torch.int64) * 1000 + 7
+    got_bytes, want_bytes = (torch.zeros((), dtype=torch.int64, device=device) for _ in range(2))
+    launch = k.triton_sparse_table.sparse_block_table_triton
+    got = launch(q, pool, blocks, tier, k_blocks, cost, 11, got_bytes)
+    want = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, cost, 11, want_bytes)
+    for name, x, y in zip(("table", "num_cold", "num_l1"), got, want):
+        assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y), name
+    assert int(got_bytes) == int(want_bytes) > 0
+
+
+@pytest.mark.parametrize(("b", "m", "k_blocks"), [(1, 1, 8), (3, 9, 2), (2, 70, 16), (2, 5, 0)])
+@pytest.mark.parametrize("bits", [8, 4, 0])
+def test_sparse_block_table_interpreted(kernels, b: int, m: int, k_blocks: int, bits: int) -> None:
+    check_sparse_table(kernels, b, m, k_blocks, bits, "cpu", seed=b * 100 + m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("b", "m", "k_blocks"), [(64, 130, 32), (5, 300, 8), (3, 9, 16)])
+@pytest.mark.parametrize("bits", [8, 4, 0])
+def test_sparse_block_table_gpu(gpu_kernels, b: int, m: int, k_blocks: int, bits: int) -> None:
+    check_sparse_table(gpu_kernels, b, m, k_blocks, bits, "cuda", seed=b + m)
