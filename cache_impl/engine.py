@@ -141,6 +141,7 @@ class Engine:
         budget_bytes: int,
         device: torch.device,
         max_batch: int = 256,
+        max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"`budget_bytes > 0` must hold, but got budget_bytes={budget_bytes}")
@@ -150,7 +151,7 @@ class Engine:
         self.config = config
         self.budget_bytes = int(budget_bytes)
         self.device = torch.device(device)
-        self.scheduler_config = SchedulerConfig(max_batch=max_batch)
+        self.scheduler_config = SchedulerConfig(max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
         self.timer = DeviceTimer(self.device)
         self.copy_bandwidth_gbs = copy_bandwidth_gbs(self.device)
 
@@ -226,15 +227,20 @@ class Engine:
             run.scheduler.add(arrivals.popleft())
 
     def _prefill_admitted(self, run: _Run, progress: Progress | None) -> None:
+        """Admit what fits, then this iteration's prefill chunks; a finished prompt emits its first token."""
         refused_before = len(run.scheduler.refused)
-        for admission in run.scheduler.admit(run.clock.now_ms()):
-            seq, cached = admission.seq, admission.cached_tokens
+        run.scheduler.admit(run.clock.now_ms())
+        for seq, n in run.scheduler.prefill_chunks():
             start = self.timer.mark()
-            ids = torch.tensor(seq.tokens[cached:], dtype=torch.long, device=self.device)
-            logits = self.model.prefill(run.cache, seq.seq_id, ids, cached, last_only=True)
-            token = int(logits[-1].argmax())
+            chunk = seq.tokens[seq.prefilled : seq.prefilled + n]
+            ids = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            logits = self.model.prefill(run.cache, seq.seq_id, ids, seq.prefilled, last_only=True)
+            seq.prefilled += n
+            token = None if seq.prefilling else int(logits[-1].argmax())
             run.add("prefill_ms", self.timer.elapsed_ms(start, self.timer.mark()))
-            self._emit(run, seq, token, progress)
+            run.add("prefill_chunks", 1)
+            if token is not None:
+                self._emit(run, seq, token, progress)
         if len(run.scheduler.refused) > refused_before and progress is not None:
             progress(len(run.timings) + len(run.scheduler.refused), run.total)
         self._track_memory(run)
@@ -289,6 +295,7 @@ class Engine:
             attention_ms=c.get("attention_ms", 0.0),
             attention_bytes=int(run.cache.attention_bytes_read),  # decode attention only
             prefill_ms=c.get("prefill_ms", 0.0),
+            prefill_chunks=int(c.get("prefill_chunks", 0)),
             peak_kv_bytes=int(c.get("peak_kv_bytes", 0)),
             peak_running=int(c.get("peak_running", 0)),
             preemptions=s.preemptions,

@@ -58,8 +58,11 @@ class _Seq:
     blocks: list[int]
     hits: int
     length: int
-    hot_len: int
-    layers_done: int = 0
+    hot_len: int  # tokens in the hot zone now (during prefill: of the chunks done so far)
+    sealed: int  # blocks of ``blocks`` that hold K/V (the hits, then what prefill chunks sealed)
+    prefilled: int  # tokens whose K/V are cached in every layer
+    chunk: int = 0  # tokens of the prefill chunk in flight (0: none)
+    layers_done: int = 0  # layers of that chunk done
     ready: bool = False
     registered: set[int] = field(default_factory=set)
 
@@ -153,11 +156,11 @@ class HybridCache:
         self.tiers.reset(fresh, now)
         self.counters["prefix_lookup_blocks"] += n_total
         self.counters["prefix_hit_blocks"] += len(hits)
-        hot_len = len(token_ids) - n_total * bs
         slot = self._free_slots.pop()
         self._seqs[seq_id] = _Seq(
-            seq_id, slot, list(token_ids), hashes, hits + fresh, len(hits), len(token_ids), hot_len
-        )
+            seq_id, slot, list(token_ids), hashes, hits + fresh, len(hits), len(token_ids), 0,
+            sealed=len(hits), prefilled=len(hits) * bs,
+        )  # fmt: skip
         return len(hits) * bs
 
     def free_sequence(self, seq_id: int) -> None:
@@ -171,38 +174,61 @@ class HybridCache:
     def prefill(
         self, layer: int, seq_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Write the uncached prompt tokens of one layer and attend (dense, causal).
+        """Write one layer of the next ``T`` prompt tokens (a chunk, or all the uncached rest) and attend.
 
-        q: [T, Hq, D], k, v: [T, H, D] with ``T = len(prompt) − cached``; returns [T, Hq, D] (q.dtype). Blocks
-        the prompt seals are sealed here, the rest goes to the hot zone. After the last layer the sequence is
-        ready for decode and its new prompt blocks become reusable.
+        q: [T, Hq, D], k, v: [T, H, D]; returns [T, Hq, D] (q.dtype). Attention is dense and causal over the
+        tokens cached so far (sealed blocks dequantized, the hot zone) and the chunk. The hot zone and the
+        chunk then seal as many blocks as leave at least ``hot_tokens`` tokens in the hot zone (after the last
+        chunk: every block the prompt fills); the rest is the new hot zone. Every layer of a chunk gets the
+        same ``T``, layer 0 first; after the last layer of the last chunk the sequence is ready for decode and
+        its prompt blocks become reusable.
         """
         seq = self._seq(seq_id)
-        bs, cached = self.config.block_size, seq.hits * self.config.block_size
-        if q.shape[0] != seq.length - cached or layer != seq.layers_done or seq.ready:
+        t, start = q.shape[0], seq.layers_done == 0
+        fits = 0 < t <= seq.length - seq.prefilled if start else t == seq.chunk
+        if seq.ready or layer != seq.layers_done or not fits:
+            want = f"1..{seq.length - seq.prefilled}" if start else str(seq.chunk)
             raise ValueError(
-                f"prefill(layer={layer}) of seq_id={seq_id} expects layer {seq.layers_done} and "
-                f"{seq.length - cached} tokens, got {q.shape[0]}"
+                f"prefill(layer={layer}) of seq_id={seq_id} expects layer {seq.layers_done} and {want} "
+                f"tokens, got {t}" + (" (already prefilled)" if seq.ready else "")
             )
-        pool = self.pools[layer]
-        prefix_k, prefix_v = self._prefix_kv(pool, seq.blocks[: seq.hits])
-        keys, values = torch.cat([prefix_k.to(k.dtype), k]), torch.cat([prefix_v.to(v.dtype), v])
-        out = _causal_attention(q, keys, values, cached, self.sm_scale)
-        n_new = len(seq.blocks) - seq.hits
-        if n_new:
-            ids = torch.as_tensor(seq.blocks[seq.hits :], device=self.device)
-            k_new = k[: n_new * bs].reshape(n_new, bs, *k.shape[1:])
-            v_new = v[: n_new * bs].reshape(n_new, bs, *v.shape[1:])
-            seal_blocks(pool, ids, k_new, v_new, self.config.quantization_bits)
-            self.debug.sealed(pool, ids, k_new, v_new)
-        hot = slice(0, seq.hot_len)
-        self.hot_k[layer, seq.slot, :, hot] = k[n_new * bs :].transpose(0, 1).to(self.shape.dtype)
-        self.hot_v[layer, seq.slot, :, hot] = v[n_new * bs :].transpose(0, 1).to(self.shape.dtype)
+        seq.chunk = t
+        out, n_seal, hot_len = self._prefill_layer(layer, seq, q, k, v)
         seq.layers_done += 1
         if seq.layers_done == self.shape.num_layers:
-            seq.ready = True
-            self._register(seq, range(seq.hits, len(seq.blocks)))
+            seq.prefilled += t
+            seq.sealed += n_seal
+            seq.hot_len, seq.chunk, seq.layers_done = hot_len, 0, 0
+            if seq.prefilled == seq.length:
+                assert seq.sealed == len(seq.blocks), f"{seq.sealed} of {len(seq.blocks)} blocks sealed"
+                seq.ready = True
+                self._register(seq, range(seq.hits, len(seq.blocks)))
         return out
+
+    def _prefill_layer(
+        self, layer: int, seq: _Seq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, int, int]:
+        """One layer of a chunk: attend, seal, refill the hot zone; (output, blocks sealed, hot length)."""
+        bs, pool, dt = self.config.block_size, self.pools[layer], self.shape.dtype
+        zone = slice(0, seq.hot_len)
+        hot_k = self.hot_k[layer, seq.slot, :, zone].transpose(0, 1)  # [hot_len, H, D]
+        hot_v = self.hot_v[layer, seq.slot, :, zone].transpose(0, 1)
+        prefix_k, prefix_v = self._prefix_kv(pool, seq.blocks[: seq.sealed])
+        keys = torch.cat([prefix_k.to(k.dtype), hot_k.to(k.dtype), k])
+        values = torch.cat([prefix_v.to(v.dtype), hot_v.to(v.dtype), v])
+        out = _causal_attention(q, keys, values, seq.prefilled, self.sm_scale)
+        new_k, new_v = torch.cat([hot_k.to(dt), k.to(dt)]), torch.cat([hot_v.to(dt), v.to(dt)])
+        n_seal = max(0, (new_k.shape[0] - self.config.hot_tokens) // bs)
+        if n_seal:
+            ids = torch.as_tensor(seq.blocks[seq.sealed : seq.sealed + n_seal], device=self.device)
+            k_new = new_k[: n_seal * bs].reshape(n_seal, bs, *k.shape[1:])
+            v_new = new_v[: n_seal * bs].reshape(n_seal, bs, *v.shape[1:])
+            seal_blocks(pool, ids, k_new, v_new, self.config.quantization_bits)
+            self.debug.sealed(pool, ids, k_new, v_new)
+        hot_len = new_k.shape[0] - n_seal * bs
+        self.hot_k[layer, seq.slot, :, :hot_len] = new_k[n_seal * bs :].transpose(0, 1)
+        self.hot_v[layer, seq.slot, :, :hot_len] = new_v[n_seal * bs :].transpose(0, 1)
+        return out, n_seal, hot_len
 
     def _prefix_kv(self, pool: ColdPool, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V [n·bs, H, D] float32 of cached prefix blocks."""
@@ -422,7 +448,9 @@ class HybridCache:
         for s in self._seqs.values():
             np.add.at(expected, np.asarray(s.blocks, dtype=np.int64), 1)
             assert len(s.blocks) == self.layout.blocks_for(s.length), f"seq {s.seq_id}: block count"
-            assert s.length - len(s.blocks) * self.config.block_size == s.hot_len, f"seq {s.seq_id}: hot_len"
+            done = s.length if s.ready else s.prefilled
+            sealed = len(s.blocks) if s.ready else s.sealed
+            assert done - sealed * self.config.block_size == s.hot_len, f"seq {s.seq_id}: hot_len"
         self.blocks.check_integrity(expected)
         slots = sorted([s.slot for s in self._seqs.values()] + self._free_slots)
         assert slots == list(range(self.layout.num_slots)), "hot-zone slots leaked or doubled"

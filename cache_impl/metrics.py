@@ -69,6 +69,7 @@ class EngineCounters:
     attention_ms: float = 0.0  # cache.decode calls
     attention_bytes: int = 0
     prefill_ms: float = 0.0
+    prefill_chunks: int = 0  # model prefill calls (a prompt over the per-iteration budget takes several)
     peak_kv_bytes: int = 0
     peak_running: int = 0
     preemptions: int = 0
@@ -88,6 +89,7 @@ class ReplayMetrics:
     refused: int
     clipped: int
     preemptions: int
+    prefill_chunks: int
     ttft_ms: tuple[float, float, float]
     tpot_ms: tuple[float, float, float]
     itl_ms: tuple[float, float, float]
@@ -139,6 +141,7 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         refused=c.refused,
         clipped=c.clipped,
         preemptions=c.preemptions,
+        prefill_chunks=c.prefill_chunks,
         ttft_ms=percentiles([t.ttft_ms for t in timings]),
         tpot_ms=percentiles(tpots),
         itl_ms=percentiles(itls),

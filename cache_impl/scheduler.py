@@ -3,12 +3,16 @@
 The scheduler decides *which* sequences run; the engine runs them. Every engine iteration:
 
 1. :meth:`Scheduler.admit` takes waiting sequences in arrival order (a preempted sequence goes back to the
-   front) while the cache can hold their prompt (``cache.can_allocate``) and the batch has room. A sequence
-   whose whole life (prompt + output) could not fit even in an empty cache (``cache.fits_ever``) is refused,
-   never retried. Admission registers the sequence with the cache (``cache.add_sequence``), which reuses
-   shared prefix blocks and says how many prompt tokens are already cached; the engine prefills only the
-   rest.
-2. :meth:`Scheduler.schedule_decode` makes sure the next decode step (one token per running sequence) has
+   front) while the cache can hold their prompt (``cache.can_allocate``), the batch has room and the prompt
+   tokens still to prefill fit in ``max_prefill_tokens`` (the first one always may, when nothing is
+   pending). A sequence whose whole life (prompt + output) could not fit even in an empty cache
+   (``cache.fits_ever``) is refused, never retried. Admission registers the sequence with the cache
+   (``cache.add_sequence``), which reuses shared prefix blocks and says how many prompt tokens are already
+   cached; the engine prefills only the rest.
+2. :meth:`Scheduler.prefill_chunks` hands out this iteration's prefill work: at most ``max_prefill_tokens``
+   prompt tokens, in admission order, a long prompt split into chunks over several iterations (chunked
+   prefill: decode steps go on between its chunks).
+3. :meth:`Scheduler.schedule_decode` makes sure the next decode step (one token per running sequence) has
    the blocks it needs: while ``cache.blocks_needed_for_step`` exceeds ``cache.blocks_free``, the newest
    running sequence (latest arrival) is preempted: its cache entry is freed and it waits to be recomputed
    (prompt + tokens generated so far, prefilled again, its shared blocks likely still cached).
@@ -27,8 +31,9 @@ from kvtune.cache_impl.traces import Request
 class SchedulerConfig:
     """Batching limits: running sequences, and prompt tokens prefilled per engine iteration.
 
-    ``max_prefill_tokens`` bounds the prefill work between two decode steps (at least one sequence is always
-    admitted when it fits), so a burst of arrivals does not stall the running sequences for long.
+    ``max_prefill_tokens`` bounds the prefill work between two decode steps (prompts longer than that are
+    prefilled in chunks), so neither a burst of arrivals nor one long prompt stalls the running sequences
+    for long.
     """
 
     max_batch: int = 256
@@ -53,6 +58,12 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     token_ms: list[float] = field(default_factory=list)
     preemptions: int = 0
+    prefill_target: int = 0  # tokens to prefill since the last admission (prompt + output so far)
+    prefilled: int = 0  # of those, already in the cache
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prefill_target
 
     @property
     def seq_id(self) -> int:
@@ -112,18 +123,22 @@ class Scheduler:
         ``now_ms`` (engine clock) is the ``last_access`` the cache gives the blocks their prefill seals.
         """
         admitted: list[Admission] = []
-        budget = self.config.max_prefill_tokens
+        pending = sum(s.prefill_target - s.prefilled for s in self.running)
+        budget = self.config.max_prefill_tokens - pending
         while self.waiting and len(self.running) < self.config.max_batch:
             seq = self.waiting[0]
             if not self.cache.fits_ever(seq.max_kv_tokens):
                 self.refused.append(self.waiting.popleft())
                 continue
             tokens = seq.tokens
-            if (admitted and len(tokens) > budget) or not self.cache.can_allocate(len(tokens), tokens):
+            if ((admitted or pending) and len(tokens) > budget) or not self.cache.can_allocate(
+                len(tokens), tokens
+            ):
                 break
             self.waiting.popleft()
             cached = int(self.cache.add_sequence(seq.seq_id, tokens, now_ms=now_ms))
             assert 0 <= cached < len(tokens), f"prefix hit {cached} must be in [0, {len(tokens)})"
+            seq.prefill_target, seq.prefilled = len(tokens), cached
             self.running.append(seq)
             self.prompt_tokens += len(tokens)
             self.prefix_hit_tokens += cached
@@ -134,12 +149,24 @@ class Scheduler:
             self.refused.append(self.waiting.popleft())
         return admitted
 
+    def prefill_chunks(self) -> list[tuple[Sequence, int]]:
+        """This iteration's prefill work: (sequence, tokens) in admission order, ``max_prefill_tokens`` in
+        all."""
+        budget, work = self.config.max_prefill_tokens, []
+        for seq in self.running:
+            if seq.prefilling and budget > 0:
+                n = min(budget, seq.prefill_target - seq.prefilled)
+                work.append((seq, n))
+                budget -= n
+        return work
+
     def schedule_decode(self) -> list[Sequence]:
-        """The running sequences that decode next, after preempting the newest ones until the step fits."""
+        """The running sequences that decode next (their prefill is done), after preempting the newest running
+        ones until the step fits."""
         while self.running:
-            ids = [s.seq_id for s in self.running]
-            if self.cache.blocks_needed_for_step(ids) <= self.cache.blocks_free():
-                return list(self.running)
+            ready = [s for s in self.running if not s.prefilling]
+            if self.cache.blocks_needed_for_step([s.seq_id for s in ready]) <= self.cache.blocks_free():
+                return ready
             victim = max(self.running, key=lambda s: (s.arrival_ms, s.seq_id))
             self.running.remove(victim)
             self.cache.free_sequence(victim.seq_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -145,3 +146,63 @@ def test_sparse_tier_bytes_count_quest_and_selected_blocks_only() -> None:
     assert stats["l2_blocks"] > 0
     dense_bytes, _ = _bytes_after(config(quantization_bits=8), demotable=True, steps=24)
     assert 0 < sparse < dense_bytes
+
+
+def _chunked_prefill(cache: Any, seq_id: int, tokens: list[int], q, k, v, chunks: list[int]) -> list:
+    """Prefill in chunks of these sizes (the last one takes the rest); per chunk, every layer's output."""
+    cached = cache.add_sequence(seq_id, tokens)
+    bounds = [cached]
+    for c in chunks:
+        bounds.append(min(len(tokens), bounds[-1] + c))
+    bounds.append(len(tokens))
+    outs = []
+    for a, b in itertools.pairwise(bounds):
+        if b > a:
+            layers = range(SHAPE.num_layers)
+            outs.append([cache.prefill(i, seq_id, q[i, a:b], k[i, a:b], v[i, a:b]) for i in layers])
+            cache.check_integrity()
+    return outs
+
+
+@pytest.mark.parametrize("chunks", [[1], [5, 20, 1], [BS, BS, BS], [HOT + BS + 3], [HOT - 1, 2 * BS + 1]])
+def test_chunked_prefill_of_an_unquantized_cache_equals_dense(chunks: list[int]) -> None:
+    """Any chunking gives the dense outputs for every prompt token and for the decode steps after it."""
+    prompt, steps = HOT + 6 * BS + 3, BS + 2
+    cache = new_cache(config(hot_tokens=HOT, block_size=BS, quantization_bits=0))
+    q, k, v = qkv(len(chunks), prompt + steps)
+    outs = _chunked_prefill(cache, 3, list(range(prompt)), q, k, v, chunks)
+    got = torch.cat([torch.stack(o) for o in outs], dim=1)  # [L, prompt, Hq, D]
+    for t in (0, prompt // 2, prompt - 1):
+        want = torch.stack([dense(q[i, t], k[i, : t + 1], v[i, : t + 1]) for i in range(SHAPE.num_layers)])
+        assert torch.allclose(got[:, t], want, atol=TOL[torch.float32])
+    for t in range(prompt, prompt + steps):
+        out = decode_step(cache, [3], float(t), q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+        want = torch.stack([dense(q[i, t], k[i, : t + 1], v[i, : t + 1]) for i in range(SHAPE.num_layers)])
+        assert torch.allclose(torch.stack([o[0] for o in out]), want, atol=TOL[torch.float32])
+    cache.check_integrity()
+
+
+def test_chunked_prefill_of_an_int8_cache_stays_close_and_seals_the_same_blocks() -> None:
+    prompt = HOT + 5 * BS + 2
+    q, k, v = qkv(11, prompt + 1)
+    caches = [new_cache(config(hot_tokens=HOT, block_size=BS, quantization_bits=8)) for _ in range(2)]
+    _chunked_prefill(caches[0], 0, list(range(prompt)), q, k, v, [])
+    _chunked_prefill(caches[1], 0, list(range(prompt)), q, k, v, [7, BS + 3])
+    outs = [decode_step(c, [0], 1.0, q[:, -1:], k[:, -1:], v[:, -1:]) for c in caches]
+    for a, b in zip(*outs):
+        assert float((a - b).norm() / b.norm()) < 0.02  # later chunks attend to dequantized earlier ones
+    assert [c.stats()["blocks_in_use"] for c in caches] == [5, 5]
+
+
+def test_prefill_chunk_errors_name_what_was_expected() -> None:
+    cache = new_cache(config(hot_tokens=HOT, block_size=BS))
+    q, k, v = qkv(2, 30)
+    cache.add_sequence(1, list(range(30)))
+    with pytest.raises(ValueError, match=r"expects layer 0 and 1\.\.30 tokens, got 31"):
+        cache.prefill(0, 1, *(torch.cat([x[0], x[0, :1]]) for x in (q, k, v)))
+    cache.prefill(0, 1, q[0, :10], k[0, :10], v[0, :10])
+    with pytest.raises(ValueError, match=r"expects layer 1 and 10 tokens, got 12"):
+        cache.prefill(1, 1, q[1, :12], k[1, :12], v[1, :12])
+    with pytest.raises(ValueError, match=r"expects layer 1"):
+        cache.prefill(0, 1, q[0, 10:20], k[0, 10:20], v[0, 10:20])
+    cache.check_integrity()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
@@ -21,7 +22,7 @@ from kvtune.cache_impl.metrics import (
     percentiles,
     summarize,
 )
-from kvtune.cache_impl.scheduler import Scheduler
+from kvtune.cache_impl.scheduler import Scheduler, SchedulerConfig
 from kvtune.cache_impl.scheduler import Sequence as Seq
 from kvtune.cache_impl.traces import Request
 from kvtune.tuner.cli import main
@@ -51,8 +52,8 @@ def _budget(config: HybridConfig, tiny, sequences: int, length: int) -> int:
     return kv_bytes_for(config, tiny.model.kv_shape, [length] * sequences)
 
 
-def _replay(tiny, config, budget, requests, time_scale=1.0, max_batch=256):
-    engine = Engine(tiny, config, budget, CPU, max_batch=max_batch)
+def _replay(tiny, config, budget, requests, time_scale=1.0, max_batch=256, max_prefill_tokens=8192):
+    engine = Engine(tiny, config, budget, CPU, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
     return engine.replay(requests, time_scale, warmup_requests=1).to_dict()
 
 
@@ -67,6 +68,31 @@ def test_replay_end_to_end_gives_finite_metrics(tiny):
     finite = [k for k in CONTRACT_KEYS if k not in ("warnings",)]
     assert all(math.isfinite(m[k]) for k in finite), {k: m[k] for k in finite}
     assert m["tokens_per_s"] > 0 and m["attn_bandwidth_gbs"] > 0 and m["peak_kv_bytes"] > 0
+
+
+def test_long_prompts_are_prefilled_in_chunks(tiny):
+    """48-token prompts under a 20-token prefill budget: three chunks each, every request completes."""
+    m = _replay(tiny, _config(), 1 << 24, _requests(6), max_prefill_tokens=20)
+    assert m["completed"] == 6 and m["refused"] == 0
+    assert m["prefill_chunks"] == 6 * 3 and math.isfinite(m["tpot_p99_ms"])
+    assert _replay(tiny, _config(), 1 << 24, _requests(6))["prefill_chunks"] == 6
+
+
+@pytest.mark.parametrize("bounds", [[0, 13, 40, 70], [0, 1, 70], [0, 69, 70]])
+def test_chunked_model_prefill_gives_the_same_logits(tiny, bounds):
+    """The model prefilled in chunks through an unquantized cache: the same last logits as in one call."""
+    from kvtune.cache_impl.hybrid_cache import HybridCache
+
+    config = _config(bits=0)
+    ids = torch.randint(0, tiny.spec.vocab_size, (70,), generator=torch.Generator().manual_seed(len(bounds)))
+    caches = [HybridCache(config, tiny.model.kv_shape, 1 << 24, CPU, max_seqs=1) for _ in range(2)]
+    for cache in caches:
+        cache.add_sequence(0, ids.tolist())
+    whole = tiny.model.prefill(caches[0], 0, ids, 0, last_only=True)
+    for a, b in itertools.pairwise(bounds):
+        chunked = tiny.model.prefill(caches[1], 0, ids[a:b], a, last_only=True)
+    torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+    caches[1].check_integrity()
 
 
 def test_small_budget_preempts_and_still_completes(tiny):
@@ -154,11 +180,18 @@ def _seq(rid: int, arrival_ms: float, input_length: int = 8) -> Seq:
     return Seq(Request(rid, arrival_ms, input_length, 4), [1] * input_length, arrival_ms)
 
 
+def _prefill_all(scheduler: Scheduler) -> None:
+    """What the engine does with this iteration's prefill work."""
+    for seq, n in scheduler.prefill_chunks():
+        seq.prefilled += n
+
+
 def test_scheduler_preempts_the_newest_arrivals_first():
     scheduler = Scheduler(_StubCache(free=1))
     for rid, arrival in ((0, 0.0), (1, 5.0), (2, 1.0)):
         scheduler.add(_seq(rid, arrival))
     assert len(scheduler.admit()) == 3
+    _prefill_all(scheduler)
     assert [s.seq_id for s in scheduler.schedule_decode()] == [0]
     assert [s.seq_id for s in scheduler.waiting] == [2, 1] and scheduler.preemptions == 2
 
@@ -175,8 +208,31 @@ def test_scheduler_refuses_what_cannot_run_instead_of_waiting(cache):
     scheduler = Scheduler(cache)
     scheduler.add(_seq(0, 0.0))
     scheduler.admit()
+    _prefill_all(scheduler)
     scheduler.schedule_decode()
     assert [s.seq_id for s in scheduler.refused] == [0] and not scheduler.has_work()
+
+
+def test_long_prompts_are_prefilled_in_chunks_between_decode_steps():
+    """A 25-token prompt under a 10-token prefill budget: chunks of 10, 10, 5 over three iterations while a
+    sequence already decoding keeps decoding; a later arrival is admitted once its prompt fits the budget
+    left."""
+    scheduler = Scheduler(_StubCache(free=9), SchedulerConfig(max_prefill_tokens=10))
+    scheduler.add(_seq(0, 0.0, input_length=4))
+    scheduler.admit()
+    _prefill_all(scheduler)
+    scheduler.add(_seq(1, 1.0, input_length=25))
+    scheduler.add(_seq(2, 2.0, input_length=6))
+    chunks, decoding = [], []
+    for _ in range(4):
+        scheduler.admit()
+        work = scheduler.prefill_chunks()
+        chunks.append([(s.seq_id, n) for s, n in work])
+        for seq, n in work:
+            seq.prefilled += n
+        decoding.append([s.seq_id for s in scheduler.schedule_decode()])
+    assert chunks == [[(1, 10)], [(1, 10)], [(1, 5)], [(2, 6)]]
+    assert decoding == [[0], [0], [0, 1], [0, 1, 2]]
 
 
 # ---------------------------------------------------------------------------------------------- metrics

@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=4, help="warm-up requests, not measured (default 4)")
     parser.add_argument("--max-batch", type=int, default=256, help="most sequences decoded together")
     parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=8192,
+        help="prompt tokens prefilled between two decode steps; longer prompts go in chunks (default 8192)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for PyTorch (default: PyTorch's choice)"
     )
     parser.add_argument("--json", default=None, help="write the metrics and their provenance to this file")
@@ -104,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
             time_scale = calibrate_time_scale(
                 loaded, requests, budget, device, args.load, config, args.warmup
             )
-    engine = Engine(loaded, config, budget, device, max_batch=args.max_batch)
+    engine = Engine(
+        loaded, config, budget, device, max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens
+    )
     with progress_bar(console) as bar:
         task = bar.add_task("replay", total=len(requests))
         metrics = engine.replay(
@@ -175,6 +183,7 @@ def _table(m: dict[str, Any], config: HybridConfig, model: str, time_scale: floa
     table.add_row("peak running sequences", str(m["peak_running"]))
     table.add_row("completed / refused / clipped", f"{m['completed']} / {m['refused']} / {m['clipped']}")
     table.add_row("preemptions", str(m["preemptions"]))
+    table.add_row("prefill chunks", str(m["prefill_chunks"]))
     table.add_row("prefix-hit rate", f"{_fmt(100 * m['prefix_hit_rate'])} %")
     table.add_row("time scale", _fmt(time_scale))
     for key, value in m.get("debug", {}).items():
