@@ -42,7 +42,7 @@ from kvtune.kernels.access import update_access
 from kvtune.kernels.decode_attention import hybrid_decode_attention
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
-from kvtune.kernels.sparse_table import sparse_block_table
+from kvtune.kernels.sparse_table import ByteCount, sparse_block_table
 
 __all__ = ["CacheFullError", "CacheLayout", "DecodePlan", "HybridCache", "ModelKVShape", "kv_bytes_for"]
 
@@ -100,6 +100,7 @@ class HybridCache:
         self._bytes_host = 0
         self._cost_host = self._bytes_per_entry()
         self._cost = self._cost_host.to(self.device)
+        self._quest_cost = shape.num_kv_heads * 2 * 2 * shape.head_dim  # an L2 block's key mins + scales
         self.counters = {"prefix_lookup_blocks": 0, "prefix_hit_blocks": 0, "migrations_done": 0, "plans": 0}
 
     # ---- capacity -------------------------------------------------------------------------------------
@@ -348,16 +349,9 @@ class HybridCache:
         and whether the bytes they read are already counted (the sparse path counts them itself)."""
         if self.config.sparse_top_k == 0 or self.tiers.l2_blocks[layer] == 0:
             return plan.cold_table, plan.cold_count, plan.cold_count, False
-        quest_cost = self.shape.num_kv_heads * 2 * 2 * self.shape.head_dim  # key mins + scales, fp16
+        count = ByteCount(self._cost, self._quest_cost, self._bytes_dev)
         table, num, n1 = sparse_block_table(
-            q,
-            self.pools[layer],
-            plan.blocks,
-            self.tiers.tier[layer],
-            self.config.sparse_blocks,
-            self._cost,
-            quest_cost,
-            self._bytes_dev,
+            q, self.pools[layer], plan.blocks, self.tiers.tier[layer], self.config.sparse_blocks, count
         )
         return table, num, n1, True
 

@@ -6,14 +6,16 @@ Per sequence ``b`` with sealed blocks ``blocks[b]`` (oldest first, -1 padded) an
 2. select: per KV head the ``k_blocks`` L2 blocks with the highest Quest bound (:mod:`kvtune.kernels.quest`);
 3. merge: per (sequence, KV head) ``table = l1[:n1] ++ selected`` (-1 padded to ``M + k_blocks``).
 
-It also adds what attention and Quest will read to ``bytes_read`` (int64 scalar on the device): per table
-entry ``cost[block_bits[entry]]``, per L2 block ``quest_cost`` (its key mins and scales, every KV head).
+It also adds what attention and Quest will read to a :class:`ByteCount` on the device: per table entry
+``cost[block_bits[entry]]``, per L2 block ``quest_cost`` (its key mins and scales, every KV head).
 
 On CUDA this is two small Triton kernels around the Quest score kernel and ``torch.topk``, instead of ~60
 PyTorch operations per layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -34,21 +36,24 @@ def compact(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return torch.where(keep, out, -1), count
 
 
+@dataclass(frozen=True)
+class ByteCount:
+    """What attention and Quest read, counted on the device: ``cost[bits]`` bytes per table entry of a block
+    with those bits (int64 [9]), ``quest_cost`` bytes per L2 block Quest scores (its key mins and scales, all
+    KV heads), summed into ``total`` (int64 scalar, added to in place)."""
+
+    cost: torch.Tensor
+    quest_cost: int
+    total: torch.Tensor
+
+
 def sparse_block_table_ref(
-    q: torch.Tensor,
-    pool: ColdPool,
-    blocks: torch.Tensor,
-    tier: torch.Tensor,
-    k_blocks: int,
-    cost: torch.Tensor,
-    quest_cost: int,
-    bytes_read: torch.Tensor,
+    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [B, Hq, D]; blocks [B, M] int64 (-1 padded); tier [N] int8 (the layer's); cost [9] int64 (bytes per
-    entry by block bits); bytes_read: int64 scalar, added to in place.
+    """q [B, Hq, D]; blocks [B, M] int64 (-1 padded); tier [N] int8 (the layer's).
 
     Returns table [B, H, M + k_blocks] int32 (L1 blocks, then the selected L2 blocks, -1 padded), num_cold
-    [B, H] int32 and num_l1 [B, H] int32.
+    [B, H] int32 and num_l1 [B, H] int32; adds the bytes they read to ``count``.
     """
     b, h = blocks.shape[0], pool.layout.num_kv_heads
     t = tier[blocks.clamp(min=0)]
@@ -58,23 +63,16 @@ def sparse_block_table_ref(
     both = torch.cat([l1[:, None].expand(b, h, -1), sel.long()], dim=-1)
     table, num = compact(both, both >= 0)
     bits = pool.block_bits[table.clamp(min=0)].long()
-    bytes_read += torch.where(table >= 0, cost[bits], 0).sum() + n2.sum() * quest_cost
+    count.total.add_(torch.where(table >= 0, count.cost[bits], 0).sum() + n2.sum() * count.quest_cost)
     return table.to(torch.int32), num.to(torch.int32), n1.to(torch.int32)[:, None].expand(b, h)
 
 
 def sparse_block_table(
-    q: torch.Tensor,
-    pool: ColdPool,
-    blocks: torch.Tensor,
-    tier: torch.Tensor,
-    k_blocks: int,
-    cost: torch.Tensor,
-    quest_cost: int,
-    bytes_read: torch.Tensor,
+    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`sparse_block_table_ref`; Triton on CUDA."""
     if use_triton(q):
         from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 
-        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, cost, quest_cost, bytes_read)
-    return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, cost, quest_cost, bytes_read)
+        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
+    return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)

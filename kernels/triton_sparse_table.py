@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
-from kvtune.kernels.sparse_table import L1, L2, sparse_block_table_ref
+from kvtune.kernels.sparse_table import L1, L2, ByteCount, sparse_block_table_ref
 from kvtune.kernels.triton_decode import tileable_head_dim
 from kvtune.kernels.triton_quest import quest_scores_triton
 
@@ -77,25 +77,18 @@ def _merge_kernel(l1_ptr, n1_ptr, l2_ptr, val_ptr, idx_ptr, bits_ptr, cost_ptr, 
 
 
 def sparse_block_table_triton(
-    q: torch.Tensor,
-    pool: ColdPool,
-    blocks: torch.Tensor,
-    tier: torch.Tensor,
-    k_blocks: int,
-    cost: torch.Tensor,
-    quest_cost: int,
-    bytes_read: torch.Tensor,
+    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract of :func:`kvtune.kernels.sparse_table.sparse_block_table_ref`."""
     if not tileable_head_dim(q.shape[2]):
-        return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, cost, quest_cost, bytes_read)
+        return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)
     B, M = blocks.shape
     H = pool.layout.num_kv_heads
     rules = {
         "blocks int64 [B, M] contiguous": blocks.dtype == torch.int64 and blocks.is_contiguous(),
         "tier int8 [N] contiguous": tier.dtype == torch.int8 and tier.is_contiguous(),
-        "cost int64 [9], bytes_read int64 scalar": cost.dtype == bytes_read.dtype == torch.int64
-        and cost.shape == (9,),
+        "count: cost int64 [9], total int64 scalar": count.cost.dtype == count.total.dtype == torch.int64
+        and count.cost.shape == (9,),
         "q is [B, Hq, D]": q.dim() == 3 and q.shape[0] == B,
     }
     broken = [rule for rule, ok in rules.items() if not ok]
@@ -108,14 +101,14 @@ def sparse_block_table_triton(
     num = torch.empty((B, H), dtype=torch.int32, device=dev)
     if B == 0:
         return table, num, num
-    _split_kernel[(B,)](blocks, tier, split[0], split[1], counts[0], counts[1], bytes_read, M, quest_cost,
-                        T1=L1, T2=L2, MB=CHUNK, num_warps=2)  # fmt: skip
+    _split_kernel[(B,)](blocks, tier, split[0], split[1], counts[0], counts[1], count.total, M,
+                        count.quest_cost, T1=L1, T2=L2, MB=CHUNK, num_warps=2)  # fmt: skip
     k = min(k_blocks, M)
     if k:
         vals, idx = torch.topk(quest_scores_triton(q, pool, split[1], counts[1]), k, dim=-1)
     else:
         vals = torch.empty((B, H, 0), dtype=torch.float32, device=dev)
         idx = torch.empty((B, H, 0), dtype=torch.int64, device=dev)
-    _merge_kernel[(B * H,)](split[0], counts[0], split[1], vals, idx, pool.block_bits, cost, table, num,
-                            bytes_read, M, k, M + k_blocks, H=H, MB=CHUNK, num_warps=2)  # fmt: skip
+    _merge_kernel[(B * H,)](split[0], counts[0], split[1], vals, idx, pool.block_bits, count.cost, table, num,
+                            count.total, M, k, M + k_blocks, H=H, MB=CHUNK, num_warps=2)  # fmt: skip
     return table, num, counts[0][:, None].expand(B, H)

@@ -14,7 +14,6 @@ Every test draws fresh random inputs; outputs written by a kernel are poisoned f
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import subprocess
@@ -32,34 +31,24 @@ from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import codes_of_rows, dequantize_blocks_ref, seal_blocks_ref
 from kvtune.kernels.quest import quest_topk, quest_topk_ref
 from kvtune.kernels.requant import requantize_int4_ref
+from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, compiled, interpreted
 
 pytest.importorskip("triton")
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-MODULES = ("kvtune.kernels.triton_decode", "kvtune.kernels.triton_quest", "kvtune.kernels.triton_quant")
+MODULES = ("triton_decode", "triton_quest", "triton_quant")
 
 # model dtype -> (relative L2 error of the attention output, absolute error of block/hot mass)
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 1e-3), torch.bfloat16: (1.5e-2, 5e-3)}
 
 
-def _load() -> SimpleNamespace:
-    return SimpleNamespace(**{n.rsplit(".", 1)[1]: importlib.import_module(n) for n in MODULES})
-
-
 @pytest.fixture(scope="module")
 def kernels() -> SimpleNamespace:
-    """The kernel modules under the interpreter (only inside the child process of test_interpreted_suite)."""
-    if not INTERPRETING:
-        pytest.skip("runs in the TRITON_INTERPRET=1 child process of test_interpreted_suite")
-    return _load()
+    return interpreted(MODULES)
 
 
 @pytest.fixture(scope="module")
 def gpu_kernels() -> SimpleNamespace:
-    if not HAS_CUDA or INTERPRETING:
-        pytest.skip("needs a CUDA GPU (and no TRITON_INTERPRET)")
-    return _load()
+    return compiled(MODULES)
 
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRETING, reason="CPU-only machines run the interpreter suite")

@@ -9,9 +9,7 @@ allocator on the GPU.
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -19,33 +17,23 @@ import torch
 
 from kvtune.kernels.access import accessed_blocks_ref, update_access_ref
 from kvtune.kernels.elementwise import add_rms_norm_ref, rope_qkv_ref, silu_mul_ref
+from kvtune.tests.triton_testlib import compiled, interpreted
 
 pytest.importorskip("triton")
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # model dtype -> (rtol, atol) against the reference (RoPE and SiLU·up: the float32 reference rounded once)
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
-
-
-def _load() -> SimpleNamespace:
-    names = ("triton_elementwise", "triton_access", "triton_sparse_table")
-    return SimpleNamespace(**{n: importlib.import_module(f"kvtune.kernels.{n}") for n in names})
+MODULES = ("triton_elementwise", "triton_access", "triton_sparse_table")
 
 
 @pytest.fixture(scope="module")
 def kernels() -> SimpleNamespace:
-    if not INTERPRETING:
-        pytest.skip("runs in the TRITON_INTERPRET=1 child process of test_interpreted_suite")
-    return _load()
+    return interpreted(MODULES)
 
 
 @pytest.fixture(scope="module")
 def gpu_kernels() -> SimpleNamespace:
-    if not HAS_CUDA or INTERPRETING:
-        pytest.skip("needs a CUDA GPU (and no TRITON_INTERPRET)")
-    torch.full((1 << 26,), float("nan"), device="cuda")  # freed cache memory is NaN: unwritten outputs show
-    return _load()
+    return compiled(MODULES)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -163,7 +151,7 @@ def check_sparse_table(k, b: int, m: int, k_blocks: int, bits: int, device: str,
     """Random tiers over scattered blocks (a shared prefix, padding); table, counts and bytes equal."""
     from kvtune.kernels.layout import ColdLayout
     from kvtune.kernels.quant import seal_blocks_ref
-    from kvtune.kernels.sparse_table import sparse_block_table_ref
+    from kvtune.kernels.sparse_table import ByteCount, sparse_block_table_ref
 
     gen = torch.Generator(device=device).manual_seed(seed)
     h, g, d, bs = 2, 3, 32, 8
@@ -178,13 +166,12 @@ def check_sparse_table(k, b: int, m: int, k_blocks: int, bits: int, device: str,
     tier = torch.randint(1, 3, (n,), generator=gen, device=device).to(torch.int8)
     q = torch.randn(b, h * g, d, generator=gen, device=device)
     cost = torch.arange(9, device=device, dtype=torch.int64) * 1000 + 7
-    got_bytes, want_bytes = (torch.zeros((), dtype=torch.int64, device=device) for _ in range(2))
-    launch = k.triton_sparse_table.sparse_block_table_triton
-    got = launch(q, pool, blocks, tier, k_blocks, cost, 11, got_bytes)
-    want = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, cost, 11, want_bytes)
+    got_n, want_n = (ByteCount(cost, 11, torch.zeros((), dtype=torch.int64, device=device)) for _ in range(2))
+    got = k.triton_sparse_table.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, got_n)
+    want = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, want_n)
     for name, x, y in zip(("table", "num_cold", "num_l1"), got, want):
         assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y), name
-    assert int(got_bytes) == int(want_bytes) > 0
+    assert int(got_n.total) == int(want_n.total) > 0
 
 
 @pytest.mark.parametrize(("b", "m", "k_blocks"), [(1, 1, 8), (3, 9, 2), (2, 70, 16), (2, 5, 0)])
