@@ -21,7 +21,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import codes_of_rows, dequantize_blocks_ref, seal_blocks_ref
 from kvtune.kernels.quest import quest_topk, quest_topk_ref
 from kvtune.kernels.requant import requantize_int4_ref
-from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, compiled, interpreted
+from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, fixtures
 
 pytest.importorskip("triton")
 
@@ -41,14 +40,7 @@ MODULES = ("triton_decode", "triton_quest", "triton_quant")
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 1e-3), torch.bfloat16: (1.5e-2, 5e-3)}
 
 
-@pytest.fixture(scope="module")
-def kernels() -> SimpleNamespace:
-    return interpreted(MODULES)
-
-
-@pytest.fixture(scope="module")
-def gpu_kernels() -> SimpleNamespace:
-    return compiled(MODULES)
+kernels, gpu_kernels = fixtures(MODULES)
 
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRETING, reason="CPU-only machines run the interpreter suite")

@@ -10,14 +10,13 @@ allocator on the GPU.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvtune.kernels.access import accessed_blocks_ref, update_access_ref
 from kvtune.kernels.elementwise import add_rms_norm_ref, rope_qkv_ref, silu_mul_ref
-from kvtune.tests.triton_testlib import compiled, interpreted
+from kvtune.tests.triton_testlib import fixtures
 
 pytest.importorskip("triton")
 
@@ -26,14 +25,7 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfl
 MODULES = ("triton_elementwise", "triton_access", "triton_sparse_table")
 
 
-@pytest.fixture(scope="module")
-def kernels() -> SimpleNamespace:
-    return interpreted(MODULES)
-
-
-@pytest.fixture(scope="module")
-def gpu_kernels() -> SimpleNamespace:
-    return compiled(MODULES)
+kernels, gpu_kernels = fixtures(MODULES)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ import importlib
 import os
 from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -36,3 +37,18 @@ def compiled(names: Sequence[str]) -> SimpleNamespace:
         pytest.skip("needs a CUDA GPU (and no TRITON_INTERPRET)")
     torch.full((1 << 26,), float("nan"), device="cuda")
     return load(names)
+
+
+def fixtures(names: Sequence[str]) -> tuple[Any, Any]:
+    """Module-scoped ``kernels`` (interpreted) and ``gpu_kernels`` (compiled) fixtures over these modules:
+    ``kernels, gpu_kernels = fixtures(MODULES)`` in a test file."""
+
+    @pytest.fixture(scope="module")
+    def kernels() -> SimpleNamespace:
+        return interpreted(names)
+
+    @pytest.fixture(scope="module")
+    def gpu_kernels() -> SimpleNamespace:
+        return compiled(names)
+
+    return kernels, gpu_kernels
