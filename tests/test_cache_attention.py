@@ -206,3 +206,20 @@ def test_prefill_chunk_errors_name_what_was_expected() -> None:
     with pytest.raises(ValueError, match=r"expects layer 1"):
         cache.prefill(0, 1, q[0, 10:20], k[0, 10:20], v[0, 10:20])
     cache.check_integrity()
+
+
+def test_chunked_prefill_after_a_prefix_hit_equals_dense() -> None:
+    """A second sequence reuses the first one's prompt blocks, then prefills the rest in chunks."""
+    prompt = HOT + 4 * BS + 5
+    q, k, v = qkv(21, prompt + 1)
+    at = lambda t: torch.stack(
+        [dense(q[i, t], k[i, : t + 1], v[i, : t + 1]) for i in range(SHAPE.num_layers)]
+    )
+    cache = new_cache(config(hot_tokens=HOT, block_size=BS, quantization_bits=0))
+    prefill(cache, 0, list(range(prompt)), q[:, :prompt], k[:, :prompt], v[:, :prompt])
+    outs = _chunked_prefill(cache, 1, list(range(prompt)), q, k, v, [3, BS + 1])
+    assert cache.stats()["prefix_hit_blocks"] == 4
+    assert torch.allclose(torch.stack([o[-1] for o in outs[-1]]), at(prompt - 1), atol=TOL[torch.float32])
+    out = decode_step(cache, [1], 1.0, q[:, -1:], k[:, -1:], v[:, -1:])
+    assert torch.allclose(torch.stack([o[0] for o in out]), at(prompt), atol=TOL[torch.float32])
+    cache.check_integrity()
