@@ -28,4 +28,5 @@ def kernel_choice() -> str:
 
 def use_triton(t: torch.Tensor) -> bool:
     """Take the Triton kernel for this tensor: CUDA, Triton installed, and not ``KVTUNE_KERNELS=torch``."""
-    return t.is_cuda and HAS_TRITON and kernel_choice() == "triton"
+    choice = kernel_choice()  # checked on every machine, so that a typo fails on a CPU too
+    return t.is_cuda and HAS_TRITON and choice == "triton"

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import kvtune
 
@@ -96,3 +97,15 @@ def test_console_command_runs(tmp_path: Path) -> None:
         check=True,
     )
     assert out.stdout.startswith("kvtune ")
+
+
+@pytest.mark.parametrize(("value", "ok"), [("torch", True), ("triton", True), ("cuda", False), ("", False)])
+def test_kernels_variable_is_checked(monkeypatch: pytest.MonkeyPatch, value: str, ok: bool) -> None:
+    from kvtune.kernels.backend import use_triton
+
+    monkeypatch.setenv("KVTUNE_KERNELS", value)
+    if ok:
+        assert use_triton(torch.zeros(1)) is False  # a CPU tensor never takes Triton
+    else:
+        with pytest.raises(ValueError, match=r"KVTUNE_KERNELS=.*expected one of \['triton', 'torch'\]"):
+            use_triton(torch.zeros(1))

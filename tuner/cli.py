@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from kvtune import __version__
+from kvtune.kernels.backend import kernel_choice
 
 TUNE = "tune"
 COMMANDS: tuple[str, ...] = ("check", "replay", "quality", "gpus", "export", "dashboard")
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = "kvtune" if name == TUNE and args[0] != TUNE else f"kvtune {name}"
     parsed = _parser(module, prog).parse_args(rest)
     try:
+        kernel_choice()  # a bad KVTUNE_KERNELS fails here, not in every trial
         return int(module.run(parsed))
     except USER_ERRORS as e:
         print(f"kvtune: error: {e}", file=sys.stderr)
