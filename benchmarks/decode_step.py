@@ -8,14 +8,18 @@ the comparison isolates the launch overhead). The two paths' first-step logits a
 
     python benchmarks/decode_step.py --model smollm2 --batch 32 --length 2048 examples/configs/q_int8.json
 
-Prints a table and writes it as JSON to ``--json``.
+Prints a table and writes it as JSON to ``--json``; ``--host-profile DIR`` also writes, per config and path,
+the functions where the host spends its time (cProfile over 5 steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,6 +74,23 @@ def step(loaded: LoadedModel, cache: HybridCache, batch: int, t: int) -> torch.T
     return logits
 
 
+def config_name(config: HybridConfig) -> str:
+    return f"q{config.quantization_bits}-hot{config.hot_tokens}-bs{config.block_size}-k{config.sparse_top_k}"
+
+
+def host_profile(path: Path, loaded: LoadedModel, cache: HybridCache, batch: int) -> None:
+    """Where the host's time goes: cProfile over 5 steps, the 40 functions with the most own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for t in range(5):
+        step(loaded, cache, batch, 20_000 + t)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(out.getvalue())
+
+
 def measure(loaded: LoadedModel, config: HybridConfig, args: argparse.Namespace, choice: str) -> dict:
     with kernels_choice(choice):
         cache = prefilled(loaded, config, args.batch, args.length, args.seed)
@@ -87,6 +108,8 @@ def measure(loaded: LoadedModel, config: HybridConfig, args: argparse.Namespace,
             for t in range(3):
                 step(loaded, cache, args.batch, 10_000 + t)
             sync()
+        if args.host_profile is not None:
+            host_profile(args.host_profile / f"{config_name(config)}-{choice}.txt", loaded, cache, args.batch)
     if first.is_cuda:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         gpu_ms = sum(e.device_time for e in kernels) / 3000
@@ -107,6 +130,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--host-profile", type=Path, default=None, help="folder for cProfile reports of the host")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     loaded = load_model(args.model, args.device, dtype, args.seed)

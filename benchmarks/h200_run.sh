@@ -18,7 +18,7 @@ for step in "$@"; do
   step)
     log "decode step: Triton per-token kernels vs PyTorch (attention Triton in both)"
     timeout 150 python3 benchmarks/decode_step.py --model random:smollm2-135m --batch 32 --length 2048 \
-      --json "$OUT/step_smollm2.json" $C/q_unquantized.json $C/q_int8.json $C/q_int4.json \
+      --json "$OUT/step_smollm2.json" --host-profile "$OUT/host_profile" $C/q_unquantized.json $C/q_int8.json $C/q_int4.json \
       $C/q_int8_sparse512_fast.json 2>&1 | grep -v USDT | tee "$OUT/step_smollm2.log" | tail -14
     timeout 150 python3 benchmarks/decode_step.py --model random:llama-3-8b --batch 16 --length 2048 \
       --json "$OUT/step_llama3_8b.json" $C/q_unquantized.json $C/q_int8.json $C/q_int4.json 2>&1 \
