@@ -1,65 +1,180 @@
-"""The decode step's Triton kernels compile for Hopper (sm_90) on a machine without a GPU.
+"""Every Triton kernel compiles for Hopper (sm_90), with the arguments its launcher really passes, on a
+machine without a GPU.
 
-``triton.compile`` lowers a kernel through Triton IR, LLVM and PTX to a cubin (``ptxas`` ships with Triton)
-for a target given by hand, so a kernel that the interpreter accepts but the compiler rejects fails here, in
-CI, not on the GPU. Signatures are those the launchers produce for bf16 Llama-3-8B / SmolLM2 shapes.
+Each case calls a public launcher on CPU tensors of Llama-3-8B / SmolLM2 decode shapes with
+``JITFunction.run`` replaced by a recorder, so nothing runs: the recorder keeps each launch's arguments, from
+which the kernel's signature (pointer dtypes, scalar types) and constexprs are rebuilt; ``triton.compile``
+then lowers the kernel through Triton IR, LLVM and PTX to a cubin (``ptxas`` ships with Triton) for sm_90 with
+the launch's ``num_warps``/``num_stages``/``maxnreg``. A kernel the interpreter accepts but the compiler
+rejects (or whose inline assembly ``ptxas`` refuses) fails here, in CI, not on the GPU.
 """
 
 from __future__ import annotations
 
-import importlib
+import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from kvtune.kernels.layout import ColdLayout, ColdPool  # noqa: E402
+from kvtune.tests.triton_testlib import INTERPRETING  # noqa: E402
+
+pytestmark = pytest.mark.skipif(INTERPRETING, reason="kernels defined under the interpreter do not compile")
 
 HOPPER = GPUTarget("cuda", 90, 32)
+POINTER = {
+    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+    torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
+}  # fmt: skip
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
+Launch = tuple[JITFunction, tuple[Any, ...], dict[str, Any]]
 
 
-def _sig(names: str, types: str) -> dict[str, str]:
-    return dict(zip(names.split(), types.split(), strict=True))
+def recorded_launches(monkeypatch: pytest.MonkeyPatch, launcher: Callable[[], Any]) -> list[Launch]:
+    """Run ``launcher`` with every kernel launch recorded instead of run."""
+    launches: list[Launch] = []
+
+    def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launches.append((self, args, kwargs))
+
+    with monkeypatch.context() as m:
+        m.setattr(JITFunction, "run", record)
+        launcher()
+    assert launches, "the launcher launched no kernel"
+    return launches
 
 
-# (module, kernel, signature, constexprs)
-CASES: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
-    "add_rms_norm": ("triton_elementwise", "_add_rms_norm_kernel",
-                     _sig("x_ptr d_ptr w_ptr sum_ptr out_ptr n_cols eps s_x s_d s_s s_o",
-                          "*bf16 *bf16 *bf16 *bf16 *bf16 i32 fp32 i32 i32 i32 i32"),
-                     {"HAS_DELTA": True, "BLOCK": 4096}),
-    "rms_norm": ("triton_elementwise", "_add_rms_norm_kernel",
-                 _sig("x_ptr d_ptr w_ptr sum_ptr out_ptr n_cols eps s_x s_d s_s s_o",
-                      "*fp32 *fp32 *fp32 *fp32 *fp32 i32 fp32 i32 i32 i32 i32"),
-                 {"HAS_DELTA": False, "BLOCK": 1024}),
-    "rope_qkv": ("triton_elementwise", "_rope_qkv_kernel",
-                 _sig("qkv_ptr cos_ptr sin_ptr q_ptr k_ptr v_ptr s_n s_cn",
-                      "*bf16 *fp32 *fp32 *bf16 *bf16 *bf16 i32 i32"),
-                 {"HQ": 32, "H": 8, "D": 128, "HALF": 64}),
-    "silu_mul": ("triton_elementwise", "_silu_mul_kernel",
-                 _sig("gu_ptr out_ptr n_cols s_g s_o", "*bf16 *bf16 i32 i32 i32"), {"BLOCK": 1024}),
-    "access_mark": ("triton_access", "_mark_kernel",
-                    _sig("mass_ptr table_ptr ncold_ptr flags_ptr M", "*fp32 *i32 *i32 *i32 i32"), {"MB": 64}),
-    "access_update": ("triton_access", "_update_kernel",
-                      _sig("table_ptr ncold_ptr flags_ptr last_ptr ema_ptr now_bits M",
-                           "*i32 *i32 *i32 *fp64 *fp64 i64 i32"),
-                      {"EMA_W": 0.25, "MB": 64}),
-    "sparse_split": ("triton_sparse_table", "_split_kernel",
-                     _sig("blocks_ptr tier_ptr l1_ptr l2_ptr n1_ptr n2_ptr bytes_ptr M quest_cost",
-                          "*i64 *i8 *i32 *i32 *i32 *i32 *i64 i32 i32"),
-                     {"T1": 1, "T2": 2, "MB": 64}),
-    "sparse_merge": ("triton_sparse_table", "_merge_kernel",
-                     _sig("l1_ptr n1_ptr l2_ptr val_ptr idx_ptr bits_ptr cost_ptr table_ptr num_ptr "
-                          "bytes_ptr M K W", "*i32 *i32 *i32 *fp32 *i64 *u8 *i64 *i32 *i32 *i64 i32 i32 i32"),
-                     {"H": 8, "MB": 64}),
+def signature(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, compile options) of one recorded launch."""
+    bound = {**dict(zip(fn.arg_names, args)), **{k: v for k, v in kwargs.items() if k in fn.arg_names}}
+    sig: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    for p in fn.params:
+        value = bound.get(p.name, p.default)
+        if p.is_constexpr:
+            sig[p.name], constexprs[p.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[p.name] = "*" + POINTER[value.dtype]
+        elif isinstance(value, bool):
+            sig[p.name] = "i1"
+        elif isinstance(value, int):
+            sig[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            assert isinstance(value, float), f"{fn.__name__}({p.name}={value!r}): unexpected argument type"
+            sig[p.name] = "fp32"
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    return sig, constexprs, options
+
+
+# ---- the launches: CPU tensors of real decode shapes
+def _pool(bits: int, heads: int = 8, d: int = 128, bs: int = 64, demotable: bool = True) -> ColdPool:
+    pool = ColdLayout(bs, heads, d, bits, torch.bfloat16).allocate(40, "cpu")
+    pool.may_demote = demotable
+    return pool
+
+
+def _decode(bits: int, demotable: bool, heads: int = 8, group: int = 4, d: int = 128) -> Callable[[], Any]:
+    from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
+
+    b, m = 3, 9
+    pool = _pool(bits, heads, d, demotable=demotable)
+    hot = torch.zeros(4, heads, 96, d, dtype=torch.bfloat16)
+    table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
+    return lambda: hybrid_decode_attention_triton(
+        torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
+        torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32), pool, table,
+        torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d),
+    )  # fmt: skip
+
+
+def _quest(bits: int) -> Callable[[], Any]:
+    from kvtune.kernels.triton_quest import quest_scores_triton
+
+    table = torch.arange(18, dtype=torch.int32).view(2, 9)
+    count = torch.tensor([9, 4], dtype=torch.int32)
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    return lambda: quest_scores_triton(q, _pool(bits), table, count)
+
+
+def _seal(pool_bits: int, bits: int) -> Callable[[], Any]:
+    from kvtune.kernels.triton_quant import seal_blocks_triton
+
+    kv = torch.zeros(2, 5, 64, 8, 128, dtype=torch.bfloat16)
+    return lambda: seal_blocks_triton(_pool(pool_bits), torch.arange(5), kv[0], kv[1], bits)
+
+
+def _requantize() -> Callable[[], Any]:
+    from kvtune.kernels.triton_quant import requantize_int4_triton
+
+    return lambda: requantize_int4_triton(_pool(8), torch.arange(5))
+
+
+def _elementwise(which: str) -> Callable[[], Any]:
+    from kvtune.kernels import triton_elementwise as e
+
+    x = torch.zeros(16, 4096, dtype=torch.bfloat16)
+    cos = torch.zeros(16, 128)
+    return {
+        "add_rms_norm": lambda: e.add_rms_norm_triton(x, x.clone(), x[0].clone(), 1e-5),
+        "rms_norm": lambda: e.add_rms_norm_triton(x, None, x[0].clone(), 1e-5),
+        "rope_qkv": lambda: e.rope_qkv_triton(torch.zeros(16, 6144, dtype=torch.bfloat16), cos, cos, 32, 8),
+        "silu_mul": lambda: e.silu_mul_triton(torch.zeros(16, 2 * 14336, dtype=torch.bfloat16)),
+    }[which]
+
+
+def _access() -> Callable[[], Any]:
+    from kvtune.kernels.triton_access import update_access_triton
+
+    n, b, h, m = 100, 3, 8, 9
+    last = torch.zeros(n, dtype=torch.float64)
+    return lambda: update_access_triton(
+        last, last.clone(), torch.zeros(b, h, m), torch.zeros(b, h, m, dtype=torch.int32),
+        torch.full((b, h), m, dtype=torch.int32), 1234.5, torch.zeros(n, dtype=torch.int32),
+    )  # fmt: skip
+
+
+def _sparse_table() -> Callable[[], Any]:
+    from kvtune.kernels.sparse_table import ByteCount
+    from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
+
+    count = ByteCount(torch.zeros(9, dtype=torch.int64), 4096, torch.zeros((), dtype=torch.int64))
+    blocks = torch.arange(18).view(2, 9)
+    tier = torch.ones(40, dtype=torch.int8)
+    return lambda: sparse_block_table_triton(
+        torch.zeros(2, 32, 128, dtype=torch.bfloat16), _pool(8), blocks, tier, 4, count
+    )
+
+
+CASES: dict[str, Callable[[], Callable[[], Any]]] = {
+    "decode int8 pure": lambda: _decode(8, demotable=False),
+    "decode int8 mixed": lambda: _decode(8, demotable=True),
+    "decode int4": lambda: _decode(4, demotable=False),
+    "decode unquantized": lambda: _decode(0, demotable=False),
+    "decode int8 smollm2 heads": lambda: _decode(8, demotable=False, heads=3, group=3, d=64),
+    "quest int8": lambda: _quest(8),
+    "quest int4": lambda: _quest(4),
+    "quest unquantized": lambda: _quest(0),
+    "seal int8": lambda: _seal(8, 8),
+    "seal int4 in an 8-bit pool": lambda: _seal(8, 4),
+    "seal int4": lambda: _seal(4, 4),
+    "requantize": _requantize,
+    **{n: (lambda n=n: _elementwise(n)) for n in ("add_rms_norm", "rms_norm", "rope_qkv", "silu_mul")},
+    "access update": _access,
+    "sparse table": _sparse_table,
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_compiles_for_sm90(case: str) -> None:
-    module, name, signature, constexprs = CASES[case]
-    fn = getattr(importlib.import_module(f"kvtune.kernels.{module}"), name)
-    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER)
-    assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    for fn, args, kwargs in recorded_launches(monkeypatch, CASES[case]()):
+        sig, constexprs, options = signature(fn, args, kwargs)
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), HOPPER, options)
+        assert compiled.asm["cubin"], f"{fn.__name__}: no cubin"
+        assert ".target sm_90" in compiled.asm["ptx"]
