@@ -82,8 +82,9 @@ class HybridCache:
         self.layout = cache_layout(config, shape, budget_bytes, max_seqs)
         lay, n_layers = self.layout, shape.num_layers
         hot_shape = (n_layers, lay.num_slots, shape.num_kv_heads, hot_capacity(config), shape.head_dim)
-        self.hot_k = torch.zeros(hot_shape, dtype=shape.dtype, device=self.device)
-        self.hot_v = torch.zeros(hot_shape, dtype=shape.dtype, device=self.device)
+        # K and V hot zones in one tensor [layers, 2, slots, H, C, D], so one copy shifts both after a seal
+        self.hot_kv = torch.zeros((n_layers, 2, *hot_shape[1:]), dtype=shape.dtype, device=self.device)
+        self.hot_k, self.hot_v = self.hot_kv[:, 0], self.hot_kv[:, 1]
         self.pools: list[ColdPool] = [lay.cold.allocate(lay.num_blocks, self.device) for _ in range(n_layers)]
         for pool in self.pools:
             pool.may_demote = config.sparse_top_k > 0  # demotion is the only way a block's bits change
@@ -335,12 +336,13 @@ class HybridCache:
         """The oldest ``block_size`` hot tokens of the sealing slots become their fresh blocks."""
         bs, hot = self.config.block_size, self.config.hot_tokens
         pool, rows = self.pools[layer], plan.seal_slots
-        k = self.hot_k[layer][rows, :, :bs].transpose(1, 2)
-        v = self.hot_v[layer][rows, :, :bs].transpose(1, 2)
-        seal_blocks(pool, plan.seal_blocks, k, v, self.config.quantization_bits)
-        self.debug.sealed(pool, plan.seal_blocks, k, v)
-        for zone in (self.hot_k[layer], self.hot_v[layer]):
-            zone[rows, :, :hot] = zone[rows, :, bs : bs + hot]
+        k = self.hot_k[layer][:, :, :bs].transpose(1, 2)  # [slots, bs, H, D] views, read at ``rows``
+        v = self.hot_v[layer][:, :, :bs].transpose(1, 2)
+        seal_blocks(pool, plan.seal_blocks, k, v, self.config.quantization_bits, rows)
+        if self.debug.enabled:
+            self.debug.sealed(pool, plan.seal_blocks, k[rows], v[rows])
+        zone = self.hot_kv[layer]
+        zone[:, rows, :, :hot] = zone[:, rows, :, bs : bs + hot]
 
     def _block_table(
         self, layer: int, plan: DecodePlan, q: torch.Tensor

@@ -81,16 +81,24 @@ def _to_row(pool: ColdPool, codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def seal_blocks_ref(
-    pool: ColdPool, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: int
+    pool: ColdPool,
+    block_ids: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bits: int,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Write ``n`` blocks into pool rows ``block_ids`` ``[n]`` int64.
 
-    k, v: ``[n, bs, H, D]`` model dtype (token-major, as the hot zone hands them over). ``bits`` is the pool's
-    bits, or 4 in an 8-bit pool (a block stored at 4 bits in its 8-bit slot). Bits 0 copies K/V and stores
-    the key min per channel (``k_min``) and ``max − min`` (``k_scale``).
+    k, v: ``[n, bs, H, D]`` model dtype (token-major, as the hot zone hands them over), or, with ``rows``
+    ``[n]``, ``[N, bs, H, D]`` of which block ``i`` is ``k[rows[i]]`` (a view of the hot zones, no copy
+    first). ``bits`` is the pool's bits, or 4 in an 8-bit pool (a block stored at 4 bits in its 8-bit slot).
+    Bits 0 copies K/V and stores the key min per channel (``k_min``) and ``max − min`` (``k_scale``).
     """
     if bits not in (pool.bits, 4 if pool.bits == 8 else pool.bits):
         raise ValueError(f"bits={bits} cannot be stored in a {pool.bits}-bit pool")
+    if rows is not None:
+        k, v = k[rows], v[rows]
     kt = k.permute(0, 2, 1, 3)
     vt = v.permute(0, 2, 1, 3)
     if bits == 0:
@@ -108,13 +116,20 @@ def seal_blocks_ref(
     pool.block_bits[block_ids] = bits
 
 
-def seal_blocks(pool: ColdPool, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: int) -> None:
+def seal_blocks(
+    pool: ColdPool,
+    block_ids: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bits: int,
+    rows: torch.Tensor | None = None,
+) -> None:
     """Quantize + pack ``n`` blocks into the pool (see :func:`seal_blocks_ref`); Triton on CUDA tensors."""
     if use_triton(k):
         from kvtune.kernels.triton_quant import seal_blocks_triton
 
-        return seal_blocks_triton(pool, block_ids, k, v, bits)
-    seal_blocks_ref(pool, block_ids, k, v, bits)
+        return seal_blocks_triton(pool, block_ids, k, v, bits, rows)
+    seal_blocks_ref(pool, block_ids, k, v, bits, rows)
 
 
 def codes_of_rows(rows: torch.Tensor, block_bits: torch.Tensor, pool_bits: int) -> torch.Tensor:

@@ -102,19 +102,21 @@ def _seal_tile(
 
 @triton.jit
 def _seal_kernel(
-    k_ptr, v_ptr, ids_ptr, pk_ptr, pv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr,
+    k_ptr, v_ptr, ids_ptr, rows_ptr, pk_ptr, pv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr,
     s_in, s_it, s_ih, s_pn, s_ph, s_kn, s_kh, s_vn, s_vh,
     BS: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, POOL_BITS: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Seal block i (of k, v [n, bs, H, D]) for KV head h into pool row ids[i]."""
+    """Seal block i (k, v [N, bs, H, D] at row rows[i], or i) for KV head h into pool row ids[i]."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     DH: tl.constexpr = D // 2
     bid = tl.load(ids_ptr + i).to(tl.int64)
+    r = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i
     t = tl.arange(0, T)
     c = tl.arange(0, DH)
     tmask = t < BS
-    src = i * s_in + t[:, None] * s_it + h * s_ih + c[None, :]
+    src = r * s_in + t[:, None] * s_it + h * s_ih + c[None, :]
     dst = bid * s_pn + h * s_ph
     kq = bid * s_kn + h * s_kh
     for which in tl.static_range(2):
@@ -178,25 +180,35 @@ def _check_pool_rows(pool: ColdPool) -> None:
 
 
 def seal_blocks_triton(
-    pool: ColdPool, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: int
+    pool: ColdPool,
+    block_ids: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bits: int,
+    rows: torch.Tensor | None = None,
 ) -> None:
-    """Same contract as ``seal_blocks_ref``: k, v [n, bs, H, D] model dtype -> pool rows block_ids [n]."""
+    """Same contract as ``seal_blocks_ref``: blocks ``k[rows[i]]``, ``v[rows[i]]`` (``[bs, H, D]``, any
+    strides but a unit one on D; ``k[i]`` without ``rows``) -> pool rows ``block_ids[i]``."""
     if bits not in (pool.bits, 4 if pool.bits == 8 else pool.bits):
         raise ValueError(f"bits={bits} cannot be stored in a {pool.bits}-bit pool")
     n = int(block_ids.numel())
     if n == 0:
         return
     if bits == 0 or not tileable_head_dim(k.shape[3]):  # bits 0: a copy, plus the key bounds
-        seal_blocks_ref(pool, block_ids, k, v, bits)
+        seal_blocks_ref(pool, block_ids, k, v, bits, rows)
         return
     _check_pool_rows(pool)
-    k, v = k.contiguous(), v.contiguous()
+    if k.stride() != v.stride() or k.stride(3) != 1:
+        k, v = k.contiguous(), v.contiguous()
     bs, H, D = k.shape[1], k.shape[2], k.shape[3]
+    ids = block_ids.to(torch.int64).contiguous()
+    row_ids = ids if rows is None else rows.to(torch.int64).contiguous()
     _seal_kernel[(n, H)](
-        k, v, block_ids.to(torch.int64).contiguous(), pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min,
+        k, v, ids, row_ids, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min,
         pool.v_scale, k.stride(0), k.stride(1), k.stride(2), pool.k.stride(0), pool.k.stride(1),
         pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
-        BS=bs, T=triton.next_power_of_2(bs), D=D, BITS=bits, POOL_BITS=pool.bits, enable_fp_fusion=False,
+        BS=bs, T=triton.next_power_of_2(bs), D=D, BITS=bits, POOL_BITS=pool.bits, HAS_ROWS=rows is not None,
+        enable_fp_fusion=False,
     )  # fmt: skip
     pool.block_bits[block_ids] = bits
 

@@ -103,9 +103,13 @@ def _quest(bits: int) -> Callable[[], Any]:
     return lambda: quest_scores_triton(q, _pool(bits), table, count)
 
 
-def _seal(pool_bits: int, bits: int) -> Callable[[], Any]:
+def _seal(pool_bits: int, bits: int, from_hot_zones: bool = False) -> Callable[[], Any]:
     from kvtune.kernels.triton_quant import seal_blocks_triton
 
+    if from_hot_zones:  # the cache's path: block i read in place from hot zone rows[i]
+        zones = torch.zeros(2, 6, 8, 96, 128, dtype=torch.bfloat16)[:, :, :, :64].transpose(2, 3)
+        rows = torch.tensor([4, 0, 2])
+        return lambda: seal_blocks_triton(_pool(pool_bits), torch.arange(3), zones[0], zones[1], bits, rows)
     kv = torch.zeros(2, 5, 64, 8, 128, dtype=torch.bfloat16)
     return lambda: seal_blocks_triton(_pool(pool_bits), torch.arange(5), kv[0], kv[1], bits)
 
@@ -164,6 +168,7 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "seal int8": lambda: _seal(8, 8),
     "seal int4 in an 8-bit pool": lambda: _seal(8, 4),
     "seal int4": lambda: _seal(4, 4),
+    "seal int8 from hot zones": lambda: _seal(8, 8, from_hot_zones=True),
     "requantize": _requantize,
     **{n: (lambda n=n: _elementwise(n)) for n in ("add_rms_norm", "rms_norm", "rope_qkv", "silu_mul")},
     "access update": _access,

@@ -174,8 +174,11 @@ def test_quest_topk_interpreted(kernels, bits: int, m2: int, k_blocks: int) -> N
 @pytest.mark.parametrize("block_size", [8, 24])
 @pytest.mark.parametrize(("pool_bits", "bits"), [(8, 8), (8, 4), (4, 4), (0, 0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_seal_interpreted(kernels, block_size: int, pool_bits: int, bits: int, dtype: torch.dtype) -> None:
-    check_seal(kernels, Shape(1, 2, 1, 32, block_size, 3, 8), pool_bits, bits, dtype, "cpu")
+@pytest.mark.parametrize("hot", [False, True])
+def test_seal_interpreted(
+    kernels, block_size: int, pool_bits: int, bits: int, dtype: torch.dtype, hot: bool
+) -> None:
+    check_seal(kernels, Shape(1, 2, 1, 32, block_size, 3, 8), pool_bits, bits, dtype, "cpu", hot)
 
 
 @pytest.mark.parametrize("block_size", [8, 24])
@@ -255,12 +258,23 @@ def assert_pools_close(got: ColdPool, want: ColdPool, ids: torch.Tensor, x: tupl
         assert ((x[1] - v).abs() <= v_step * (0.5 + 2**-9) + 1e-6).all()
 
 
-def check_seal(kernels, shape: Shape, pool_bits: int, bits: int, dtype: torch.dtype, device: str) -> None:
+def check_seal(
+    kernels, shape: Shape, pool_bits: int, bits: int, dtype: torch.dtype, device: str, hot: bool = False
+) -> None:
+    """``hot``: the blocks are read in place from hot zones [slots, H, C, D] at scattered slots (``rows``)."""
     got, want = _poisoned_pair(shape, pool_bits, dtype, device)
     n = shape.max_blocks
     ids = torch.randperm(got.num_blocks, device=device)[:n]
     kv = torch.randn(2, n, shape.block_size, shape.kv_heads, shape.head_dim, device=device).to(dtype) * 3
-    kernels.triton_quant.seal_blocks_triton(got, ids, kv[0], kv[1], bits)
+    if hot:
+        zones = torch.randn(2, n + 3, shape.kv_heads, shape.block_size + 5, shape.head_dim, device=device)
+        zones = zones.to(dtype) * 3
+        rows = torch.randperm(n + 3, device=device)[:n]
+        views = zones[:, :, :, : shape.block_size].transpose(2, 3)  # [2, slots, bs, H, D], no copy
+        kernels.triton_quant.seal_blocks_triton(got, ids, views[0], views[1], bits, rows)
+        kv = views[:, rows]
+    else:
+        kernels.triton_quant.seal_blocks_triton(got, ids, kv[0], kv[1], bits)
     seal_blocks_ref(want, ids, kv[0], kv[1], bits)
     if device == "cpu" or bits == 0:
         assert_pools_equal(got, want)
@@ -348,8 +362,11 @@ def test_quest_topk_gpu(gpu_kernels, bits: int, m2: int, k_blocks: int) -> None:
 @pytest.mark.parametrize("block_size", [64, 24])
 @pytest.mark.parametrize(("pool_bits", "bits"), [(8, 8), (8, 4), (4, 4), (0, 0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_seal_gpu(gpu_kernels, block_size: int, pool_bits: int, bits: int, dtype: torch.dtype) -> None:
-    check_seal(gpu_kernels, Shape(1, 8, 1, 128, block_size, 37, 8), pool_bits, bits, dtype, "cuda")
+@pytest.mark.parametrize("hot", [False, True])
+def test_seal_gpu(
+    gpu_kernels, block_size: int, pool_bits: int, bits: int, dtype: torch.dtype, hot: bool
+) -> None:
+    check_seal(gpu_kernels, Shape(1, 8, 1, 128, block_size, 37, 8), pool_bits, bits, dtype, "cuda", hot)
 
 
 @pytest.mark.gpu
