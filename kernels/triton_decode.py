@@ -607,6 +607,16 @@ def _merge_kernel(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (at least 1), for host ints (``triton.next_power_of_2``: ~4 µs)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host ints (``triton.cdiv`` is a JIT function: ~4 µs a call from Python)."""
+    return -(-a // b)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -621,18 +631,26 @@ def _num_sms(device: torch.device) -> int:
 def plan_splits(bh: int, m: int, device: torch.device, options: DecodeKernelOptions) -> tuple[int, int]:
     """(number of splits, cold blocks per split) for bh = B * H programs over a table of m blocks."""
     target = options.programs_per_sm * _num_sms(device)
-    most = max(1, triton.cdiv(m, options.min_blocks_per_split))
-    splits = max(1, min(triton.cdiv(target, bh), most))
-    per = max(1, triton.cdiv(m, splits))
-    return triton.cdiv(max(m, 1), per), per
+    most = max(1, cdiv(m, options.min_blocks_per_split))
+    splits = max(1, min(cdiv(target, bh), most))
+    per = max(1, cdiv(m, splits))
+    return cdiv(max(m, 1), per), per
 
 
 def _resolve(options: DecodeKernelOptions | None, bits: int, model_dtype: torch.dtype) -> DecodeKernelOptions:
+    return _resolved(options, bits, model_dtype, _interpreting())
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved(
+    options: DecodeKernelOptions | None, bits: int, model_dtype: torch.dtype, interpreting: bool
+) -> DecodeKernelOptions:
+    """The options a launch uses: float32 models convert codes by cast; the interpreter cannot run PTX."""
     opts = options or default_options(bits)
     cvt = opts.cvt
     if model_dtype == torch.float32:
         cvt = 0
-    elif cvt == 2 and _interpreting():
+    elif cvt == 2 and interpreting:
         cvt = 1
     return replace(opts, cvt=cvt)
 
@@ -655,7 +673,7 @@ def _check_inputs(q: torch.Tensor, hot_k: torch.Tensor, hot_v: torch.Tensor, poo
     H = block_table.shape[1]
     rules = {
         "q, hot_k, hot_v and the pool on one device":
-            len({str(x.device) for x in (q, hot_k, hot_v, pool.k)}) == 1,
+            q.device == hot_k.device == hot_v.device == pool.k.device,
         "Hq % H == 0": Hq % H == 0,
         "hot_k.shape == hot_v.shape == [S, H, C, D]":
             hot_k.shape == hot_v.shape and tuple(hot_k.shape[1::2]) == (H, D),
@@ -715,7 +733,7 @@ def hybrid_decode_attention_triton(
     table = block_table.contiguous()
     ncold = num_cold.to(torch.int32).contiguous()
     hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
-    T = max(16, triton.next_power_of_2(pool.k.shape[2]))
+    T = max(16, next_pow2(pool.k.shape[2]))
     mixed = bits == 8 and opts.mixed
     _split_kernel[(splits, B * H)](
         q, hot_k, hot_v, hot_slot, hot_len,
@@ -725,8 +743,8 @@ def hybrid_decode_attention_triton(
         q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
         pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
         pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
-        H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, T=T, BS=pool.k.shape[2],
-        HOT_T=min(64, max(16, triton.next_power_of_2(hot_k.shape[2]))), KIND=bits,
+        H=H, G=G, GP=max(16, next_pow2(G)), D=D, T=T, BS=pool.k.shape[2],
+        HOT_T=min(64, max(16, next_pow2(hot_k.shape[2]))), KIND=bits,
         MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
         WORDS=opts.words and not mixed and bits > 0 and _word_aligned(pool),
         FOLD=opts.fold_bias and opts.cvt > 0, DEFER=opts.defer_min and bits > 0,
@@ -739,6 +757,6 @@ def hybrid_decode_attention_triton(
     _merge_kernel[(B * H,)](
         part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass, splits, M,
         out.stride(0), out.stride(1),
-        H=H, G=G, GP=triton.next_power_of_2(G), D=D, MB=64,
+        H=H, G=G, GP=next_pow2(G), D=D, MB=64,
     )  # fmt: skip
     return out, mass, hot_mass

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtune.kernels.triton_decode import cdiv, next_pow2
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -42,7 +44,7 @@ def add_rms_norm_triton(
     out = torch.empty_like(x)
     s = x if delta is None else torch.empty_like(x)
     d = x if delta is None else delta
-    block = triton.next_power_of_2(hidden)
+    block = next_pow2(hidden)
     _add_rms_norm_kernel[(n,)](
         x, d, weight, s, out, hidden, eps, x.stride(0), d.stride(0), s.stride(0), out.stride(0),
         HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
@@ -118,7 +120,7 @@ def rope_qkv_triton(
     if n:
         _rope_qkv_kernel[(n, heads)](
             qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0),
-            HQ=num_heads, H=num_kv_heads, D=d, HALF=triton.next_power_of_2(d // 2), num_warps=1,
+            HQ=num_heads, H=num_kv_heads, D=d, HALF=next_pow2(d // 2), num_warps=1,
         )  # fmt: skip
     return q, k, v
 
@@ -142,9 +144,9 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         )
     n, f = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((n, f), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(f))
+    block = min(1024, next_pow2(f))
     if n:
-        _silu_mul_kernel[(n, triton.cdiv(f, block))](
+        _silu_mul_kernel[(n, cdiv(f, block))](
             gate_up, out, f, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
         )
     return out

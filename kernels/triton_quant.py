@@ -18,7 +18,7 @@ import triton.language as tl
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import seal_blocks_ref
 from kvtune.kernels.requant import requantize_int4_ref
-from kvtune.kernels.triton_decode import tileable_head_dim
+from kvtune.kernels.triton_decode import next_pow2, tileable_head_dim
 
 
 @triton.jit
@@ -207,7 +207,7 @@ def seal_blocks_triton(
         k, v, ids, row_ids, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min,
         pool.v_scale, k.stride(0), k.stride(1), k.stride(2), pool.k.stride(0), pool.k.stride(1),
         pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
-        BS=bs, T=triton.next_power_of_2(bs), D=D, BITS=bits, POOL_BITS=pool.bits, HAS_ROWS=rows is not None,
+        BS=bs, T=next_pow2(bs), D=D, BITS=bits, POOL_BITS=pool.bits, HAS_ROWS=rows is not None,
         enable_fp_fusion=False,
     )  # fmt: skip
     pool.block_bits[block_ids] = bits
@@ -231,6 +231,6 @@ def requantize_int4_triton(pool: ColdPool, block_ids: torch.Tensor) -> None:
         ids, keep, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale,
         pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0), pool.k_min.stride(1),
         pool.v_min.stride(0), pool.v_min.stride(1),
-        BS=bs, T=triton.next_power_of_2(bs), D=D, enable_fp_fusion=False,
+        BS=bs, T=next_pow2(bs), D=D, enable_fp_fusion=False,
     )  # fmt: skip
     pool.block_bits[ids] = 4

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quest import quest_topk_ref
-from kvtune.kernels.triton_decode import tileable_head_dim
+from kvtune.kernels.triton_decode import cdiv, next_pow2, tileable_head_dim
 
 
 @triton.jit
@@ -62,8 +62,8 @@ def quest_scores_triton(
     scores = torch.empty((B, H, M2), dtype=torch.float32, device=q.device)
     if M2 == 0:
         return scores
-    mb = min(64, triton.next_power_of_2(M2))
-    _quest_score_kernel[(triton.cdiv(M2, mb), B * H)](
+    mb = min(64, next_pow2(M2))
+    _quest_score_kernel[(cdiv(M2, mb), B * H)](
         q, pool.k_min, pool.k_scale, pool.block_bits, l2_table, l2_count.to(torch.int32), scores,
         M2, q.stride(0), q.stride(1), pool.k_min.stride(0), pool.k_min.stride(1),
         H=H, G=Hq // H, D=D, MB=mb, POOL_BITS=pool.bits, MIXED=pool.bits == 8,
