@@ -314,3 +314,17 @@ def test_replay_command_prints_and_writes_json(tmp_path, capsys):
     record = json.loads(out.read_text())
     assert record["metrics"]["completed"] == 5 and record["config"]["quantization_bits"] == 4
     assert "TPOT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--max-prefill-tokens", "0", "`max_prefill_tokens >= 1`"), ("--max-batch", "0", "`max_batch >= 1`")],
+)
+def test_replay_command_refuses_bad_limits_before_loading(tmp_path, capsys, option, value, message):
+    config = tmp_path / "c.json"
+    config.write_text(_config(4).to_json(), encoding="utf-8")
+    argv = ["replay", "--config", str(config), "--workload", str(_write_trace(tmp_path / "t.jsonl", 5)),
+            "--model", "no-such-model", option, value]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvtune: error: ") and message in err[0]

@@ -22,6 +22,7 @@ from kvtune.cache_impl.engine import (
 )
 from kvtune.cache_impl.metrics import json_safe
 from kvtune.cache_impl.model import load_model
+from kvtune.cache_impl.scheduler import SchedulerConfig
 from kvtune.tuner.console import progress_bar, table_console
 
 NAME = "replay"
@@ -90,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = HybridConfig.from_json_file(args.config)
+    SchedulerConfig(args.max_batch, args.max_prefill_tokens)  # bad limits fail before anything loads
     device = resolve_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
