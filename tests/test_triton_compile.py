@@ -1,12 +1,10 @@
 """Every Triton kernel compiles for Hopper (sm_90), with the arguments its launcher really passes, on a
-machine without a GPU.
+machine without a GPU (:mod:`kvtune.kernels.aot`).
 
-Each case calls a public launcher on CPU tensors of Llama-3-8B / SmolLM2 decode shapes with
-``JITFunction.run`` replaced by a recorder, so nothing runs: the recorder keeps each launch's arguments, from
-which the kernel's signature (pointer dtypes, scalar types) and constexprs are rebuilt; ``triton.compile``
-then lowers the kernel through Triton IR, LLVM and PTX to a cubin (``ptxas`` ships with Triton) for sm_90 with
-the launch's ``num_warps``/``num_stages``/``maxnreg``. A kernel the interpreter accepts but the compiler
-rejects (or whose inline assembly ``ptxas`` refuses) fails here, in CI, not on the GPU.
+Each case calls a public launcher on CPU tensors of Llama-3-8B / SmolLM2 decode shapes with the launches
+recorded, not run; each is specialized as Triton's JIT would and lowered to a sm_90 cubin with the launch's
+``num_warps``/``num_stages``/``maxnreg``. A kernel the interpreter accepts but the compiler rejects (or whose
+inline assembly ``ptxas`` refuses) fails here, in CI, not on the GPU.
 """
 
 from __future__ import annotations
@@ -19,58 +17,12 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
+from kvtune.kernels.aot import compile_launch, record_launches  # noqa: E402
 from kvtune.kernels.layout import ColdLayout, ColdPool  # noqa: E402
 from kvtune.tests.triton_testlib import INTERPRETING  # noqa: E402
 
 pytestmark = pytest.mark.skipif(INTERPRETING, reason="kernels defined under the interpreter do not compile")
-
-HOPPER = GPUTarget("cuda", 90, 32)
-POINTER = {
-    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-    torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
-}  # fmt: skip
-OPTIONS = ("num_warps", "num_stages", "maxnreg")
-Launch = tuple[JITFunction, tuple[Any, ...], dict[str, Any]]
-
-
-def recorded_launches(monkeypatch: pytest.MonkeyPatch, launcher: Callable[[], Any]) -> list[Launch]:
-    """Run ``launcher`` with every kernel launch recorded instead of run."""
-    launches: list[Launch] = []
-
-    def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        launches.append((self, args, kwargs))
-
-    with monkeypatch.context() as m:
-        m.setattr(JITFunction, "run", record)
-        launcher()
-    assert launches, "the launcher launched no kernel"
-    return launches
-
-
-def signature(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, compile options) of one recorded launch."""
-    bound = {**dict(zip(fn.arg_names, args)), **{k: v for k, v in kwargs.items() if k in fn.arg_names}}
-    sig: dict[str, str] = {}
-    constexprs: dict[str, Any] = {}
-    for p in fn.params:
-        value = bound.get(p.name, p.default)
-        if p.is_constexpr:
-            sig[p.name], constexprs[p.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            sig[p.name] = "*" + POINTER[value.dtype]
-        elif isinstance(value, bool):
-            sig[p.name] = "i1"
-        elif isinstance(value, int):
-            sig[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        else:
-            assert isinstance(value, float), f"{fn.__name__}({p.name}={value!r}): unexpected argument type"
-            sig[p.name] = "fp32"
-    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
-    return sig, constexprs, options
 
 
 # ---- the launches: CPU tensors of real decode shapes
@@ -177,9 +129,10 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    for fn, args, kwargs in recorded_launches(monkeypatch, CASES[case]()):
-        sig, constexprs, options = signature(fn, args, kwargs)
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), HOPPER, options)
-        assert compiled.asm["cubin"], f"{fn.__name__}: no cubin"
+def test_kernels_compile_for_sm90(case: str) -> None:
+    launches = record_launches(CASES[case]())
+    assert launches, "the launcher launched no kernel"
+    for launch in launches:
+        compiled = compile_launch(launch)
+        assert compiled.asm["cubin"], f"{launch.fn.__name__}: no cubin"
         assert ".target sm_90" in compiled.asm["ptx"]

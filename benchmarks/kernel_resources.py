@@ -1,0 +1,59 @@
+"""Registers, stack and shared memory of the decode-attention kernel variants, and the programs per SM they
+allow on an H100/H200, read from a sm_90 compile on any machine (no GPU needed: :mod:`kvtune.kernels.aot`).
+
+Llama-3-8B heads (32 query, 8 KV, d128), block_size 64, bf16, as ``benchmarks/decode_attention.py`` launches
+them. Programs per SM = min(65,536 registers / (registers x 32 x warps), 228 KB / shared memory per program,
+32 blocks).
+
+    python benchmarks/kernel_resources.py
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from kvtune.kernels import triton_decode as td
+from kvtune.kernels.aot import record_launches, resources
+from kvtune.kernels.layout import ColdLayout
+
+VARIANTS: dict[int, dict[str, dict[str, Any]]] = {
+    8: {"pure INT8 (default)": {}, "cap 96": {"maxnreg": 96}, "mixed 8/4-bit pool": {"mixed": True}},
+    4: {"default (3 stages)": {}, "2 stages": {"num_stages": 2},
+        "2 stages, cap 128": {"num_stages": 2, "maxnreg": 128}, "3 stages, cap 128": {"maxnreg": 128}},
+    0: {"default": {}},
+}  # fmt: skip
+
+
+def split_launch(bits: int, options: td.DecodeKernelOptions) -> Any:
+    b, heads, group, d, m = 3, 8, 4, 128, 9
+    pool = ColdLayout(64, heads, d, bits, torch.bfloat16).allocate(40, "cpu")
+    pool.may_demote = options.mixed
+    hot = torch.zeros(4, heads, 128, d, dtype=torch.bfloat16)
+    table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
+    launches = record_launches(lambda: td.hybrid_decode_attention_triton(
+        torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
+        torch.arange(b, dtype=torch.int32), torch.full((b,), 64, dtype=torch.int32), pool, table,
+        torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=options,
+    ))  # fmt: skip
+    return launches[0]  # the split kernel (the merge kernel is small)
+
+
+def main() -> None:
+    print(f"{'bits':>4} {'variant':<22} {'warps':>5} {'regs':>5} {'stack B':>7} {'smem KB':>7} "
+          f"{'programs/SM':>11}")  # fmt: skip
+    for bits, variants in VARIANTS.items():
+        base = td.PURE_INT8 if bits == 8 else td.default_options(bits)
+        for name, changes in variants.items():
+            r = resources(split_launch(bits, replace(base, **changes)))
+            by_regs = 65536 // (r.registers * 32 * r.num_warps)
+            by_smem = (228 * 1024) // max(r.shared_bytes + 1024, 1)  # + the 1 KB the driver reserves
+            print(f"{bits:>4} {name:<22} {r.num_warps:>5} {r.registers:>5} {r.stack_bytes:>7} "
+                  f"{r.shared_bytes / 1024:>7.1f} {min(by_regs, by_smem, 32):>11}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Compile the kernels a launcher would launch, for a GPU that is not here (ahead of time, on any machine).
+
+A launcher is called on CPU tensors with ``JITFunction.run`` replaced by a recorder, so nothing runs; each
+recorded launch is rebuilt the way Triton's JIT specializes it (signature from the argument types,
+constexprs, 16-divisible pointers and ints) and compiled by ``triton.compile`` for the target (``ptxas`` and
+``cuobjdump`` ship with Triton). Used by the CI test that every kernel compiles for Hopper, and by
+``benchmarks/kernel_resources.py`` to read registers, stack and shared memory of kernel variants offline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+HOPPER = GPUTarget("cuda", 90, 32)
+POINTER = {
+    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+    torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
+}  # fmt: skip
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch."""
+
+    fn: JITFunction
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one compiled kernel needs per program."""
+
+    name: str
+    registers: int
+    stack_bytes: int
+    shared_bytes: int
+    num_warps: int
+
+
+def record_launches(launcher: Callable[[], Any]) -> list[Launch]:
+    """Run ``launcher`` (on CPU tensors) with every kernel launch recorded instead of run."""
+    launches: list[Launch] = []
+    original = JITFunction.run
+
+    def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launches.append(Launch(self, args, kwargs))
+
+    JITFunction.run = record  # type: ignore[method-assign]
+    try:
+        launcher()
+    finally:
+        JITFunction.run = original  # type: ignore[method-assign]
+    return launches
+
+
+def source(launch: Launch) -> tuple[ASTSource, dict[str, Any]]:
+    """The kernel specialized as the JIT would for this launch, and the launch's compile options."""
+    fn, bound = launch.fn, dict(zip(launch.fn.arg_names, launch.args))
+    bound.update({k: v for k, v in launch.kwargs.items() if k in fn.arg_names})
+    sig: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, p in enumerate(fn.params):
+        value = bound.get(p.name, p.default)
+        if p.is_constexpr:
+            sig[p.name], constexprs[p.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[p.name] = "*" + POINTER[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            sig[p.name] = "i1"
+        elif isinstance(value, int):
+            sig[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0 and not p.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}({p.name}={value!r}): no Triton type for {type(value).__name__}")
+    options = {k: v for k, v in launch.kwargs.items() if k in OPTIONS}
+    return ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), options
+
+
+def compile_launch(launch: Launch, target: GPUTarget = HOPPER) -> Any:
+    """The compiled kernel (``.asm['ptx']``, ``.asm['cubin']``, ``.metadata``) of one recorded launch."""
+    src, options = source(launch)
+    return triton.compile(src, target, options)
+
+
+def resources(launch: Launch, target: GPUTarget = HOPPER) -> Resources:
+    """Registers and stack (from ``cuobjdump --dump-resource-usage``) and shared memory of one launch."""
+    compiled = compile_launch(launch, target)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    reg, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    if reg is None or stack is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage for {launch.fn.__name__}: {usage[:200]!r}")
+    warps = int(launch.kwargs.get("num_warps", 4))
+    shared = int(compiled.metadata.shared)
+    return Resources(launch.fn.__name__, int(reg.group(1)), int(stack.group(1)), shared, warps)
