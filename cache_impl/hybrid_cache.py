@@ -215,11 +215,15 @@ class HybridCache:
         zone = slice(0, seq.hot_len)
         hot_k = self.hot_k[layer, seq.slot, :, zone].transpose(0, 1)  # [hot_len, H, D]
         hot_v = self.hot_v[layer, seq.slot, :, zone].transpose(0, 1)
-        prefix_k, prefix_v = self._prefix_kv(pool, seq.blocks[: seq.sealed])
-        keys = torch.cat([prefix_k.to(k.dtype), hot_k.to(k.dtype), k])
-        values = torch.cat([prefix_v.to(v.dtype), hot_v.to(v.dtype), v])
+        keys, values = k, v
+        if seq.prefilled:  # the tokens cached so far: sealed blocks (dequantized), then the hot zone
+            prefix_k, prefix_v = self._prefix_kv(pool, seq.blocks[: seq.sealed])
+            keys = torch.cat([prefix_k.to(k.dtype), hot_k.to(k.dtype), k])
+            values = torch.cat([prefix_v.to(v.dtype), hot_v.to(v.dtype), v])
         out = _causal_attention(q, keys, values, seq.prefilled, self.sm_scale)
-        new_k, new_v = torch.cat([hot_k.to(dt), k.to(dt)]), torch.cat([hot_v.to(dt), v.to(dt)])
+        new_k, new_v = k.to(dt), v.to(dt)
+        if seq.hot_len:  # a later chunk: the hot zone goes first (a whole prompt starts with it empty)
+            new_k, new_v = torch.cat([hot_k.to(dt), new_k]), torch.cat([hot_v.to(dt), new_v])
         n_seal = max(0, (new_k.shape[0] - self.config.hot_tokens) // bs)
         if n_seal:
             ids = torch.as_tensor(seq.blocks[seq.sealed : seq.sealed + n_seal], device=self.device)
@@ -297,7 +301,6 @@ class HybridCache:
             seal_slots=dev[5 * b : 5 * b + n_seal],
             seal_blocks=dev[5 * b + n_seal : 5 * b + 2 * n_seal],
             blocks=blocks,
-            num_blocks=num_blocks,
             cold_table=blocks.to(torch.int32)[:, None].expand(b, h, width).contiguous(),
             cold_count=num_blocks[:, None].expand(b, h).contiguous(),
             lengths=tuple(s.length for s in seqs),

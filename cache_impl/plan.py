@@ -15,9 +15,9 @@ class DecodePlan:
     hot_slot / hot_len: [B] int32 slot and hot length after append + seal (what attention reads) ·
     seal_slots / seal_blocks: [n] int64 slots that seal this step and the fresh block each seals into ·
     blocks: [B, M] int64 every sealed block of each sequence after this step, oldest first, -1 padded ·
-    num_blocks: [B] int32 · cold_table / cold_count: ``blocks`` and ``num_blocks`` per (sequence, KV head),
-    [B, H, M] and [B, H] int32, the attention's table when no block is in L2 · lengths: tokens per sequence
-    after this step (host) · hot_tokens: Σ hot_len (host) · cold_blocks: Σ num_blocks (host).
+    cold_table / cold_count: ``blocks`` and their number per (sequence, KV head), [B, H, M] and [B, H] int32,
+    the attention's table when no block is in L2 · lengths: tokens per sequence after this step (host) ·
+    hot_tokens: Σ hot_len (host) · cold_blocks: Σ sealed blocks (host).
     """
 
     seq_ids: tuple[int, ...]
@@ -30,7 +30,6 @@ class DecodePlan:
     seal_slots: torch.Tensor
     seal_blocks: torch.Tensor
     blocks: torch.Tensor
-    num_blocks: torch.Tensor
     cold_table: torch.Tensor
     cold_count: torch.Tensor
     lengths: tuple[int, ...]

@@ -158,106 +158,69 @@ def _small_int_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr):
 
 @triton.jit
 def _bytes_of_words_asm(w, FOLD: tl.constexpr):
-    """int32 words -> their four bytes as fp16 ``1024 + byte`` (``byte`` if not FOLD), byte 0 first."""
+    """int32 words -> their four bytes as fp16 ``1024 + byte`` (``byte`` if not FOLD), byte 0 first.
+
+    One ``prmt`` per two bytes puts each byte under the exponent of 1024.0 (``0x64``), giving ``1024 + byte``
+    exactly; without FOLD the 1024 is subtracted (exact in fp16).
+    """
+    x0, x1, x2, x3 = tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1;
+        prmt.b32 t0, $4, 0x64646464, 0x4140;
+        prmt.b32 t1, $4, 0x64646464, 0x4342;
+        mov.b32 {$0, $1}, t0;
+        mov.b32 {$2, $3}, t1;
+        }
+        """,
+        constraints="=h,=h,=h,=h,r",
+        args=[w],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
     if FOLD:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t0, t1;
-            prmt.b32 t0, $4, 0x64646464, 0x4140;
-            prmt.b32 t1, $4, 0x64646464, 0x4342;
-            mov.b32 {$0, $1}, t0;
-            mov.b32 {$2, $3}, t1;
-            }
-            """,
-            constraints="=h,=h,=h,=h,r",
-            args=[w],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=1,
-        )
+        return x0, x1, x2, x3
     else:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t0, t1, bias;
-            mov.b32 bias, 0x64006400;
-            prmt.b32 t0, $4, 0x64646464, 0x4140;
-            prmt.b32 t1, $4, 0x64646464, 0x4342;
-            sub.f16x2 t0, t0, bias;
-            sub.f16x2 t1, t1, bias;
-            mov.b32 {$0, $1}, t0;
-            mov.b32 {$2, $3}, t1;
-            }
-            """,
-            constraints="=h,=h,=h,=h,r",
-            args=[w],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=1,
-        )
+        return x0 - 1024.0, x1 - 1024.0, x2 - 1024.0, x3 - 1024.0
 
 
 @triton.jit
 def _nibbles_of_words_asm(w, FOLD: tl.constexpr):
-    """int32 words -> fp16 ``1024 + nibble``: low nibbles of bytes 0..3, then high nibbles of bytes 0..3.
+    """int32 words -> fp16 ``1024 + nibble`` (``nibble`` if not FOLD): low nibbles of bytes 0..3, then high
+    nibbles of bytes 0..3.
 
     ``lop3`` puts the low nibbles of bytes 0 and 2 into one f16x2 register (``(w & 0x000F000F) |
     0x64006400``); shifts by 4, 8 and 12 give the other three pairs.
     """
+    x = tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, t2, t3, s;
+        lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
+        shr.u32 s, $8, 4;
+        lop3.b32 t1, s, 0x000F000F, 0x64006400, 0xEA;
+        shr.u32 s, $8, 8;
+        lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
+        shr.u32 s, $8, 12;
+        lop3.b32 t3, s, 0x000F000F, 0x64006400, 0xEA;
+        mov.b32 {$0, $2}, t0;
+        mov.b32 {$4, $6}, t1;
+        mov.b32 {$1, $3}, t2;
+        mov.b32 {$5, $7}, t3;
+        }
+        """,
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+        args=[w],
+        dtype=(tl.float16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
     if FOLD:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t0, t1, t2, t3, s;
-            lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 s, $8, 4;
-            lop3.b32 t1, s, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 s, $8, 8;
-            lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 s, $8, 12;
-            lop3.b32 t3, s, 0x000F000F, 0x64006400, 0xEA;
-            mov.b32 {$0, $2}, t0;
-            mov.b32 {$4, $6}, t1;
-            mov.b32 {$1, $3}, t2;
-            mov.b32 {$5, $7}, t3;
-            }
-            """,
-            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-            args=[w],
-            dtype=(tl.float16,) * 8,
-            is_pure=True,
-            pack=1,
-        )
+        return x
     else:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t0, t1, t2, t3, s, bias;
-            mov.b32 bias, 0x64006400;
-            lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 s, $8, 4;
-            lop3.b32 t1, s, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 s, $8, 8;
-            lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 s, $8, 12;
-            lop3.b32 t3, s, 0x000F000F, 0x64006400, 0xEA;
-            sub.f16x2 t0, t0, bias;
-            sub.f16x2 t1, t1, bias;
-            sub.f16x2 t2, t2, bias;
-            sub.f16x2 t3, t3, bias;
-            mov.b32 {$0, $2}, t0;
-            mov.b32 {$4, $6}, t1;
-            mov.b32 {$1, $3}, t2;
-            mov.b32 {$5, $7}, t3;
-            }
-            """,
-            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-            args=[w],
-            dtype=(tl.float16,) * 8,
-            is_pure=True,
-            pack=1,
-        )
+        return (x[0] - 1024.0, x[1] - 1024.0, x[2] - 1024.0, x[3] - 1024.0,
+                x[4] - 1024.0, x[5] - 1024.0, x[6] - 1024.0, x[7] - 1024.0)  # fmt: skip
 
 
 @triton.jit

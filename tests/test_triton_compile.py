@@ -32,8 +32,16 @@ def _pool(bits: int, heads: int = 8, d: int = 128, bs: int = 64, demotable: bool
     return pool
 
 
-def _decode(bits: int, demotable: bool, heads: int = 8, group: int = 4, d: int = 128) -> Callable[[], Any]:
-    from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
+def _decode(
+    bits: int, demotable: bool, heads: int = 8, group: int = 4, d: int = 128, **options: Any
+) -> Callable[[], Any]:
+    """``options``: a variant of the bits' default ``DecodeKernelOptions`` (the word loads, say)."""
+    from dataclasses import replace
+
+    from kvtune.kernels.triton_decode import PURE_INT8, default_options, hybrid_decode_attention_triton
+
+    base = PURE_INT8 if bits == 8 and not demotable else default_options(bits)
+    opts = replace(base, **options) if options else None
 
     b, m = 3, 9
     pool = _pool(bits, heads, d, demotable=demotable)
@@ -42,7 +50,7 @@ def _decode(bits: int, demotable: bool, heads: int = 8, group: int = 4, d: int =
     return lambda: hybrid_decode_attention_triton(
         torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
         torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32), pool, table,
-        torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d),
+        torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=opts,
     )  # fmt: skip
 
 
@@ -114,6 +122,9 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "decode int4": lambda: _decode(4, demotable=False),
     "decode unquantized": lambda: _decode(0, demotable=False),
     "decode int8 smollm2 heads": lambda: _decode(8, demotable=False, heads=3, group=3, d=64),
+    **{f"decode int{bits} words{' fold' if fold else ''}": (
+        lambda bits=bits, fold=fold: _decode(bits, False, cvt=2, words=True, mixed=False, fold_bias=fold))
+       for bits in (8, 4) for fold in (False, True)},
     "quest int8": lambda: _quest(8),
     "quest int4": lambda: _quest(4),
     "quest unquantized": lambda: _quest(0),
