@@ -6,8 +6,9 @@
 # The checkout itself goes on PYTHONPATH: kvtune/__init__.py maps the sibling folders as an install would.
 set -u
 repo=$(pwd)
-if [ -d .whl ]; then
-  rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once per machine: a running pipeline may use /tmp/site
+  rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl && touch /tmp/site/.installed
 fi
 export PYTHONPATH="$repo:/tmp/site" RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 mkdir -p /tmp/weights

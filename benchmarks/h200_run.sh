@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU call's work, by step: tests | step | replays-llama | replays-smol | quality | study-llama |
-# study-smol (several steps in order).
+# One GPU call's work, by step: tests | step | step-smol | sweep | replays-llama | replays-smol | quality |
+# study-llama | study-smol (several steps in order).
 # Run from the checkout on the GPU machine after `. benchmarks/device_env.sh`; logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,6 +15,15 @@ for step in "$@"; do
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
     timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_kernels.py \
       tests/test_triton_step.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
+  step-smol)
+    log "decode step, SmolLM2 shape only"
+    timeout 150 python3 benchmarks/decode_step.py --model random:smollm2-135m --batch 32 --length 2048 \
+      --json "$OUT/step_smollm2.json" $C/q_unquantized.json $C/q_int8.json $C/q_int4.json \
+      $C/q_int8_sparse512_fast.json 2>&1 | grep -v USDT | tee "$OUT/step_smollm2.log" | tail -14 ;;
+  sweep)
+    log "decode attention: variant sweep, then 64x8K and 16x32K"
+    timeout 400 python3 benchmarks/decode_attention.py --sweep --quick --out "$OUT/decode_attention" 2>&1 \
+      | tee "$OUT/decode_attention.log" | tail -30 ;;
   step)
     log "decode step: Triton per-token kernels vs PyTorch (attention Triton in both)"
     timeout 150 python3 benchmarks/decode_step.py --model random:smollm2-135m --batch 32 --length 2048 \
@@ -41,18 +50,27 @@ for step in "$@"; do
         | tail -16 | tee "$OUT/quality_$c.log"
     done ;;
   study-llama|study-smol)
-    # MINUTES: time budget of this call's share; RESUME=1 continues the study kept in benchmarks/studies/.
+    # MINUTES: time budget of this call's share; TRIALS (20); RESUME=1 continues the study kept in
+    # benchmarks/studies/; NAME: database and study name (one worker per visible GPU,
+    # CUDA_VISIBLE_DEVICES); EXPORT=0: no validation or preset; KILL_AFTER: seconds after which one worker process is killed.
     if [ "$step" = study-llama ]; then
-      model=random:llama-3-8b name=h200_llama3_8b extra="--requests 24 --length-scale 0.25"
+      model=random:llama-3-8b name=${NAME:-h200_llama3_8b} extra="--requests 24 --length-scale 0.25"
     else
-      model=smollm2 name=h200_smollm2 extra="--requests 32 --length-scale 0.5"
+      model=smollm2 name=${NAME:-h200_smollm2} extra="--requests 32 --length-scale 0.5"
     fi
-    log "study: $model (quality on SmolLM2), ${MINUTES:-6} min"
+    [ "${EXPORT:-1}" = 0 ] && extra="$extra --no-export"
+    log "study $name: $model (quality on SmolLM2), ${MINUTES:-6} min, GPUs ${CUDA_VISIBLE_DEVICES:-all}"
     [ -n "${RESUME:-}" ] && cp "benchmarks/studies/$name.db" "$OUT/$name.db"
-    timeout $(( ${MINUTES:-6} * 60 + 150 )) python3 -m kvtune --gpu h200 --workload $TRACE --model $model \
-      --trials ${TRIALS:-20} $extra --windows 1 --kv-budget 40GB --time-budget ${MINUTES:-6} \
-      --quality-windows 4 --quality-prefill 1024 --quality-decode 128 --no-passkey ${RESUME:+--resume} \
-      --storage "sqlite:///$OUT/$name.db" --out "$OUT/preset_$name.json" 2>&1 | tee -a "$OUT/$step.log" | tail -30 ;;
+    if [ -n "${KILL_AFTER:-}" ]; then
+      ( sleep "$KILL_AFTER"; pid=$(pgrep -f 'ray::TrialWorker' | head -1)
+        log "killing worker process $pid"; [ -n "$pid" ] && kill -9 "$pid" ) >> "$OUT/$name.log" 2>&1 &
+    fi
+    ( start=$SECONDS
+      timeout $(( ${MINUTES:-6} * 60 + 240 )) python3 -m kvtune --gpu h200 \
+      --workload $TRACE --model $model --trials ${TRIALS:-20} $extra --windows 1 --kv-budget 40GB \
+      --time-budget ${MINUTES:-6} --quality-windows 4 --quality-prefill 1024 --quality-decode 128 --no-passkey \
+      ${RESUME:+--resume} --study "$name" --storage "sqlite:///$OUT/$name.db" --out "$OUT/preset_$name.json"
+      log "study $name: exit $?, wall $(( SECONDS - start )) s" ) 2>&1 | tee -a "$OUT/$name.log" | tail -30 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
