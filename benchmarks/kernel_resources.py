@@ -22,8 +22,8 @@ from kvtune.kernels.layout import ColdLayout
 
 VARIANTS: dict[int, dict[str, dict[str, Any]]] = {
     8: {"pure INT8 (default)": {}, "cap 96": {"maxnreg": 96}, "mixed 8/4-bit pool": {"mixed": True}},
-    4: {"default (3 stages)": {}, "2 stages": {"num_stages": 2},
-        "2 stages, cap 128": {"num_stages": 2, "maxnreg": 128}, "3 stages, cap 128": {"maxnreg": 128}},
+    4: {"default (2 stages, cap 128)": {}, "2 stages, no cap": {"maxnreg": None},
+        "3 stages, no cap (old default)": {"num_stages": 3, "maxnreg": None}, "3 stages, cap 128": {"num_stages": 3}},
     0: {"default": {}},
 }  # fmt: skip
 
@@ -43,7 +43,7 @@ def split_launch(bits: int, options: td.DecodeKernelOptions) -> Any:
 
 
 def main() -> None:
-    print(f"{'bits':>4} {'variant':<22} {'warps':>5} {'regs':>5} {'stack B':>7} {'smem KB':>7} "
+    print(f"{'bits':>4} {'variant':<32} {'warps':>5} {'regs':>5} {'stack B':>7} {'smem KB':>7} "
           f"{'programs/SM':>11}")  # fmt: skip
     for bits, variants in VARIANTS.items():
         base = td.PURE_INT8 if bits == 8 else td.default_options(bits)
@@ -51,7 +51,7 @@ def main() -> None:
             r = resources(split_launch(bits, replace(base, **changes)))
             by_regs = 65536 // (r.registers * 32 * r.num_warps)
             by_smem = (228 * 1024) // max(r.shared_bytes + 1024, 1)  # + the 1 KB the driver reserves
-            print(f"{bits:>4} {name:<22} {r.num_warps:>5} {r.registers:>5} {r.stack_bytes:>7} "
+            print(f"{bits:>4} {name:<32} {r.num_warps:>5} {r.registers:>5} {r.stack_bytes:>7} "
                   f"{r.shared_bytes / 1024:>7.1f} {min(by_regs, by_smem, 32):>11}")  # fmt: skip
 
 

@@ -5,6 +5,8 @@ recorded launch is rebuilt the way Triton's JIT specializes it (signature from t
 constexprs, 16-divisible pointers and ints) and compiled by ``triton.compile`` for the target (``ptxas`` and
 ``cuobjdump`` ship with Triton). Used by the CI test that every kernel compiles for Hopper, and by
 ``benchmarks/kernel_resources.py`` to read registers, stack and shared memory of kernel variants offline.
+:func:`specialization` is the JIT's cache key of a launch: the CI test that sizes changing at run time
+(batch, blocks per sequence) never make the JIT compile a kernel again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
@@ -94,6 +97,27 @@ def source(launch: Launch) -> tuple[ASTSource, dict[str, Any]]:
             raise TypeError(f"{fn.__name__}({p.name}={value!r}): no Triton type for {type(value).__name__}")
     options = {k: v for k, v in launch.kwargs.items() if k in OPTIONS}
     return ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), options
+
+
+def specialization(launch: Launch) -> tuple[Any, ...]:
+    """What the JIT keys its compiled kernels on for this launch (besides the source): each argument as
+    Triton specializes it (``("i32", "D")`` for a 16-divisible int, ``("constexpr", 1)`` for an int equal to
+    1, ``("*bf16", "D")`` for a 16-byte aligned pointer, ...) and the compile options. Two launches with
+    different keys compile twice."""
+    fn, bound = launch.fn, dict(zip(launch.fn.arg_names, launch.args))
+    bound.update({k: v for k, v in launch.kwargs.items() if k in fn.arg_names})
+    key: list[tuple[Any, ...]] = []
+    for p in fn.params:
+        value = bound.get(p.name, p.default)
+        if p.is_constexpr:
+            key.append((p.name, "constexpr", value))
+        else:
+            spec = native_specialize_impl(
+                BaseBackend, value, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment
+            )
+            key.append((p.name, *spec))
+    options = tuple(sorted((k, v) for k, v in launch.kwargs.items() if k in OPTIONS))
+    return fn.__name__, tuple(key), options
 
 
 def compile_launch(launch: Launch, target: GPUTarget = HOPPER) -> Any:

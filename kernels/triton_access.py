@@ -24,7 +24,7 @@ from kvtune.kernels.access import EMA_WEIGHT
 MB = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the table width follows the sequence lengths
 def _mark_kernel(mass_ptr, table_ptr, ncold_ptr, flags_ptr, M, MB: tl.constexpr):
     """Flag the blocks of row (b, h) whose mass exceeds the row's uniform share of its cold mass."""
     bh = tl.program_id(0)
@@ -43,7 +43,7 @@ def _mark_kernel(mass_ptr, table_ptr, ncold_ptr, flags_ptr, M, MB: tl.constexpr)
         tl.store(flags_ptr + bid, tl.full([MB], 1, tl.int32), mask=valid & (mass > share))
 
 
-@triton.jit(do_not_specialize=["now_bits"])
+@triton.jit(do_not_specialize=["now_bits", "M"])
 def _update_kernel(table_ptr, ncold_ptr, flags_ptr, last_ptr, ema_ptr, now_bits, M,
                    EMA_W: tl.constexpr, MB: tl.constexpr):  # fmt: skip
     """Claim each flagged listed block once (flag 1 → 0) and update its EMA and last access."""

@@ -74,7 +74,9 @@ class DecodeKernelOptions:
 # per-block bits (a demoted block may sit in it); ``PURE_INT8`` is faster where no block was ever demoted.
 _DEFAULTS = {
     8: DecodeKernelOptions(cvt=2, mixed=True, programs_per_sm=8, maxnreg=128),
-    4: DecodeKernelOptions(cvt=2, k_transposed=True, num_stages=3, programs_per_sm=8),
+    # INT4: 2 stages + a 128-register cap fit 4 programs per SM (3 stages or 162 registers: 3), 0.535 -> 0.497
+    # ms at 64x8K in one sweep on the H200; 16 programs per SM: 0.550 -> 0.517 ms at 16x32K (NOTES, run 4).
+    4: DecodeKernelOptions(cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128),
     0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
 }
 # programs_per_sm 16 (was 2): chosen by the split sweep of run 3 (16x32K 0.598 -> 0.553 ms, 64x8K 0.515 ->
@@ -448,7 +450,9 @@ def _quant_tile(
     return m_i, l_i, acc_lo, acc_hi, acc_m, lse
 
 
-@triton.jit
+# Sizes that follow the batch and the sequence lengths are not specialized (an int equal to 1 or divisible by 16
+# would otherwise compile the kernel again, seconds each, in the middle of a replay).
+@triton.jit(do_not_specialize=["blocks_per_split", "num_splits", "M"])
 def _split_kernel(
     q_ptr, hot_k_ptr, hot_v_ptr, hot_slot_ptr, hot_len_ptr,
     ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, bits_ptr, table_ptr, num_cold_ptr,
@@ -522,7 +526,7 @@ def _split_kernel(
     tl.store(part_ml_ptr + part * 2 * G + G + g, l_i, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "M"])
 def _merge_kernel(
     part_acc_ptr, part_ml_ptr, blk_lse_ptr, hot_lse_ptr, num_cold_ptr, out_ptr, mass_ptr, hot_mass_ptr,
     num_splits, M, s_ob, s_oh,

@@ -14,10 +14,12 @@ import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quest import quest_topk_ref
-from kvtune.kernels.triton_decode import cdiv, next_pow2, tileable_head_dim
+from kvtune.kernels.triton_decode import cdiv, tileable_head_dim
+
+QUEST_TILE = 64  # L2 blocks per program, whatever the table width (one compiled kernel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M2"])  # one compiled kernel for every table width
 def _quest_score_kernel(
     q_ptr, kmin_ptr, kscale_ptr, bits_ptr, table_ptr, count_ptr, score_ptr,
     M2, s_qb, s_qh, s_kn, s_kh,
@@ -62,7 +64,7 @@ def quest_scores_triton(
     scores = torch.empty((B, H, M2), dtype=torch.float32, device=q.device)
     if M2 == 0:
         return scores
-    mb = min(64, next_pow2(M2))
+    mb = QUEST_TILE
     _quest_score_kernel[(cdiv(M2, mb), B * H)](
         q, pool.k_min, pool.k_scale, pool.block_bits, l2_table, l2_count.to(torch.int32), scores,
         M2, q.stride(0), q.stride(1), pool.k_min.stride(0), pool.k_min.stride(1),

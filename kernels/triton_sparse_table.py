@@ -9,19 +9,21 @@ first), else -1; and adds the bytes attention will read to the step's counter.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.sparse_table import L1, L2, ByteCount, sparse_block_table_ref
-from kvtune.kernels.triton_decode import tileable_head_dim
+from kvtune.kernels.triton_decode import cdiv, tileable_head_dim
 from kvtune.kernels.triton_quest import quest_scores_triton
 
 CHUNK = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # sizes follow the batch and lengths: one compiled kernel
 def _split_kernel(blocks_ptr, tier_ptr, l1_ptr, l2_ptr, n1_ptr, n2_ptr, bytes_ptr, M, quest_cost,
                   T1: tl.constexpr, T2: tl.constexpr, MB: tl.constexpr):  # fmt: skip
     """Row b: L1 and L2 blocks in order to l1[b], l2[b] (pre-filled with -1); counts; Quest's bytes."""
@@ -45,7 +47,7 @@ def _split_kernel(blocks_ptr, tier_ptr, l1_ptr, l2_ptr, n1_ptr, n2_ptr, bytes_pt
     tl.atomic_add(bytes_ptr, c2.to(tl.int64) * quest_cost)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "K", "W"])
 def _merge_kernel(l1_ptr, n1_ptr, l2_ptr, val_ptr, idx_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, bytes_ptr,
                   M, K, W, H: tl.constexpr, MB: tl.constexpr):  # fmt: skip
     """Row (b, h): table = l1[:n1] ++ the finite top-K L2 blocks, -1 after; its count and byte cost."""
@@ -76,6 +78,17 @@ def _merge_kernel(l1_ptr, n1_ptr, l2_ptr, val_ptr, idx_ptr, bits_ptr, cost_ptr, 
     tl.atomic_add(bytes_ptr, tl.sum(read, 0))
 
 
+def _pair(shape: tuple[int, ...], device: torch.device, fill: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Two int32 tensors of ``shape`` in one allocation, each 16-byte aligned (an unaligned second half
+    would be another specialization of the kernels, compiled again whenever the batch changes)."""
+    n = math.prod(shape)
+    stride = cdiv(n, 4) * 4
+    buf = torch.empty(2 * stride, dtype=torch.int32, device=device)
+    if fill is not None:
+        buf.fill_(fill)
+    return buf[:n].view(shape), buf[stride : stride + n].view(shape)
+
+
 def sparse_block_table_triton(
     q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,8 +108,8 @@ def sparse_block_table_triton(
     if broken:
         raise ValueError(f"sparse_block_table: `{broken[0]}` must hold (blocks {tuple(blocks.shape)})")
     dev = q.device
-    split = torch.full((2, B, M), -1, dtype=torch.int32, device=dev)
-    counts = torch.empty((2, B), dtype=torch.int32, device=dev)
+    split = _pair((B, M), dev, fill=-1)
+    counts = _pair((B,), dev)
     table = torch.empty((B, H, M + k_blocks), dtype=torch.int32, device=dev)
     num = torch.empty((B, H), dtype=torch.int32, device=dev)
     if B == 0:

@@ -18,7 +18,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kvtune.kernels.aot import compile_launch, record_launches  # noqa: E402
+from kvtune.kernels.aot import compile_launch, record_launches, specialization  # noqa: E402
 from kvtune.kernels.layout import ColdLayout, ColdPool  # noqa: E402
 from kvtune.tests.triton_testlib import INTERPRETING  # noqa: E402
 
@@ -147,3 +147,97 @@ def test_kernels_compile_for_sm90(case: str) -> None:
         compiled = compile_launch(launch)
         assert compiled.asm["cubin"], f"{launch.fn.__name__}: no cubin"
         assert ".target sm_90" in compiled.asm["ptx"]
+
+
+# ---- sizes that change while a workload runs must not make the JIT compile again
+def _decode_sized(bits: int, b: int, m: int) -> Callable[[], Any]:
+    from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
+
+    heads, group, d = 8, 4, 128
+    pool = _pool(bits, heads, d, demotable=bits == 8)
+    hot = torch.zeros(40, heads, 96, d, dtype=torch.bfloat16)
+    table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
+    return lambda: hybrid_decode_attention_triton(
+        torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
+        torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32), pool, table,
+        torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d),
+    )  # fmt: skip
+
+
+def _quest_sized(b: int, m: int) -> Callable[[], Any]:
+    from kvtune.kernels.triton_quest import quest_scores_triton
+
+    table = torch.arange(b * m, dtype=torch.int32).view(b, m) % 40
+    count = torch.full((b,), m, dtype=torch.int32)
+    return lambda: quest_scores_triton(torch.zeros(b, 32, 128, dtype=torch.bfloat16), _pool(8), table, count)
+
+
+def _sparse_table_sized(b: int, m: int) -> Callable[[], Any]:
+    from kvtune.kernels.sparse_table import ByteCount
+    from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
+
+    count = ByteCount(torch.zeros(9, dtype=torch.int64), 4096, torch.zeros((), dtype=torch.int64))
+    blocks = torch.arange(b * m).view(b, m) % 40
+    tier = torch.ones(40, dtype=torch.int8)
+    q = torch.zeros(b, 32, 128, dtype=torch.bfloat16)
+    return lambda: sparse_block_table_triton(q, _pool(8), blocks, tier, 4, count)
+
+
+def _access_sized(b: int, m: int) -> Callable[[], Any]:
+    from kvtune.kernels.triton_access import update_access_triton
+
+    n, h = 100, 8
+    last = torch.zeros(n, dtype=torch.float64)
+    return lambda: update_access_triton(
+        last, last.clone(), torch.zeros(b, h, m), torch.zeros(b, h, m, dtype=torch.int32),
+        torch.full((b, h), m, dtype=torch.int32), 1234.5 + b, torch.zeros(n, dtype=torch.int32),
+    )  # fmt: skip
+
+
+def _step_sized(b: int, m: int) -> Callable[[], Any]:
+    """A decode step's per-token kernels for b sequences; seals and re-quantizations of m blocks."""
+    from kvtune.kernels import triton_elementwise as e
+    from kvtune.kernels.triton_quant import requantize_int4_triton, seal_blocks_triton
+
+    x, cos = torch.zeros(b, 576, dtype=torch.bfloat16), torch.zeros(b, 64)
+    zones = torch.zeros(2, 40, 3, 96, 64, dtype=torch.bfloat16)[:, :, :, :64].transpose(2, 3)
+    rows = torch.arange(m) % 40
+
+    def run() -> None:
+        e.add_rms_norm_triton(x, x.clone(), x[0].clone(), 1e-5)
+        e.rope_qkv_triton(torch.zeros(b, 960, dtype=torch.bfloat16), cos, cos, 9, 3)
+        e.silu_mul_triton(torch.zeros(b, 2 * 1536, dtype=torch.bfloat16))
+        pool = _pool(8, heads=3, d=64)
+        seal_blocks_triton(pool, torch.arange(m), zones[0], zones[1], 8, rows)
+        requantize_int4_triton(pool, torch.arange(m))
+
+    return run
+
+
+SIZED: dict[str, Callable[[int, int], Callable[[], Any]]] = {
+    "decode int8": lambda b, m: _decode_sized(8, b, m),
+    "decode int4": lambda b, m: _decode_sized(4, b, m),
+    "decode unquantized": lambda b, m: _decode_sized(0, b, m),
+    "quest": _quest_sized,
+    "sparse table": _sparse_table_sized,
+    "access update": _access_sized,
+    "step kernels, seal, requantize": _step_sized,
+}
+# (sequences, blocks per sequence): one, a multiple of 16, odd and awkward ones, as a replay meets them
+SIZES = [(1, 1), (2, 3), (16, 16), (17, 33), (5, 40), (32, 7)]
+
+
+@pytest.mark.parametrize("case", list(SIZED))
+def test_changing_sizes_compile_once(case: str) -> None:
+    """Triton specializes int arguments equal to 1 or divisible by 16, and 16-byte aligned pointers: an
+    argument that follows the batch or the block count would compile a kernel again (seconds each) in the
+    middle of a measured replay. Every kernel must have one JIT cache key across the sizes of a workload."""
+    keys: dict[str, set[tuple[Any, ...]]] = {}
+    for b, m in SIZES:
+        for launch in record_launches(SIZED[case](b, m)):
+            name, key, options = specialization(launch)
+            keys.setdefault(name, set()).add((key, options))
+    assert keys, "the launcher launched no kernel"
+    for name, seen in keys.items():
+        varying = sorted({a[0] for args in zip(*(k for k, _ in seen)) if len(set(args)) > 1 for a in args})
+        assert len(seen) == 1, f"{case}: {name} compiles {len(seen)} times across sizes; varying: {varying}"
