@@ -95,6 +95,23 @@ def test_resume_adds_trials_and_keeps_the_old(study_dir: tuple[Path, str]) -> No
     assert len(finished) == TRIALS + 1
 
 
+def test_a_spent_time_budget_validates_and_exports_the_best_so_far(
+    ray_cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A budget of a few milliseconds stops the search after the first trials: the best of those is validated
+    and its preset says of how many trials it is the best; --resume could go on."""
+    storage, out = f"sqlite:///{tmp_path}/s.db", tmp_path / "preset.json"
+    assert cli.main(argv(storage, "--trials", "50", "--time-budget", "0.0001", "--out", str(out))) == 0
+    printed = capsys.readouterr()
+    assert "the time budget ended the search" in " ".join((printed.out + printed.err).split())
+    study = optuna.load_study(study_name="s", storage=storage)
+    finished = len(study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED)))
+    assert 1 <= finished < 50
+    preset = json.loads(out.read_text())
+    assert preset["provenance"]["trials"] == {"finished": finished, "asked": 50}
+    assert preset["metrics"]["repeats"] >= 3
+
+
 BAD: dict[str, tuple[Callable[[str, Path], list[str]], str]] = {
     "unknown gpu": (lambda s, tmp: argv(s, gpu="b300"), "unknown GPU"),
     "missing trace": (lambda s, tmp: argv(s, trace=tmp / "nope.jsonl"), "no such trace file"),

@@ -323,6 +323,7 @@ def _provenance(study: Any, attrs: Mapping[str, Any], trial: Any) -> dict[str, A
         "space": attrs.get(ATTR_SPACE),
         "kv_budget_bytes": attrs.get(ATTR_BUDGET),
         "time_scale": attrs.get(ATTR_TIME_SCALE),
+        "trials": validation.get("trials"),  # finished and asked when the best was validated
         "seed": t_attrs.get(ATTR_SEED, attrs.get(ATTR_SEED)),
         "date": validation["date"],
         "versions": validation.get("versions") or t_attrs.get(ATTR_VERSIONS),

@@ -92,6 +92,7 @@ class TuneReport:
     space: str
     time_scale: float
     workers: tuple[WorkerInfo, ...]
+    budget_spent: bool = False  # the time budget ended the search before the target
 
 
 def tune(job: TuneJob, events: Callable[[Event], None] | None = None) -> TuneReport:
@@ -144,14 +145,17 @@ def _run(
     deadline = None if job.time_budget_s is None else time.monotonic() + job.time_budget_s
     loop.run(job.trials, deadline)
     validation, preset = None, None
-    if finished_trials(study) >= job.trials:
+    # The target reached, or the time budget spent: the best so far is validated and exported (the preset
+    # records how many trials it is the best of). Ctrl-C raises out of the loop and exports nothing.
+    budget_spent = deadline is not None and time.monotonic() >= deadline
+    if finished_trials(study) >= job.trials or (budget_spent and finished_trials(study) > 0):
         validation = _validate(job, study, pool, trace, info, time_scale)
         if validation is not None and job.write_preset:
             preset = str(export.export_from_study(job.options.storage, job.options.name, job.out))
     best = validation["trial"] if validation else None
     return TuneReport(
         job.options.name, job.options.storage, finished_trials(study), job.trials, best, validation, preset,
-        space.describe(), time_scale, tuple(infos),
+        space.describe(), time_scale, tuple(infos), budget_spent and finished_trials(study) < job.trials,
     )  # fmt: skip
 
 
@@ -284,6 +288,7 @@ def _validate(
             "seed": job.sample.seed,
         },
         "repeats": job.repeats,
+        "trials": {"finished": finished_trials(study), "asked": job.trials},
         "best": best_runs,
         "baseline": base_runs,
         "quality": best.user_attrs.get(export.ATTR_QUALITY),

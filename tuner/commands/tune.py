@@ -103,7 +103,12 @@ def _add_more(parser: argparse.ArgumentParser) -> None:
     add("--quality-decode", type=int, default=None, help=f"{GPU.quality_decode}; CPU {CPU.quality_decode}")
     add("--no-passkey", action="store_true", help="skip the passkey check (always skipped on CPU)")
     add("--repeats", type=int, default=3, help="validation repeats of best and baseline (3)")
-    add("--time-budget", type=float, default=None, help="minutes after which no new trial starts")
+    add(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="minutes after which no new trial starts; the best so far is then validated and exported",
+    )
     add("--no-export", action="store_true", help="do not write a preset")
 
 
@@ -324,11 +329,15 @@ def _row(t: Any) -> list[str]:
 
 def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
     console.print(f"study {report.study}: {report.finished}/{report.target} trials finished")
-    if report.finished < report.target:
+    if report.budget_spent:
+        console.print(
+            "  the time budget ended the search: the best so far is validated; --resume continues it"
+        )
+    elif report.finished < report.target:
         console.print("  stopped before the target: run again with --resume to continue")
     v = report.validation
     if v is None:
-        if report.finished >= report.target:
+        if report.finished >= report.target or report.budget_spent:
             console.print("  [yellow]no feasible trial: nothing validated, no preset written[/]")
         return
     metric = OBJECTIVES[job.options.objective][0]
