@@ -450,8 +450,8 @@ def _quant_tile(
     return m_i, l_i, acc_lo, acc_hi, acc_m, lse
 
 
-# Sizes that follow the batch and the sequence lengths are not specialized (an int equal to 1 or divisible by 16
-# would otherwise compile the kernel again, seconds each, in the middle of a replay).
+# Sizes that follow the batch and the sequence lengths are not specialized (an int equal to 1 or divisible by
+# 16 would otherwise compile the kernel again, seconds each, in the middle of a replay).
 @triton.jit(do_not_specialize=["blocks_per_split", "num_splits", "M"])
 def _split_kernel(
     q_ptr, hot_k_ptr, hot_v_ptr, hot_slot_ptr, hot_len_ptr,
