@@ -50,15 +50,17 @@ for step in "$@"; do
         | tail -16 | tee "$OUT/quality_$c.log"
     done ;;
   study-llama|study-smol)
-    # MINUTES: time budget of this call's share; TRIALS (20); RESUME=1 continues the study kept in
-    # benchmarks/studies/; NAME: database and study name (one worker per visible GPU,
-    # CUDA_VISIBLE_DEVICES); EXPORT=0: no validation or preset; KILL_AFTER: seconds after which one worker process is killed.
+    # MINUTES: time budget (then the best so far is validated); TRIALS (20); RESUME=1 continues the study
+    # kept in benchmarks/studies/; NAME: database and study name; one worker per GPU in CUDA_VISIBLE_DEVICES;
+    # EXPORT=0: no validation or preset; TIME_SCALE: a fixed time scale (studies to compare);
+    # KILL_AFTER: seconds after which one worker process is killed.
     if [ "$step" = study-llama ]; then
       model=random:llama-3-8b name=${NAME:-h200_llama3_8b} extra="--requests 24 --length-scale 0.25"
     else
       model=smollm2 name=${NAME:-h200_smollm2} extra="--requests 32 --length-scale 0.5"
     fi
     [ "${EXPORT:-1}" = 0 ] && extra="$extra --no-export"
+    [ -n "${TIME_SCALE:-}" ] && extra="$extra --time-scale $TIME_SCALE"  # the same pacing for studies compared
     log "study $name: $model (quality on SmolLM2), ${MINUTES:-6} min, GPUs ${CUDA_VISIBLE_DEVICES:-all}"
     [ -n "${RESUME:-}" ] && cp "benchmarks/studies/$name.db" "$OUT/$name.db"
     if [ -n "${KILL_AFTER:-}" ]; then
