@@ -273,33 +273,37 @@ class HybridCache:
     def _plan(
         self, seqs: list[_Seq], write_pos: list[int], sealing: list[_Seq], fresh: list[int]
     ) -> DecodePlan:
-        """The step's index tensors, packed on the host and sent to the device in one copy."""
+        """The step's index tensors, packed on the host and sent to the device in one copy. Every segment
+        starts 16 bytes aligned (lengths rounded up to even): a kernel argument's alignment is part of what
+        Triton specializes on, and an offset that followed the batch's parity would compile kernels again."""
         b, n_seal, h = len(seqs), len(sealing), self.shape.num_kv_heads
+        bp, sp = b + b % 2, n_seal + n_seal % 2
         width = max((len(s.blocks) for s in seqs), default=0)
-        packed = np.full(5 * b + 2 * n_seal + b * width, -1, dtype=np.int64)
+        packed = np.full(4 * bp + 2 * sp + b * width, -1, dtype=np.int64)
         packed[0:b] = [s.slot for s in seqs]
-        packed[b : 2 * b] = write_pos
-        packed[2 * b : 3 * b] = [s.hot_len for s in seqs]
-        packed[3 * b : 4 * b] = [len(s.blocks) for s in seqs]
-        packed[5 * b : 5 * b + n_seal] = [s.slot for s in sealing]
-        packed[5 * b + n_seal : 5 * b + 2 * n_seal] = fresh
-        table = packed[5 * b + 2 * n_seal :].reshape(b, width)
+        packed[bp : bp + b] = write_pos
+        packed[2 * bp : 2 * bp + b] = [s.hot_len for s in seqs]
+        packed[3 * bp : 3 * bp + b] = [len(s.blocks) for s in seqs]
+        seal0, table0 = 4 * bp, 4 * bp + 2 * sp
+        packed[seal0 : seal0 + n_seal] = [s.slot for s in sealing]
+        packed[seal0 + sp : seal0 + sp + n_seal] = fresh
+        table = packed[table0:].reshape(b, width)
         for i, s in enumerate(seqs):
             table[i, : len(s.blocks)] = s.blocks
         dev = torch.from_numpy(packed).to(self.device)
-        small = dev[: 4 * b].to(torch.int32)
-        blocks = dev[5 * b + 2 * n_seal :].view(b, width)
-        num_blocks = small[3 * b : 4 * b]
+        small = dev[: 4 * bp].to(torch.int32)
+        blocks = dev[table0:].view(b, width)
+        num_blocks = small[3 * bp : 3 * bp + b]
         return DecodePlan(
             seq_ids=tuple(s.seq_id for s in seqs),
             step=self._step,
             now_ms=self._now,
             slots=dev[0:b],
-            write_pos=dev[b : 2 * b],
+            write_pos=dev[bp : bp + b],
             hot_slot=small[0:b],
-            hot_len=small[2 * b : 3 * b],
-            seal_slots=dev[5 * b : 5 * b + n_seal],
-            seal_blocks=dev[5 * b + n_seal : 5 * b + 2 * n_seal],
+            hot_len=small[2 * bp : 2 * bp + b],
+            seal_slots=dev[seal0 : seal0 + n_seal],
+            seal_blocks=dev[seal0 + sp : seal0 + sp + n_seal],
             blocks=blocks,
             cold_table=blocks.to(torch.int32)[:, None].expand(b, h, width).contiguous(),
             cold_count=num_blocks[:, None].expand(b, h).contiguous(),

@@ -223,3 +223,26 @@ def test_chunked_prefill_after_a_prefix_hit_equals_dense() -> None:
     out = decode_step(cache, [1], 1.0, q[:, -1:], k[:, -1:], v[:, -1:])
     assert torch.allclose(torch.stack([o[0] for o in out]), at(prompt), atol=TOL[torch.float32])
     cache.check_integrity()
+
+
+def test_step_index_tensors_are_16_byte_aligned_whatever_the_batch() -> None:
+    """Triton specializes a kernel on whether each pointer argument is 16-byte aligned: the step's packed
+    index tensors (hot lengths, tables, seal lists) must keep their alignment as the batch and the number of
+    sealing sequences change, or kernels compile again in the middle of a replay."""
+    cache = new_cache(config(quantization_bits=8), max_seqs=5)
+    q, k, v = qkv(0, 40)
+    for sid, n in enumerate([7, 9, 15, 18, 23]):
+        prefill(cache, sid, list(range(100 * sid, 100 * sid + n)), q[:, :n], k[:, :n], v[:, :n])
+    seals = set()
+    for step in range(24):
+        ids = list(range(1 + step % 5))
+        plan = cache.begin_step(ids, float(step))
+        seals.add(len(plan.seal_blocks))
+        for name, value in vars(plan).items():
+            if isinstance(value, torch.Tensor) and value.numel():
+                assert value.data_ptr() % 16 == 0, f"batch {len(ids)}, {len(plan.seal_blocks)} seals: {name}"
+        b = len(ids)
+        for layer in range(SHAPE.num_layers):
+            cache.decode(layer, plan, q[layer, :b], k[layer, :b], v[layer, :b])
+        cache.end_step(plan)
+    assert {1, 2} <= seals or {1, 3} <= seals, f"seal counts met: {seals}"
