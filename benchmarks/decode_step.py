@@ -94,14 +94,17 @@ def host_profile(path: Path, loaded: LoadedModel, cache: HybridCache, batch: int
 def measure(loaded: LoadedModel, config: HybridConfig, args: argparse.Namespace, choice: str) -> dict:
     with kernels_choice(choice):
         cache = prefilled(loaded, config, args.batch, args.length, args.seed)
+        # Warm-up: one seal cycle by default, so that every kernel of the step (the seal from the hot zones
+        # included) has compiled before the timed steps; a compilation there would cost seconds.
+        warmup = config.hot_tokens + config.block_size if args.warmup is None else args.warmup
         first = step(loaded, cache, args.batch, 0)
-        for t in range(1, args.warmup):
+        for t in range(1, warmup):
             step(loaded, cache, args.batch, t)
         sync = torch.cuda.synchronize if first.is_cuda else lambda: None
         sync()
         t0 = time.perf_counter()
         for t in range(args.steps):
-            step(loaded, cache, args.batch, args.warmup + t)
+            step(loaded, cache, args.batch, warmup + t)
         sync()
         wall = (time.perf_counter() - t0) * 1000 / args.steps
         with profile(activities=[ProfilerActivity.CUDA if first.is_cuda else ProfilerActivity.CPU]) as prof:
@@ -126,7 +129,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps (default hot_tokens + block_size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda")
