@@ -169,7 +169,8 @@ class Engine:
 
         Requests longer than the model's context are clipped to it; ``clipped`` in the result counts them
         plus the ``clipped`` given (requests the caller already clipped, e.g. by :func:`load_workload`). The
-        first ``warmup_requests`` requests are first run once, all at once, on a throw-away cache; the
+        first ``warmup_requests`` requests are first run once, all at once, on a throw-away cache that
+        first launches the kernels only a sparse tier needs (:meth:`HybridCache.compile_kernels`); the
         measured replay then serves every request.
         """
         if not (math.isfinite(time_scale) and time_scale >= 0):
@@ -180,7 +181,7 @@ class Engine:
             raise ValueError("request ids (rid) must be unique within a replay")
         fitted, counts = LengthPolicy(self.spec.max_context).apply(requests)
         if warmup_requests > 0:
-            self._run(fitted[:warmup_requests], 0.0, None)
+            self._run(fitted[:warmup_requests], 0.0, None, compile_kernels=True)
         run = self._run(fitted, time_scale, progress)
         return summarize(run.timings, self._counters(run, clipped=clipped + counts.clipped))
 
@@ -198,8 +199,16 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------- loop
 
-    def _run(self, requests: Sequence[Request], time_scale: float, progress: Progress | None) -> _Run:
+    def _run(
+        self,
+        requests: Sequence[Request],
+        time_scale: float,
+        progress: Progress | None,
+        compile_kernels: bool = False,
+    ) -> _Run:
         cache = self.new_cache(min(self.scheduler_config.max_batch, len(requests)))
+        if compile_kernels:  # the warm-up: kernels its requests may not reach compile now, not when timed
+            cache.compile_kernels()
         arrivals = deque(self._sequences(requests, time_scale))
         scheduler = Scheduler(cache, self.scheduler_config)
         self.timer.synchronize()

@@ -42,6 +42,7 @@ from kvtune.kernels.access import update_access
 from kvtune.kernels.decode_attention import hybrid_decode_attention
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
+from kvtune.kernels.requant import requantize_int4
 from kvtune.kernels.sparse_table import ByteCount, sparse_block_table
 
 __all__ = ["CacheFullError", "CacheLayout", "DecodePlan", "HybridCache", "ModelKVShape", "kv_bytes_for"]
@@ -103,6 +104,32 @@ class HybridCache:
         self._cost = self._cost_host.to(self.device)
         self._quest_cost = shape.num_kv_heads * 2 * 2 * shape.head_dim  # an L2 block's key mins + scales
         self.counters = {"prefix_lookup_blocks": 0, "prefix_hit_blocks": 0, "migrations_done": 0, "plans": 0}
+
+    def compile_kernels(self) -> None:
+        """Launch once, on every layer, the kernels that a short warm-up may not reach: the seal of a block
+        from its hot zone during decode, and once blocks have moved to L2 the sparse tier's table, Quest and
+        the demotion to 4 bits; Triton then compiles them before anything is timed. Arguments are shaped,
+        typed and aligned as the step's, so the JIT keys match. Only on a cache that holds nothing yet (it
+        writes a free block)."""
+        if self._seqs or self.blocks.num_free() < self.layout.num_blocks:
+            raise ValueError("compile_kernels: the cache must be empty (it writes a free block)")
+        if self.layout.num_blocks == 0:
+            return
+        s, bs = self.shape, self.config.block_size
+        block = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
+        q = torch.zeros((1, s.num_q_heads, s.head_dim), dtype=s.dtype, device=self.device)
+        scratch = ByteCount(self._cost, self._quest_cost, torch.zeros_like(self._bytes_dev))
+        for layer, pool in enumerate(self.pools):
+            k = self.hot_k[layer][:, :, :bs].transpose(1, 2)  # as in _seal
+            v = self.hot_v[layer][:, :, :bs].transpose(1, 2)
+            seal_blocks(pool, block[0], k, v, self.config.quantization_bits, block[0])
+            if self.config.sparse_top_k == 0:
+                continue
+            sparse_block_table(q, pool, block, self.tiers.tier[layer], self.config.sparse_blocks, scratch)
+            if pool.bits == 8:
+                requantize_int4(pool, block[0])
+        for pool in self.pools:
+            pool.block_bits[0] = pool.bits
 
     # ---- capacity -------------------------------------------------------------------------------------
     def blocks_free(self) -> int:

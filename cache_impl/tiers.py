@@ -75,9 +75,12 @@ class TierState:
 
     def __init__(self, num_layers: int, num_blocks: int, device: torch.device) -> None:
         self.device = device
-        self.tier = torch.full((num_layers, num_blocks), L1, dtype=torch.int8, device=device)
-        self.last_access = torch.zeros(num_layers, num_blocks, dtype=torch.float64, device=device)
-        self.ema = torch.full((num_layers, num_blocks), math.nan, dtype=torch.float64, device=device)
+        # Rows padded to 16 entries: each layer's row starts 16-byte aligned whatever the block count (the
+        # alignment of a kernel's pointer is part of its JIT key; caches of other sizes share the kernels).
+        row = -(-num_blocks // 16) * 16
+        self.tier = torch.full((num_layers, row), L1, dtype=torch.int8, device=device)[:, :num_blocks]
+        self.last_access = torch.zeros(num_layers, row, dtype=torch.float64, device=device)[:, :num_blocks]
+        self.ema = torch.full((num_layers, row), math.nan, dtype=torch.float64, device=device)[:, :num_blocks]
         self.flags = torch.zeros(num_blocks, dtype=torch.int32, device=device)  # update_access's scratch
         self.tier_host = np.full((num_layers, num_blocks), L1, dtype=np.int8)
         self.l2_blocks = np.zeros(num_layers, dtype=np.int64)

@@ -43,14 +43,17 @@ def _mark_kernel(mass_ptr, table_ptr, ncold_ptr, flags_ptr, M, MB: tl.constexpr)
         tl.store(flags_ptr + bid, tl.full([MB], 1, tl.int32), mask=valid & (mass > share))
 
 
-@triton.jit(do_not_specialize=["now_bits", "M"])
-def _update_kernel(table_ptr, ncold_ptr, flags_ptr, last_ptr, ema_ptr, now_bits, M,
+@triton.jit(do_not_specialize=["now_lo", "now_hi", "M"])
+def _update_kernel(table_ptr, ncold_ptr, flags_ptr, last_ptr, ema_ptr, now_lo, now_hi, M,
                    EMA_W: tl.constexpr, MB: tl.constexpr):  # fmt: skip
-    """Claim each flagged listed block once (flag 1 → 0) and update its EMA and last access."""
+    """Claim each flagged listed block once (flag 1 → 0) and update its EMA and last access. The float64
+    clock arrives as the two int32 halves of its bits (one int would be i32 or i64 by its value: two
+    compiled kernels)."""
     bh = tl.program_id(0)
     n = tl.load(ncold_ptr + bh)
     row = bh.to(tl.int64) * M
-    now = now_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    bits = (now_hi.to(tl.int64) << 32) | (now_lo.to(tl.int64) & 0xFFFFFFFF)
+    now = bits.to(tl.float64, bitcast=True)
     for j0 in range(0, n, MB):
         j = j0 + tl.arange(0, MB)
         valid = j < n
@@ -91,8 +94,9 @@ def update_access_triton(
         raise ValueError(f"update_access: `{broken[0]}` must hold (block_table {tuple(block_table.shape)})")
     if b * h == 0 or m == 0:
         return
-    now_bits = struct.unpack("<q", struct.pack("<d", float(now_ms)))[0]
+    now_lo, now_hi = struct.unpack("<ii", struct.pack("<d", float(now_ms)))
     _mark_kernel[(b * h,)](block_mass, block_table, num_cold, flags, m, MB=MB, num_warps=2)
     _update_kernel[(b * h,)](
-        block_table, num_cold, flags, last_access, ema, now_bits, m, EMA_W=EMA_WEIGHT, MB=MB, num_warps=2
-    )
+        block_table, num_cold, flags, last_access, ema, now_lo, now_hi, m, EMA_W=EMA_WEIGHT, MB=MB,
+        num_warps=2,
+    )  # fmt: skip

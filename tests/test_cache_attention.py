@@ -246,3 +246,16 @@ def test_step_index_tensors_are_16_byte_aligned_whatever_the_batch() -> None:
             cache.decode(layer, plan, q[layer, :b], k[layer, :b], v[layer, :b])
         cache.end_step(plan)
     assert {1, 2} <= seals or {1, 3} <= seals, f"seal counts met: {seals}"
+
+
+def test_compile_kernels_leaves_an_empty_cache_as_it_was_and_refuses_a_used_one() -> None:
+    cache = new_cache(config(quantization_bits=8, sparse_top_k=16, block_size=8))
+    before = (cache.blocks.num_free(), [p.block_bits.clone() for p in cache.pools], cache.tiers.tier.clone())
+    cache.compile_kernels()
+    after = (cache.blocks.num_free(), [p.block_bits.clone() for p in cache.pools], cache.tiers.tier.clone())
+    assert before[0] == after[0] and torch.equal(before[2], after[2])
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+    q, k, v = qkv(1, 20)
+    prefill(cache, 0, list(range(20)), q, k, v)
+    with pytest.raises(ValueError, match="must be empty"):
+        cache.compile_kernels()

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -244,3 +245,84 @@ def test_changing_sizes_compile_once(case: str) -> None:
     for name, seen in keys.items():
         varying = sorted({a[0] for args in zip(*(k for k, _ in seen)) if len(set(args)) > 1 for a in args})
         assert len(seen) == 1, f"{case}: {name} compiles {len(seen)} times across sizes; varying: {varying}"
+
+
+# ---- the engine's warm-up compiles every kernel that a timed replay launches
+def _keys_of(run: Callable[[], Any]) -> set[tuple[Any, ...]]:
+    return {specialization(launch) for launch in record_launches(run)}
+
+
+def _forced_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every dispatcher takes its Triton launcher, also for CPU tensors (launches are recorded, not run)."""
+    from kvtune.kernels import access, decode_attention, elementwise, quant, quest, requant, sparse_table
+
+    for module in (access, decode_attention, elementwise, quant, quest, requant, sparse_table):
+        monkeypatch.setattr(module, "use_triton", lambda t: True)
+
+
+def _serve(cache: Any, seqs: int, steps: int, first: int = 0) -> None:
+    """Prefill ``seqs`` prompts of different lengths, then ``steps`` decode steps over a changing batch."""
+    s = cache.shape
+    gen = torch.Generator().manual_seed(first)
+    for i in range(first, first + seqs):
+        n = 40 + 13 * i
+        cache.add_sequence(i, list(range(1000 * i, 1000 * i + n)))
+        q = torch.randn(n, s.num_q_heads, s.head_dim, generator=gen).to(s.dtype)
+        k = torch.randn(n, s.num_kv_heads, s.head_dim, generator=gen).to(s.dtype)
+        for layer in range(s.num_layers):
+            cache.prefill(layer, i, q, k, k.clone())
+    for step in range(steps):
+        ids = list(range(first, first + 1 + step % seqs))
+        b = len(ids)
+        plan = cache.begin_step(ids, 10.0 * step)
+        for layer in range(s.num_layers):
+            q = torch.randn(b, s.num_q_heads, s.head_dim, generator=gen).to(s.dtype)
+            k = torch.randn(b, s.num_kv_heads, s.head_dim, generator=gen).to(s.dtype)
+            cache.decode(layer, plan, q, k, k.clone())
+        cache.end_step(plan)
+
+
+def test_warm_up_compiles_every_kernel_of_a_sparse_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's warm-up (a throw-away cache for 2 requests: ``compile_kernels``, their prefills and
+    decode steps) must have compiled every kernel, with every JIT key, that the timed replay then launches:
+    a replay cache with other batch sizes and slot counts, blocks demoted to L2, the sparse tier's table and
+    Quest on every step."""
+    from kvtune.cache_impl.config import HybridConfig
+    from kvtune.cache_impl.hybrid_cache import HybridCache, ModelKVShape
+    from kvtune.cache_impl.tiers import L2, Migrations
+
+    _forced_triton(monkeypatch)
+    shape = ModelKVShape(num_layers=3, num_kv_heads=2, head_dim=64, num_q_heads=6, dtype=torch.float16)
+    config = HybridConfig(
+        kv_cache_strategy="hybrid_v2", hot_tokens=16, block_size=16, quantization_bits=8, sparse_top_k=32
+    )
+    budget = 16 << 20
+    warm = HybridCache(config, shape, budget, "cpu", max_seqs=2)
+    warm_keys = _keys_of(lambda: (warm.compile_kernels(), _serve(warm, seqs=2, steps=6)))
+
+    timed = HybridCache(config, shape, budget, "cpu", max_seqs=6)
+
+    def replay() -> None:
+        _serve(timed, seqs=5, steps=3, first=10)
+        blocks = np.array(sorted(timed._seqs[10].blocks[:2] + timed._seqs[12].blocks[:1]))
+        layers = np.repeat(np.arange(shape.num_layers), len(blocks))
+        todo = Migrations(layers, np.tile(blocks, shape.num_layers), np.full(len(layers), L2))
+        timed.tiers.apply(todo, timed.pools)
+        _serve(timed, seqs=1, steps=0, first=15)
+        for step in range(7):
+            ids = [10, 11, 12, 13, 14, 15][: 1 + step % 6]
+            plan = timed.begin_step(ids, 100.0 + step)
+            for layer in range(shape.num_layers):
+                q = torch.zeros(len(ids), shape.num_q_heads, shape.head_dim, dtype=shape.dtype)
+                k = torch.zeros(len(ids), shape.num_kv_heads, shape.head_dim, dtype=shape.dtype)
+                timed.decode(layer, plan, q, k, k.clone())
+            timed.end_step(plan)
+
+    timed_keys = _keys_of(replay)
+    names = {name for name, _, _ in timed_keys}
+    assert {"_quest_score_kernel", "_requant_kernel", "_merge_kernel"} <= names, names
+    missing = timed_keys - warm_keys
+    assert not missing, "compiled only when timed: " + "; ".join(
+        f"{name}: {[a for a in key if a not in next((k for n, k, _ in warm_keys if n == name), ())]}"
+        for name, key, _ in missing
+    )
