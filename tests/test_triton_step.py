@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -227,3 +228,42 @@ def test_cache_on_the_triton_kernels_equals_the_references_interpreted(
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
     assert got[1] == want[1]
     assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4])
+def test_no_kernel_compiles_inside_a_timed_replay_gpu(gpu_kernels, monkeypatch, bits: int) -> None:
+    """On the GPU, every Triton compilation of a replay falls in its warm-up: the timed part (a sparse tier,
+    a changing batch, seals, demotions) compiles nothing."""
+    from triton.runtime.jit import JITFunction
+
+    from kvtune.cache_impl.config import HybridConfig
+    from kvtune.cache_impl.engine import Engine
+    from kvtune.cache_impl.model import load_model
+    from kvtune.cache_impl.traces import Request
+
+    phase = ["load"]
+    compiled: list[tuple[str, str]] = []
+    do_compile, run = JITFunction._do_compile, Engine._run
+
+    def recording_compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+        compiled.append((phase[0], self.__name__))
+        return do_compile(self, *args, **kwargs)
+
+    def phased_run(self: Any, *args: Any, compile_kernels: bool = False, **kwargs: Any) -> Any:
+        phase[0] = "warm-up" if compile_kernels else "timed"
+        return run(self, *args, compile_kernels=compile_kernels, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", recording_compile)
+    monkeypatch.setattr(Engine, "_run", phased_run)
+    model = load_model("random:smollm2-135m", torch.device("cuda"), dtype=torch.bfloat16)
+    config = HybridConfig(
+        "hybrid_v2", hot_tokens=16, block_size=16, quantization_bits=bits, sparse_top_k=64,
+        migration_interval=8, migration_threshold_ms=1.0,
+    )  # fmt: skip
+    requests = [Request(i, 5.0 * i, 96 + 37 * i, 40 + 3 * i) for i in range(12)]
+    engine = Engine(model, config, 1 << 30, torch.device("cuda"), max_batch=8)
+    engine.replay(requests, time_scale=1.0, warmup_requests=2)
+    timed = sorted({name for when, name in compiled if when == "timed"})
+    warmed = {name for when, name in compiled if when == "warm-up"}
+    assert not timed, f"compiled inside the timed replay: {timed} (warm-up compiled {sorted(warmed)})"
