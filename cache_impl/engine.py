@@ -170,8 +170,8 @@ class Engine:
         Requests longer than the model's context are clipped to it; ``clipped`` in the result counts them
         plus the ``clipped`` given (requests the caller already clipped, e.g. by :func:`load_workload`). The
         first ``warmup_requests`` requests are first run once, all at once, on a throw-away cache that
-        first launches the kernels only a sparse tier needs (:meth:`HybridCache.compile_kernels`); the
-        measured replay then serves every request.
+        first launches the kernels they may not reach (:meth:`HybridCache.compile_kernels`), so that no
+        compilation falls inside the measured replay; that replay then serves every request.
         """
         if not (math.isfinite(time_scale) and time_scale >= 0):
             raise ValueError(f"`time_scale >= 0` must hold, but got time_scale={time_scale}")
