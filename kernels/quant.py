@@ -80,6 +80,12 @@ def _to_row(pool: ColdPool, codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([packed, torch.zeros_like(packed)], dim=-1)
 
 
+def check_seal_bits(pool: ColdPool, bits: int) -> None:
+    """A block is stored at the pool's bits, or at 4 bits in an 8-bit pool (ValueError otherwise)."""
+    if bits not in (pool.bits, 4 if pool.bits == 8 else pool.bits):
+        raise ValueError(f"bits={bits} cannot be stored in a {pool.bits}-bit pool")
+
+
 def seal_blocks_ref(
     pool: ColdPool,
     block_ids: torch.Tensor,
@@ -95,8 +101,7 @@ def seal_blocks_ref(
     first). ``bits`` is the pool's bits, or 4 in an 8-bit pool (a block stored at 4 bits in its 8-bit slot).
     Bits 0 copies K/V and stores the key min per channel (``k_min``) and ``max − min`` (``k_scale``).
     """
-    if bits not in (pool.bits, 4 if pool.bits == 8 else pool.bits):
-        raise ValueError(f"bits={bits} cannot be stored in a {pool.bits}-bit pool")
+    check_seal_bits(pool, bits)
     if rows is not None:
         k, v = k[rows], v[rows]
     kt = k.permute(0, 2, 1, 3)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
-from kvtune.kernels.quant import seal_blocks_ref
+from kvtune.kernels.quant import check_seal_bits, seal_blocks_ref
 from kvtune.kernels.requant import requantize_int4_ref
 from kvtune.kernels.triton_decode import next_pow2, tileable_head_dim
 
@@ -189,8 +189,7 @@ def seal_blocks_triton(
 ) -> None:
     """Same contract as ``seal_blocks_ref``: blocks ``k[rows[i]]``, ``v[rows[i]]`` (``[bs, H, D]``, any
     strides but a unit one on D; ``k[i]`` without ``rows``) -> pool rows ``block_ids[i]``."""
-    if bits not in (pool.bits, 4 if pool.bits == 8 else pool.bits):
-        raise ValueError(f"bits={bits} cannot be stored in a {pool.bits}-bit pool")
+    check_seal_bits(pool, bits)
     n = int(block_ids.numel())
     if n == 0:
         return
