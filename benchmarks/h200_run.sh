@@ -7,6 +7,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TRACE=examples/traces/mooncake_sample.jsonl
 C=examples/configs
 log() { echo "== $(date +%T) $*"; }
+step_smol() {  # the SmolLM2-shape decode step at 32 x 2K, four configs; extra decode_step.py options
+  timeout 150 python3 benchmarks/decode_step.py --model random:smollm2-135m --batch 32 --length 2048 \
+    --json "$OUT/step_smollm2.json" "$@" $C/q_unquantized.json $C/q_int8.json $C/q_int4.json \
+    $C/q_int8_sparse512_fast.json 2>&1 | grep -v USDT | tee "$OUT/step_smollm2.log" | tail -14
+}
 
 for step in "$@"; do
   case "$step" in
@@ -17,18 +22,14 @@ for step in "$@"; do
       tests/test_triton_step.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
   step-smol)
     log "decode step, SmolLM2 shape only"
-    timeout 150 python3 benchmarks/decode_step.py --model random:smollm2-135m --batch 32 --length 2048 \
-      --json "$OUT/step_smollm2.json" $C/q_unquantized.json $C/q_int8.json $C/q_int4.json \
-      $C/q_int8_sparse512_fast.json 2>&1 | grep -v USDT | tee "$OUT/step_smollm2.log" | tail -14 ;;
+    step_smol ;;
   sweep)
     log "decode attention: variant sweep, then 64x8K and 16x32K"
     timeout 400 python3 benchmarks/decode_attention.py --sweep --quick --out "$OUT/decode_attention" 2>&1 \
       | tee "$OUT/decode_attention.log" | tail -30 ;;
   step)
     log "decode step: Triton per-token kernels vs PyTorch (attention Triton in both)"
-    timeout 150 python3 benchmarks/decode_step.py --model random:smollm2-135m --batch 32 --length 2048 \
-      --json "$OUT/step_smollm2.json" --host-profile "$OUT/host_profile" $C/q_unquantized.json $C/q_int8.json $C/q_int4.json \
-      $C/q_int8_sparse512_fast.json 2>&1 | grep -v USDT | tee "$OUT/step_smollm2.log" | tail -14
+    step_smol --host-profile "$OUT/host_profile"
     timeout 150 python3 benchmarks/decode_step.py --model random:llama-3-8b --batch 16 --length 2048 \
       --json "$OUT/step_llama3_8b.json" $C/q_unquantized.json $C/q_int8.json $C/q_int4.json 2>&1 \
       | grep -v USDT | tee "$OUT/step_llama3_8b.log" | tail -10 ;;
