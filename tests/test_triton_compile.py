@@ -34,9 +34,17 @@ def _pool(bits: int, heads: int = 8, d: int = 128, bs: int = 64, demotable: bool
 
 
 def _decode(
-    bits: int, demotable: bool, heads: int = 8, group: int = 4, d: int = 128, **options: Any
+    bits: int,
+    demotable: bool,
+    heads: int = 8,
+    group: int = 4,
+    d: int = 128,
+    b: int = 3,
+    m: int = 9,
+    **options: Any,
 ) -> Callable[[], Any]:
-    """``options``: a variant of the bits' default ``DecodeKernelOptions`` (the word loads, say)."""
+    """b sequences of m cold blocks; ``options``: a variant of the bits' default ``DecodeKernelOptions`` (the
+    word loads, say)."""
     from dataclasses import replace
 
     from kvtune.kernels.triton_decode import PURE_INT8, default_options, hybrid_decode_attention_triton
@@ -44,9 +52,8 @@ def _decode(
     base = PURE_INT8 if bits == 8 and not demotable else default_options(bits)
     opts = replace(base, **options) if options else None
 
-    b, m = 3, 9
     pool = _pool(bits, heads, d, demotable=demotable)
-    hot = torch.zeros(4, heads, 96, d, dtype=torch.bfloat16)
+    hot = torch.zeros(max(4, b), heads, 96, d, dtype=torch.bfloat16)
     table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
     return lambda: hybrid_decode_attention_triton(
         torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
@@ -55,12 +62,12 @@ def _decode(
     )  # fmt: skip
 
 
-def _quest(bits: int) -> Callable[[], Any]:
+def _quest(bits: int, b: int = 2, m: int = 9) -> Callable[[], Any]:
     from kvtune.kernels.triton_quest import quest_scores_triton
 
-    table = torch.arange(18, dtype=torch.int32).view(2, 9)
-    count = torch.tensor([9, 4], dtype=torch.int32)
-    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    table = (torch.arange(b * m, dtype=torch.int32) % 40).view(b, m)
+    count = torch.full((b,), m, dtype=torch.int32)
+    q = torch.zeros(b, 32, 128, dtype=torch.bfloat16)
     return lambda: quest_scores_triton(q, _pool(bits), table, count)
 
 
@@ -94,27 +101,26 @@ def _elementwise(which: str) -> Callable[[], Any]:
     }[which]
 
 
-def _access() -> Callable[[], Any]:
+def _access(b: int = 3, m: int = 9, now_ms: float = 1234.5) -> Callable[[], Any]:
     from kvtune.kernels.triton_access import update_access_triton
 
-    n, b, h, m = 100, 3, 8, 9
+    n, h = 100, 8
     last = torch.zeros(n, dtype=torch.float64)
     return lambda: update_access_triton(
         last, last.clone(), torch.zeros(b, h, m), torch.zeros(b, h, m, dtype=torch.int32),
-        torch.full((b, h), m, dtype=torch.int32), 1234.5, torch.zeros(n, dtype=torch.int32),
+        torch.full((b, h), m, dtype=torch.int32), now_ms, torch.zeros(n, dtype=torch.int32),
     )  # fmt: skip
 
 
-def _sparse_table() -> Callable[[], Any]:
+def _sparse_table(b: int = 2, m: int = 9) -> Callable[[], Any]:
     from kvtune.kernels.sparse_table import ByteCount
     from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 
     count = ByteCount(torch.zeros(9, dtype=torch.int64), 4096, torch.zeros((), dtype=torch.int64))
-    blocks = torch.arange(18).view(2, 9)
+    blocks = (torch.arange(b * m) % 40).view(b, m)
     tier = torch.ones(40, dtype=torch.int8)
-    return lambda: sparse_block_table_triton(
-        torch.zeros(2, 32, 128, dtype=torch.bfloat16), _pool(8), blocks, tier, 4, count
-    )
+    q = torch.zeros(b, 32, 128, dtype=torch.bfloat16)
+    return lambda: sparse_block_table_triton(q, _pool(8), blocks, tier, 4, count)
 
 
 CASES: dict[str, Callable[[], Callable[[], Any]]] = {
@@ -154,50 +160,6 @@ def test_kernels_compile_for_sm90(case: str) -> None:
 
 
 # ---- sizes that change while a workload runs must not make the JIT compile again
-def _decode_sized(bits: int, b: int, m: int) -> Callable[[], Any]:
-    from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
-
-    heads, group, d = 8, 4, 128
-    pool = _pool(bits, heads, d, demotable=bits == 8)
-    hot = torch.zeros(40, heads, 96, d, dtype=torch.bfloat16)
-    table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
-    return lambda: hybrid_decode_attention_triton(
-        torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
-        torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32), pool, table,
-        torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d),
-    )  # fmt: skip
-
-
-def _quest_sized(b: int, m: int) -> Callable[[], Any]:
-    from kvtune.kernels.triton_quest import quest_scores_triton
-
-    table = torch.arange(b * m, dtype=torch.int32).view(b, m) % 40
-    count = torch.full((b,), m, dtype=torch.int32)
-    return lambda: quest_scores_triton(torch.zeros(b, 32, 128, dtype=torch.bfloat16), _pool(8), table, count)
-
-
-def _sparse_table_sized(b: int, m: int) -> Callable[[], Any]:
-    from kvtune.kernels.sparse_table import ByteCount
-    from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
-
-    count = ByteCount(torch.zeros(9, dtype=torch.int64), 4096, torch.zeros((), dtype=torch.int64))
-    blocks = torch.arange(b * m).view(b, m) % 40
-    tier = torch.ones(40, dtype=torch.int8)
-    q = torch.zeros(b, 32, 128, dtype=torch.bfloat16)
-    return lambda: sparse_block_table_triton(q, _pool(8), blocks, tier, 4, count)
-
-
-def _access_sized(b: int, m: int) -> Callable[[], Any]:
-    from kvtune.kernels.triton_access import update_access_triton
-
-    n, h = 100, 8
-    last = torch.zeros(n, dtype=torch.float64)
-    return lambda: update_access_triton(
-        last, last.clone(), torch.zeros(b, h, m), torch.zeros(b, h, m, dtype=torch.int32),
-        torch.full((b, h), m, dtype=torch.int32), 1234.5 + b, torch.zeros(n, dtype=torch.int32),
-    )  # fmt: skip
-
-
 def _step_sized(b: int, m: int) -> Callable[[], Any]:
     """A decode step's per-token kernels for b sequences; seals and re-quantizations of m blocks."""
     from kvtune.kernels import triton_elementwise as e
@@ -219,12 +181,12 @@ def _step_sized(b: int, m: int) -> Callable[[], Any]:
 
 
 SIZED: dict[str, Callable[[int, int], Callable[[], Any]]] = {
-    "decode int8": lambda b, m: _decode_sized(8, b, m),
-    "decode int4": lambda b, m: _decode_sized(4, b, m),
-    "decode unquantized": lambda b, m: _decode_sized(0, b, m),
-    "quest": _quest_sized,
-    "sparse table": _sparse_table_sized,
-    "access update": _access_sized,
+    "decode int8": lambda b, m: _decode(8, True, b=b, m=m),
+    "decode int4": lambda b, m: _decode(4, False, b=b, m=m),
+    "decode unquantized": lambda b, m: _decode(0, False, b=b, m=m),
+    "quest": lambda b, m: _quest(8, b, m),
+    "sparse table": _sparse_table,
+    "access update": lambda b, m: _access(b, m, now_ms=1234.5 + b),
     "step kernels, seal, requantize": _step_sized,
 }
 # (sequences, blocks per sequence): one, a multiple of 16, odd and awkward ones, as a replay meets them
