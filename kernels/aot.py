@@ -1,9 +1,9 @@
 """Compile the kernels a launcher would launch, for a GPU that is not here (ahead of time, on any machine).
 
 A launcher is called on CPU tensors with ``JITFunction.run`` replaced by a recorder, so nothing runs; each
-recorded launch is rebuilt the way Triton's JIT specializes it (signature from the argument types,
-constexprs, 16-divisible pointers and ints) and compiled by ``triton.compile`` for the target (``ptxas`` and
-``cuobjdump`` ship with Triton). Used by the CI test that every kernel compiles for Hopper, and by
+recorded launch is rebuilt the way Triton's JIT specializes it (Triton's own specialization of each
+argument: types, constexprs, ints equal to 1, 16-divisible pointers and ints) and compiled by
+``triton.compile`` for the target (``ptxas`` and ``cuobjdump`` ship with Triton). Used by the CI test that every kernel compiles for Hopper, and by
 ``benchmarks/kernel_resources.py`` to read registers, stack and shared memory of kernel variants offline.
 :func:`specialization` is the JIT's cache key of a launch: the CI test that sizes changing at run time
 (batch, blocks per sequence) never make the JIT compile a kernel again.
@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
@@ -27,10 +26,6 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 HOPPER = GPUTarget("cuda", 90, 32)
-POINTER = {
-    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-    torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
-}  # fmt: skip
 OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
@@ -70,54 +65,50 @@ def record_launches(launcher: Callable[[], Any]) -> list[Launch]:
     return launches
 
 
-def source(launch: Launch) -> tuple[ASTSource, dict[str, Any]]:
-    """The kernel specialized as the JIT would for this launch, and the launch's compile options."""
+def _arguments(launch: Launch) -> list[tuple[int, str, tuple[Any, Any]]]:
+    """Each parameter of the launched kernel: its index, its name and how the JIT specializes the value
+    passed: ``("constexpr", value)``, or Triton's own ``(type, attribute)`` (``("i32", "D")`` for a
+    16-divisible int, ``("constexpr", 1)`` for an int equal to 1, ``("*bf16", "D")`` for a 16-byte aligned
+    pointer, ...)."""
     fn, bound = launch.fn, dict(zip(launch.fn.arg_names, launch.args))
     bound.update({k: v for k, v in launch.kwargs.items() if k in fn.arg_names})
+    out = []
+    for i, p in enumerate(fn.params):
+        value = bound.get(p.name, p.default)
+        spec = (
+            ("constexpr", value)
+            if p.is_constexpr
+            else native_specialize_impl(
+                BaseBackend, value, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment
+            )
+        )
+        out.append((i, p.name, tuple(spec)))
+    return out
+
+
+def _options(launch: Launch) -> dict[str, Any]:
+    return {k: v for k, v in launch.kwargs.items() if k in OPTIONS}
+
+
+def source(launch: Launch) -> tuple[ASTSource, dict[str, Any]]:
+    """The kernel specialized as the JIT would for this launch, and the launch's compile options."""
     sig: dict[str, str] = {}
     constexprs: dict[str, Any] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for i, p in enumerate(fn.params):
-        value = bound.get(p.name, p.default)
-        if p.is_constexpr:
-            sig[p.name], constexprs[p.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            sig[p.name] = "*" + POINTER[value.dtype]
-            if value.data_ptr() % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, bool):
-            sig[p.name] = "i1"
-        elif isinstance(value, int):
-            sig[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if value % 16 == 0 and not p.do_not_specialize:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            sig[p.name] = "fp32"
-        else:
-            raise TypeError(f"{fn.__name__}({p.name}={value!r}): no Triton type for {type(value).__name__}")
-    options = {k: v for k, v in launch.kwargs.items() if k in OPTIONS}
-    return ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), options
+    for i, name, (kind, attr) in _arguments(launch):
+        sig[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = attr
+        elif attr == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=launch.fn, signature=sig, constexprs=constexprs, attrs=attrs), _options(launch)
 
 
 def specialization(launch: Launch) -> tuple[Any, ...]:
-    """What the JIT keys its compiled kernels on for this launch (besides the source): each argument as
-    Triton specializes it (``("i32", "D")`` for a 16-divisible int, ``("constexpr", 1)`` for an int equal to
-    1, ``("*bf16", "D")`` for a 16-byte aligned pointer, ...) and the compile options. Two launches with
-    different keys compile twice."""
-    fn, bound = launch.fn, dict(zip(launch.fn.arg_names, launch.args))
-    bound.update({k: v for k, v in launch.kwargs.items() if k in fn.arg_names})
-    key: list[tuple[Any, ...]] = []
-    for p in fn.params:
-        value = bound.get(p.name, p.default)
-        if p.is_constexpr:
-            key.append((p.name, "constexpr", value))
-        else:
-            spec = native_specialize_impl(
-                BaseBackend, value, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment
-            )
-            key.append((p.name, *spec))
-    options = tuple(sorted((k, v) for k, v in launch.kwargs.items() if k in OPTIONS))
-    return fn.__name__, tuple(key), options
+    """What the JIT keys its compiled kernels on for this launch besides the source: each argument as
+    :func:`_arguments` gives it, and the compile options. Two launches with different keys compile twice."""
+    key = tuple((name, *spec) for _, name, spec in _arguments(launch))
+    return launch.fn.__name__, key, tuple(sorted(_options(launch).items()))
 
 
 def compile_launch(launch: Launch, target: GPUTarget = HOPPER) -> Any:
