@@ -3,10 +3,10 @@
 A launcher is called on CPU tensors with ``JITFunction.run`` replaced by a recorder, so nothing runs; each
 recorded launch is rebuilt the way Triton's JIT specializes it (Triton's own specialization of each
 argument: types, constexprs, ints equal to 1, 16-divisible pointers and ints) and compiled by
-``triton.compile`` for the target (``ptxas`` and ``cuobjdump`` ship with Triton). Used by the CI test that every kernel compiles for Hopper, and by
-``benchmarks/kernel_resources.py`` to read registers, stack and shared memory of kernel variants offline.
-:func:`specialization` is the JIT's cache key of a launch: the CI test that sizes changing at run time
-(batch, blocks per sequence) never make the JIT compile a kernel again.
+``triton.compile`` for the target (``ptxas`` and ``cuobjdump`` ship with Triton). Used by the CI test that
+every kernel compiles for Hopper, and by ``benchmarks/kernel_resources.py`` to read registers, stack and
+shared memory of kernel variants offline. :func:`specialization` is the JIT's cache key of a launch: the CI
+test that sizes changing at run time (batch, blocks per sequence) never make the JIT compile a kernel again.
 """
 
 from __future__ import annotations
