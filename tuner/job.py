@@ -147,15 +147,16 @@ def _run(
     validation, preset = None, None
     # The target reached, or the time budget spent: the best so far is validated and exported (the preset
     # records how many trials it is the best of). Ctrl-C raises out of the loop and exports nothing.
-    budget_spent = deadline is not None and time.monotonic() >= deadline
-    if finished_trials(study) >= job.trials or (budget_spent and finished_trials(study) > 0):
-        validation = _validate(job, study, pool, trace, info, time_scale)
+    finished = finished_trials(study)
+    cut_short = deadline is not None and time.monotonic() >= deadline and finished < job.trials
+    if finished >= job.trials or (cut_short and finished > 0):
+        validation = _validate(job, study, pool, trace, info, time_scale, finished)
         if validation is not None and job.write_preset:
             preset = str(export.export_from_study(job.options.storage, job.options.name, job.out))
     best = validation["trial"] if validation else None
     return TuneReport(
-        job.options.name, job.options.storage, finished_trials(study), job.trials, best, validation, preset,
-        space.describe(), time_scale, tuple(infos), budget_spent and finished_trials(study) < job.trials,
+        job.options.name, job.options.storage, finished, job.trials, best, validation, preset,
+        space.describe(), time_scale, tuple(infos), cut_short,
     )  # fmt: skip
 
 
@@ -267,7 +268,13 @@ def preset_params(space: SearchSpace, folder: Path) -> list[dict[str, Any]]:
 
 
 def _validate(
-    job: TuneJob, study: optuna.Study, pool: WorkerPool, trace: Trace, info: WorkerInfo, time_scale: float
+    job: TuneJob,
+    study: optuna.Study,
+    pool: WorkerPool,
+    trace: Trace,
+    info: WorkerInfo,
+    time_scale: float,
+    finished: int,
 ) -> dict[str, Any] | None:
     """Re-measure the best feasible trial and its baseline on held-out requests; stored as
     kvtune.validation."""
@@ -288,7 +295,7 @@ def _validate(
             "seed": job.sample.seed,
         },
         "repeats": job.repeats,
-        "trials": {"finished": finished_trials(study), "asked": job.trials},
+        "trials": {"finished": finished, "asked": job.trials},
         "best": best_runs,
         "baseline": base_runs,
         "quality": best.user_attrs.get(export.ATTR_QUALITY),
