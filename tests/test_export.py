@@ -88,9 +88,26 @@ def test_preset_content() -> None:
         [10.0, 11.0, 12.0],
     )
     gain = preset["metrics"]["gain"]
-    assert gain["ratio"] == pytest.approx(21.0 / 11.0)
-    assert gain["range"] == pytest.approx([20.0 / 12.0, 25.0 / 10.0])
+    # per repeat, the two configs ran back to back: 20/10, 21/11, 25/12
+    assert gain["per_repeat"] == pytest.approx([2.0, 21.0 / 11.0, 25.0 / 12.0])
+    assert gain["ratio"] == pytest.approx(2.0)
+    assert gain["range"] == pytest.approx([21.0 / 11.0, 25.0 / 12.0])
+    assert "note" not in preset["metrics"]
     assert "warnings" not in preset["metrics"]["best"]
+
+
+def test_an_unquantized_best_is_said_to_be_its_own_baseline() -> None:
+    validation = _validation() | {"config": BASELINE.to_dict()}
+    metrics = ex.build_preset(BASELINE, validation, None, PROVENANCE)["metrics"]
+    assert metrics["note"] == ex.SELF_BASELINE
+
+
+def test_gain_needs_paired_repeats() -> None:
+    validation = _validation()
+    with pytest.raises(ValueError, match="3 repeats of the best config, 2 of the baseline"):
+        ex.gain("tpot_p99", validation["best"], validation["baseline"][:2])
+    with pytest.raises(ValueError, match="every repeat needs a number for 'tpot_p99_ms'"):
+        ex.gain("tpot_p99", [{}] * 3, validation["baseline"])
 
 
 def test_throughput_gain_is_preset_over_baseline() -> None:

@@ -246,3 +246,14 @@ def test_same_seed_proposes_the_same_configs(tmp_path: Path) -> None:
     first = proposals(tmp_path / "a", 7)
     assert proposals(tmp_path / "b", 7) == first
     assert proposals(tmp_path / "c", 8) != first
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quality_runs_in_float32_whatever_the_replay_dtype(dtype: str) -> None:
+    """In bfloat16 any change to the cache flips roundings, and that noise would be charged to the config."""
+    quality = QualitySettings(model="random:tiny", text_path=str(TEXT))
+    spec = WorkerSpec(model="random:tiny", device="cpu", quality=quality, dtype=dtype, threads=1)
+    worker = TrialWorker(spec)
+    loaded = worker._quality_loaded()
+    assert loaded.model.dtype == torch.float32
+    assert (loaded is worker.loaded) == (dtype == "float32")

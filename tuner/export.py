@@ -61,6 +61,10 @@ STUDY_ATTRS_REQUIRED = (ATTR_CARD, ATTR_MODEL, ATTR_WORKLOAD, ATTR_OBJECTIVE, AT
 # device.
 VALIDATION_KEYS = ("trial", "config", "baseline_config", "window", "repeats", "best", "baseline", "date")
 MIN_REPEATS = 3
+SELF_BASELINE = (
+    "the best config is unquantized, so it is its own baseline: the two sides ran the same config, and "
+    "their spread is the measurement's noise, not a gain or a loss"
+)
 
 DEFAULT_STORAGE = "sqlite:///studies/kvtune.db"
 PRESETS_DIR = Path("presets")
@@ -159,23 +163,41 @@ def summarize(repeats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {k: spread([float(r[k]) for r in repeats]) for k in keys}
 
 
-def gain(objective: str, best: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any]:
-    """How much better the best config is than the baseline on the objective (> 1: better), with range."""
+def gain(
+    objective: str, best: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """How much better the best config is than the baseline on the objective (> 1: better).
+
+    Each repeat replays the two configs back to back on one worker, so the ratio is taken per repeat (the
+    pair shares whatever drifted between repeats); ``ratio`` is the median of those ratios, ``range`` their
+    extremes and ``per_repeat`` all of them."""
     metric, direction = _objective(objective)
-    if metric not in best or metric not in baseline:
+    return paired_gain(metric, direction, best, baseline)
+
+
+def paired_gain(
+    metric: str, direction: str, best: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """:func:`gain` on any metric: baseline / best per repeat when lower is better, else best / baseline."""
+    if len(best) != len(baseline):
         raise ValueError(
-            f"{ATTR_VALIDATION}: every repeat needs a number for {metric!r} (objective {objective})"
+            f"{ATTR_VALIDATION}: {len(best)} repeats of the best config, {len(baseline)} of the baseline"
         )
-    b, u = best[metric], baseline[metric]
+    pairs = [(b.get(metric), u.get(metric)) for b, u in zip(best, baseline, strict=True)]
+    if not pairs or not all(isinstance(v, int | float) for pair in pairs for v in pair):
+        raise ValueError(f"{ATTR_VALIDATION}: every repeat needs a number for {metric!r}")
     if direction == "maximize":
-        b, u = u, b  # a ratio above 1 always means the preset is better
-    if min(b["min"], b["median"]) <= 0:
-        return {"metric": metric, "ratio": None, "why": f"{metric} of the better side is 0"}
+        pairs = [(u, b) for b, u in pairs]  # a ratio above 1 always means the preset is better
+    if any(b <= 0 for b, _ in pairs):
+        return {"metric": metric, "ratio": None, "why": f"{metric} of the better side is 0 in a repeat"}
+    ratios = [u / b for b, u in pairs]
     return {
         "metric": metric,
-        "ratio": u["median"] / b["median"],
-        "range": [u["min"] / b["max"], u["max"] / b["min"]],
-        "meaning": "baseline / preset for latencies, preset / baseline for throughput; > 1 is a gain",
+        "ratio": statistics.median(ratios),
+        "range": [min(ratios), max(ratios)],
+        "per_repeat": ratios,
+        "meaning": "per repeat (both configs replayed back to back): baseline / preset for latencies, "
+        "preset / baseline for throughput; ratio is their median; > 1 is a gain",
     }
 
 
@@ -202,7 +224,8 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
         "best": best,
         "baseline": baseline,
         "baseline_config": validation["baseline_config"],
-        "gain": gain(objective, best, baseline),
+        "gain": gain(objective, validation["best"], validation["baseline"]),
+        **({"note": SELF_BASELINE} if validation["config"] == validation["baseline_config"] else {}),
     }
 
 

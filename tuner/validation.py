@@ -2,16 +2,14 @@
 
 The best of many noisy trials overstates itself (DESIGN §3). Each repeat replays both configs back to back on
 the same worker (which goes first alternates), on requests of the trace the search never saw; repeats are
-spread
-over the workers. :func:`gains` compares the two runs of each repeat (baseline ÷ best for latencies, best ÷
-baseline for
-throughput, so > 1 is better); the preset reports medians with their range (:mod:`kvtune.tuner.export`).
+spread over the workers. :func:`kvtune.tuner.export.paired_gain` compares the two runs of each repeat
+(baseline ÷ best for latencies, best ÷ baseline for throughput, so > 1 is better); the preset reports each
+side's medians with their range, and that gain (:mod:`kvtune.tuner.export`).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Any
 
 import optuna
@@ -25,14 +23,6 @@ from kvtune.tuner.study import OBJECTIVES, StudyOptions
 from kvtune.tuner.worker import WARMUP_REQUESTS
 
 MIN_REPEATS = 3
-KEY_METRICS: dict[str, str] = {
-    "tpot_p99_ms": "minimize",
-    "tpot_p50_ms": "minimize",
-    "ttft_p99_ms": "minimize",
-    "e2e_p99_ms": "minimize",
-    "tokens_per_s": "maximize",
-    "peak_kv_bytes": "minimize",
-}
 
 
 def feasible(trial: FrozenTrial) -> bool:
@@ -80,21 +70,6 @@ def _worker_name(info: Any) -> str:
     """``host/gpu0`` (or ``host/cpu``): where a validation repeat ran."""
     gpus = ",".join(g for g in info.gpu_ids if g)
     return f"{info.hostname}/{'gpu' + gpus if gpus else 'cpu'}"
-
-
-def gains(best: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> dict[str, float | None]:
-    """Per repeat, how many times better ``best`` is than the baseline on ``key`` (> 1 is better):
-    median, min and max over the repeats."""
-    ratios = []
-    for b, s in zip(best, base, strict=True):
-        num, den = (
-            (s.get(key), b.get(key)) if KEY_METRICS.get(key) == "minimize" else (b.get(key), s.get(key))
-        )
-        if isinstance(num, int | float) and isinstance(den, int | float) and den > 0:
-            ratios.append(num / den)
-    if not ratios:
-        return {"median": None, "min": None, "max": None}
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def _finite(metrics: dict[str, Any]) -> dict[str, Any]:

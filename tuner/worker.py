@@ -46,6 +46,7 @@ class QualitySettings:
     decode_tokens: int = 512
     step_ms: float = 50.0
     passkey: bool = True
+    dtype: str = "float32"  # whatever the replay's dtype (see TrialWorker._quality_loaded)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -241,12 +242,16 @@ class TrialWorker:
         return dict(result.to_dict())
 
     def _quality_loaded(self) -> Any:
-        if self.spec.quality.model == self.spec.model:
+        """The quality model, always in float32: in bfloat16 any change to the cache flips roundings that
+        compound over the layers, and that noise floor (a mean KL near 1e-3 on SmolLM2, 50x the INT8
+        error measured in float32) would be charged to the config."""
+        q = self.spec.quality
+        if q.model == self.spec.model and q.dtype == self.spec.dtype:
             return self.loaded
         if self._quality_model is None:
             from kvtune.cache_impl.model import load_model
 
-            self._quality_model = load_model(self.spec.quality.model, self.device, torch.float32)
+            self._quality_model = load_model(q.model, self.device, getattr(torch, q.dtype))
         return self._quality_model
 
     def _free(self) -> None:

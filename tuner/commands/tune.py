@@ -26,10 +26,16 @@ from rich.table import Table
 from kvtune.search_spaces.cards import Card, resolve_gpu
 from kvtune.tuner.console import table_console
 from kvtune.tuner.driver import Bounds, Event
-from kvtune.tuner.export import ATTR_CONFIG, ATTR_ERROR, ATTR_METRICS, ATTR_QUALITY
+from kvtune.tuner.export import (
+    ATTR_CONFIG,
+    ATTR_ERROR,
+    ATTR_METRICS,
+    ATTR_QUALITY,
+    OBJECTIVE_METRICS,
+    paired_gain,
+)
 from kvtune.tuner.job import TuneJob, TuneReport, tune
 from kvtune.tuner.study import DEFAULT_STORAGE, OBJECTIVES, StudyOptions, resolve_storage, study_name
-from kvtune.tuner.validation import gains
 from kvtune.tuner.worker import QualitySettings, WorkerSpec
 from kvtune.tuner.workload import WorkloadSample
 
@@ -341,13 +347,19 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
             console.print("  [yellow]no feasible trial: nothing validated, no preset written[/]")
         return
     metric = OBJECTIVES[job.options.objective][0]
+    where = f"  validated on {v['window']['requests']} held-out requests x {v['repeats']}"
+    if v["config"] == v["baseline_config"]:
+        console.print(f"{where}: trial {v['trial']} is unquantized, its own baseline (the spread is noise)")
+    directions = dict(OBJECTIVE_METRICS.values())
     for key in dict.fromkeys((metric, "tokens_per_s")):
-        g = gains(v["best"], v["baseline"], key)
-        if g["median"] is not None:
+        try:
+            g = paired_gain(key, directions[key], v["best"], v["baseline"])
+        except ValueError:
+            continue
+        if g["ratio"] is not None:
             console.print(
-                f"  validated on {v['window']['requests']} held-out requests x {v['repeats']}: trial "
-                f"{v['trial']} is {g['median']:.3f}x the unquantized baseline on {key} "
-                f"(range {g['min']:.3f}-{g['max']:.3f})"
+                f"{where}: trial {v['trial']} gains {g['ratio']:.3f}x over the unquantized baseline on {key} "
+                f"(per repeat {g['range'][0]:.3f}-{g['range'][1]:.3f}; > 1 is better)"
             )
     if report.preset:
         console.print(f"  preset written: [green]{report.preset}[/]")
