@@ -233,7 +233,6 @@ def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float,
     rows.append(dict(bits=bits, options=asdict(opt), err=err, ms=res["ms"], tbs=res["tbs"], ok=ok))
     log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
         f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min} "
-        f"tokens_on_m={opt.tokens_on_m}: "
         f"{res['ms']:.4f} ms "
         f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
     return (res["ms"], opt) if ok else None
@@ -253,18 +252,15 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         {},
         dict(words=True),
         dict(maxnreg=96),  # 5 programs of 4 warps per SM instead of 4 (spills to be read in kernels.txt)
-        dict(tokens_on_m=True),  # warp-group MMA with the codes as the A operand (see NOTES, run 5 plan)
         dict(mixed=True),
         dict(mixed=True, maxnreg=96),
-        dict(mixed=True, tokens_on_m=True),
     ],
     4: [
         {},
         dict(num_stages=3, maxnreg=None),  # the default before run 4 (3 programs per SM)
-        dict(tokens_on_m=True, k_transposed=False),
         dict(words=True, k_transposed=False),
     ],
-    0: [{}, dict(tokens_on_m=True)],
+    0: [{}],
 }
 
 

@@ -54,9 +54,6 @@ class DecodeKernelOptions:
         for values (``cvt`` 1 or 2 only).
     defer_min: the value-min term ``sum_t p_t min_t`` (one number per query row) is accumulated in its own
         rescaled vector and added to the output once per split, not to every output channel per block.
-    tokens_on_m: the pass written transposed (``_split_kernel`` with ``TM``): a block's 64 tokens, not the
-        padded query group, are the matrix unit's M dimension (Hopper's warp-group MMA); ``words``,
-        ``fold_bias``, ``defer_min`` and ``k_transposed`` do not apply to it.
     """
 
     cvt: int = 2
@@ -70,7 +67,6 @@ class DecodeKernelOptions:
     words: bool = False
     fold_bias: bool = False
     defer_min: bool = False
-    tokens_on_m: bool = False
 
 
 # Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
@@ -454,135 +450,6 @@ def _quant_tile(
     return m_i, l_i, acc_lo, acc_hi, acc_m, lse
 
 
-# ---- tokens on the matrix unit's M dimension (``DecodeKernelOptions.tokens_on_m``)
-# The same pass written transposed: scores are ``S^T = K q^T`` [T, GP] and the output is ``O^T = V^T P^T``
-# [DH, GP], so the 64 tokens of a block (or the 64 channels of a half) are the M dimension and the padded
-# query group is N. On Hopper an M of 64 per 4 warps is what the warp-group MMA (``wgmma``) takes, where
-# M = 16 (the group padded) leaves Triton on the Ampere-style ``mma.sync``; the code tiles are the A operand.
-
-
-@triton.jit
-def _softmax_step_t(s, m_i, l_i):
-    """Online softmax (base 2) over scores s [T, GP] (tokens on rows): the tile's probabilities and state."""
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])
-    l_tile = tl.sum(p, 0)
-    return p, alpha, m_new, l_i * alpha + l_tile, m_new + tl.log2(l_tile)
-
-
-@triton.jit
-def _dense_tile_t(
-    k_ptr, v_ptr, s_t, n_valid, qt_lo, qt_hi, qk_scale, m_i, l_i, acct_lo, acct_hi,
-    DH: tl.constexpr, T: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    """:func:`_dense_tile` transposed: qt_* [DH, GP], acct_* [DH, GP]."""
-    t = tl.arange(0, T)
-    c = tl.arange(0, DH)
-    valid = t < n_valid
-    offs = t[:, None].to(tl.int64) * s_t + c[None, :]
-    k_lo = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
-    k_hi = tl.load(k_ptr + offs + DH, mask=valid[:, None], other=0.0)
-    s = tl.dot(k_lo, qt_lo, input_precision=PREC) + tl.dot(k_hi, qt_hi, input_precision=PREC)
-    s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
-    p, alpha, m_i, l_i, lse = _softmax_step_t(s, m_i, l_i)
-    offs_t = t[None, :].to(tl.int64) * s_t + c[:, None]
-    v_lo = tl.load(v_ptr + offs_t, mask=valid[None, :], other=0.0)
-    v_hi = tl.load(v_ptr + offs_t + DH, mask=valid[None, :], other=0.0)
-    pv = p.to(v_lo.dtype)
-    acct_lo = acct_lo * alpha[None, :] + tl.dot(v_lo, pv, input_precision=PREC)
-    acct_hi = acct_hi * alpha[None, :] + tl.dot(v_hi, pv, input_precision=PREC)
-    return m_i, l_i, acct_lo, acct_hi, lse
-
-
-@triton.jit
-def _quant_tile_t(
-    k_ptr, v_ptr, s_t, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, bits, qt_lo, qt_hi, m_i, l_i, acct_lo, acct_hi,
-    DH: tl.constexpr, T: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr,
-    CDT: tl.constexpr, CVT: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    """:func:`_quant_tile` transposed (qt_* float32 [DH, GP], already scaled; acct_* [DH, GP]): key codes
-    [T, DH] are the A operand of ``S^T``, value codes [DH, T] (loaded transposed) the A operand of ``O^T``."""
-    four = bits == 4
-    hi_off = tl.where(four, 0, DH)
-    shift = tl.where(four, 4, 0).to(tl.uint8)
-    mask = tl.where(four, 15, 255).to(tl.uint8)
-    c = tl.arange(0, DH)
-    t = tl.arange(0, T)
-    kmin_lo = tl.load(kmin_ptr + c).to(tl.float32)
-    kmin_hi = tl.load(kmin_ptr + DH + c).to(tl.float32)
-    ksc_lo = tl.load(ksc_ptr + c).to(tl.float32)
-    ksc_hi = tl.load(ksc_ptr + DH + c).to(tl.float32)
-    k_lo, k_hi = _code_halves(k_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, False)
-    k_lo = _codes_to(k_lo, CDT, CVT)
-    k_hi = _codes_to(k_hi, CDT, CVT)
-    qs_lo = (qt_lo * ksc_lo[:, None]).to(CDT)
-    qs_hi = (qt_hi * ksc_hi[:, None]).to(CDT)
-    qm = tl.sum(qt_lo * kmin_lo[:, None], 0) + tl.sum(qt_hi * kmin_hi[:, None], 0)
-    s = tl.dot(k_lo, qs_lo, input_precision=PREC)
-    s += tl.dot(k_hi, qs_hi, input_precision=PREC)
-    s = tl.where((t < BS)[:, None], s + qm[None, :], float("-inf"))
-    p, alpha, m_i, l_i, lse = _softmax_step_t(s, m_i, l_i)
-    vmin = tl.load(vmin_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
-    vsc = tl.load(vsc_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
-    ps = (p * vsc[:, None]).to(CDT)
-    pm = tl.sum(p * vmin[:, None], 0)
-    v_lo, v_hi = _code_halves(v_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, True)
-    v_lo = _codes_to(v_lo, CDT, CVT)
-    v_hi = _codes_to(v_hi, CDT, CVT)
-    acct_lo = acct_lo * alpha[None, :] + tl.dot(v_lo, ps, input_precision=PREC) + pm[None, :]
-    acct_hi = acct_hi * alpha[None, :] + tl.dot(v_hi, ps, input_precision=PREC) + pm[None, :]
-    return m_i, l_i, acct_lo, acct_hi, lse
-
-
-# ---- the split kernel, in either orientation
-
-
-@triton.jit
-def _group_tile(base, rows, c, stride, gmask, TM: tl.constexpr):
-    """Offsets and mask of a [GP, DH] tile whose row ``i`` starts at ``base + rows[i] * stride`` (query heads
-    or partial outputs), transposed to [DH, GP] if TM."""
-    if TM:
-        return base + rows[None, :] * stride + c[:, None], gmask[None, :]
-    else:
-        return base + rows[:, None] * stride + c[None, :], gmask[:, None]
-
-
-@triton.jit
-def _dense_step(
-    k_ptr, v_ptr, s_t, n_valid, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi,
-    DH: tl.constexpr, T: tl.constexpr, PREC: tl.constexpr, TM: tl.constexpr,
-):  # fmt: skip
-    """:func:`_dense_tile`, or :func:`_dense_tile_t` if TM."""
-    if TM:
-        return _dense_tile_t(
-            k_ptr, v_ptr, s_t, n_valid, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, T, PREC
-        )
-    else:
-        return _dense_tile(
-            k_ptr, v_ptr, s_t, n_valid, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, T, PREC
-        )
-
-
-@triton.jit
-def _quant_step(
-    k_ptr, v_ptr, s_t, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, bits, q_lo, q_hi, m_i, l_i, acc_lo, acc_hi,
-    acc_m, DH: tl.constexpr, T: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr,
-    CDT: tl.constexpr, CVT: tl.constexpr, PREC: tl.constexpr, KT: tl.constexpr, WORDS: tl.constexpr,
-    FOLD: tl.constexpr, DEFER: tl.constexpr, TM: tl.constexpr,
-):  # fmt: skip
-    """:func:`_quant_tile`, or :func:`_quant_tile_t` if TM (which leaves ``acc_m`` alone)."""
-    if TM:
-        m_i, l_i, acc_lo, acc_hi, lse = _quant_tile_t(
-            k_ptr, v_ptr, s_t, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, bits, q_lo, q_hi, m_i, l_i, acc_lo,
-            acc_hi, DH, T, BS, KIND, MIXED, CDT, CVT, PREC)  # fmt: skip
-        return m_i, l_i, acc_lo, acc_hi, acc_m, lse
-    else:
-        return _quant_tile(
-            k_ptr, v_ptr, s_t, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, bits, q_lo, q_hi, m_i, l_i, acc_lo,
-            acc_hi, acc_m, DH, T, BS, KIND, MIXED, CDT, CVT, PREC, KT, WORDS, FOLD, DEFER)  # fmt: skip
-
-
 # Sizes that follow the batch and the sequence lengths are not specialized (an int equal to 1 or divisible by
 # 16 would otherwise compile the kernel again, seconds each, in the middle of a replay).
 @triton.jit(do_not_specialize=["blocks_per_split", "num_splits", "M"])
@@ -595,11 +462,9 @@ def _split_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr, BS: tl.constexpr,
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
     PREC: tl.constexpr, KT: tl.constexpr = False, WORDS: tl.constexpr = False, FOLD: tl.constexpr = False,
-    DEFER: tl.constexpr = False, TM: tl.constexpr = False, HOT_STAGES: tl.constexpr = None,
+    DEFER: tl.constexpr = False,
 ):  # fmt: skip
-    """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse.
-    TM: tokens on the M dimension (q and acc held transposed, [DH, GP]); HOT_STAGES: the hot loop's
-    pipelining (None: the kernel's)."""
+    """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse."""
     pid_s = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -608,24 +473,24 @@ def _split_kernel(
     g = tl.arange(0, GP)
     c = tl.arange(0, DH)
     gmask = g < G
-    q_off, q_mask = _group_tile(b.to(tl.int64) * s_qb, h * G + g, c, s_qh, gmask, TM)
-    q_lo = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
-    q_hi = tl.load(q_ptr + q_off + DH, mask=q_mask, other=0.0)
+    q_off = b.to(tl.int64) * s_qb + (h * G + g)[:, None] * s_qh + c[None, :]
+    q_lo = tl.load(q_ptr + q_off, mask=gmask[:, None], other=0.0)
+    q_hi = tl.load(q_ptr + q_off + DH, mask=gmask[:, None], other=0.0)
     qf_lo = q_lo.to(tl.float32) * qk_scale
     qf_hi = q_hi.to(tl.float32) * qk_scale
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc_lo = tl.zeros(q_lo.shape, tl.float32)
-    acc_hi = tl.zeros(q_lo.shape, tl.float32)
+    acc_lo = tl.zeros([GP, DH], tl.float32)
+    acc_hi = tl.zeros([GP, DH], tl.float32)
     acc_m = tl.zeros([GP], tl.float32)  # deferred value-min term (DEFER), rescaled like acc
     # The hot zone (model precision, newest tokens) belongs to the last split.
     is_last = pid_s == num_splits - 1
     n_hot = tl.where(is_last, tl.load(hot_len_ptr + b), 0)
     hot_off = tl.load(hot_slot_ptr + b).to(tl.int64) * s_hs + h * s_hh
-    for t0 in tl.range(0, n_hot, HOT_T, num_stages=HOT_STAGES):
-        m_i, l_i, acc_lo, acc_hi, _ = _dense_step(
+    for t0 in range(0, n_hot, HOT_T):
+        m_i, l_i, acc_lo, acc_hi, _ = _dense_tile(
             hot_k_ptr + hot_off + t0 * s_ht, hot_v_ptr + hot_off + t0 * s_ht, s_ht, n_hot - t0,
-            q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, HOT_T, PREC, TM)  # fmt: skip
+            q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, HOT_T, PREC)  # fmt: skip
     lse_hot = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     tl.store(hot_lse_ptr + bh * G + g, lse_hot, mask=gmask & is_last)
     # This split's share of the cold blocks (L1, then selected L2).
@@ -638,25 +503,25 @@ def _split_kernel(
         k_ptr = ck_ptr + bid * s_cn + h * s_ch
         v_ptr = cv_ptr + bid * s_cn + h * s_ch
         if KIND == 0:
-            m_i, l_i, acc_lo, acc_hi, lse = _dense_step(
-                k_ptr, v_ptr, s_ct, BS, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, T, PREC, TM
+            m_i, l_i, acc_lo, acc_hi, lse = _dense_tile(
+                k_ptr, v_ptr, s_ct, BS, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, T, PREC
             )
         else:
             bits = tl.load(bits_ptr + bid) if MIXED else KIND
             kq = bid * s_kn + h * s_kh
             vq = bid * s_vn + h * s_vh
-            m_i, l_i, acc_lo, acc_hi, acc_m, lse = _quant_step(
+            m_i, l_i, acc_lo, acc_hi, acc_m, lse = _quant_tile(
                 k_ptr, v_ptr, s_ct, kmin_ptr + kq, ksc_ptr + kq, vmin_ptr + vq, vsc_ptr + vq, bits,
                 qf_lo, qf_hi, m_i, l_i, acc_lo, acc_hi, acc_m, DH, T, BS, KIND, MIXED, CDT, CVT, PREC,
-                KT, WORDS, FOLD, DEFER, TM)  # fmt: skip
+                KT, WORDS, FOLD, DEFER)  # fmt: skip
         tl.store(blk_lse_ptr + (row + j) * G + g, lse, mask=gmask)
     part = (bh * num_splits + pid_s).to(tl.int64)
-    acc_off, acc_mask = _group_tile(part * G * D, g, c, D, gmask, TM)
+    acc_off = part * G * D + g[:, None] * D + c[None, :]
     if DEFER:
         acc_lo += acc_m[:, None]
         acc_hi += acc_m[:, None]
-    tl.store(part_acc_ptr + acc_off, acc_lo, mask=acc_mask)
-    tl.store(part_acc_ptr + acc_off + DH, acc_hi, mask=acc_mask)
+    tl.store(part_acc_ptr + acc_off, acc_lo, mask=gmask[:, None])
+    tl.store(part_acc_ptr + acc_off + DH, acc_hi, mask=gmask[:, None])
     tl.store(part_ml_ptr + part * 2 * G + g, m_i, mask=gmask)
     tl.store(part_ml_ptr + part * 2 * G + G + g, l_i, mask=gmask)
 
@@ -837,7 +702,6 @@ def hybrid_decode_attention_triton(
     hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
     T = max(16, next_pow2(pool.k.shape[2]))
     mixed = bits == 8 and opts.mixed
-    tm = opts.tokens_on_m
     _split_kernel[(splits, B * H)](
         q, hot_k, hot_v, hot_slot, hot_len,
         pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
@@ -848,10 +712,9 @@ def hybrid_decode_attention_triton(
         pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
         H=H, G=G, GP=max(16, next_pow2(G)), D=D, T=T, BS=pool.k.shape[2],
         HOT_T=min(64, max(16, next_pow2(hot_k.shape[2]))), KIND=bits,
-        MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed and not tm,
-        WORDS=opts.words and not mixed and bits > 0 and not tm and _word_aligned(pool),
-        FOLD=opts.fold_bias and opts.cvt > 0 and not tm, DEFER=opts.defer_min and bits > 0 and not tm,
-        TM=tm, HOT_STAGES=1 if tm else None,  # TM: the hot loop unpipelined (its buffers set shared memory)
+        MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
+        WORDS=opts.words and not mixed and bits > 0 and _word_aligned(pool),
+        FOLD=opts.fold_bias and opts.cvt > 0, DEFER=opts.defer_min and bits > 0,
         num_warps=opts.num_warps, num_stages=opts.num_stages,
         **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
     )  # fmt: skip

@@ -132,9 +132,6 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     **{f"decode int{bits} words{' fold' if fold else ''}": (
         lambda bits=bits, fold=fold: _decode(bits, False, cvt=2, words=True, mixed=False, fold_bias=fold))
        for bits in (8, 4) for fold in (False, True)},
-    **{f"decode int{bits}{' mixed' if mixed else ''} tokens on M": (
-        lambda bits=bits, mixed=mixed: _decode(bits, mixed, tokens_on_m=True))
-       for bits, mixed in ((8, False), (8, True), (4, False), (0, False))},
     "quest int8": lambda: _quest(8),
     "quest int4": lambda: _quest(4),
     "quest unquantized": lambda: _quest(0),

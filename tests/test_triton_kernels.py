@@ -144,10 +144,7 @@ def poison_allocator(device: str) -> None:
      (8, torch.float16, {"cvt": 1, "fold_bias": True}), (8, torch.float32, {"mixed": False, "words": True}),
      (4, torch.float16, {"cvt": 1, "words": True}),
      (4, torch.float16, {"cvt": 1, "words": True, "fold_bias": True, "defer_min": True}),
-     (4, torch.float16, {"cvt": 1, "k_transposed": True, "fold_bias": True}),
-     (8, torch.float16, {"cvt": 1, "tokens_on_m": True}), (8, torch.float32, {"tokens_on_m": True}),
-     (8, torch.float16, {"cvt": 0, "mixed": False, "tokens_on_m": True}),
-     (4, torch.float16, {"cvt": 1, "tokens_on_m": True}), (0, torch.float16, {"tokens_on_m": True})],
+     (4, torch.float16, {"cvt": 1, "k_transposed": True, "fold_bias": True})],
     ids=str,
 )  # fmt: skip
 def test_decode_attention_interpreted(
@@ -341,19 +338,6 @@ def test_decode_word_variants_gpu(gpu_kernels, shape: Shape, cvt: int, knobs: di
     """Word loads, the folded magic-number bias and the deferred value-min term (pure 8-bit or 4-bit)."""
     inp = make_decode(shape, bits, torch.bfloat16, "cuda", demote=False)
     opts = gpu_kernels.triton_decode.DecodeKernelOptions(cvt=cvt, mixed=False, **knobs)
-    want = hybrid_decode_attention_ref(**inp)
-    poison_allocator("cuda")
-    got = gpu_kernels.triton_decode.hybrid_decode_attention_triton(**inp, options=opts)
-    assert_decode_close(got, want, inp["num_cold"], torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES[:2], ids=str)
-@pytest.mark.parametrize(("bits", "mixed"), [(8, False), (8, True), (4, False), (0, False)])
-def test_decode_tokens_on_m_gpu(gpu_kernels, shape: Shape, bits: int, mixed: bool) -> None:
-    """The transposed pass (tokens on the matrix unit's M dimension)."""
-    inp = make_decode(shape, bits, torch.bfloat16, "cuda", demote=mixed)
-    opts = gpu_kernels.triton_decode.DecodeKernelOptions(mixed=mixed, tokens_on_m=True)
     want = hybrid_decode_attention_ref(**inp)
     poison_allocator("cuda")
     got = gpu_kernels.triton_decode.hybrid_decode_attention_triton(**inp, options=opts)
