@@ -183,10 +183,14 @@ def paired_gain(
         raise ValueError(
             f"{ATTR_VALIDATION}: {len(best)} repeats of the best config, {len(baseline)} of the baseline"
         )
-    raw = [(b.get(metric), u.get(metric)) for b, u in zip(best, baseline, strict=True)]
-    if not raw or not all(isinstance(v, int | float) for pair in raw for v in pair):
+    pairs: list[tuple[float, float]] = []
+    for b, u in zip(best, baseline, strict=True):
+        one, two = b.get(metric), u.get(metric)
+        if not isinstance(one, int | float) or not isinstance(two, int | float):
+            raise ValueError(f"{ATTR_VALIDATION}: every repeat needs a number for {metric!r}")
+        pairs.append((float(one), float(two)))
+    if not pairs:
         raise ValueError(f"{ATTR_VALIDATION}: every repeat needs a number for {metric!r}")
-    pairs = [(float(b), float(u)) for b, u in raw]
     if direction == "maximize":
         pairs = [(u, b) for b, u in pairs]  # a ratio above 1 always means the preset is better
     if any(b <= 0 for b, _ in pairs):
