@@ -92,6 +92,7 @@ def test_preset_content() -> None:
     assert gain["per_repeat"] == pytest.approx([2.0, 21.0 / 11.0, 25.0 / 12.0])
     assert gain["ratio"] == pytest.approx(2.0)
     assert gain["range"] == pytest.approx([21.0 / 11.0, 25.0 / 12.0])
+    assert gain["verdict"] == "better in every repeat"
     assert "note" not in preset["metrics"]
     assert "warnings" not in preset["metrics"]["best"]
 
@@ -100,6 +101,16 @@ def test_an_unquantized_best_is_said_to_be_its_own_baseline() -> None:
     validation = _validation() | {"config": BASELINE.to_dict()}
     metrics = ex.build_preset(BASELINE, validation, None, PROVENANCE)["metrics"]
     assert metrics["note"] == ex.SELF_BASELINE
+
+
+@pytest.mark.parametrize(
+    ("ratios", "said"),
+    [([1.1, 1.2, 1.01], "better"), ([0.9, 0.99, 0.8], "worse"), ([1.2, 0.9, 1.0], "within the spread")],
+)
+def test_a_gain_is_claimed_only_when_every_repeat_agrees(ratios: list[float], said: str) -> None:
+    best = [{"tpot_p99_ms": 10.0} for _ in ratios]
+    base = [{"tpot_p99_ms": 10.0 * r} for r in ratios]
+    assert ex.gain("tpot_p99", best, base)["verdict"].startswith(said)
 
 
 def test_gain_needs_paired_repeats() -> None:

@@ -190,7 +190,7 @@ def paired_gain(
             raise ValueError(f"{ATTR_VALIDATION}: every repeat needs a number for {metric!r}")
         pairs.append((float(one), float(two)))
     if not pairs:
-        raise ValueError(f"{ATTR_VALIDATION}: every repeat needs a number for {metric!r}")
+        raise ValueError(f"{ATTR_VALIDATION}: no repeats to compare on {metric!r}")
     if direction == "maximize":
         pairs = [(u, b) for b, u in pairs]  # a ratio above 1 always means the preset is better
     if any(b <= 0 for b, _ in pairs):
@@ -201,9 +201,19 @@ def paired_gain(
         "ratio": statistics.median(ratios),
         "range": [min(ratios), max(ratios)],
         "per_repeat": ratios,
+        "verdict": verdict(ratios),
         "meaning": "per repeat (both configs replayed back to back): baseline / preset for latencies, "
         "preset / baseline for throughput; ratio is their median; > 1 is a gain",
     }
+
+
+def verdict(ratios: Sequence[float]) -> str:
+    """What the repeats support: a gain or a loss only when every repeat agrees."""
+    if min(ratios) > 1.0:
+        return "better in every repeat"
+    if max(ratios) < 1.0:
+        return "worse in every repeat"
+    return "within the spread of the repeats: no gain shown"
 
 
 def _objective(objective: str) -> tuple[str, str]:

@@ -359,7 +359,7 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
         if g["ratio"] is not None:
             console.print(
                 f"{where}: trial {v['trial']} gains {g['ratio']:.3f}x over the unquantized baseline on {key} "
-                f"(per repeat {g['range'][0]:.3f}-{g['range'][1]:.3f}; > 1 is better)"
+                f"(per repeat {g['range'][0]:.3f}-{g['range'][1]:.3f}; > 1 is better): {g['verdict']}"
             )
     if report.preset:
         console.print(f"  preset written: [green]{report.preset}[/]")
