@@ -12,6 +12,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import optuna
@@ -25,7 +26,7 @@ from kvtune.search_spaces.space import SearchSpace, WorkloadStats
 from kvtune.tests.tuner_fakes import CRASH_BITS, BrokenWorker, CrashingWorker
 from kvtune.tuner import cli
 from kvtune.tuner.driver import Bounds, Event
-from kvtune.tuner.job import TuneJob, tune
+from kvtune.tuner.job import TuneJob, quality_coverage, tune
 from kvtune.tuner.pool import WorkerStartError
 from kvtune.tuner.study import ATTR_RESUME_OF, SpaceId, StudyOptions, open_study
 from kvtune.tuner.worker import QualitySettings, TrialWorker, WorkerSpec
@@ -257,3 +258,12 @@ def test_quality_runs_in_float32_whatever_the_replay_dtype(dtype: str) -> None:
     loaded = worker._quality_loaded()
     assert loaded.model.dtype == torch.float32
     assert (loaded is worker.loaded) == (dtype == "float32")
+
+
+def test_a_quality_window_that_some_configs_keep_all_hot_is_warned_about() -> None:
+    space = SimpleNamespace(hot_tokens=(16, 32, 64), block_sizes=(16, 64))
+    short = QualitySettings(model="random:tiny", text_path=str(TEXT), prefill_tokens=96, decode_tokens=32)
+    (warning,) = quality_coverage(space, short)  # type: ignore[arg-type]
+    assert "quality windows are 128 tokens" in warning and "--quality-prefill 97 or more" in warning
+    long = dataclasses.replace(short, prefill_tokens=97)
+    assert quality_coverage(space, long) == ()  # type: ignore[arg-type]

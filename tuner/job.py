@@ -43,7 +43,7 @@ from kvtune.tuner.study import (
     stored_attrs,
 )
 from kvtune.tuner.validation import best_trial, validate
-from kvtune.tuner.worker import TrialWorker, WorkerInfo, WorkerSpec, Workload
+from kvtune.tuner.worker import QualitySettings, TrialWorker, WorkerInfo, WorkerSpec, Workload
 from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample, file_sha256, load_trace
 
 ATTR_PARETO = "kvtune.pareto"
@@ -93,6 +93,7 @@ class TuneReport:
     time_scale: float
     workers: tuple[WorkerInfo, ...]
     budget_spent: bool = False  # the time budget ended the search before the target
+    warnings: tuple[str, ...] = ()
 
 
 def tune(job: TuneJob, events: Callable[[Event], None] | None = None) -> TuneReport:
@@ -156,8 +157,22 @@ def _run(
     best = validation["trial"] if validation else None
     return TuneReport(
         job.options.name, job.options.storage, finished, job.trials, best, validation, preset,
-        space.describe(), time_scale, tuple(infos), cut_short,
+        space.describe(), time_scale, tuple(infos), cut_short, quality_coverage(space, job.spec.quality),
     )  # fmt: skip
+
+
+def quality_coverage(space: SearchSpace, quality: QualitySettings) -> tuple[str, ...]:
+    """A warning when some configs of the space keep every token of a quality window hot (their quality is
+    then exact by construction, whatever their cold tier does to the longer contexts of the workload)."""
+    window = quality.prefill_tokens + quality.decode_tokens
+    need = space.hot_tokens[-1] + space.block_sizes[-1]
+    if need < window:
+        return ()
+    return (
+        f"quality windows are {window} tokens, but a config with hot_tokens + block_size >= {window} seals "
+        f"no cold block in them (the space reaches {need}): its quality is exact by construction; pass "
+        f"--quality-prefill {need - quality.decode_tokens + 1} or more to measure every config's cold tier",
+    )
 
 
 # ---- pieces ----------------------------------------------------------------------------------------------

@@ -341,6 +341,8 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
         )
     elif report.finished < report.target:
         console.print("  stopped before the target: run again with --resume to continue")
+    for warning in report.warnings:
+        console.print(f"  [yellow]{warning}[/]")
     v = report.validation
     if v is None:
         if report.finished >= report.target or report.budget_spent:
