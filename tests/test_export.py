@@ -101,6 +101,7 @@ def test_an_unquantized_best_is_said_to_be_its_own_baseline() -> None:
     validation = _validation() | {"config": BASELINE.to_dict()}
     metrics = ex.build_preset(BASELINE, validation, None, PROVENANCE)["metrics"]
     assert metrics["note"] == ex.SELF_BASELINE
+    assert metrics["gain"]["verdict"] == ex.SAME_CONFIG  # whatever the noise says
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,7 @@ SELF_BASELINE = (
     "the best config is unquantized, so it is its own baseline: the two sides ran the same config, and "
     "their spread is the measurement's noise, not a gain or a loss"
 )
+SAME_CONFIG = "the same config on both sides: no gain possible"
 
 DEFAULT_STORAGE = "sqlite:///studies/kvtune.db"
 PRESETS_DIR = Path("presets")
@@ -164,19 +165,26 @@ def summarize(repeats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def gain(
-    objective: str, best: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]]
+    objective: str,
+    best: Sequence[Mapping[str, Any]],
+    baseline: Sequence[Mapping[str, Any]],
+    same_config: bool = False,
 ) -> dict[str, Any]:
     """How much better the best config is than the baseline on the objective (> 1: better).
 
     Each repeat replays the two configs back to back on one worker, so the ratio is taken per repeat (the
     pair shares whatever drifted between repeats); ``ratio`` is the median of those ratios, ``range`` their
-    extremes and ``per_repeat`` all of them."""
+    extremes and ``per_repeat`` all of them. ``same_config``: the best config is the baseline itself."""
     metric, direction = _objective(objective)
-    return paired_gain(metric, direction, best, baseline)
+    return paired_gain(metric, direction, best, baseline, same_config)
 
 
 def paired_gain(
-    metric: str, direction: str, best: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]]
+    metric: str,
+    direction: str,
+    best: Sequence[Mapping[str, Any]],
+    baseline: Sequence[Mapping[str, Any]],
+    same_config: bool = False,
 ) -> dict[str, Any]:
     """:func:`gain` on any metric: baseline / best per repeat when lower is better, else best / baseline."""
     if len(best) != len(baseline):
@@ -201,7 +209,7 @@ def paired_gain(
         "ratio": statistics.median(ratios),
         "range": [min(ratios), max(ratios)],
         "per_repeat": ratios,
-        "verdict": verdict(ratios),
+        "verdict": SAME_CONFIG if same_config else verdict(ratios),
         "meaning": "per repeat (both configs replayed back to back): baseline / preset for latencies, "
         "preset / baseline for throughput; ratio is their median; > 1 is a gain",
     }
@@ -231,6 +239,7 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
     if min(counts) < MIN_REPEATS:
         raise ValueError(f"{ATTR_VALIDATION}: needs >= {MIN_REPEATS} repeats of each side, got {counts}")
     best, baseline = summarize(validation["best"]), summarize(validation["baseline"])
+    same = validation["config"] == validation["baseline_config"]
     return {
         "objective": objective,
         "window": validation["window"],
@@ -239,8 +248,8 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
         "best": best,
         "baseline": baseline,
         "baseline_config": validation["baseline_config"],
-        "gain": gain(objective, validation["best"], validation["baseline"]),
-        **({"note": SELF_BASELINE} if validation["config"] == validation["baseline_config"] else {}),
+        "gain": gain(objective, validation["best"], validation["baseline"], same),
+        **({"note": SELF_BASELINE} if same else {}),
     }
 
 

@@ -350,12 +350,13 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
         return
     metric = OBJECTIVES[job.options.objective][0]
     where = f"  validated on {v['window']['requests']} held-out requests x {v['repeats']}"
-    if v["config"] == v["baseline_config"]:
+    same = v["config"] == v["baseline_config"]
+    if same:
         console.print(f"{where}: trial {v['trial']} is unquantized, its own baseline (the spread is noise)")
     directions = dict(OBJECTIVE_METRICS.values())
     for key in dict.fromkeys((metric, "tokens_per_s")):
         try:
-            g = paired_gain(key, directions[key], v["best"], v["baseline"])
+            g = paired_gain(key, directions[key], v["best"], v["baseline"], same)
         except ValueError:
             continue
         if g["ratio"] is not None:
