@@ -1,0 +1,25 @@
+"""The GPU benchmark scripts run end to end on tiny shapes (CPU, Triton interpreter), so a GPU call is not the
+first place a mistake in them shows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_decode_attention_smoke(tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--smoke", "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    table = (tmp_path / "table.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| 2 x") or line.startswith("| 1 x")]
+    assert len(rows) == 2
+    assert "Sparse step at 1 x 1K, its parts alone (ms): INT8 selection" in table
+    assert (tmp_path / "results.json").exists()
