@@ -132,7 +132,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default hot_tokens + block_size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--host-profile", type=Path, default=None, help="folder for cProfile reports of the host")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32

@@ -65,10 +65,14 @@ def main() -> None:
     budget = int(args.budget_gb * 1e9)
     configs = [HybridConfig.from_json_file(p) for p in args.configs]
     t0 = time.perf_counter()
-    scale = calibrate_time_scale(loaded, requests, budget, device, args.load, configs[0])
+    if len({r.arrival_ms for r in requests}) < 2:
+        scale, how = 1.0, "every request arrives at once"  # a time scale changes nothing
+    else:
+        scale = calibrate_time_scale(loaded, requests, budget, device, args.load, configs[0])
+        how = f"calibrated in {time.perf_counter() - t0:.1f} s"
     print(
         f"model {args.model} on {device} ({_device_name(device)}), {len(requests)} requests, budget "
-        f"{args.budget_gb} GB, time scale {scale:.4g} (calibrated in {time.perf_counter() - t0:.1f} s)"
+        f"{args.budget_gb} GB, time scale {scale:.4g} ({how})"
     )
     engine = Engine(loaded, configs[0], budget, device, max_batch=args.max_batch)
     results = {}

@@ -23,3 +23,32 @@ def test_decode_attention_smoke(tmp_path: Path) -> None:
     assert len(rows) == 2
     assert "Sparse step at 1 x 1K, its parts alone (ms): INT8 selection" in table
     assert (tmp_path / "results.json").exists()
+
+
+def test_decode_step_smoke(tmp_path: Path) -> None:
+    configs = ROOT / "examples" / "configs"
+    out = tmp_path / "step.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "decode_step.py"), "--model", "random:tiny",
+         "--batch", "2", "--length", "96", "--steps", "2", "--json", str(out), str(configs / "q_int8.json"),
+         str(configs / "q_int8_sparse512_fast.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "q_int8_sparse512_fast" in run.stdout and "speed-up" in run.stdout
+    assert out.exists()
+
+
+def test_replay_compare_smoke(tmp_path: Path) -> None:
+    configs = ROOT / "examples" / "configs"
+    out = tmp_path / "replay.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "replay_compare.py"), "--workload",
+         str(ROOT / "examples" / "traces" / "mooncake_sample.jsonl"), "--model", "random:tiny", "--requests",
+         "6", "--budget-gb", "1", "--length-scale", "0.01", "--length-cap", "96", "--json", str(out),
+         str(configs / "q_unquantized.json"), str(configs / "q_int8.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "time scale" in run.stdout and "q_int8 TPOT p50=" in run.stdout
+    assert out.exists()
