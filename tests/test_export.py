@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +94,9 @@ def test_preset_content() -> None:
     assert gain["per_repeat"] == pytest.approx([2.0, 21.0 / 11.0, 25.0 / 12.0])
     assert gain["ratio"] == pytest.approx(2.0)
     assert gain["range"] == pytest.approx([21.0 / 11.0, 25.0 / 12.0])
-    assert gain["verdict"] == "better in every repeat"
+    assert gain["verdict"].startswith("better")
+    lo, hi = gain["interval95"]
+    assert lo > 1.0 and hi < 25.0 / 12.0 * 1.2
     assert "note" not in preset["metrics"]
     assert "warnings" not in preset["metrics"]["best"]
 
@@ -106,9 +110,14 @@ def test_an_unquantized_best_is_said_to_be_its_own_baseline() -> None:
 
 @pytest.mark.parametrize(
     ("ratios", "said"),
-    [([1.1, 1.2, 1.01], "better"), ([0.9, 0.99, 0.8], "worse"), ([1.2, 0.9, 1.0], "within the spread")],
+    [
+        ([1.14, 1.16, 1.10], "better"),  # consistent: the interval clears 1
+        ([0.9, 0.92, 0.88], "worse"),
+        ([1.03, 0.68, 1.28], "no gain shown"),  # noisy
+        ([1.5, 1.01, 1.3], "no gain shown"),  # every repeat above 1, but too spread for three repeats
+    ],
 )
-def test_a_gain_is_claimed_only_when_every_repeat_agrees(ratios: list[float], said: str) -> None:
+def test_a_gain_is_claimed_only_when_its_interval_excludes_1(ratios: list[float], said: str) -> None:
     best = [{"tpot_p99_ms": 10.0} for _ in ratios]
     base = [{"tpot_p99_ms": 10.0 * r} for r in ratios]
     assert ex.gain("tpot_p99", best, base)["verdict"].startswith(said)
@@ -235,3 +244,15 @@ def test_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert f"wrote {out}" in capsys.readouterr().out
     assert main(["export", "--study", "x", "--storage", storage, "--out", str(out)]) == 2
     assert "kvtune: error: storage" in capsys.readouterr().err
+
+
+def test_the_interval_is_a_t_interval_on_log_ratios() -> None:
+    ratios = [1.138, 1.159, 1.103]
+    logs = [math.log(r) for r in ratios]
+    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
+    lo, hi = ex.interval95(ratios)  # type: ignore[misc]
+    assert (lo, hi) == pytest.approx(
+        (math.exp(statistics.fmean(logs) - half), math.exp(statistics.fmean(logs) + half))
+    )
+    assert ex.interval95([1.2]) is None
+    assert ex.interval95([1.0] * 200) == pytest.approx([1.0, 1.0])

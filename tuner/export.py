@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import re
 import shlex
@@ -209,19 +210,44 @@ def paired_gain(
         "ratio": statistics.median(ratios),
         "range": [min(ratios), max(ratios)],
         "per_repeat": ratios,
+        "interval95": interval95(ratios),
         "verdict": SAME_CONFIG if same_config else verdict(ratios),
         "meaning": "per repeat (both configs replayed back to back): baseline / preset for latencies, "
-        "preset / baseline for throughput; ratio is their median; > 1 is a gain",
+        "preset / baseline for throughput; ratio is their median, interval95 a t interval on their logs; "
+        "> 1 is a gain",
     }
 
 
+# Student's t, 97.5th percentile, by degrees of freedom (a two-sided 95 % interval); beyond 30, 1.96 is used
+# above 120 and the 30's value (conservative) in between.
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)  # fmt: skip
+
+
+def interval95(ratios: Sequence[float]) -> list[float] | None:
+    """The 95 % interval of the typical ratio: a t interval on the logs of the per-repeat ratios (None for one
+    repeat). Three repeats give t = 4.3: only a consistent gain clears 1."""
+    n = len(ratios)
+    if n < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    t = T975[n - 2] if n - 1 <= len(T975) else (1.96 if n > 121 else T975[-1])
+    half = t * statistics.stdev(logs) / math.sqrt(n)
+    mean = statistics.fmean(logs)
+    return [math.exp(mean - half), math.exp(mean + half)]
+
+
 def verdict(ratios: Sequence[float]) -> str:
-    """What the repeats support: a gain or a loss only when every repeat agrees."""
-    if min(ratios) > 1.0:
-        return "better in every repeat"
-    if max(ratios) < 1.0:
-        return "worse in every repeat"
-    return "within the spread of the repeats: no gain shown"
+    """What the repeats support: a gain or a loss only when the 95 % interval of the ratio excludes 1."""
+    ci = interval95(ratios)
+    if ci is None:
+        return "one repeat: no verdict"
+    if ci[0] > 1.0:
+        return "better: the 95 % interval of the gain lies above 1"
+    if ci[1] < 1.0:
+        return "worse: the 95 % interval of the gain lies below 1"
+    return "no gain shown: the 95 % interval of the gain spans 1"
 
 
 def _objective(objective: str) -> tuple[str, str]:

@@ -274,6 +274,11 @@ def _run_with_progress(console: Console, job: TuneJob) -> TuneReport:
         return tune(job, on_event)
 
 
+def _interval(gain: dict[str, Any]) -> str:
+    ci = gain.get("interval95")
+    return f", 95 % interval {ci[0]:.3f}-{ci[1]:.3f}" if ci else ""
+
+
 def _describe(e: Event) -> str:
     value = "" if math.isnan(e.value) else f" {e.value:.4g}"
     step = f" window {e.step}" if e.step >= 0 else ""
@@ -362,7 +367,8 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
         if g["ratio"] is not None:
             console.print(
                 f"{where}: trial {v['trial']} gains {g['ratio']:.3f}x over the unquantized baseline on {key} "
-                f"(per repeat {g['range'][0]:.3f}-{g['range'][1]:.3f}; > 1 is better): {g['verdict']}"
+                f"(per repeat {g['range'][0]:.3f}-{g['range'][1]:.3f}{_interval(g)}; > 1 is better): "
+                f"{g['verdict']}"
             )
     if report.preset:
         console.print(f"  preset written: [green]{report.preset}[/]")
