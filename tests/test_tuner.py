@@ -120,6 +120,14 @@ BAD: dict[str, tuple[Callable[[str, Path], list[str]], str]] = {
     "exists, no resume": (lambda s, tmp: argv(s), "already exists"),
     "another space": (lambda s, tmp: argv(s, "--resume", "--length-cap", "400"), "another search space"),
     "another objective": (lambda s, tmp: argv(s, "--resume", "--objective", "throughput"), "objective"),
+    "two repeats": (lambda s, tmp: argv(s, "--repeats", "2"), "--repeats 2: must be >= 3"),
+    "negative prefill": (
+        lambda s, tmp: argv(s, "--quality-prefill", "-5"),
+        "--quality-prefill -5: must be >= 1",
+    ),
+    "no decode": (lambda s, tmp: argv(s, "--quality-decode", "0"), "--quality-decode 0: must be >= 1"),
+    "no time": (lambda s, tmp: argv(s, "--time-budget", "-1"), "--time-budget -1: must be > 0"),
+    "nan time scale": (lambda s, tmp: argv(s, "--time-scale", "nan"), "--time-scale nan: must be > 0"),
 }
 
 

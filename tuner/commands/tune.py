@@ -31,6 +31,7 @@ from kvtune.tuner.export import (
     ATTR_ERROR,
     ATTR_METRICS,
     ATTR_QUALITY,
+    MIN_REPEATS,
     OBJECTIVE_METRICS,
     paired_gain,
 )
@@ -118,10 +119,41 @@ def _add_more(parser: argparse.ArgumentParser) -> None:
     add("--no-export", action="store_true", help="do not write a preset")
 
 
+# Numeric options checked before anything starts (a bad one would otherwise surface trials or minutes later):
+# flag -> (attribute, the lowest value allowed, whether that value itself is allowed).
+LIMITS: dict[str, tuple[str, float, bool]] = {
+    "--trials": ("trials", 1, True),
+    "--requests": ("requests", 2, True),
+    "--windows": ("windows", 1, True),
+    "--workers": ("workers", 1, True),
+    "--length-cap": ("length_cap", 1, True),
+    "--quality-windows": ("quality_windows", 1, True),
+    "--quality-prefill": ("quality_prefill", 1, True),
+    "--quality-decode": ("quality_decode", 1, True),
+    "--repeats": ("repeats", MIN_REPEATS, True),
+    "--time-scale": ("time_scale", 0, False),
+    "--length-scale": ("length_scale", 0, False),
+    "--time-budget": ("time_budget", 0, False),
+    "--max-ppl-increase": ("max_ppl_increase", 0, True),
+    "--max-kl": ("max_kl", 0, False),
+}
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """One line naming the flag, for the first numeric option out of its range."""
+    for flag, (attr, low, inclusive) in LIMITS.items():
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise ValueError(f"{flag} {value:g}: must be {'>=' if inclusive else '>'} {low:g}")
+
+
 def run(args: argparse.Namespace) -> int:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    check_numbers(args)
     if not Path(args.workload).is_file():
         raise FileNotFoundError(f"--workload {args.workload}: no such trace file")
     card = resolve_gpu(args.gpu, _present_gpus())
