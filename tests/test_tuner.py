@@ -275,3 +275,13 @@ def test_a_quality_window_that_some_configs_keep_all_hot_is_warned_about() -> No
     assert "quality windows are 128 tokens" in warning and "--quality-prefill 97 or more" in warning
     long = dataclasses.replace(short, prefill_tokens=97)
     assert quality_coverage(space, long) == ()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"windows": 0}, "windows >= 1"), ({"decode_tokens": -1}, "decode_tokens >= 1"),
+     ({"step_ms": 0.0}, "step_ms > 0"), ({"dtype": "int8"}, "dtype must be one of")],
+)  # fmt: skip
+def test_quality_settings_refuse_what_cannot_be_measured(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        QualitySettings(model="random:tiny", text_path=str(TEXT), **change)
