@@ -123,7 +123,7 @@ def _present_ids(present: Sequence[Present]) -> set[str]:
     return ids
 
 
-def resolve_gpu(arg: str, present: Sequence[Present] | None = None) -> Card:
+def resolve_gpu(arg: str, present: Sequence[Present] | None = None, flag: str = "--gpu") -> Card:
     """The card ``--gpu arg`` names: a card id, an alias, or a family resolved among ``present`` GPUs.
 
     ``present`` lists the devices seen (NVML name, total bytes); ``None`` means unknown. A family with
@@ -136,11 +136,11 @@ def resolve_gpu(arg: str, present: Sequence[Present] | None = None) -> Card:
     variants = families().get(key)
     if variants is None:
         choices = sorted({*CARDS, *families(), *ALIASES})
-        raise ValueError(f"--gpu {arg!r}: unknown GPU; choose one of {choices}")
+        raise ValueError(f"{flag} {arg!r}: unknown GPU; choose one of {choices}")
     if len(variants) == 1:
         return CARDS[variants[0]]
     here = [v for v in variants if v in _present_ids(present or ())]
     if len(here) == 1:
         return CARDS[here[0]]
     where = "several are present" if here else "none of them is detected here"
-    raise ValueError(f"--gpu {arg!r} is ambiguous ({where}); choose one of {here or variants}")
+    raise ValueError(f"{flag} {arg!r} is ambiguous ({where}); choose one of {here or variants}")

@@ -220,4 +220,17 @@ def test_gpus_command_shows_cards_and_a_space(
 
 def test_gpus_command_ambiguous_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["gpus", "--space", "h100"]) == 2
-    assert "kvtune: error: --gpu 'h100' is ambiguous" in capsys.readouterr().err
+    assert "kvtune: error: --space 'h100' is ambiguous" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--space", "b300"], "--space 'b300': unknown GPU"), (["--length", "-4"], "--length -4: must be >= 1"),
+     (["--concurrency", "0"], "--concurrency 0: must be >= 1")],
+)  # fmt: skip
+def test_gpus_command_bad_input_is_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["gpus", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvtune: error: ") and message in err[-1]

@@ -97,13 +97,16 @@ def _space(card: Card, args: argparse.Namespace) -> SearchSpace:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--length", args.length), ("--concurrency", args.concurrency)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1")
     console = table_console()
     present = present_gpus()
     console.print(_card_table(present))
     console.print(f"GPUs present: {[name for name, _ in present] or 'none (cpu only)'}")
     if args.no_spaces:
         return 0
-    cards = [resolve_gpu(args.space, present)] if args.space else [resolve_gpu(c) for c in CARDS]
+    cards = [resolve_gpu(args.space, present, "--space")] if args.space else [resolve_gpu(c) for c in CARDS]
     budget = f"budget: {BUDGET_FRACTION:g} x (memory - weights); the tuner measures the real one"
     console.print(f"\nsearch spaces for {args.model}, {args.concurrency} x {args.length} tokens ({budget}):")
     for card in cards:
