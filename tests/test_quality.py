@@ -122,3 +122,16 @@ def test_quality_command_prints_and_writes_json(tmp_path, capsys):
     assert main(argv) == 0
     assert json.loads(out.read_text())["decode_tokens"] == 8
     assert "perplexity" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--windows", "0", "--windows 0: must be >= 1"), ("--decode", "-2", "--decode -2: must be >= 1"),
+     ("--step-ms", "0", "--step-ms 0: must be > 0")],
+)  # fmt: skip
+def test_quality_command_refuses_bad_sizes_before_loading(tmp_path, capsys, option, value, message):
+    config = tmp_path / "c.json"
+    config.write_text(_config(8).to_json(), encoding="utf-8")
+    assert main(["quality", "--config", str(config), "--model", "no-such-model", option, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == f"kvtune: error: {message}"

@@ -1,1 +1,21 @@
 """One module per ``kvtune`` command: ``NAME``, ``HELP``, ``add_arguments(parser)``, ``run(args) -> int``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Mapping
+
+# flag -> (attribute, the lowest value allowed, whether that value itself is allowed)
+Limits = Mapping[str, tuple[str, float, bool]]
+
+
+def check_numbers(args: argparse.Namespace, limits: Limits) -> None:
+    """One line naming the flag, for the first numeric option out of its range (unset options pass), so a bad
+    value fails before anything loads or runs."""
+    for flag, (attr, low, inclusive) in limits.items():
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise ValueError(f"{flag} {value:g}: must be {'>=' if inclusive else '>'} {low:g}")

@@ -17,6 +17,7 @@ from kvtune.cache_impl.engine import resolve_device
 from kvtune.cache_impl.metrics import json_safe
 from kvtune.cache_impl.model import load_model
 from kvtune.cache_impl.quality import measure_quality
+from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import progress_bar, table_console
 
 NAME = "quality"
@@ -54,7 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the result to this file")
 
 
+LIMITS: Limits = {
+    "--windows": ("windows", 1, True),
+    "--prefill": ("prefill", 1, True),
+    "--decode": ("decode", 1, True),
+    "--step-ms": ("step_ms", 0, False),
+    "--threads": ("threads", 1, True),
+}
+
+
 def run(args: argparse.Namespace) -> int:
+    check_numbers(args, LIMITS)
     config = HybridConfig.from_json_file(args.config)
     text_path = Path(args.text) if args.text else _default_text()
     try:

@@ -23,6 +23,7 @@ from kvtune.cache_impl.engine import (
 from kvtune.cache_impl.metrics import json_safe
 from kvtune.cache_impl.model import load_model
 from kvtune.cache_impl.scheduler import SchedulerConfig
+from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import progress_bar, table_console
 
 NAME = "replay"
@@ -89,7 +90,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the metrics and their provenance to this file")
 
 
+LIMITS: Limits = {
+    "--requests": ("requests", 1, True),
+    "--budget-gb": ("budget_gb", 0, False),
+    "--time-scale": ("time_scale", 0, True),
+    "--load": ("load", 0, False),
+    "--length-scale": ("length_scale", 0, False),
+    "--length-cap": ("length_cap", 1, True),
+    "--warmup": ("warmup", 0, True),
+    "--threads": ("threads", 1, True),
+}
+
+
 def run(args: argparse.Namespace) -> int:
+    check_numbers(args, LIMITS)
     config = HybridConfig.from_json_file(args.config)
     SchedulerConfig(args.max_batch, args.max_prefill_tokens)  # bad limits fail before anything loads
     device = resolve_device(args.device)

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtune.search_spaces.cards import Card, resolve_gpu
+from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import table_console
 from kvtune.tuner.driver import Bounds, Event
 from kvtune.tuner.export import (
@@ -119,9 +120,8 @@ def _add_more(parser: argparse.ArgumentParser) -> None:
     add("--no-export", action="store_true", help="do not write a preset")
 
 
-# Numeric options checked before anything starts (a bad one would otherwise surface trials or minutes later):
-# flag -> (attribute, the lowest value allowed, whether that value itself is allowed).
-LIMITS: dict[str, tuple[str, float, bool]] = {
+# Numeric options, checked before anything starts (a bad one would otherwise surface trials or minutes later).
+LIMITS: Limits = {
     "--trials": ("trials", 1, True),
     "--requests": ("requests", 2, True),
     "--windows": ("windows", 1, True),
@@ -139,21 +139,11 @@ LIMITS: dict[str, tuple[str, float, bool]] = {
 }
 
 
-def check_numbers(args: argparse.Namespace) -> None:
-    """One line naming the flag, for the first numeric option out of its range."""
-    for flag, (attr, low, inclusive) in LIMITS.items():
-        value = getattr(args, attr, None)
-        if value is None:
-            continue
-        if not math.isfinite(value) or value < low or (value == low and not inclusive):
-            raise ValueError(f"{flag} {value:g}: must be {'>=' if inclusive else '>'} {low:g}")
-
-
 def run(args: argparse.Namespace) -> int:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    check_numbers(args)
+    check_numbers(args, LIMITS)
     if not Path(args.workload).is_file():
         raise FileNotFoundError(f"--workload {args.workload}: no such trace file")
     card = resolve_gpu(args.gpu, _present_gpus())
