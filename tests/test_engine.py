@@ -320,7 +320,8 @@ def test_replay_command_prints_and_writes_json(tmp_path, capsys):
     ("option", "value", "message"),
     [("--max-prefill-tokens", "0", "`max_prefill_tokens >= 1`"), ("--max-batch", "0", "`max_batch >= 1`"),
      ("--requests", "0", "--requests 0: must be >= 1"),
-     ("--time-scale", "-1", "--time-scale -1: must be >= 0"), ("--load", "0", "--load 0: must be > 0"), ("--budget-gb", "nan", "--budget-gb nan: must be > 0")],
+     ("--time-scale", "-1", "--time-scale -1: must be >= 0"), ("--load", "0", "--load 0: must be > 0"),
+     ("--budget-gb", "nan", "--budget-gb nan: must be > 0")],
 )  # fmt: skip
 def test_replay_command_refuses_bad_limits_before_loading(tmp_path, capsys, option, value, message):
     config = tmp_path / "c.json"
