@@ -33,7 +33,7 @@ from kvtune.kernels.triton_decode import (
     DecodeKernelOptions,
     default_options,
     hybrid_decode_attention_triton,
-    plan_splits,
+    split_plan,
 )
 from kvtune.kernels.triton_quest import quest_topk_triton
 
@@ -182,9 +182,9 @@ def sdpa_case(batch: int, length: int) -> tuple[float, float]:
 
 def hybrid_case(case: Case, options: DecodeKernelOptions) -> dict:
     inp = make_inputs(case)
-    splits, _ = plan_splits(case.batch * H, case.cold, inp["q"].device, options)
     mixed = case.bits == 8 and options.mixed
-    ms = bench(lambda: run_hybrid(inp, options))
+    ms = bench(lambda: run_hybrid(inp, options))  # the warm-up launches read the build's occupancy
+    splits, _ = split_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], options)
     nbytes = hybrid_bytes(case, case.cold, splits, mixed)
     return dict(ms=ms, tbs=nbytes / ms / 1e9, bytes=nbytes, splits=splits)
 
@@ -218,7 +218,7 @@ def sparse_case(case: Case, options: DecodeKernelOptions) -> dict:
     selection_ms = bench(select)
     table = select()
     attention_ms = bench(lambda: attend(table))
-    splits, _ = plan_splits(B * H, l1 + k_blocks, inp["q"].device, options)
+    splits, _ = split_plan(inp["q"], inp["hot_k"], pool, table, options)
     attn = hybrid_bytes(case, 0, splits, False) + B * H * (
         l1 * cold_block_bytes(case.bits, case.bits == 8)
         + k_blocks * cold_block_bytes(4 if case.bits == 8 else case.bits, case.bits == 8)
@@ -311,15 +311,17 @@ def pick_sparse(candidates: list[DecodeKernelOptions], bits: int, rows: list) ->
 
 
 def pick_splits(opt: DecodeKernelOptions, bits: int, rows: list) -> DecodeKernelOptions:
-    """The programs-per-SM target with the lowest summed time at 64x8K and 16x32K."""
+    """The split plan with the lowest summed time at 64x8K and 16x32K: a programs-per-SM target, or the wave
+    model (``wave_splits``; its first launch plans by the target and reads the build's occupancy)."""
     totals = {}
-    for pps in (2, 4, 8, 16):
-        cand = replace(opt, programs_per_sm=pps)
+    plans = [replace(opt, programs_per_sm=pps) for pps in (2, 4, 8, 16)] + [replace(opt, wave_splits=True)]
+    for cand in plans:
         times = [hybrid_case(Case(*shape, bits), cand)["ms"] for shape in PPS_SHAPES]
         rows.append(dict(bits=bits, options=asdict(cand), pps_ms=times))
-        log(f"splits bits={bits} mixed={cand.mixed} pps={pps}: {times}")
-        totals[pps] = sum(times)
-    return replace(opt, programs_per_sm=min(totals, key=lambda k: totals[k]))
+        log(f"splits bits={bits} mixed={cand.mixed} pps={cand.programs_per_sm} waves={cand.wave_splits}: "
+            f"{times}")  # fmt: skip
+        totals[cand] = sum(times)
+    return min(totals, key=lambda k: totals[k])
 
 
 def profile(args: argparse.Namespace) -> int:

@@ -1,9 +1,9 @@
 """Registers, stack and shared memory of the decode-attention kernel variants, and the programs per SM they
-allow on an H100/H200, read from a sm_90 compile on any machine (no GPU needed: :mod:`kvtune.kernels.aot`).
+allow on an H100/H200 (:func:`kvtune.kernels.triton_decode.resident_programs`), read from a sm_90 compile on
+any machine (no GPU needed: :mod:`kvtune.kernels.aot`).
 
 Llama-3-8B heads (32 query, 8 KV, d128), block_size 64, bf16, as ``benchmarks/decode_attention.py`` launches
-them. Programs per SM = min(65,536 registers / (registers x 32 x warps), 228 KB / shared memory per program,
-32 blocks).
+them.
 
     python benchmarks/kernel_resources.py
 """
@@ -50,10 +50,9 @@ def main() -> None:
         base = td.PURE_INT8 if bits == 8 else td.default_options(bits)
         for name, changes in variants.items():
             r = resources(split_launch(bits, replace(base, **changes)))
-            by_regs = 65536 // (r.registers * 32 * r.num_warps)
-            by_smem = (228 * 1024) // max(r.shared_bytes + 1024, 1)  # + the 1 KB the driver reserves
+            resident = td.resident_programs(r.registers, r.num_warps, r.shared_bytes)
             print(f"{bits:>4} {name:<32} {r.num_warps:>5} {r.registers:>5} {r.stack_bytes:>7} "
-                  f"{r.shared_bytes / 1024:>7.1f} {min(by_regs, by_smem, 32):>11}")  # fmt: skip
+                  f"{r.shared_bytes / 1024:>7.1f} {resident:>11}")  # fmt: skip
 
 
 if __name__ == "__main__":

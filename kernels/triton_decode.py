@@ -54,6 +54,10 @@ class DecodeKernelOptions:
         for values (``cvt`` 1 or 2 only).
     defer_min: the value-min term ``sum_t p_t min_t`` (one number per query row) is accumulated in its own
         rescaled vector and added to the output once per split, not to every output channel per block.
+    wave_splits: the split count from a wave model (:func:`wave_splits`) instead of ``programs_per_sm``: the
+        fewest waves x blocks per program, with the programs the build keeps resident per multiprocessor (read
+        from the build at its first launch, which still plans by ``programs_per_sm``). The model assumes
+        sequences of equal length.
     """
 
     cvt: int = 2
@@ -67,6 +71,7 @@ class DecodeKernelOptions:
     words: bool = False
     fold_bias: bool = False
     defer_min: bool = False
+    wave_splits: bool = False
 
 
 # Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
@@ -595,13 +600,114 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def plan_splits(bh: int, m: int, device: torch.device, options: DecodeKernelOptions) -> tuple[int, int]:
-    """(number of splits, cold blocks per split) for bh = B * H programs over a table of m blocks."""
+def _prepare(
+    q: torch.Tensor,
+    hot_k: torch.Tensor,
+    pool: ColdPool,
+    block_table: torch.Tensor,
+    options: DecodeKernelOptions | None,
+) -> tuple[DecodeKernelOptions, dict[str, object], tuple[object, ...], int, int]:
+    """A launch's options, compile-time values, occupancy key, split count and blocks per split."""
+    B, Hq, D = q.shape
+    H, M = block_table.shape[1], block_table.shape[2]
+    G = Hq // H
+    bits = pool.bits
+    if options is None and bits == 8 and not pool.may_demote:
+        options = PURE_INT8
+    opts = _resolve(options, bits, hot_k.dtype)
+    cdt = tl.float32 if hot_k.dtype == torch.float32 else tl.float16
+    prec = "ieee" if hot_k.dtype == torch.float32 else "tf32"
+    mixed = bits == 8 and opts.mixed
+    meta = dict(
+        H=H, G=G, GP=max(16, next_pow2(G)), D=D, T=max(16, next_pow2(pool.k.shape[2])), BS=pool.k.shape[2],
+        HOT_T=min(64, max(16, next_pow2(hot_k.shape[2]))), KIND=bits,
+        MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
+        WORDS=opts.words and not mixed and bits > 0 and _word_aligned(pool),
+        FOLD=opts.fold_bias and opts.cvt > 0, DEFER=opts.defer_min and bits > 0,
+        num_warps=opts.num_warps, num_stages=opts.num_stages,
+        **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
+    )  # fmt: skip
+    key = (str(q.device), *((k, str(v)) for k, v in meta.items())) if opts.wave_splits else ()
+    splits, per = plan_splits(B * H, M, q.device, opts, _RESIDENT.get(key))
+    return opts, meta, key, splits, per
+
+
+def split_plan(
+    q: torch.Tensor,
+    hot_k: torch.Tensor,
+    pool: ColdPool,
+    block_table: torch.Tensor,
+    options: DecodeKernelOptions | None = None,
+) -> tuple[int, int]:
+    """(splits, blocks per split) of :func:`hybrid_decode_attention_triton` on these inputs, as its next
+    launch plans them."""
+    return _prepare(q, hot_k, pool, block_table, options)[3:]
+
+
+def plan_splits(
+    bh: int, m: int, device: torch.device, options: DecodeKernelOptions, resident: int | None = None
+) -> tuple[int, int]:
+    """(number of splits, cold blocks per split) for bh = B * H programs over a table of m blocks;
+    ``resident``: programs of the build resident per multiprocessor (``wave_splits`` plans with it)."""
     target = options.programs_per_sm * _num_sms(device)
     most = max(1, cdiv(m, options.min_blocks_per_split))
-    splits = max(1, min(cdiv(target, bh), most))
+    if options.wave_splits and resident:
+        splits = wave_splits(bh, max(m, 1), most, resident * _num_sms(device), target)
+    else:
+        splits = max(1, min(cdiv(target, bh), most))
     per = max(1, cdiv(m, splits))
     return cdiv(max(m, 1), per), per
+
+
+@functools.lru_cache(maxsize=4096)
+def wave_splits(bh: int, m: int, most: int, slots: int, target: int) -> int:
+    """The split count (1..most) with the least modeled time for bh programs per split over m blocks, when
+    ``slots`` programs run at once: waves (programs / slots, rounded up) x (blocks per program + 1, the
+    program's own work: q, hot zone, partials). Ties go to the program count nearest ``target``.
+
+    Checked against the H200's four split sweeps of run 4 (NOTES): among the four split counts each sweep
+    measured, it picks the fastest in three and one within 1 % in the fourth (INT4 at 64x8K, where all four
+    measured within 1 %)."""
+
+    def cost(s: int) -> tuple[int, int]:
+        return wave_cost(bh, m, s, slots), abs(bh * cdiv(m, cdiv(m, s)) - target)
+
+    best = min(range(1, most + 1), key=cost)
+    return cdiv(m, cdiv(m, best))
+
+
+def wave_cost(bh: int, m: int, splits: int, slots: int) -> int:
+    """Modeled time of ``splits`` splits in blocks: waves x (blocks per program + 1) (:func:`wave_splits`)."""
+    per = cdiv(m, splits)
+    return cdiv(bh * cdiv(m, per), slots) * (per + 1)
+
+
+def resident_programs(
+    registers: int, num_warps: int, shared_bytes: int, regs_per_sm: int = 65536, smem_per_sm: int = 233472
+) -> int:
+    """Programs of a build that fit one multiprocessor at once: by registers, by shared memory (+ the 1 KB per
+    block the driver reserves), at most 32 (sm_90 defaults: 64K registers, 228 KB)."""
+    by_regs = regs_per_sm // max(1, registers * 32 * num_warps)
+    by_smem = smem_per_sm // (shared_bytes + 1024)
+    return max(1, min(by_regs, by_smem, 32))
+
+
+# Programs resident per multiprocessor of each split-kernel build, read from the build at its first launch
+# (``wave_splits``); keyed by the device and the launch's compile-time values.
+_RESIDENT: dict[tuple[object, ...], int] = {}
+
+
+def _resident_of(kernel: object, device: torch.device) -> int | None:
+    """:func:`resident_programs` of a compiled build on ``device`` (None where the launch returned none)."""
+    n_regs, meta = getattr(kernel, "n_regs", None), getattr(kernel, "metadata", None)
+    if not n_regs or meta is None:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return resident_programs(
+        int(n_regs), int(meta.num_warps), int(meta.shared),
+        int(getattr(props, "regs_per_multiprocessor", 65536)),
+        int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
+    )  # fmt: skip
 
 
 def _resolve(options: DecodeKernelOptions | None, bits: int, model_dtype: torch.dtype) -> DecodeKernelOptions:
@@ -685,13 +791,7 @@ def hybrid_decode_attention_triton(
     B, Hq, D = q.shape
     H, M = block_table.shape[1], block_table.shape[2]
     G = Hq // H
-    bits = pool.bits
-    if options is None and bits == 8 and not pool.may_demote:
-        options = PURE_INT8
-    opts = _resolve(options, bits, hot_k.dtype)
-    cdt = tl.float32 if hot_k.dtype == torch.float32 else tl.float16
-    prec = "ieee" if hot_k.dtype == torch.float32 else "tf32"
-    splits, per = plan_splits(B * H, M, q.device, opts)
+    opts, meta, key, splits, per = _prepare(q, hot_k, pool, block_table, options)
     dev = q.device
     part_acc = torch.empty((B * H * splits, G, D), dtype=torch.float32, device=dev)
     part_ml = torch.empty((B * H * splits, 2, G), dtype=torch.float32, device=dev)
@@ -700,24 +800,19 @@ def hybrid_decode_attention_triton(
     table = block_table.contiguous()
     ncold = num_cold.to(torch.int32).contiguous()
     hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
-    T = max(16, next_pow2(pool.k.shape[2]))
-    mixed = bits == 8 and opts.mixed
-    _split_kernel[(splits, B * H)](
+    kernel = _split_kernel[(splits, B * H)](
         q, hot_k, hot_v, hot_slot, hot_len,
         pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
         part_acc, part_ml, blk_lse, hot_lse,
         sm_scale * LOG2E, per, splits, M,
         q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
         pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
-        pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
-        H=H, G=G, GP=max(16, next_pow2(G)), D=D, T=T, BS=pool.k.shape[2],
-        HOT_T=min(64, max(16, next_pow2(hot_k.shape[2]))), KIND=bits,
-        MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
-        WORDS=opts.words and not mixed and bits > 0 and _word_aligned(pool),
-        FOLD=opts.fold_bias and opts.cvt > 0, DEFER=opts.defer_min and bits > 0,
-        num_warps=opts.num_warps, num_stages=opts.num_stages,
-        **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
+        pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1), **meta,
     )  # fmt: skip
+    if opts.wave_splits and key not in _RESIDENT and dev.type == "cuda":
+        resident = _resident_of(kernel, dev)
+        if resident:
+            _RESIDENT[key] = resident
     out = torch.empty_like(q)
     mass = torch.empty((B, H, M), dtype=torch.float32, device=dev)
     hot_mass = torch.empty((B, H), dtype=torch.float32, device=dev)

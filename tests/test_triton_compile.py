@@ -285,3 +285,46 @@ def test_warm_up_compiles_every_kernel_of_a_sparse_replay(monkeypatch: pytest.Mo
         f"{name}: {[a for a in key if a not in next((k for n, k, _ in warm_keys if n == name), ())]}"
         for name, key, _ in missing
     )
+
+
+# ---- the split count's wave model and the occupancy it plans with ---------------------------------------
+def test_resident_programs_match_the_offline_table() -> None:
+    """NOTES' table of the decode variants (registers, shared memory -> programs per SM on sm_90)."""
+    from kvtune.kernels.triton_decode import resident_programs
+
+    kb = 1024
+    assert resident_programs(128, 4, 38 * kb) == 4  # pure INT8, INT4 2 stages + cap 128
+    assert resident_programs(96, 4, 38 * kb) == 5  # cap 96
+    assert resident_programs(162, 4, 70 * kb) == 3  # INT4 3 stages
+    assert resident_programs(61, 8, 38 * kb) == 4  # unquantized, 8 warps: shared memory decides
+    assert resident_programs(16, 1, 0) == 32  # at most 32 blocks per multiprocessor
+
+
+@pytest.mark.parametrize(
+    ("bh", "m", "slots", "measured"),
+    [
+        (128, 511, 528, {3: 0.570, 5: 0.651, 9: 0.550, 17: 0.517}),  # INT4, 16x32K, 4 per SM
+        (128, 511, 660, {3: 0.634, 5: 0.524, 9: 0.565, 17: 0.572}),  # INT8 cap 96, 16x32K, 5 per SM
+        (512, 127, 660, {1: 0.558, 2: 0.584, 3: 0.577, 5: 0.526}),  # INT8 cap 96, 64x8K
+    ],
+)
+def test_the_wave_model_ranks_first_what_the_h200_measured_fastest(
+    bh: int, m: int, slots: int, measured: dict[int, float]
+) -> None:
+    """Run 4's split sweeps (NOTES): of the split counts measured, the least modeled time is the fastest."""
+    from kvtune.kernels.triton_decode import wave_cost
+
+    costs = {s: wave_cost(bh, m, s, slots) for s in measured}
+    assert min(costs, key=lambda s: costs[s]) == min(measured, key=lambda s: measured[s])
+
+
+def test_plan_splits_uses_the_wave_model_only_when_asked_and_the_occupancy_is_known() -> None:
+    from kvtune.kernels.triton_decode import DecodeKernelOptions, plan_splits, wave_splits
+
+    cpu = torch.device("cpu")  # 4 multiprocessors stand in for a GPU's count
+    base = DecodeKernelOptions(programs_per_sm=16)
+    waves = DecodeKernelOptions(programs_per_sm=16, wave_splits=True)
+    assert plan_splits(8, 200, cpu, waves) == plan_splits(8, 200, cpu, base)  # occupancy not read yet
+    splits, per = plan_splits(8, 200, cpu, waves, resident=4)
+    assert splits == wave_splits(8, 200, 50, 16, 64) and splits * per >= 200 > (splits - 1) * per
+    assert plan_splits(8, 200, cpu, base, resident=4) == plan_splits(8, 200, cpu, base)

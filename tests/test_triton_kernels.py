@@ -144,7 +144,8 @@ def poison_allocator(device: str) -> None:
      (8, torch.float16, {"cvt": 1, "fold_bias": True}), (8, torch.float32, {"mixed": False, "words": True}),
      (4, torch.float16, {"cvt": 1, "words": True}),
      (4, torch.float16, {"cvt": 1, "words": True, "fold_bias": True, "defer_min": True}),
-     (4, torch.float16, {"cvt": 1, "k_transposed": True, "fold_bias": True})],
+     (4, torch.float16, {"cvt": 1, "k_transposed": True, "fold_bias": True}),
+     (8, torch.float16, {"cvt": 1, "wave_splits": True})],
     ids=str,
 )  # fmt: skip
 def test_decode_attention_interpreted(
