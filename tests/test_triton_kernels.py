@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -313,6 +313,29 @@ def test_decode_attention_gpu(gpu_kernels, shape: Shape, bits: int, dtype: torch
     poison_allocator("cuda")
     got = hybrid_decode_attention(**inp)  # the public launcher dispatches to Triton on CUDA tensors
     assert_decode_close(got, want, inp["num_cold"], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4, 0])
+def test_decode_wave_splits_gpu(gpu_kernels, bits: int) -> None:
+    """The first launch reads the build's occupancy; the second plans its splits with the wave model."""
+    td = gpu_kernels.triton_decode
+    shape = GPU_SHAPES[2]
+    inp = make_decode(shape, bits, torch.bfloat16, "cuda")
+    opts = td.DecodeKernelOptions(cvt=2 if bits else 0, num_warps=8 if bits == 0 else 4, wave_splits=True)
+    want = hybrid_decode_attention_ref(**inp)
+    first = td.split_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)
+    assert_decode_close(td.hybrid_decode_attention_triton(**inp, options=opts), want, inp["num_cold"],
+                        torch.bfloat16)  # fmt: skip
+    resident = td._RESIDENT[td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[2]]
+    assert 1 <= resident <= 32
+    bh, m = shape.batch * shape.kv_heads, shape.max_blocks
+    second = td.split_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)
+    assert second == td.plan_splits(bh, m, inp["q"].device, opts, resident)
+    assert first == td.plan_splits(bh, m, inp["q"].device, replace(opts, wave_splits=False))
+    poison_allocator("cuda")
+    got = td.hybrid_decode_attention_triton(**inp, options=opts)
+    assert_decode_close(got, want, inp["num_cold"], torch.bfloat16)
 
 
 @pytest.mark.gpu
