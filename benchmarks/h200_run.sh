@@ -26,8 +26,8 @@ for step in "$@"; do
     log "decode step, SmolLM2 shape only"
     step_smol ;;
   sweep)
-    log "decode attention: variant sweep, then 64x8K and 16x32K"
-    timeout 400 python3 benchmarks/decode_attention.py --sweep --quick --out "$OUT/decode_attention" 2>&1 \
+    log "decode attention: variant sweep, then the table of all five shapes"
+    timeout 540 python3 benchmarks/decode_attention.py --sweep --out "$OUT/decode_attention" 2>&1 \
       | tee "$OUT/decode_attention.log" | tail -30 ;;
   step)
     log "decode step: Triton per-token kernels vs PyTorch (attention Triton in both)"
