@@ -388,7 +388,7 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
             continue
         if g["ratio"] is not None:
             console.print(
-                f"{where}: trial {v['trial']} gains {g['ratio']:.3f}x over the unquantized baseline on {key} "
+                f"{where}: trial {v['trial']} against the unquantized baseline on {key}: {g['ratio']:.3f}x "
                 f"(per repeat {g['range'][0]:.3f}-{g['range'][1]:.3f}{_interval(g)}; > 1 is better): "
                 f"{g['verdict']}"
             )
