@@ -241,7 +241,11 @@ def test_export_missing_database_creates_nothing(tmp_path: Path) -> None:
 def test_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     storage, out = _study(tmp_path), tmp_path / "config.json"
     assert main(["export", "--study", "cpu-tiny-sample", "--storage", storage, "--out", str(out)]) == 0
-    assert f"wrote {out}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed
+    gain = json.loads(out.read_text())["metrics"]["gain"]
+    assert f"tpot_p99_ms: {gain['ratio']:.3f}x against the unquantized baseline (95 % interval" in printed
+    assert gain["verdict"] in printed
     assert main(["export", "--study", "x", "--storage", storage, "--out", str(out)]) == 2
     assert "kvtune: error: storage" in capsys.readouterr().err
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from kvtune.tuner.export import DEFAULT_STORAGE, PRESETS_DIR, export_from_study
 
@@ -26,4 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     path = export_from_study(args.storage, args.study, out=args.out, overwrite=args.overwrite)
     print(f"kvtune: wrote {path}")
+    gain = json.loads(Path(path).read_text())["metrics"]["gain"]
+    if gain.get("ratio") is not None:
+        lo, hi = gain["interval95"] or gain["range"]
+        what = "95 % interval" if gain["interval95"] else "range"
+        print(f"  {gain['metric']}: {gain['ratio']:.3f}x against the unquantized baseline ({what} {lo:.3f}-"
+              f"{hi:.3f}; > 1 is better): {gain['verdict']}")  # fmt: skip
     return 0
