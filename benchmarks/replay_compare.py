@@ -65,14 +65,10 @@ def main() -> None:
     budget = int(args.budget_gb * 1e9)
     configs = [HybridConfig.from_json_file(p) for p in args.configs]
     t0 = time.perf_counter()
-    if len({r.arrival_ms for r in requests}) < 2:
-        scale, how = 1.0, "every request arrives at once"  # a time scale changes nothing
-    else:
-        scale = calibrate_time_scale(loaded, requests, budget, device, args.load, configs[0])
-        how = f"calibrated in {time.perf_counter() - t0:.1f} s"
+    scale = calibrate_time_scale(loaded, requests, budget, device, args.load, configs[0])
     print(
         f"model {args.model} on {device} ({_device_name(device)}), {len(requests)} requests, budget "
-        f"{args.budget_gb} GB, time scale {scale:.4g} ({how})"
+        f"{args.budget_gb} GB, time scale {scale:.4g} (calibrated in {time.perf_counter() - t0:.1f} s)"
     )
     engine = Engine(loaded, configs[0], budget, device, max_batch=args.max_batch)
     results = {}

@@ -394,7 +394,8 @@ def calibrate_time_scale(
 
     Saturation = requests/s of the baseline (``config.unquantized()``, default hot_tokens 32, block_size 64)
     serving all ``requests`` at once. The trace's own rate is ``(n - 1) / span``; the returned factor
-    stretches (> 1) or compresses (< 1) arrivals so the rate becomes ``load × saturation``.
+    stretches (> 1) or compresses (< 1) arrivals so the rate becomes ``load × saturation``. Requests that all
+    arrive at once get 1 (no time scale changes them).
     """
     if not 0 < load <= 1.5:
         raise ValueError(f"`0 < load <= 1.5` must hold, but got load={load}")
@@ -402,7 +403,7 @@ def calibrate_time_scale(
         raise ValueError(f"calibration needs at least 2 requests, got {len(requests)}")
     span_ms = max(r.arrival_ms for r in requests) - min(r.arrival_ms for r in requests)
     if span_ms <= 0:
-        raise ValueError("calibration needs requests that arrive at different times (all arrive at once)")
+        return 1.0  # every request arrives at once: a time scale changes nothing
     baseline = (config or DEFAULT_BASELINE).unquantized()
     engine = Engine(loaded, baseline, budget_bytes, device)
     saturation_rps = engine.replay(requests, time_scale=0.0, warmup_requests=warmup_requests).requests_per_s

@@ -107,7 +107,7 @@ def measure_quality(
     progress: Progress | None = None,
 ) -> QualityResult:
     """Measure ``config`` against ``config.unquantized()`` on ``text`` (see the module docstring)."""
-    _check_args(windows, prefill_tokens, decode_tokens, step_ms)
+    check_quality_args(windows, prefill_tokens, decode_tokens, step_ms)
     ids = text_token_ids(loaded, text)
     starts = window_starts(len(ids), windows, prefill_tokens + decode_tokens + 1)
     trials = []
@@ -145,7 +145,7 @@ def window_starts(num_tokens: int, windows: int, window_tokens: int) -> list[int
 # ------------------------------------------------------------------------------------------------ windows
 
 
-def _check_args(windows: int, prefill_tokens: int, decode_tokens: int, step_ms: float) -> None:
+def check_quality_args(windows: int, prefill_tokens: int, decode_tokens: int, step_ms: float) -> None:
     for name, value in (
         ("windows", windows),
         ("prefill_tokens", prefill_tokens),

@@ -222,8 +222,6 @@ def _time_scale(
         return value
     if job.time_scale is not None:
         return job.time_scale
-    if len({r.arrival_ms for r in requests}) < 2:
-        return 1.0  # every request arrives at once: a time scale changes nothing
     try:
         return float(ray.get(pool.actors[0].calibrate.remote(requests, CALIBRATION_LOAD)))
     except ray.exceptions.RayTaskError as e:

@@ -29,6 +29,7 @@ import torch
 
 import kvtune
 from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.quality import check_quality_args
 from kvtune.cache_impl.traces import Request
 
 WARMUP_REQUESTS = 2
@@ -49,11 +50,7 @@ class QualitySettings:
     dtype: str = "float32"  # whatever the replay's dtype (see TrialWorker._quality_loaded)
 
     def __post_init__(self) -> None:
-        for name in ("windows", "prefill_tokens", "decode_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name} >= 1` must hold, but got {name}={getattr(self, name)}")
-        if not self.step_ms > 0:
-            raise ValueError(f"`step_ms > 0` must hold, but got step_ms={self.step_ms}")
+        check_quality_args(self.windows, self.prefill_tokens, self.decode_tokens, self.step_ms)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of ['float32', 'bfloat16', 'float16'], but got {self.dtype!r}"

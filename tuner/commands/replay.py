@@ -121,8 +121,6 @@ def run(args: argparse.Namespace) -> int:
     )
     budget = int(args.budget_gb * 1e9) if args.budget_gb is not None else default_budget_bytes(loaded, device)
     time_scale = args.time_scale
-    if time_scale is None and len({r.arrival_ms for r in requests}) < 2:
-        time_scale = 1.0  # every request arrives at once: a time scale changes nothing
     if time_scale is None:
         with console.status(f"calibrating the time scale (unquantized baseline at load {args.load})"):
             time_scale = calibrate_time_scale(
