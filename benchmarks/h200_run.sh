@@ -56,11 +56,14 @@ for step in "$@"; do
     # MINUTES: time budget (then the best so far is validated); TRIALS (20); RESUME=1 continues the study
     # kept in benchmarks/studies/; NAME: database and study name; one worker per GPU in CUDA_VISIBLE_DEVICES;
     # EXPORT=0: no validation or preset; TIME_SCALE: a fixed time scale (studies to compare);
-    # KILL_AFTER: seconds after which one worker process is killed.
+    # KILL_AFTER: seconds after which one worker process is killed; REQUESTS, LENGTH_SCALE, QWINDOWS,
+    # QPREFILL, QDECODE: the window and the quality measurement (defaults below).
     if [ "$step" = study-llama ]; then
-      model=random:llama-3-8b name=${NAME:-h200_llama3_8b} extra="--requests 24 --length-scale 0.25"
+      model=random:llama-3-8b name=${NAME:-h200_llama3_8b}
+      extra="--requests ${REQUESTS:-24} --length-scale ${LENGTH_SCALE:-0.25}"
     else
-      model=smollm2 name=${NAME:-h200_smollm2} extra="--requests 32 --length-scale 0.5"
+      model=smollm2 name=${NAME:-h200_smollm2}
+      extra="--requests ${REQUESTS:-32} --length-scale ${LENGTH_SCALE:-0.5}"
     fi
     [ "${EXPORT:-1}" = 0 ] && extra="$extra --no-export"
     [ -n "${TIME_SCALE:-}" ] && extra="$extra --time-scale $TIME_SCALE"  # the same pacing for studies compared
@@ -73,7 +76,8 @@ for step in "$@"; do
     ( start=$SECONDS
       timeout $(( ${MINUTES:-6} * 60 + 240 )) python3 -m kvtune --gpu h200 \
       --workload $TRACE --model $model --trials ${TRIALS:-20} $extra --windows 1 --kv-budget 40GB \
-      --time-budget ${MINUTES:-6} --quality-windows 4 --quality-prefill 1024 --quality-decode 128 --no-passkey \
+      --time-budget ${MINUTES:-6} --quality-windows ${QWINDOWS:-4} --quality-prefill ${QPREFILL:-1024} \
+      --quality-decode ${QDECODE:-128} --no-passkey \
       ${RESUME:+--resume} --study "$name" --storage "sqlite:///$OUT/$name.db" --out "$OUT/preset_$name.json"
       log "study $name: exit $?, wall $(( SECONDS - start )) s" ) 2>&1 | tee -a "$OUT/$name.log" | tail -30 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
