@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,7 @@ def test_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     gain = json.loads(out.read_text())["metrics"]["gain"]
     assert f"tpot_p99_ms: {gain['ratio']:.3f}x against the unquantized baseline (95 % interval" in printed
     assert gain["verdict"] in printed
+    assert "  search: 2 trials in " in printed and " on ? worker(s): " in printed
     assert main(["export", "--study", "x", "--storage", storage, "--out", str(out)]) == 2
     assert "kvtune: error: storage" in capsys.readouterr().err
 
@@ -260,3 +262,30 @@ def test_the_interval_is_a_t_interval_on_log_ratios() -> None:
     )
     assert ex.interval95([1.2]) is None
     assert ex.interval95([1.0] * 200) == pytest.approx([1.0, 1.0])
+
+
+def _timed(start_s: float, length_s: float, worker: int, state: str = "COMPLETE") -> optuna.trial.FrozenTrial:
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    trial = optuna.trial.create_trial(
+        state=optuna.trial.TrialState[state],
+        value=1.0 if state == "COMPLETE" else None,
+        user_attrs={ex.ATTR_WORKER: worker},
+    )
+    trial.datetime_start = t0 + timedelta(seconds=start_s)
+    trial.datetime_complete = t0 + timedelta(seconds=start_s + length_s)
+    return trial
+
+
+def test_search_rate_counts_busy_time_and_complete_trials() -> None:
+    # two workers side by side for 100 s (one trial failed), then a resumed run 1000 s later for 30 s
+    trials = [_timed(0, 40, 0), _timed(0, 10, 1, "FAIL"), _timed(12, 88, 1), _timed(40, 60, 0),
+              _timed(1100, 30, 0)]  # fmt: skip
+    rate = ex.search_rate(trials)
+    assert rate is not None
+    assert (rate["complete"], rate["failed"], rate["workers"]) == (4, 1, 2)
+    assert rate["busy_s"] == pytest.approx(130.0)  # the 1000 s gap between the runs is not search time
+    assert rate["per_hour"] == pytest.approx(3600 * 4 / 130)
+    assert rate["mean_trial_s"] == pytest.approx((40 + 10 + 88 + 60 + 30) / 5)
+    line = ex.describe_rate(rate)
+    assert line.startswith("4 trials (+1 failed) in 130 s of search on 2 worker(s): 111 trials per hour")
+    assert ex.search_rate([optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING)]) is None

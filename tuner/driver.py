@@ -52,6 +52,7 @@ from kvtune.tuner.export import (
     ATTR_QUALITY,
     ATTR_SEED,
     ATTR_VERSIONS,
+    ATTR_WORKER,
 )
 from kvtune.tuner.pool import WorkerPool, _last_line
 from kvtune.tuner.study import (
@@ -66,7 +67,6 @@ from kvtune.tuner.study import (
 from kvtune.tuner.worker import TrialResult, WorkerInfo, Workload
 
 ATTR_HOST = "kvtune.host"
-ATTR_WORKER = "kvtune.worker"
 ATTR_WINDOW_METRICS = "kvtune.window_metrics"
 ATTR_LOST = "kvtune.lost_worker"
 ATTR_INTERRUPTED = "kvtune.interrupted"

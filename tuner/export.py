@@ -17,7 +17,8 @@ Study attributes
 Trial attributes
     ``kvtune.config`` (resolved config dict), ``kvtune.seed``, ``kvtune.versions`` (:func:`runtime_versions`),
     ``kvtune.device`` (device name), ``kvtune.metrics`` (final replay metrics dict), ``kvtune.quality``
-    (quality dict), ``kvtune.error`` (one line, when the config crashed or ran out of memory).
+    (quality dict), ``kvtune.error`` (one line, when the config crashed or ran out of memory),
+    ``kvtune.worker`` (the index of the worker that ran it).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ ATTR_DEVICE = "kvtune.device"
 ATTR_METRICS = "kvtune.metrics"
 ATTR_QUALITY = "kvtune.quality"
 ATTR_ERROR = "kvtune.error"
+ATTR_WORKER = "kvtune.worker"  # which worker ran the trial (0, 1, ...)
 STUDY_ATTRS_REQUIRED = (ATTR_CARD, ATTR_MODEL, ATTR_WORKLOAD, ATTR_OBJECTIVE, ATTR_VALIDATION)
 # ``kvtune.validation``: trial (best trial number), config and baseline_config (config dicts), window
 # ({"start_fraction", "end_fraction", "requests"}), repeats, best and baseline (lists of replay metrics
@@ -248,6 +250,47 @@ def verdict(ratios: Sequence[float]) -> str:
     if ci[1] < 1.0:
         return "worse: the 95 % interval of the gain lies below 1"
     return "no gain shown: the 95 % interval of the gain spans 1"
+
+
+def search_rate(trials: Sequence[Any]) -> dict[str, Any] | None:
+    """How fast a study searched, from its finished trials' start and end times.
+
+    ``busy_s`` is the union of the trials' intervals, so the gaps between runs of a resumed study are not
+    counted; ``per_hour`` counts complete trials only (a failed trial's time is spent, not credited);
+    ``workers`` is how many distinct workers ran a trial (``kvtune.worker``). None when no trial has both
+    times."""
+    spans = sorted(
+        (t.datetime_start, t.datetime_complete)
+        for t in trials
+        if t.datetime_start is not None and t.datetime_complete is not None
+    )
+    if not spans:
+        return None
+    busy, (lo, hi) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start > hi:
+            busy, lo = busy + (hi - lo).total_seconds(), start
+        hi = max(hi, end)
+    busy += (hi - lo).total_seconds()
+    complete = sum(1 for t in trials if t.state.name == "COMPLETE" and t.datetime_complete is not None)
+    durations = [(end - start).total_seconds() for start, end in spans]
+    return {
+        "complete": complete,
+        "failed": sum(1 for t in trials if t.state.name == "FAIL"),
+        "workers": len({t.user_attrs.get(ATTR_WORKER) for t in trials if ATTR_WORKER in t.user_attrs}),
+        "busy_s": busy,
+        "per_hour": 3600.0 * complete / busy if busy > 0 else None,
+        "mean_trial_s": statistics.fmean(durations),
+    }
+
+
+def describe_rate(rate: Mapping[str, Any]) -> str:
+    """One line for :func:`search_rate`'s result."""
+    failed = f" (+{rate['failed']} failed)" if rate["failed"] else ""
+    per_hour = "-" if rate["per_hour"] is None else f"{rate['per_hour']:.0f}"
+    workers = rate["workers"] or "?"
+    return (f"{rate['complete']} trials{failed} in {rate['busy_s']:.0f} s of search on {workers} worker(s): "
+            f"{per_hour} trials per hour, {rate['mean_trial_s']:.1f} s per trial")  # fmt: skip
 
 
 def _objective(objective: str) -> tuple[str, str]:

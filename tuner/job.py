@@ -94,6 +94,7 @@ class TuneReport:
     workers: tuple[WorkerInfo, ...]
     budget_spent: bool = False  # the time budget ended the search before the target
     warnings: tuple[str, ...] = ()
+    rate: dict[str, Any] | None = None  # how fast the search went (:func:`kvtune.tuner.export.search_rate`)
 
 
 def tune(job: TuneJob, events: Callable[[Event], None] | None = None) -> TuneReport:
@@ -149,6 +150,7 @@ def _run(
     # The target reached, or the time budget spent: the best so far is validated and exported (the preset
     # records how many trials it is the best of). Ctrl-C raises out of the loop and exports nothing.
     finished = finished_trials(study)
+    rate = export.search_rate(study.get_trials(deepcopy=False))
     cut_short = deadline is not None and time.monotonic() >= deadline and finished < job.trials
     if finished >= job.trials or (cut_short and finished > 0):
         validation = _validate(job, study, pool, trace, info, time_scale, finished)
@@ -158,6 +160,7 @@ def _run(
     return TuneReport(
         job.options.name, job.options.storage, finished, job.trials, best, validation, preset,
         space.describe(), time_scale, tuple(infos), cut_short, quality_coverage(space, job.spec.quality),
+        rate,
     )  # fmt: skip
 
 

@@ -6,7 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from kvtune.tuner.export import DEFAULT_STORAGE, PRESETS_DIR, export_from_study
+from kvtune.tuner.export import (
+    DEFAULT_STORAGE,
+    PRESETS_DIR,
+    describe_rate,
+    export_from_study,
+    load_study,
+    search_rate,
+)
 
 NAME = "export"
 HELP = "write a finished study's preset (config, validated metrics, vLLM section) from the database"
@@ -28,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     path = export_from_study(args.storage, args.study, out=args.out, overwrite=args.overwrite)
     print(f"kvtune: wrote {path}")
+    rate = search_rate(load_study(args.storage, args.study).get_trials(deepcopy=False))
+    if rate is not None:
+        print(f"  search: {describe_rate(rate)}")
     gain = json.loads(Path(path).read_text())["metrics"]["gain"]
     if gain.get("ratio") is not None:
         lo, hi = gain["interval95"] or gain["range"]

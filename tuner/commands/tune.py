@@ -34,6 +34,7 @@ from kvtune.tuner.export import (
     ATTR_QUALITY,
     MIN_REPEATS,
     OBJECTIVE_METRICS,
+    describe_rate,
     paired_gain,
 )
 from kvtune.tuner.job import TuneJob, TuneReport, tune
@@ -362,6 +363,8 @@ def _row(t: Any) -> list[str]:
 
 def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
     console.print(f"study {report.study}: {report.finished}/{report.target} trials finished")
+    if report.rate is not None:
+        console.print(f"  {describe_rate(report.rate)}")
     if report.budget_spent:
         console.print(
             "  the time budget ended the search: the best so far is validated; --resume continues it"
