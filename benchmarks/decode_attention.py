@@ -242,7 +242,7 @@ def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float,
     ok = err < (2e-2 if bits else 1e-2)
     rows.append(dict(bits=bits, options=asdict(opt), err=err, ms=res["ms"], tbs=res["tbs"], ok=ok))
     log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
-        f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min} "
+        f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min} i8={opt.int8_dot} "
         f"{res['ms']:.4f} ms "
         f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
     return (res["ms"], opt) if ok else None
@@ -264,11 +264,14 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(maxnreg=96),  # 5 programs of 4 warps per SM instead of 4 (spills to be read in kernels.txt)
         dict(mixed=True),
         dict(mixed=True, maxnreg=96),
+        dict(int8_dot=True),  # codes to the integer matrix unit, q and p split into two int8 parts
     ],
     4: [
         {},
         dict(num_stages=3, maxnreg=None),  # the default before run 4 (3 programs per SM)
         dict(words=True, k_transposed=False),
+        dict(int8_dot=True),
+        dict(int8_dot=True, k_transposed=False),
     ],
     0: [{}],
 }

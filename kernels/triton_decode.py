@@ -54,6 +54,13 @@ class DecodeKernelOptions:
         for values (``cvt`` 1 or 2 only).
     defer_min: the value-min term ``sum_t p_t min_t`` (one number per query row) is accumulated in its own
         rescaled vector and added to the output once per split, not to every output channel per block.
+    int8_dot: the cold codes go to the matrix unit as int8 (``int8 x int8 -> int32``), with no conversion to
+        fp16: ``q * key scale`` and ``p * value scale`` are split per block into two int8 parts,
+        ``x ~ s (h + l / 254)`` with ``s = max|x| / 127`` per row (|error| <= max|x| / 64516, finer than
+        fp16's rounding of the largest element). 8-bit codes are centred by ``c ^ 0x80`` (``c - 128``), 4-bit
+        high nibbles are taken as ``(byte & 0xF0) ^ 0x80`` (``16 c - 128``); the offsets come back through
+        ``sum(h + l / 254)``. Pure 8-bit and 4-bit pools, head dim >= 64, blocks of >= 32 tokens (the int8
+        matrix unit's depth is 32); other cases, and float32 models, take the fp16 path.
     wave_splits: the split count from a wave model (:func:`wave_splits`) instead of ``programs_per_sm``: the
         fewest waves x blocks per program, with the programs the build keeps resident per multiprocessor (read
         from the build at its first launch, which still plans by ``programs_per_sm``). The model assumes
@@ -72,6 +79,7 @@ class DecodeKernelOptions:
     fold_bias: bool = False
     defer_min: bool = False
     wave_splits: bool = False
+    int8_dot: bool = False
 
 
 # Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
@@ -455,6 +463,96 @@ def _quant_tile(
     return m_i, l_i, acc_lo, acc_hi, acc_m, lse
 
 
+@triton.jit
+def _i8_parts(x, amax):
+    """x [R, C] float32 as two int8 tiles and a per-row scale: x ~ s (h + l / 254), s = amax / 127."""
+    inv = 127.0 / tl.maximum(amax, 1.0e-30)  # rows of zeros (padding) stay zeros
+    y = x * inv[:, None]
+    h = tl.floor(y + 0.5)
+    lo = tl.floor((y - h) * 254.0 + 0.5)
+    return h.to(tl.int8), lo.to(tl.int8), amax * (1.0 / 127.0), tl.sum(h + lo * (1.0 / 254.0), 1)
+
+
+@triton.jit
+def _i8_dot(h, lo, codes):
+    """sum(h + l / 254) . codes for int8 tiles, in float32 (two int8 x int8 -> int32 products)."""
+    hi_part = tl.dot(h, codes, out_dtype=tl.int32).to(tl.float32)
+    return hi_part + tl.dot(lo, codes, out_dtype=tl.int32).to(tl.float32) * (1.0 / 254.0)
+
+
+@triton.jit
+def _signed_halves(ptr, s_t, T: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
+                   TRANS: tl.constexpr):  # fmt: skip
+    """Codes of channels [0, D/2) and [D/2, D) of one block as int8 tiles [T, DH] ([DH, T] if TRANS): 8-bit
+    ``c - 128`` both; 4-bit ``c`` (low nibble) and ``16 c - 128`` (high nibble): bit operations on whole bytes
+    (:func:`_i8_true` undoes the offsets)."""
+    t = tl.arange(0, T)
+    c = tl.arange(0, DH)
+    if TRANS:
+        offs = t[None, :].to(tl.int64) * s_t + c[:, None]
+        tmask = (t < BS)[None, :]
+    else:
+        offs = t[:, None].to(tl.int64) * s_t + c[None, :]
+        tmask = (t < BS)[:, None]
+    raw_lo = tl.load(ptr + offs, mask=tmask, other=0)
+    if KIND == 4:
+        lo = raw_lo & 15
+        hi = (raw_lo & 240) ^ 128
+    else:
+        lo = raw_lo ^ 128
+        hi = tl.load(ptr + offs + DH, mask=tmask, other=0) ^ 128
+    return lo.to(tl.int8, bitcast=True), hi.to(tl.int8, bitcast=True)
+
+
+@triton.jit
+def _i8_true(dot, sums, KIND: tl.constexpr, HIGH: tl.constexpr):
+    """The product with the true codes from the product with :func:`_signed_halves`' tiles; ``sums``: per
+    row, sum(h + l / 254) of the other operand."""
+    if KIND == 4:
+        if HIGH:
+            return (dot + 128.0 * sums[:, None]) * 0.0625
+        else:
+            return dot
+    else:
+        return dot + 128.0 * sums[:, None]
+
+
+@triton.jit
+def _quant_tile_i8(
+    k_ptr, v_ptr, s_t, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, q_lo, q_hi, m_i, l_i, acc_lo, acc_hi,
+    DH: tl.constexpr, T: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, KT: tl.constexpr,
+):  # fmt: skip
+    """:func:`_quant_tile` on the integer matrix unit (``DecodeKernelOptions.int8_dot``), pure pools only."""
+    c = tl.arange(0, DH)
+    t = tl.arange(0, T)
+    qs_lo = q_lo * tl.load(ksc_ptr + c).to(tl.float32)[None, :]
+    qs_hi = q_hi * tl.load(ksc_ptr + DH + c).to(tl.float32)[None, :]
+    qm = tl.sum(q_lo * tl.load(kmin_ptr + c).to(tl.float32)[None, :], 1)
+    qm += tl.sum(q_hi * tl.load(kmin_ptr + DH + c).to(tl.float32)[None, :], 1)
+    amax = tl.maximum(tl.max(tl.abs(qs_lo), 1), tl.max(tl.abs(qs_hi), 1))
+    hl, ll, scale, sum_lo = _i8_parts(qs_lo, amax)
+    hh, lh, _, sum_hi = _i8_parts(qs_hi, amax)
+    k_lo, k_hi = _signed_halves(k_ptr, s_t, T, DH, BS, KIND, KT)
+    if not KT:
+        k_lo = tl.trans(k_lo)
+        k_hi = tl.trans(k_hi)
+    s = _i8_true(_i8_dot(hl, ll, k_lo), sum_lo, KIND, False)
+    s += _i8_true(_i8_dot(hh, lh, k_hi), sum_hi, KIND, True)
+    s = tl.where((t < BS)[None, :], s * scale[:, None] + qm[:, None], float("-inf"))
+    p, alpha, m_i, l_i, lse = _softmax_step(s, m_i, l_i)
+    vmin = tl.load(vmin_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
+    vsc = tl.load(vsc_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
+    ps = p * vsc[None, :]
+    pm = tl.sum(p * vmin[None, :], 1)
+    hp, lp, pscale, psum = _i8_parts(ps, tl.max(ps, 1))
+    v_lo, v_hi = _signed_halves(v_ptr, s_t, T, DH, BS, KIND, False)
+    o_lo = _i8_true(_i8_dot(hp, lp, v_lo), psum, KIND, False) * pscale[:, None]
+    o_hi = _i8_true(_i8_dot(hp, lp, v_hi), psum, KIND, True) * pscale[:, None]
+    acc_lo = acc_lo * alpha[:, None] + o_lo + pm[:, None]
+    acc_hi = acc_hi * alpha[:, None] + o_hi + pm[:, None]
+    return m_i, l_i, acc_lo, acc_hi, lse
+
+
 # Sizes that follow the batch and the sequence lengths are not specialized (an int equal to 1 or divisible by
 # 16 would otherwise compile the kernel again, seconds each, in the middle of a replay).
 @triton.jit(do_not_specialize=["blocks_per_split", "num_splits", "M"])
@@ -467,7 +565,7 @@ def _split_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr, BS: tl.constexpr,
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
     PREC: tl.constexpr, KT: tl.constexpr = False, WORDS: tl.constexpr = False, FOLD: tl.constexpr = False,
-    DEFER: tl.constexpr = False,
+    DEFER: tl.constexpr = False, I8: tl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse."""
     pid_s = tl.program_id(0)
@@ -511,6 +609,12 @@ def _split_kernel(
             m_i, l_i, acc_lo, acc_hi, lse = _dense_tile(
                 k_ptr, v_ptr, s_ct, BS, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, T, PREC
             )
+        elif I8:
+            kq = bid * s_kn + h * s_kh
+            vq = bid * s_vn + h * s_vh
+            m_i, l_i, acc_lo, acc_hi, lse = _quant_tile_i8(
+                k_ptr, v_ptr, s_ct, kmin_ptr + kq, ksc_ptr + kq, vmin_ptr + vq, vsc_ptr + vq, qf_lo, qf_hi,
+                m_i, l_i, acc_lo, acc_hi, DH, T, BS, KIND, KT)  # fmt: skip
         else:
             bits = tl.load(bits_ptr + bid) if MIXED else KIND
             kq = bid * s_kn + h * s_kh
@@ -624,6 +728,7 @@ def _prepare(
         MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
         WORDS=opts.words and not mixed and bits > 0 and _word_aligned(pool),
         FOLD=opts.fold_bias and opts.cvt > 0, DEFER=opts.defer_min and bits > 0,
+        I8=opts.int8_dot and bits > 0 and not mixed and D // 2 >= 32 and pool.k.shape[2] >= 32,
         num_warps=opts.num_warps, num_stages=opts.num_stages,
         **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
     )  # fmt: skip
@@ -718,14 +823,15 @@ def _resolve(options: DecodeKernelOptions | None, bits: int, model_dtype: torch.
 def _resolved(
     options: DecodeKernelOptions | None, bits: int, model_dtype: torch.dtype, interpreting: bool
 ) -> DecodeKernelOptions:
-    """The options a launch uses: float32 models convert codes by cast; the interpreter cannot run PTX."""
+    """The options a launch uses: float32 models convert codes by cast (and never split into int8); the
+    interpreter cannot run PTX."""
     opts = options or default_options(bits)
-    cvt = opts.cvt
-    if model_dtype == torch.float32:
-        cvt = 0
+    cvt, int8_dot = opts.cvt, opts.int8_dot
+    if model_dtype == torch.float32:  # exact arithmetic: codes cast to float32, no int8 splitting
+        cvt, int8_dot = 0, False
     elif cvt == 2 and interpreting:
         cvt = 1
-    return replace(opts, cvt=cvt)
+    return replace(opts, cvt=cvt, int8_dot=int8_dot)
 
 
 def _word_aligned(pool: ColdPool) -> bool:

@@ -157,6 +157,43 @@ def test_decode_attention_interpreted(
     assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], dtype)
 
 
+I8_SHAPES = [Shape(2, 2, 4, 64, 32, 3, 40), Shape(1, 1, 2, 64, 48, 2, 20)]
+
+
+@pytest.mark.parametrize("shape", I8_SHAPES, ids=str)
+@pytest.mark.parametrize(
+    ("bits", "knobs"),
+    [
+        (8, {"mixed": False}),
+        (8, {"mixed": False, "k_transposed": True}),
+        (4, {}),
+        (4, {"k_transposed": True}),
+    ],
+    ids=str,
+)
+def test_decode_int8_dot_interpreted(kernels, shape: Shape, bits: int, knobs: dict) -> None:
+    td = kernels.triton_decode
+    inp = make_decode(shape, bits, torch.float16, "cpu", demote=False)
+    opts = td.DecodeKernelOptions(cvt=1, int8_dot=True, min_blocks_per_split=2, **knobs)
+    meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
+    assert meta["I8"], "the int8 path must be the one under test"
+    got = td.hybrid_decode_attention_triton(**inp, options=opts)
+    assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.float16)
+
+
+def test_int8_dot_only_where_it_applies(kernels) -> None:
+    """Mixed 8-bit pools, float32 models, head dims below 64 and blocks below 32 tokens take the fp16 path."""
+    td = kernels.triton_decode
+    opts = td.DecodeKernelOptions(cvt=1, int8_dot=True)
+    cases = [(I8_SHAPES[0], 8, torch.float16, True), (I8_SHAPES[0], 4, torch.float32, False),
+             (CPU_SHAPES[1], 4, torch.float16, False),
+             (Shape(1, 1, 2, 64, 16, 2, 20), 4, torch.float16, False)]  # fmt: skip
+    for shape, bits, dtype, demote in cases:
+        inp = make_decode(shape, bits, dtype, "cpu", demote=demote)
+        meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
+        assert not meta["I8"], (shape, bits, dtype)
+
+
 @pytest.mark.parametrize("head_dim", [16, 48])
 def test_untileable_head_dim_takes_reference_interpreted(kernels, head_dim: int) -> None:
     inp = make_decode(Shape(2, 2, 2, head_dim, 8, 3, 8), 8, torch.float32, "cpu")
@@ -336,6 +373,24 @@ def test_decode_wave_splits_gpu(gpu_kernels, bits: int) -> None:
     poison_allocator("cuda")
     got = td.hybrid_decode_attention_triton(**inp, options=opts)
     assert_decode_close(got, want, inp["num_cold"], torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [GPU_SHAPES[0], GPU_SHAPES[2], Shape(3, 4, 5, 64, 32, 21, 48)], ids=str)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("k_transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_int8_dot_gpu(
+    gpu_kernels, shape: Shape, bits: int, k_transposed: bool, dtype: torch.dtype
+) -> None:
+    td = gpu_kernels.triton_decode
+    inp = make_decode(shape, bits, dtype, "cuda", demote=False)
+    opts = td.DecodeKernelOptions(cvt=2, mixed=False, k_transposed=k_transposed, int8_dot=True, maxnreg=128)
+    assert td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]["I8"]
+    want = hybrid_decode_attention_ref(**inp)
+    poison_allocator("cuda")
+    got = td.hybrid_decode_attention_triton(**inp, options=opts)
+    assert_decode_close(got, want, inp["num_cold"], dtype)
 
 
 @pytest.mark.gpu
