@@ -277,15 +277,15 @@ def _timed(start_s: float, length_s: float, worker: int, state: str = "COMPLETE"
 
 
 def test_search_rate_counts_busy_time_and_complete_trials() -> None:
-    # two workers side by side for 100 s (one trial failed), then a resumed run 1000 s later for 30 s
-    trials = [_timed(0, 40, 0), _timed(0, 10, 1, "FAIL"), _timed(12, 88, 1), _timed(40, 60, 0),
+    # two workers side by side for 100 s (one trial failed, one pruned), then a resumed run 1000 s later
+    trials = [_timed(0, 40, 0), _timed(0, 10, 1, "FAIL"), _timed(12, 88, 1), _timed(40, 60, 0, "PRUNED"),
               _timed(1100, 30, 0)]  # fmt: skip
     rate = ex.search_rate(trials)
     assert rate is not None
-    assert (rate["complete"], rate["failed"], rate["workers"]) == (4, 1, 2)
+    assert (rate["finished"], rate["pruned"], rate["failed"], rate["workers"]) == (4, 1, 1, 2)
     assert rate["busy_s"] == pytest.approx(130.0)  # the 1000 s gap between the runs is not search time
     assert rate["per_hour"] == pytest.approx(3600 * 4 / 130)
     assert rate["mean_trial_s"] == pytest.approx((40 + 10 + 88 + 60 + 30) / 5)
     line = ex.describe_rate(rate)
-    assert line.startswith("4 trials (+1 failed) in 130 s of search on 2 worker(s): 111 trials per hour")
+    assert line.startswith("4 trials (1 pruned, 1 failed) in 130 s of search on 2 worker(s): 111 trials per")
     assert ex.search_rate([optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING)]) is None

@@ -111,6 +111,9 @@ def test_no_trial_lost_or_duplicated(killed_run: tuple[TuneReport, Any, KillOnce
     starts = Counter(e.trial for e in killed_run[2].events if e.kind == "start")
     assert set(starts.values()) == {1}  # every trial number started exactly once
     assert len(study.trials) == TRIALS + 1
+    rate = report.rate  # what the console prints after "trials finished"
+    assert rate is not None and (rate["finished"], rate["failed"]) == (TRIALS, 1)
+    assert rate["workers"] >= 2 and rate["per_hour"] > 0
 
 
 def test_validation_spreads_over_workers(killed_run: tuple[TuneReport, Any, KillOnce]) -> None:

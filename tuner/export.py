@@ -253,44 +253,42 @@ def verdict(ratios: Sequence[float]) -> str:
 
 
 def search_rate(trials: Sequence[Any]) -> dict[str, Any] | None:
-    """How fast a study searched, from its finished trials' start and end times.
+    """How fast a study searched, from its trials' start and end times.
 
     ``busy_s`` is the union of the trials' intervals, so the gaps between runs of a resumed study are not
-    counted; ``per_hour`` counts complete trials only (a failed trial's time is spent, not credited);
-    ``workers`` is how many distinct workers ran a trial (``kvtune.worker``). None when no trial has both
-    times."""
-    spans = sorted(
-        (t.datetime_start, t.datetime_complete)
-        for t in trials
-        if t.datetime_start is not None and t.datetime_complete is not None
-    )
-    if not spans:
+    counted; ``per_hour`` counts finished trials (complete or pruned: the study's trial count), not failed
+    ones (their time is spent, not credited); ``workers`` is how many distinct workers ran a trial
+    (``kvtune.worker``). None when no trial has both times."""
+    timed = [t for t in trials if t.datetime_start is not None and t.datetime_complete is not None]
+    if not timed:
         return None
+    spans = sorted((t.datetime_start, t.datetime_complete) for t in timed)
     busy, (lo, hi) = 0.0, spans[0]
     for start, end in spans[1:]:
         if start > hi:
             busy, lo = busy + (hi - lo).total_seconds(), start
         hi = max(hi, end)
     busy += (hi - lo).total_seconds()
-    complete = sum(1 for t in trials if t.state.name == "COMPLETE" and t.datetime_complete is not None)
-    durations = [(end - start).total_seconds() for start, end in spans]
+    count = lambda state: sum(1 for t in timed if t.state.name == state)
+    finished = count("COMPLETE") + count("PRUNED")
     return {
-        "complete": complete,
-        "failed": sum(1 for t in trials if t.state.name == "FAIL"),
-        "workers": len({t.user_attrs.get(ATTR_WORKER) for t in trials if ATTR_WORKER in t.user_attrs}),
+        "finished": finished,
+        "pruned": count("PRUNED"),
+        "failed": count("FAIL"),
+        "workers": len({t.user_attrs.get(ATTR_WORKER) for t in timed if ATTR_WORKER in t.user_attrs}),
         "busy_s": busy,
-        "per_hour": 3600.0 * complete / busy if busy > 0 else None,
-        "mean_trial_s": statistics.fmean(durations),
+        "per_hour": 3600.0 * finished / busy if busy > 0 else None,
+        "mean_trial_s": statistics.fmean((end - start).total_seconds() for start, end in spans),
     }
 
 
 def describe_rate(rate: Mapping[str, Any]) -> str:
     """One line for :func:`search_rate`'s result."""
-    failed = f" (+{rate['failed']} failed)" if rate["failed"] else ""
+    extra = ", ".join(f"{rate[k]} {k}" for k in ("pruned", "failed") if rate[k])
     per_hour = "-" if rate["per_hour"] is None else f"{rate['per_hour']:.0f}"
-    workers = rate["workers"] or "?"
-    return (f"{rate['complete']} trials{failed} in {rate['busy_s']:.0f} s of search on {workers} worker(s): "
-            f"{per_hour} trials per hour, {rate['mean_trial_s']:.1f} s per trial")  # fmt: skip
+    return (f"{rate['finished']} trials{f' ({extra})' if extra else ''} in {rate['busy_s']:.0f} s of search"
+            f" on {rate['workers'] or '?'} worker(s): {per_hour} trials per hour, "
+            f"{rate['mean_trial_s']:.1f} s per trial")  # fmt: skip
 
 
 def _objective(objective: str) -> tuple[str, str]:
