@@ -243,6 +243,7 @@ def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float,
     rows.append(dict(bits=bits, options=asdict(opt), err=err, ms=res["ms"], tbs=res["tbs"], ok=ok))
     log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
         f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min} i8={opt.int8_dot} "
+        f"vp={opt.v_pairs} "
         f"{res['ms']:.4f} ms "
         f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
     return (res["ms"], opt) if ok else None
@@ -265,6 +266,9 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(mixed=True),
         dict(mixed=True, maxnreg=96),
         dict(int8_dot=True),  # codes to the integer matrix unit, q and p split into two int8 parts
+        dict(v_pairs=True),  # value codes as 16-bit channel pairs: a transposing ldmatrix, no byte gather
+        dict(v_pairs=True, fold_bias=True, defer_min=True),
+        dict(v_pairs=True, maxnreg=None),
     ],
     4: [
         {},

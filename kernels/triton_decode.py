@@ -61,6 +61,11 @@ class DecodeKernelOptions:
         high nibbles are taken as ``(byte & 0xF0) ^ 0x80`` (``16 c - 128``); the offsets come back through
         ``sum(h + l / 254)``. Pure 8-bit and 4-bit pools, head dim >= 64, blocks of >= 32 tokens (the int8
         matrix unit's depth is 32); other cases, and float32 models, take the fp16 path.
+    v_pairs: value codes are read as 16-bit pairs of neighbouring channels (``[T, D/2]`` uint16), split
+        into the even and the odd channels and multiplied as two ``[T, D/2]`` tiles; the output accumulates
+        as even and odd channels instead of low and high halves. 16-bit elements take the matrix unit's
+        transposing shared-memory load, where byte codes are gathered one by one for ``P . V`` (whose
+        contraction runs over tokens). Pure 8-bit pools only (others take the byte path).
     wave_splits: the split count from a wave model (:func:`wave_splits`) instead of ``programs_per_sm``: the
         fewest waves x blocks per program, with the programs the build keeps resident per multiprocessor (read
         from the build at its first launch, which still plans by ``programs_per_sm``). The model assumes
@@ -80,6 +85,7 @@ class DecodeKernelOptions:
     defer_min: bool = False
     wave_splits: bool = False
     int8_dot: bool = False
+    v_pairs: bool = False
 
 
 # Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
@@ -156,6 +162,72 @@ def _codes_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr = Fals
             return (x.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
     else:
         return x.to(CDT)
+
+
+@triton.jit
+def _pair_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr = False):
+    """uint16 pairs of 8-bit codes (low byte: even channel) -> (even, odd) codes in CDT, exact; ``1024 +
+    code`` if FOLD."""
+    if CVT == 2:
+        return _pair_to_f16_prmt(x, FOLD)
+    lo = x & 255
+    hi = x >> 8
+    if CVT == 0:
+        return lo.to(CDT), hi.to(CDT)
+    else:  # magic number: 0x6400 | c is 1024 + c in fp16
+        even = (lo | 0x6400).to(tl.float16, bitcast=True)
+        odd = (hi | 0x6400).to(tl.float16, bitcast=True)
+        if FOLD:
+            return even, odd
+        else:
+            return even - 1024.0, odd - 1024.0
+
+
+@triton.jit
+def _pair_to_f16_prmt(x, FOLD: tl.constexpr):
+    """uint16 code pairs -> (even, odd) fp16 codes, two pairs at a time: one ``prmt`` and one ``sub.f16x2``
+    per output register (bytes 0 and 2 are the even channel of the two pairs, bytes 1 and 3 the odd one);
+    FOLD: ``1024 + code``, no subtraction."""
+    if FOLD:
+        return tl.inline_asm_elementwise(
+            asm="""
+            prmt.b32 $0, $2, 0x64646464, 0x4240;
+            prmt.b32 $1, $2, 0x64646464, 0x4341;
+            """,
+            constraints="=r,=r,r",
+            args=[x],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, bias;
+        mov.b32 bias, 0x64006400;
+        prmt.b32 t0, $2, 0x64646464, 0x4240;
+        prmt.b32 t1, $2, 0x64646464, 0x4341;
+        sub.f16x2 $0, t0, bias;
+        sub.f16x2 $1, t1, bias;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _value_pairs(ptr, s_t, T: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, CDT: tl.constexpr,
+                 CVT: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
+    """The value codes of one 8-bit block as (even, odd) channel tiles [T, DH] in CDT (``v_pairs``)."""
+    t = tl.arange(0, T)
+    j = tl.arange(0, DH)
+    offs = t[:, None].to(tl.int64) * (s_t // 2) + j[None, :]
+    raw = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=(t < BS)[:, None], other=0)
+    return _pair_to(raw, CDT, CVT, FOLD)
 
 
 @triton.jit
@@ -323,8 +395,10 @@ def _dense_tile(
     DH: tl.constexpr,
     T: tl.constexpr,
     PREC: tl.constexpr,
+    VPAIR: tl.constexpr = False,
 ):
-    """T tokens in model precision (hot zone or an unquantized block); rows t >= n_valid masked."""
+    """T tokens in model precision (hot zone or an unquantized block); rows t >= n_valid masked. VPAIR: the
+    output's two halves are the even and the odd channels (``v_pairs``), not the low and the high half."""
     t = tl.arange(0, T)
     c = tl.arange(0, DH)
     valid = t < n_valid
@@ -336,8 +410,13 @@ def _dense_tile(
     )
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     p, alpha, m_i, l_i, lse = _softmax_step(s, m_i, l_i)
-    v_lo = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
-    v_hi = tl.load(v_ptr + offs + DH, mask=valid[:, None], other=0.0)
+    if VPAIR:
+        v_offs = t[:, None].to(tl.int64) * s_t + 2 * c[None, :]
+        v_lo = tl.load(v_ptr + v_offs, mask=valid[:, None], other=0.0)
+        v_hi = tl.load(v_ptr + v_offs + 1, mask=valid[:, None], other=0.0)
+    else:
+        v_lo = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+        v_hi = tl.load(v_ptr + offs + DH, mask=valid[:, None], other=0.0)
     pv = p.to(v_lo.dtype)
     acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo, input_precision=PREC)
     acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi, input_precision=PREC)
@@ -406,8 +485,10 @@ def _quant_tile(
     WORDS: tl.constexpr = False,
     FOLD: tl.constexpr = False,
     DEFER: tl.constexpr = False,
+    VPAIR: tl.constexpr = False,
 ):
     """One quantized cold block; every pointer is already at this (block, head). KT: load keys as [DH, T];
+    VPAIR: values as even/odd channel tiles (:func:`_value_pairs`);
     WORDS: codes from int32 words (:func:`_word_halves`); FOLD: codes arrive as ``1024 + code``; DEFER: the
     value-min term goes to ``acc_m`` [GP] (added to every channel by the caller at the end)."""
     four = bits == 4
@@ -447,7 +528,9 @@ def _quant_tile(
     pm = tl.sum(p * vmin[None, :], 1)
     if FOLD:
         pm -= 1024.0 * tl.sum(ps.to(tl.float32), 1)
-    if WORDS:
+    if VPAIR:
+        v_lo, v_hi = _value_pairs(v_ptr, s_t, T, DH, BS, CDT, CVT, FOLD)
+    elif WORDS:
         v_lo, v_hi = _word_halves(v_ptr, s_t, T, DH, BS, KIND, CDT, CVT, FOLD)
     else:
         v_lo, v_hi = _code_halves(v_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, False)
@@ -565,7 +648,7 @@ def _split_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr, BS: tl.constexpr,
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
     PREC: tl.constexpr, KT: tl.constexpr = False, WORDS: tl.constexpr = False, FOLD: tl.constexpr = False,
-    DEFER: tl.constexpr = False, I8: tl.constexpr = False,
+    DEFER: tl.constexpr = False, I8: tl.constexpr = False, VPAIR: tl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse."""
     pid_s = tl.program_id(0)
@@ -593,7 +676,7 @@ def _split_kernel(
     for t0 in range(0, n_hot, HOT_T):
         m_i, l_i, acc_lo, acc_hi, _ = _dense_tile(
             hot_k_ptr + hot_off + t0 * s_ht, hot_v_ptr + hot_off + t0 * s_ht, s_ht, n_hot - t0,
-            q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, HOT_T, PREC)  # fmt: skip
+            q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, HOT_T, PREC, VPAIR)  # fmt: skip
     lse_hot = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     tl.store(hot_lse_ptr + bh * G + g, lse_hot, mask=gmask & is_last)
     # This split's share of the cold blocks (L1, then selected L2).
@@ -622,15 +705,20 @@ def _split_kernel(
             m_i, l_i, acc_lo, acc_hi, acc_m, lse = _quant_tile(
                 k_ptr, v_ptr, s_ct, kmin_ptr + kq, ksc_ptr + kq, vmin_ptr + vq, vsc_ptr + vq, bits,
                 qf_lo, qf_hi, m_i, l_i, acc_lo, acc_hi, acc_m, DH, T, BS, KIND, MIXED, CDT, CVT, PREC,
-                KT, WORDS, FOLD, DEFER)  # fmt: skip
+                KT, WORDS, FOLD, DEFER, VPAIR)  # fmt: skip
         tl.store(blk_lse_ptr + (row + j) * G + g, lse, mask=gmask)
     part = (bh * num_splits + pid_s).to(tl.int64)
-    acc_off = part * G * D + g[:, None] * D + c[None, :]
     if DEFER:
         acc_lo += acc_m[:, None]
         acc_hi += acc_m[:, None]
-    tl.store(part_acc_ptr + acc_off, acc_lo, mask=gmask[:, None])
-    tl.store(part_acc_ptr + acc_off + DH, acc_hi, mask=gmask[:, None])
+    if VPAIR:  # even and odd channels
+        acc_off = part * G * D + g[:, None] * D + 2 * c[None, :]
+        tl.store(part_acc_ptr + acc_off, acc_lo, mask=gmask[:, None])
+        tl.store(part_acc_ptr + acc_off + 1, acc_hi, mask=gmask[:, None])
+    else:
+        acc_off = part * G * D + g[:, None] * D + c[None, :]
+        tl.store(part_acc_ptr + acc_off, acc_lo, mask=gmask[:, None])
+        tl.store(part_acc_ptr + acc_off + DH, acc_hi, mask=gmask[:, None])
     tl.store(part_ml_ptr + part * 2 * G + g, m_i, mask=gmask)
     tl.store(part_ml_ptr + part * 2 * G + G + g, l_i, mask=gmask)
 
@@ -729,6 +817,7 @@ def _prepare(
         WORDS=opts.words and not mixed and bits > 0 and _word_aligned(pool),
         FOLD=opts.fold_bias and opts.cvt > 0, DEFER=opts.defer_min and bits > 0,
         I8=opts.int8_dot and bits > 0 and not mixed and D // 2 >= 32 and pool.k.shape[2] >= 32,
+        VPAIR=opts.v_pairs and bits == 8 and not mixed and not opts.words and not opts.int8_dot,
         num_warps=opts.num_warps, num_stages=opts.num_stages,
         **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
     )  # fmt: skip

@@ -145,7 +145,11 @@ def poison_allocator(device: str) -> None:
      (4, torch.float16, {"cvt": 1, "words": True}),
      (4, torch.float16, {"cvt": 1, "words": True, "fold_bias": True, "defer_min": True}),
      (4, torch.float16, {"cvt": 1, "k_transposed": True, "fold_bias": True}),
-     (8, torch.float16, {"cvt": 1, "wave_splits": True})],
+     (8, torch.float16, {"cvt": 1, "wave_splits": True}),
+     (8, torch.float16, {"cvt": 1, "mixed": False, "v_pairs": True}),
+     (8, torch.float16, {"cvt": 1, "mixed": False, "v_pairs": True, "fold_bias": True, "defer_min": True}),
+     (8, torch.float16, {"cvt": 0, "mixed": False, "v_pairs": True, "k_transposed": True}),
+     (8, torch.float32, {"mixed": False, "v_pairs": True})],
     ids=str,
 )  # fmt: skip
 def test_decode_attention_interpreted(
@@ -179,6 +183,17 @@ def test_decode_int8_dot_interpreted(kernels, shape: Shape, bits: int, knobs: di
     assert meta["I8"], "the int8 path must be the one under test"
     got = td.hybrid_decode_attention_triton(**inp, options=opts)
     assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.float16)
+
+
+def test_v_pairs_only_on_pure_8bit_pools(kernels) -> None:
+    td = kernels.triton_decode
+    opts = td.DecodeKernelOptions(cvt=1, mixed=False, v_pairs=True)
+    for bits, demote, on in [(8, False, True), (8, True, False), (4, False, False), (0, False, False)]:
+        inp = make_decode(CPU_SHAPES[1], bits, torch.float16, "cpu", demote=demote)
+        inp["pool"].may_demote = demote
+        resolved = opts if not demote else replace(opts, mixed=True)
+        meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], resolved)[1]
+        assert meta["VPAIR"] == on, (bits, demote)
 
 
 def test_int8_dot_only_where_it_applies(kernels) -> None:
@@ -373,6 +388,21 @@ def test_decode_wave_splits_gpu(gpu_kernels, bits: int) -> None:
     poison_allocator("cuda")
     got = td.hybrid_decode_attention_triton(**inp, options=opts)
     assert_decode_close(got, want, inp["num_cold"], torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("knobs", [{}, {"fold_bias": True, "defer_min": True}, {"maxnreg": None}], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_v_pairs_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: torch.dtype) -> None:
+    td = gpu_kernels.triton_decode
+    inp = make_decode(shape, 8, dtype, "cuda", demote=False)
+    opts = replace(td.PURE_INT8, v_pairs=True, **knobs)
+    assert td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]["VPAIR"]
+    want = hybrid_decode_attention_ref(**inp)
+    poison_allocator("cuda")
+    got = td.hybrid_decode_attention_triton(**inp, options=opts)
+    assert_decode_close(got, want, inp["num_cold"], dtype)
 
 
 @pytest.mark.gpu
