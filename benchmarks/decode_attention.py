@@ -261,14 +261,14 @@ def defaults() -> dict[str, DecodeKernelOptions]:
 SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
     8: [
         {},
-        dict(words=True),
+        dict(v_pairs=False),  # value codes gathered byte by byte (the default before run 7)
+        dict(fold_bias=True, defer_min=True),
+        dict(maxnreg=None),
+        dict(words=True, v_pairs=False),
         dict(maxnreg=96),  # 5 programs of 4 warps per SM instead of 4 (spills to be read in kernels.txt)
         dict(mixed=True),
         dict(mixed=True, maxnreg=96),
         dict(int8_dot=True),  # codes to the integer matrix unit, q and p split into two int8 parts
-        dict(v_pairs=True),  # value codes as 16-bit channel pairs: a transposing ldmatrix, no byte gather
-        dict(v_pairs=True, fold_bias=True, defer_min=True),
-        dict(v_pairs=True, maxnreg=None),
     ],
     4: [
         {},

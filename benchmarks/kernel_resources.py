@@ -21,7 +21,8 @@ from kvtune.kernels.aot import record_launches, resources
 from kvtune.kernels.layout import ColdLayout
 
 VARIANTS: dict[int, dict[str, dict[str, Any]]] = {
-    8: {"pure INT8 (default)": {}, "cap 96": {"maxnreg": 96}, "mixed 8/4-bit pool": {"mixed": True}},
+    8: {"pure INT8 (default)": {}, "byte values (no v_pairs)": {"v_pairs": False}, "cap 96": {"maxnreg": 96},
+        "mixed 8/4-bit pool": {"mixed": True}},
     4: {"default (2 stages, cap 128)": {}, "2 stages, no cap": {"maxnreg": None},
         "3 stages, no cap (old default)": {"num_stages": 3, "maxnreg": None},
         "3 stages, cap 128": {"num_stages": 3}},

@@ -101,7 +101,8 @@ _DEFAULTS = {
 # programs_per_sm 16 (was 2): chosen by the split sweep of run 3 (16x32K 0.598 -> 0.553 ms, 64x8K 0.515 ->
 # 0.525 ms in the same run). The options ``words``, ``fold_bias`` and ``defer_min`` are correct on the H200
 # but were not faster there (benchmarks/NOTES.md, run 3); they stay off.
-PURE_INT8 = DecodeKernelOptions(cvt=2, mixed=False, programs_per_sm=16, maxnreg=128)
+# v_pairs: 0.527 -> 0.479 ms at 64x8K in one sweep on the H200 (NOTES, run 7).
+PURE_INT8 = DecodeKernelOptions(cvt=2, mixed=False, programs_per_sm=16, maxnreg=128, v_pairs=True)
 
 
 def default_options(bits: int) -> DecodeKernelOptions:
