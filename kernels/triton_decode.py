@@ -57,10 +57,10 @@ class DecodeKernelOptions:
     int8_dot: the cold codes go to the matrix unit as int8 (``int8 x int8 -> int32``), with no conversion to
         fp16: ``q * key scale`` and ``p * value scale`` are split per block into two int8 parts,
         ``x ~ s (h + l / 254)`` with ``s = max|x| / 127`` per row (|error| <= max|x| / 64516, finer than
-        fp16's rounding of the largest element). 8-bit codes are centred by ``c ^ 0x80`` (``c - 128``), 4-bit
-        high nibbles are taken as ``(byte & 0xF0) ^ 0x80`` (``16 c - 128``); the offsets come back through
-        ``sum(h + l / 254)``. Pure 8-bit and 4-bit pools, head dim >= 64, blocks of >= 32 tokens (the int8
-        matrix unit's depth is 32); other cases, and float32 models, take the fp16 path.
+        fp16's rounding of the largest element). 8-bit codes are centred by ``c ^ 0x80`` (``c - 128``, the
+        offset comes back through ``sum(h + l / 254)``); 4-bit codes fit int8 as they are. Pure 8-bit and
+        4-bit pools, head dim >= 64, blocks of >= 32 tokens (the int8 matrix unit's depth is 32); other cases,
+        and float32 models, take the fp16 path.
     v_pairs: value codes are read as 16-bit pairs of neighbouring channels (``[T, D/2]`` uint16), split
         into the even and the odd channels and multiplied as two ``[T, D/2]`` tiles; the output accumulates
         as even and odd channels instead of low and high halves. 16-bit elements take the matrix unit's
@@ -110,42 +110,37 @@ def default_options(bits: int) -> DecodeKernelOptions:
     return _DEFAULTS[bits]
 
 
-@triton.jit
-def _codes_to_f16_prmt(x):
-    """uint8 codes -> fp16 (exact), four at a time: bytes c -> fp16 bits 0x64cc, minus 1024."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t0, t1, bias;
-        mov.b32 bias, 0x64006400;
-        prmt.b32 t0, $2, 0x64646464, 0x4140;
-        prmt.b32 t1, $2, 0x64646464, 0x4342;
-        sub.f16x2 $0, t0, bias;
-        sub.f16x2 $1, t1, bias;
-        }
-        """,
-        constraints="=r,=r,r",
-        args=[x],
-        dtype=tl.float16,
-        is_pure=True,
-        pack=4,
+def _prmt_asm(sel0: str, sel1: str, fold: bool) -> tl.constexpr:
+    """PTX making two fp16x2 registers ($0, $1) of the bytes of one 32-bit register ($2) picked by two
+    ``prmt`` selectors: ``0x64cc`` is ``1024 + c`` in fp16, kept as such if ``fold``, else minus 1024."""
+    picks = f"prmt.b32 {{}}, $2, 0x64646464, {sel0};\nprmt.b32 {{}}, $2, 0x64646464, {sel1};\n"
+    if fold:
+        return tl.constexpr(picks.format("$0", "$1"))
+    return tl.constexpr(
+        "{\n.reg .b32 t0, t1, bias;\nmov.b32 bias, 0x64006400;\n"
+        + picks.format("t0", "t1")
+        + "sub.f16x2 $0, t0, bias;\nsub.f16x2 $1, t1, bias;\n}\n"
     )
 
 
+# Four codes of a register in channel order (bytes 0, 1 | 2, 3), or the even and the odd channel of two 16-bit
+# code pairs (bytes 0, 2 | 1, 3).
+_CODES, _CODES_FOLDED = _prmt_asm("0x4140", "0x4342", False), _prmt_asm("0x4140", "0x4342", True)
+_PAIRS, _PAIRS_FOLDED = _prmt_asm("0x4240", "0x4341", False), _prmt_asm("0x4240", "0x4341", True)
+
+
 @triton.jit
-def _codes_to_f16_prmt_biased(x):
-    """uint8 codes -> fp16 ``1024 + code`` (exact), four at a time, one ``prmt`` per two codes."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        prmt.b32 $0, $2, 0x64646464, 0x4140;
-        prmt.b32 $1, $2, 0x64646464, 0x4342;
-        """,
-        constraints="=r,=r,r",
-        args=[x],
-        dtype=tl.float16,
-        is_pure=True,
-        pack=4,
-    )
+def _prmt_f16(x, ASM: tl.constexpr, PAIRS: tl.constexpr):
+    """fp16 codes by the PTX ``ASM`` (GPU only): from uint8 codes, four per register (one output), or from
+    uint16 code pairs, two per register (two outputs: the even and the odd channel)."""
+    if PAIRS:
+        return tl.inline_asm_elementwise(
+            asm=ASM, constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            asm=ASM, constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4
+        )
 
 
 @triton.jit
@@ -153,9 +148,9 @@ def _codes_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr = Fals
     """uint8 codes [.., n] -> CDT, exact (codes <= 255); ``1024 + code`` if FOLD (fp16 magic number)."""
     if CVT == 2:
         if FOLD:
-            return _codes_to_f16_prmt_biased(x)
+            return _prmt_f16(x, _CODES_FOLDED, False)
         else:
-            return _codes_to_f16_prmt(x)
+            return _prmt_f16(x, _CODES, False)
     elif CVT == 1:
         if FOLD:
             return (x.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
@@ -169,8 +164,11 @@ def _codes_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr = Fals
 def _pair_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr = False):
     """uint16 pairs of 8-bit codes (low byte: even channel) -> (even, odd) codes in CDT, exact; ``1024 +
     code`` if FOLD."""
-    if CVT == 2:
-        return _pair_to_f16_prmt(x, FOLD)
+    if CVT == 2:  # one prmt (+ one sub.f16x2) per output register
+        if FOLD:
+            return _prmt_f16(x, _PAIRS_FOLDED, True)
+        else:
+            return _prmt_f16(x, _PAIRS, True)
     lo = x & 255
     hi = x >> 8
     if CVT == 0:
@@ -182,42 +180,6 @@ def _pair_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr = False
             return even, odd
         else:
             return even - 1024.0, odd - 1024.0
-
-
-@triton.jit
-def _pair_to_f16_prmt(x, FOLD: tl.constexpr):
-    """uint16 code pairs -> (even, odd) fp16 codes, two pairs at a time: one ``prmt`` and one ``sub.f16x2``
-    per output register (bytes 0 and 2 are the even channel of the two pairs, bytes 1 and 3 the odd one);
-    FOLD: ``1024 + code``, no subtraction."""
-    if FOLD:
-        return tl.inline_asm_elementwise(
-            asm="""
-            prmt.b32 $0, $2, 0x64646464, 0x4240;
-            prmt.b32 $1, $2, 0x64646464, 0x4341;
-            """,
-            constraints="=r,=r,r",
-            args=[x],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=2,
-        )
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t0, t1, bias;
-        mov.b32 bias, 0x64006400;
-        prmt.b32 t0, $2, 0x64646464, 0x4240;
-        prmt.b32 t1, $2, 0x64646464, 0x4341;
-        sub.f16x2 $0, t0, bias;
-        sub.f16x2 $1, t1, bias;
-        }
-        """,
-        constraints="=r,=r,r",
-        args=[x],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=2,
-    )
 
 
 @triton.jit
@@ -567,38 +529,23 @@ def _i8_dot(h, lo, codes):
 @triton.jit
 def _signed_halves(ptr, s_t, T: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
                    TRANS: tl.constexpr):  # fmt: skip
-    """Codes of channels [0, D/2) and [D/2, D) of one block as int8 tiles [T, DH] ([DH, T] if TRANS): 8-bit
-    ``c - 128`` both; 4-bit ``c`` (low nibble) and ``16 c - 128`` (high nibble): bit operations on whole bytes
-    (:func:`_i8_true` undoes the offsets)."""
-    t = tl.arange(0, T)
-    c = tl.arange(0, DH)
-    if TRANS:
-        offs = t[None, :].to(tl.int64) * s_t + c[:, None]
-        tmask = (t < BS)[None, :]
-    else:
-        offs = t[:, None].to(tl.int64) * s_t + c[None, :]
-        tmask = (t < BS)[:, None]
-    raw_lo = tl.load(ptr + offs, mask=tmask, other=0)
-    if KIND == 4:
-        lo = raw_lo & 15
-        hi = (raw_lo & 240) ^ 128
-    else:
-        lo = raw_lo ^ 128
-        hi = tl.load(ptr + offs + DH, mask=tmask, other=0) ^ 128
+    """:func:`_code_halves` of a pure pool as int8 tiles: 8-bit codes centred (``c ^ 0x80``, i.e. ``c - 128``;
+    :func:`_i8_true` adds the 128 back), 4-bit codes as they are."""
+    lo, hi = _code_halves(ptr, s_t, 0, 0, 0, T, DH, BS, KIND, False, TRANS)
+    if KIND == 8:
+        lo = lo ^ 128
+        hi = hi ^ 128
     return lo.to(tl.int8, bitcast=True), hi.to(tl.int8, bitcast=True)
 
 
 @triton.jit
-def _i8_true(dot, sums, KIND: tl.constexpr, HIGH: tl.constexpr):
+def _i8_true(dot, sums, KIND: tl.constexpr):
     """The product with the true codes from the product with :func:`_signed_halves`' tiles; ``sums``: per
     row, sum(h + l / 254) of the other operand."""
-    if KIND == 4:
-        if HIGH:
-            return (dot + 128.0 * sums[:, None]) * 0.0625
-        else:
-            return dot
-    else:
+    if KIND == 8:
         return dot + 128.0 * sums[:, None]
+    else:
+        return dot
 
 
 @triton.jit
@@ -620,8 +567,8 @@ def _quant_tile_i8(
     if not KT:
         k_lo = tl.trans(k_lo)
         k_hi = tl.trans(k_hi)
-    s = _i8_true(_i8_dot(hl, ll, k_lo), sum_lo, KIND, False)
-    s += _i8_true(_i8_dot(hh, lh, k_hi), sum_hi, KIND, True)
+    s = _i8_true(_i8_dot(hl, ll, k_lo), sum_lo, KIND)
+    s += _i8_true(_i8_dot(hh, lh, k_hi), sum_hi, KIND)
     s = tl.where((t < BS)[None, :], s * scale[:, None] + qm[:, None], float("-inf"))
     p, alpha, m_i, l_i, lse = _softmax_step(s, m_i, l_i)
     vmin = tl.load(vmin_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
@@ -630,8 +577,8 @@ def _quant_tile_i8(
     pm = tl.sum(p * vmin[None, :], 1)
     hp, lp, pscale, psum = _i8_parts(ps, tl.max(ps, 1))
     v_lo, v_hi = _signed_halves(v_ptr, s_t, T, DH, BS, KIND, False)
-    o_lo = _i8_true(_i8_dot(hp, lp, v_lo), psum, KIND, False) * pscale[:, None]
-    o_hi = _i8_true(_i8_dot(hp, lp, v_hi), psum, KIND, True) * pscale[:, None]
+    o_lo = _i8_true(_i8_dot(hp, lp, v_lo), psum, KIND) * pscale[:, None]
+    o_hi = _i8_true(_i8_dot(hp, lp, v_hi), psum, KIND) * pscale[:, None]
     acc_lo = acc_lo * alpha[:, None] + o_lo + pm[:, None]
     acc_hi = acc_hi * alpha[:, None] + o_hi + pm[:, None]
     return m_i, l_i, acc_lo, acc_hi, lse

@@ -122,6 +122,17 @@ def assert_decode_close(got: tuple, want: tuple, num_cold: torch.Tensor, dtype: 
     torch.testing.assert_close(hot, want[2], atol=mass_tol, rtol=0)
 
 
+def check_path(td, shape: Shape, bits: int, dtype: torch.dtype, device: str, opts, flag: str) -> None:
+    """A launch with ``opts`` takes the ``flag`` path (a compile-time value of the split kernel) on a pool
+    where nothing was demoted, and matches the reference."""
+    inp = make_decode(shape, bits, dtype, device, demote=False)
+    assert td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1][flag], flag
+    want = hybrid_decode_attention_ref(**inp)
+    poison_allocator(device)
+    got = td.hybrid_decode_attention_triton(**inp, options=opts)
+    assert_decode_close(got, want, inp["num_cold"], dtype)
+
+
 def poison_allocator(device: str) -> None:
     """Fill freed cached memory with NaN so that unwritten outputs of the next launch show up."""
     if device == "cuda":
@@ -177,12 +188,8 @@ I8_SHAPES = [Shape(2, 2, 4, 64, 32, 3, 40), Shape(1, 1, 2, 64, 48, 2, 20)]
 )
 def test_decode_int8_dot_interpreted(kernels, shape: Shape, bits: int, knobs: dict) -> None:
     td = kernels.triton_decode
-    inp = make_decode(shape, bits, torch.float16, "cpu", demote=False)
     opts = td.DecodeKernelOptions(cvt=1, int8_dot=True, min_blocks_per_split=2, **knobs)
-    meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
-    assert meta["I8"], "the int8 path must be the one under test"
-    got = td.hybrid_decode_attention_triton(**inp, options=opts)
-    assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.float16)
+    check_path(td, shape, bits, torch.float16, "cpu", opts, "I8")
 
 
 def test_v_pairs_only_on_pure_8bit_pools(kernels) -> None:
@@ -396,13 +403,7 @@ def test_decode_wave_splits_gpu(gpu_kernels, bits: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_v_pairs_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: torch.dtype) -> None:
     td = gpu_kernels.triton_decode
-    inp = make_decode(shape, 8, dtype, "cuda", demote=False)
-    opts = replace(td.PURE_INT8, v_pairs=True, **knobs)
-    assert td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]["VPAIR"]
-    want = hybrid_decode_attention_ref(**inp)
-    poison_allocator("cuda")
-    got = td.hybrid_decode_attention_triton(**inp, options=opts)
-    assert_decode_close(got, want, inp["num_cold"], dtype)
+    check_path(td, shape, 8, dtype, "cuda", replace(td.PURE_INT8, v_pairs=True, **knobs), "VPAIR")
 
 
 @pytest.mark.gpu
@@ -414,13 +415,8 @@ def test_decode_int8_dot_gpu(
     gpu_kernels, shape: Shape, bits: int, k_transposed: bool, dtype: torch.dtype
 ) -> None:
     td = gpu_kernels.triton_decode
-    inp = make_decode(shape, bits, dtype, "cuda", demote=False)
     opts = td.DecodeKernelOptions(cvt=2, mixed=False, k_transposed=k_transposed, int8_dot=True, maxnreg=128)
-    assert td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]["I8"]
-    want = hybrid_decode_attention_ref(**inp)
-    poison_allocator("cuda")
-    got = td.hybrid_decode_attention_triton(**inp, options=opts)
-    assert_decode_close(got, want, inp["num_cold"], dtype)
+    check_path(td, shape, bits, dtype, "cuda", opts, "I8")
 
 
 @pytest.mark.gpu
