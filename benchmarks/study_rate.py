@@ -1,9 +1,10 @@
 """How fast studies searched, side by side: ``python benchmarks/study_rate.py DB[:STUDY] ...``.
 
-For each study (the only one in the database when STUDY is left out): complete and failed trials, busy
-time (the union of the trials' intervals), trials per hour, mean trial, workers, re-runs of failed trials
-(``kvtune.retry_of``) and the best trial; then each study's trials per hour against the first one's. This is
-how the one-GPU and several-GPU runs of one study are compared (benchmarks/NOTES.md).
+For each study (the only one in the database when STUDY is left out): finished (complete or pruned), pruned
+and failed trials, busy time (the union of the trials' intervals), trials per hour, mean trial, workers,
+re-runs of failed trials (``kvtune.retry_of``) and the best trial, with each study's trials per hour against
+the first one's. This is how the one-GPU and several-GPU runs of one study are compared
+(benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
