@@ -758,14 +758,14 @@ def _prepare(
     cdt = tl.float32 if hot_k.dtype == torch.float32 else tl.float16
     prec = "ieee" if hot_k.dtype == torch.float32 else "tf32"
     mixed = bits == 8 and opts.mixed
+    i8 = opts.int8_dot and bits > 0 and not mixed and D // 2 >= 32 and pool.k.shape[2] >= 32
     meta = dict(
         H=H, G=G, GP=max(16, next_pow2(G)), D=D, T=max(16, next_pow2(pool.k.shape[2])), BS=pool.k.shape[2],
         HOT_T=min(64, max(16, next_pow2(hot_k.shape[2]))), KIND=bits,
         MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
-        WORDS=opts.words and not mixed and bits > 0 and _word_aligned(pool),
+        WORDS=opts.words and not mixed and bits > 0 and _aligned(pool, 4),
         FOLD=opts.fold_bias and opts.cvt > 0, DEFER=opts.defer_min and bits > 0,
-        I8=opts.int8_dot and bits > 0 and not mixed and D // 2 >= 32 and pool.k.shape[2] >= 32,
-        VPAIR=opts.v_pairs and bits == 8 and not mixed and not opts.words and not opts.int8_dot,
+        I8=i8, VPAIR=opts.v_pairs and bits == 8 and not (mixed or opts.words or i8) and _aligned(pool, 2),
         num_warps=opts.num_warps, num_stages=opts.num_stages,
         **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
     )  # fmt: skip
@@ -871,9 +871,11 @@ def _resolved(
     return replace(opts, cvt=cvt, int8_dot=int8_dot)
 
 
-def _word_aligned(pool: ColdPool) -> bool:
-    """Code rows start at 4-byte boundaries (int32 word loads)."""
-    return all(x.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in x.stride()[:3]) for x in (pool.k, pool.v))
+def _aligned(pool: ColdPool, size: int) -> bool:
+    """Code rows start at ``size``-byte boundaries (int32 word loads: 4, uint16 pair loads: 2)."""
+    return all(
+        x.data_ptr() % size == 0 and all(st % size == 0 for st in x.stride()[:3]) for x in (pool.k, pool.v)
+    )
 
 
 def tileable_head_dim(d: int) -> bool:

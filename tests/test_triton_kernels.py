@@ -192,7 +192,7 @@ def test_decode_int8_dot_interpreted(kernels, shape: Shape, bits: int, knobs: di
     check_path(td, shape, bits, torch.float16, "cpu", opts, "I8")
 
 
-def test_v_pairs_only_on_pure_8bit_pools(kernels) -> None:
+def test_v_pairs_only_on_pure_8bit_pools_interpreted(kernels) -> None:
     td = kernels.triton_decode
     opts = td.DecodeKernelOptions(cvt=1, mixed=False, v_pairs=True)
     for bits, demote, on in [(8, False, True), (8, True, False), (4, False, False), (0, False, False)]:
@@ -203,7 +203,7 @@ def test_v_pairs_only_on_pure_8bit_pools(kernels) -> None:
         assert meta["VPAIR"] == on, (bits, demote)
 
 
-def test_int8_dot_only_where_it_applies(kernels) -> None:
+def test_int8_dot_only_where_it_applies_interpreted(kernels) -> None:
     """Mixed 8-bit pools, float32 models, head dims below 64 and blocks below 32 tokens take the fp16 path."""
     td = kernels.triton_decode
     opts = td.DecodeKernelOptions(cvt=1, int8_dot=True)
