@@ -243,7 +243,7 @@ def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float,
     rows.append(dict(bits=bits, options=asdict(opt), err=err, ms=res["ms"], tbs=res["tbs"], ok=ok))
     log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
         f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min} i8={opt.int8_dot} "
-        f"vp={opt.v_pairs} "
+        f"vp={opt.v_pairs} nib={opt.nibble_asm} "
         f"{res['ms']:.4f} ms "
         f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
     return (res["ms"], opt) if ok else None
@@ -276,6 +276,7 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(words=True, k_transposed=False),
         dict(int8_dot=True),
         dict(int8_dot=True, k_transposed=False),
+        dict(nibble_asm=True),  # both nibbles of four bytes to fp16 in one piece of PTX
     ],
     0: [{}],
 }

@@ -25,7 +25,7 @@ VARIANTS: dict[int, dict[str, dict[str, Any]]] = {
         "mixed 8/4-bit pool": {"mixed": True}},
     4: {"default (2 stages, cap 128)": {}, "2 stages, no cap": {"maxnreg": None},
         "3 stages, no cap (old default)": {"num_stages": 3, "maxnreg": None},
-        "3 stages, cap 128": {"num_stages": 3}},
+        "3 stages, cap 128": {"num_stages": 3}, "nibble asm": {"nibble_asm": True}},
     0: {"default": {}},
 }  # fmt: skip
 

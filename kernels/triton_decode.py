@@ -66,6 +66,10 @@ class DecodeKernelOptions:
         as even and odd channels instead of low and high halves. 16-bit elements take the matrix unit's
         transposing shared-memory load, where byte codes are gathered one by one for ``P . V`` (whose
         contraction runs over tokens). Pure 8-bit pools only (others take the byte path).
+    nibble_asm: 4-bit pools with ``cvt=2``: each register of four code bytes becomes the four low and the
+        four high nibbles as fp16 in one piece of PTX (a ``prmt``, then a mask, a shift and a subtraction
+        per output register) instead of a mask and a shift per byte before the conversion. Compiled and
+        counted offline; not yet run on a GPU (NOTES).
     wave_splits: the split count from a wave model (:func:`wave_splits`) instead of ``programs_per_sm``: the
         fewest waves x blocks per program, with the programs the build keeps resident per multiprocessor (read
         from the build at its first launch, which still plans by ``programs_per_sm``). The model assumes
@@ -86,6 +90,7 @@ class DecodeKernelOptions:
     wave_splits: bool = False
     int8_dot: bool = False
     v_pairs: bool = False
+    nibble_asm: bool = False
 
 
 # Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
@@ -127,6 +132,41 @@ def _prmt_asm(sel0: str, sel1: str, fold: bool) -> tl.constexpr:
 # code pairs (bytes 0, 2 | 1, 3).
 _CODES, _CODES_FOLDED = _prmt_asm("0x4140", "0x4342", False), _prmt_asm("0x4140", "0x4342", True)
 _PAIRS, _PAIRS_FOLDED = _prmt_asm("0x4240", "0x4341", False), _prmt_asm("0x4240", "0x4341", True)
+
+
+@triton.jit
+def _nibbles_to_f16(x, FOLD: tl.constexpr):
+    """uint8 bytes -> (low nibble, high nibble) as fp16, four bytes per register: one ``prmt`` puts bytes 0, 2
+    | 1, 3 into the halves, then a mask (+ shift) per output register (GPU only)."""
+    if FOLD:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 y, t;
+            prmt.b32 y, $4, 0, 0x3120;
+            and.b32 t, y, 0x000F000F; or.b32 $0, t, 0x64006400;
+            shr.b32 t, y, 8; and.b32 t, t, 0x000F000F; or.b32 $1, t, 0x64006400;
+            shr.b32 t, y, 4; and.b32 t, t, 0x000F000F; or.b32 $2, t, 0x64006400;
+            shr.b32 t, y, 12; and.b32 t, t, 0x000F000F; or.b32 $3, t, 0x64006400;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 y, t, bias;
+            mov.b32 bias, 0x64006400;
+            prmt.b32 y, $4, 0, 0x3120;
+            and.b32 t, y, 0x000F000F; or.b32 t, t, 0x64006400; sub.f16x2 $0, t, bias;
+            shr.b32 t, y, 8; and.b32 t, t, 0x000F000F; or.b32 t, t, 0x64006400; sub.f16x2 $1, t, bias;
+            shr.b32 t, y, 4; and.b32 t, t, 0x000F000F; or.b32 t, t, 0x64006400; sub.f16x2 $2, t, bias;
+            shr.b32 t, y, 12; and.b32 t, t, 0x000F000F; or.b32 t, t, 0x64006400; sub.f16x2 $3, t, bias;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -387,6 +427,17 @@ def _dense_tile(
 
 
 @triton.jit
+def _raw_tile(ptr, s_t, T: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, TRANS: tl.constexpr):
+    """The bytes of one block's code rows: a uint8 tile [T, DH] ([DH, T] if TRANS)."""
+    t = tl.arange(0, T)
+    c = tl.arange(0, DH)
+    if TRANS:
+        return tl.load(ptr + t[None, :].to(tl.int64) * s_t + c[:, None], mask=(t < BS)[None, :], other=0)
+    else:
+        return tl.load(ptr + t[:, None].to(tl.int64) * s_t + c[None, :], mask=(t < BS)[:, None], other=0)
+
+
+@triton.jit
 def _code_halves(
     ptr,
     s_t,
@@ -449,9 +500,11 @@ def _quant_tile(
     FOLD: tl.constexpr = False,
     DEFER: tl.constexpr = False,
     VPAIR: tl.constexpr = False,
+    NIB: tl.constexpr = False,
 ):
     """One quantized cold block; every pointer is already at this (block, head). KT: load keys as [DH, T];
-    VPAIR: values as even/odd channel tiles (:func:`_value_pairs`);
+    VPAIR: values as even/odd channel tiles (:func:`_value_pairs`); NIB: 4-bit codes split by
+    :func:`_nibbles_to_f16` (GPU only);
     WORDS: codes from int32 words (:func:`_word_halves`); FOLD: codes arrive as ``1024 + code``; DEFER: the
     value-min term goes to ``acc_m`` [GP] (added to every channel by the caller at the end)."""
     four = bits == 4
@@ -468,6 +521,11 @@ def _quant_tile(
         k_lo, k_hi = _word_halves(k_ptr, s_t, T, DH, BS, KIND, CDT, CVT, FOLD)
         k_lo = tl.trans(k_lo)
         k_hi = tl.trans(k_hi)
+    elif NIB:
+        k_lo, k_hi = _nibbles_to_f16(_raw_tile(k_ptr, s_t, T, DH, BS, KT), FOLD)
+        if not KT:
+            k_lo = tl.trans(k_lo)
+            k_hi = tl.trans(k_hi)
     else:
         k_lo, k_hi = _code_halves(k_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, KT)
         if KT:
@@ -493,6 +551,8 @@ def _quant_tile(
         pm -= 1024.0 * tl.sum(ps.to(tl.float32), 1)
     if VPAIR:
         v_lo, v_hi = _value_pairs(v_ptr, s_t, T, DH, BS, CDT, CVT, FOLD)
+    elif NIB:
+        v_lo, v_hi = _nibbles_to_f16(_raw_tile(v_ptr, s_t, T, DH, BS, False), FOLD)
     elif WORDS:
         v_lo, v_hi = _word_halves(v_ptr, s_t, T, DH, BS, KIND, CDT, CVT, FOLD)
     else:
@@ -597,6 +657,7 @@ def _split_kernel(
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
     PREC: tl.constexpr, KT: tl.constexpr = False, WORDS: tl.constexpr = False, FOLD: tl.constexpr = False,
     DEFER: tl.constexpr = False, I8: tl.constexpr = False, VPAIR: tl.constexpr = False,
+    NIB: tl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse."""
     pid_s = tl.program_id(0)
@@ -653,7 +714,7 @@ def _split_kernel(
             m_i, l_i, acc_lo, acc_hi, acc_m, lse = _quant_tile(
                 k_ptr, v_ptr, s_ct, kmin_ptr + kq, ksc_ptr + kq, vmin_ptr + vq, vsc_ptr + vq, bits,
                 qf_lo, qf_hi, m_i, l_i, acc_lo, acc_hi, acc_m, DH, T, BS, KIND, MIXED, CDT, CVT, PREC,
-                KT, WORDS, FOLD, DEFER, VPAIR)  # fmt: skip
+                KT, WORDS, FOLD, DEFER, VPAIR, NIB)  # fmt: skip
         tl.store(blk_lse_ptr + (row + j) * G + g, lse, mask=gmask)
     part = (bh * num_splits + pid_s).to(tl.int64)
     if DEFER:
@@ -765,6 +826,7 @@ def _prepare(
         MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
         WORDS=opts.words and not mixed and bits > 0 and _aligned(pool, 4),
         FOLD=opts.fold_bias and opts.cvt > 0, DEFER=opts.defer_min and bits > 0,
+        NIB=opts.nibble_asm and bits == 4 and opts.cvt == 2 and not opts.words and not i8,
         I8=i8, VPAIR=opts.v_pairs and bits == 8 and not (mixed or opts.words or i8) and _aligned(pool, 2),
         num_warps=opts.num_warps, num_stages=opts.num_stages,
         **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),

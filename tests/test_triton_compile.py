@@ -132,6 +132,11 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     **{f"decode int{bits} words{' fold' if fold else ''}": (
         lambda bits=bits, fold=fold: _decode(bits, False, cvt=2, words=True, mixed=False, fold_bias=fold))
        for bits in (8, 4) for fold in (False, True)},
+    **{f"decode int4 nibble asm{' fold' if fold else ''}": (
+        lambda fold=fold: _decode(4, False, cvt=2, nibble_asm=True, fold_bias=fold))
+       for fold in (False, True)},
+    "decode int8 byte values": lambda: _decode(8, False, v_pairs=False),
+    "decode int8 int8_dot": lambda: _decode(8, False, int8_dot=True, v_pairs=False),
     "quest int8": lambda: _quest(8),
     "quest int4": lambda: _quest(4),
     "quest unquantized": lambda: _quest(0),

@@ -407,6 +407,15 @@ def test_decode_v_pairs_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: torch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("knobs", [{}, {"fold_bias": True}, {"k_transposed": False}], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_nibble_asm_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: torch.dtype) -> None:
+    td = gpu_kernels.triton_decode
+    check_path(td, shape, 4, dtype, "cuda", replace(td.default_options(4), nibble_asm=True, **knobs), "NIB")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [GPU_SHAPES[0], GPU_SHAPES[2], Shape(3, 4, 5, 64, 32, 21, 48)], ids=str)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("k_transposed", [False, True])
