@@ -697,20 +697,18 @@ def _split_kernel(
         bid = tl.load(table_ptr + row + j).to(tl.int64)
         k_ptr = ck_ptr + bid * s_cn + h * s_ch
         v_ptr = cv_ptr + bid * s_cn + h * s_ch
+        kq = bid * s_kn + h * s_kh  # this block's key and value scales and mins (quantized pools)
+        vq = bid * s_vn + h * s_vh
         if KIND == 0:
             m_i, l_i, acc_lo, acc_hi, lse = _dense_tile(
                 k_ptr, v_ptr, s_ct, BS, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, T, PREC
             )
         elif I8:
-            kq = bid * s_kn + h * s_kh
-            vq = bid * s_vn + h * s_vh
             m_i, l_i, acc_lo, acc_hi, lse = _quant_tile_i8(
                 k_ptr, v_ptr, s_ct, kmin_ptr + kq, ksc_ptr + kq, vmin_ptr + vq, vsc_ptr + vq, qf_lo, qf_hi,
                 m_i, l_i, acc_lo, acc_hi, DH, T, BS, KIND, KT)  # fmt: skip
         else:
             bits = tl.load(bits_ptr + bid) if MIXED else KIND
-            kq = bid * s_kn + h * s_kh
-            vq = bid * s_vn + h * s_vh
             m_i, l_i, acc_lo, acc_hi, acc_m, lse = _quant_tile(
                 k_ptr, v_ptr, s_ct, kmin_ptr + kq, ksc_ptr + kq, vmin_ptr + vq, vsc_ptr + vq, bits,
                 qf_lo, qf_hi, m_i, l_i, acc_lo, acc_hi, acc_m, DH, T, BS, KIND, MIXED, CDT, CVT, PREC,

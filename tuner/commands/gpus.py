@@ -12,6 +12,7 @@ from kvtune.cache_impl.layout import ModelKVShape
 from kvtune.cache_impl.weights import SHAPES, ModelSpec, spec_from_hf_config
 from kvtune.search_spaces.cards import CARDS, Card, Present, match_card, resolve_gpu
 from kvtune.search_spaces.space import BUDGET_FRACTION, SearchSpace, WorkloadStats
+from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import table_console
 
 NAME = "gpus"
@@ -96,10 +97,11 @@ def _space(card: Card, args: argparse.Namespace) -> SearchSpace:
     return SearchSpace.build(card, args.model, shape, workload, real, budget)
 
 
+LIMITS: Limits = {"--length": (1, True), "--concurrency": (1, True)}
+
+
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--length", args.length), ("--concurrency", args.concurrency)):
-        if value < 1:
-            raise ValueError(f"{flag} {value}: must be >= 1")
+    check_numbers(args, LIMITS)
     console = table_console()
     present = present_gpus()
     console.print(_card_table(present))

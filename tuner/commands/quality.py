@@ -56,11 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 LIMITS: Limits = {
-    "--windows": ("windows", 1, True),
-    "--prefill": ("prefill", 1, True),
-    "--decode": ("decode", 1, True),
-    "--step-ms": ("step_ms", 0, False),
-    "--threads": ("threads", 1, True),
+    "--windows": (1, True),
+    "--prefill": (1, True),
+    "--decode": (1, True),
+    "--step-ms": (0, False),
+    "--threads": (1, True),
 }
 
 

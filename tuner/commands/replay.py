@@ -91,14 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 LIMITS: Limits = {
-    "--requests": ("requests", 1, True),
-    "--budget-gb": ("budget_gb", 0, False),
-    "--time-scale": ("time_scale", 0, True),
-    "--load": ("load", 0, False),
-    "--length-scale": ("length_scale", 0, False),
-    "--length-cap": ("length_cap", 1, True),
-    "--warmup": ("warmup", 0, True),
-    "--threads": ("threads", 1, True),
+    "--requests": (1, True),
+    "--budget-gb": (0, False),
+    "--time-scale": (0, True),
+    "--load": (0, False),
+    "--length-scale": (0, False),
+    "--length-cap": (1, True),
+    "--warmup": (0, True),
+    "--threads": (1, True),
 }
 
 

@@ -123,20 +123,20 @@ def _add_more(parser: argparse.ArgumentParser) -> None:
 
 # Numeric options, checked before anything starts (a bad one would otherwise surface trials or minutes later).
 LIMITS: Limits = {
-    "--trials": ("trials", 1, True),
-    "--requests": ("requests", 2, True),
-    "--windows": ("windows", 1, True),
-    "--workers": ("workers", 1, True),
-    "--length-cap": ("length_cap", 1, True),
-    "--quality-windows": ("quality_windows", 1, True),
-    "--quality-prefill": ("quality_prefill", 1, True),
-    "--quality-decode": ("quality_decode", 1, True),
-    "--repeats": ("repeats", MIN_REPEATS, True),
-    "--time-scale": ("time_scale", 0, False),
-    "--length-scale": ("length_scale", 0, False),
-    "--time-budget": ("time_budget", 0, False),
-    "--max-ppl-increase": ("max_ppl_increase", 0, True),
-    "--max-kl": ("max_kl", 0, False),
+    "--trials": (1, True),
+    "--requests": (2, True),
+    "--windows": (1, True),
+    "--workers": (1, True),
+    "--length-cap": (1, True),
+    "--quality-windows": (1, True),
+    "--quality-prefill": (1, True),
+    "--quality-decode": (1, True),
+    "--repeats": (MIN_REPEATS, True),
+    "--time-scale": (0, False),
+    "--length-scale": (0, False),
+    "--time-budget": (0, False),
+    "--max-ppl-increase": (0, True),
+    "--max-kl": (0, False),
 }
 
 
