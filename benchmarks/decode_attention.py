@@ -243,7 +243,7 @@ def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float,
     rows.append(dict(bits=bits, options=asdict(opt), err=err, ms=res["ms"], tbs=res["tbs"], ok=ok))
     log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
         f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min} i8={opt.int8_dot} "
-        f"vp={opt.v_pairs} nib={opt.nibble_asm} "
+        f"vp={opt.v_pairs} nib={opt.nibble_asm} gluon={opt.gluon} gr={opt.gluon_maxnreg} "
         f"{res['ms']:.4f} ms "
         f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
     return (res["ms"], opt) if ok else None
@@ -269,6 +269,8 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(mixed=True),
         dict(mixed=True, maxnreg=96),
         dict(int8_dot=True),  # codes to the integer matrix unit, q and p split into two int8 parts
+        dict(gluon=True),  # the Gluon cold kernel: one warp per program, registers placed by hand
+        dict(gluon=True, gluon_maxnreg=168),
     ],
     4: [
         {},
@@ -277,6 +279,8 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(int8_dot=True),
         dict(int8_dot=True, k_transposed=False),
         dict(nibble_asm=True),  # both nibbles of four bytes to fp16 in one piece of PTX
+        dict(gluon=True),
+        dict(gluon=True, gluon_maxnreg=168),
     ],
     0: [{}],
 }
@@ -322,11 +326,15 @@ def pick_splits(opt: DecodeKernelOptions, bits: int, rows: list) -> DecodeKernel
     """The split plan with the lowest summed time at 64x8K and 16x32K: a programs-per-SM target, or the wave
     model (``wave_splits``; its first launch plans by the target and reads the build's occupancy)."""
     totals = {}
-    plans = [replace(opt, programs_per_sm=pps) for pps in (2, 4, 8, 16)] + [replace(opt, wave_splits=True)]
+    if opt.gluon:
+        plans = [replace(opt, gluon_programs_per_sm=pps) for pps in (8, 16, 32, 64)]
+    else:
+        plans = [replace(opt, programs_per_sm=pps) for pps in (2, 4, 8, 16)] + [replace(opt, wave_splits=True)]
     for cand in plans:
         times = [hybrid_case(Case(*shape, bits), cand)["ms"] for shape in PPS_SHAPES]
         rows.append(dict(bits=bits, options=asdict(cand), pps_ms=times))
-        log(f"splits bits={bits} mixed={cand.mixed} pps={cand.programs_per_sm} waves={cand.wave_splits}: "
+        log(f"splits bits={bits} mixed={cand.mixed} pps={cand.programs_per_sm} waves={cand.wave_splits} "
+            f"gluon={cand.gluon} gpps={cand.gluon_programs_per_sm}: "
             f"{times}")  # fmt: skip
         totals[cand] = sum(times)
     return min(totals, key=lambda k: totals[k])

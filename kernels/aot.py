@@ -23,6 +23,7 @@ import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.runtime.jit import JITFunction
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -101,7 +102,8 @@ def source(launch: Launch) -> tuple[ASTSource, dict[str, Any]]:
             constexprs[name] = attr
         elif attr == "D":
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return ASTSource(fn=launch.fn, signature=sig, constexprs=constexprs, attrs=attrs), _options(launch)
+    kind = GluonASTSource if isinstance(launch.fn, GluonJITFunction) else ASTSource
+    return kind(fn=launch.fn, signature=sig, constexprs=constexprs, attrs=attrs), _options(launch)
 
 
 def specialization(launch: Launch) -> tuple[Any, ...]:

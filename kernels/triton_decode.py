@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtune.kernels import gluon_decode
 from kvtune.kernels.decode_attention import hybrid_decode_attention_ref
 from kvtune.kernels.layout import ColdPool
 
@@ -70,6 +71,10 @@ class DecodeKernelOptions:
         four high nibbles as fp16 in one piece of PTX (a ``prmt``, then a mask, a shift and a subtraction
         per output register) instead of a mask and a shift per byte before the conversion. Compiled and
         counted offline; not yet run on a GPU (NOTES).
+    gluon: pure 8-bit and 4-bit pools on CUDA take the Gluon kernel for the cold blocks
+        (``gluon_decode``: one warp per program, every register placed by hand), then this module's split
+        kernel for the hot zone as one more split; other launches ignore it. ``gluon_programs_per_sm`` sets
+        its split count, ``gluon_maxnreg`` its register cap.
     wave_splits: the split count from a wave model (:func:`wave_splits`) instead of ``programs_per_sm``: the
         fewest waves x blocks per program, with the programs the build keeps resident per multiprocessor (read
         from the build at its first launch, which still plans by ``programs_per_sm``). The model assumes
@@ -91,6 +96,9 @@ class DecodeKernelOptions:
     int8_dot: bool = False
     v_pairs: bool = False
     nibble_asm: bool = False
+    gluon: bool = False
+    gluon_programs_per_sm: int = 32
+    gluon_maxnreg: int | None = None
 
 
 # Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
@@ -646,7 +654,7 @@ def _quant_tile_i8(
 
 # Sizes that follow the batch and the sequence lengths are not specialized (an int equal to 1 or divisible by
 # 16 would otherwise compile the kernel again, seconds each, in the middle of a replay).
-@triton.jit(do_not_specialize=["blocks_per_split", "num_splits", "M"])
+@triton.jit(do_not_specialize=["blocks_per_split", "num_splits", "M", "split0"])
 def _split_kernel(
     q_ptr, hot_k_ptr, hot_v_ptr, hot_slot_ptr, hot_len_ptr,
     ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, bits_ptr, table_ptr, num_cold_ptr,
@@ -657,10 +665,11 @@ def _split_kernel(
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
     PREC: tl.constexpr, KT: tl.constexpr = False, WORDS: tl.constexpr = False, FOLD: tl.constexpr = False,
     DEFER: tl.constexpr = False, I8: tl.constexpr = False, VPAIR: tl.constexpr = False,
-    NIB: tl.constexpr = False,
+    NIB: tl.constexpr = False, split0=0,
 ):  # fmt: skip
-    """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse."""
-    pid_s = tl.program_id(0)
+    """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse.
+    ``split0``: the first split of this launch (the hot zone alone, after the Gluon kernel's splits)."""
+    pid_s = tl.program_id(0) + split0
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -997,6 +1006,10 @@ def hybrid_decode_attention_triton(
     H, M = block_table.shape[1], block_table.shape[2]
     G = Hq // H
     opts, meta, key, splits, per = _prepare(q, hot_k, pool, block_table, options)
+    if opts.gluon and gluon_decode.supported(
+        q, pool.bits, bool(meta["MIXED"]), pool.k.shape[2], tuple(pool.k.stride()), H
+    ):
+        return _hybrid_gluon(q, hot_k, hot_v, hot_slot, hot_len, pool, block_table, num_cold, sm_scale, opts, meta)
     dev = q.device
     part_acc = torch.empty((B * H * splits, G, D), dtype=torch.float32, device=dev)
     part_ml = torch.empty((B * H * splits, 2, G), dtype=torch.float32, device=dev)
@@ -1023,6 +1036,64 @@ def hybrid_decode_attention_triton(
     hot_mass = torch.empty((B, H), dtype=torch.float32, device=dev)
     _merge_kernel[(B * H,)](
         part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass, splits, M,
+        out.stride(0), out.stride(1),
+        H=H, G=G, GP=next_pow2(G), D=D, MB=64,
+    )  # fmt: skip
+    return out, mass, hot_mass
+
+
+def _hybrid_gluon(
+    q: torch.Tensor,
+    hot_k: torch.Tensor,
+    hot_v: torch.Tensor,
+    hot_slot: torch.Tensor,
+    hot_len: torch.Tensor,
+    pool: ColdPool,
+    block_table: torch.Tensor,
+    num_cold: torch.Tensor,
+    sm_scale: float,
+    opts: DecodeKernelOptions,
+    meta: dict[str, object],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`hybrid_decode_attention_triton` with the cold blocks in ``gluon_decode._cold_kernel`` (splits
+    ``0 .. s-1``), the hot zone in ``_split_kernel`` as split ``s``, then the merge."""
+    B, Hq, D = q.shape
+    H, M = block_table.shape[1], block_table.shape[2]
+    G = Hq // H
+    splits, per = plan_splits(B * H, M, q.device, replace(opts, programs_per_sm=opts.gluon_programs_per_sm))
+    total = splits + 1
+    dev = q.device
+    part_acc = torch.empty((B * H * total, G, D), dtype=torch.float32, device=dev)
+    part_ml = torch.empty((B * H * total, 2, G), dtype=torch.float32, device=dev)
+    blk_lse = torch.empty((B * H, max(M, 1), G), dtype=torch.float32, device=dev)
+    hot_lse = torch.empty((B * H, G), dtype=torch.float32, device=dev)
+    table = block_table.contiguous()
+    ncold = num_cold.to(torch.int32).contiguous()
+    hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
+    qk_scale = sm_scale * LOG2E
+    gluon_decode.launch_cold(
+        (splits, B * H),
+        (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, table, ncold,
+         part_acc, part_ml, blk_lse, qk_scale, per, total, M,
+         q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1),
+         pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
+        H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, maxnreg=opts.gluon_maxnreg,
+    )  # fmt: skip
+    _split_kernel[(1, B * H)](
+        q, hot_k, hot_v, hot_slot, hot_len,
+        pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
+        part_acc, part_ml, blk_lse, hot_lse,
+        qk_scale, per, total, M,
+        q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
+        pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
+        pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
+        split0=splits, **meta,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    mass = torch.empty((B, H, M), dtype=torch.float32, device=dev)
+    hot_mass = torch.empty((B, H), dtype=torch.float32, device=dev)
+    _merge_kernel[(B * H,)](
+        part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass, total, M,
         out.stride(0), out.stride(1),
         H=H, G=G, GP=next_pow2(G), D=D, MB=64,
     )  # fmt: skip

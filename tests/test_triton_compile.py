@@ -62,6 +62,26 @@ def _decode(
     )  # fmt: skip
 
 
+def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64, b: int = 3,
+           m: int = 9) -> Callable[[], Any]:  # fmt: skip
+    """The Gluon cold kernel's launch (it takes CUDA tensors only; here the launcher's path is called)."""
+    from dataclasses import replace
+
+    from kvtune.kernels import triton_decode as td
+
+    opts = replace(td.PURE_INT8 if bits == 8 else td.default_options(bits), gluon=True)
+    pool = ColdLayout(bs, heads, d, bits, torch.bfloat16).allocate(40, "cpu")
+    pool.may_demote = False
+    hot = torch.zeros(max(4, b), heads, 96, d, dtype=torch.bfloat16)
+    table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
+    q = torch.zeros(b, heads * group, d, dtype=torch.bfloat16)
+    meta = td._prepare(q, hot, pool, table, opts)[1]
+    return lambda: td._hybrid_gluon(
+        q, hot, hot.clone(), torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32), pool,
+        table, torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), opts, meta,
+    )  # fmt: skip
+
+
 def _quest(bits: int, b: int = 2, m: int = 9) -> Callable[[], Any]:
     from kvtune.kernels.triton_quest import quest_scores_triton
 
@@ -137,6 +157,9 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
        for fold in (False, True)},
     "decode int8 byte values": lambda: _decode(8, False, v_pairs=False),
     "decode int8 int8_dot": lambda: _decode(8, False, int8_dot=True, v_pairs=False),
+    **{f"decode int{bits} gluon d{d} bs{bs}": (lambda bits=bits, d=d, bs=bs: _gluon(bits, d=d, bs=bs))
+       for bits in (8, 4) for d in (64, 128) for bs in (16, 32, 64)},
+    "decode int4 gluon smollm2 heads": lambda: _gluon(4, heads=3, group=3, d=64, bs=32),
     "quest int8": lambda: _quest(8),
     "quest int4": lambda: _quest(4),
     "quest unquantized": lambda: _quest(0),

@@ -34,7 +34,7 @@ from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, fixtures
 
 pytest.importorskip("triton")
 
-MODULES = ("triton_decode", "triton_quest", "triton_quant")
+MODULES = ("triton_decode", "triton_quest", "triton_quant", "gluon_decode")
 
 # model dtype -> (relative L2 error of the attention output, absolute error of block/hot mass)
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 1e-3), torch.bfloat16: (1.5e-2, 5e-3)}
@@ -413,6 +413,30 @@ def test_decode_v_pairs_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: torch
 def test_decode_nibble_asm_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: torch.dtype) -> None:
     td = gpu_kernels.triton_decode
     check_path(td, shape, 4, dtype, "cuda", replace(td.default_options(4), nibble_asm=True, **knobs), "NIB")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [GPU_SHAPES[0], GPU_SHAPES[2], Shape(3, 4, 3, 64, 32, 21, 48), Shape(2, 2, 8, 128, 16, 50, 70),
+     Shape(1, 3, 1, 64, 64, 9, 64)], ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_gluon_gpu(gpu_kernels, shape: Shape, bits: int, dtype: torch.dtype) -> None:
+    """The Gluon cold kernel (+ the hot zone as one more split) matches the reference."""
+    td = gpu_kernels.triton_decode
+    inp = make_decode(shape, bits, dtype, "cuda", demote=False)
+    opts = replace(td.PURE_INT8 if bits == 8 else td.default_options(bits), gluon=True)
+    meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
+    pool = inp["pool"]
+    assert gpu_kernels.gluon_decode.supported(
+        inp["q"], bits, bool(meta["MIXED"]), pool.k.shape[2], tuple(pool.k.stride()), pool.k.shape[1]
+    )
+    want = hybrid_decode_attention_ref(**inp)
+    poison_allocator("cuda")
+    got = td.hybrid_decode_attention_triton(**inp, options=opts)
+    assert_decode_close(got, want, inp["num_cold"], dtype)
 
 
 @pytest.mark.gpu

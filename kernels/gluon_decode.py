@@ -1,0 +1,386 @@
+"""The cold blocks of hybrid decode attention in Gluon: one warp per (split, sequence, KV head), every
+register placed by hand (Hopper and Ampere, ``mma.sync``; GPU only).
+
+Why a second kernel beside ``triton_decode._split_kernel``: that kernel spreads each 64-token block over four
+warps, so every warp repeats the per-block work (folding the key scales into q, the softmax of a 16-row tile
+of which four rows are real) and the tiles go through shared memory between the warps and to reach the
+matrix unit's operand layouts. Its quantized loops issue ~3,000 warp-instructions per block and are bound by
+that (benchmarks/NOTES.md). Here one warp owns a whole block and nothing leaves its registers:
+
+* **Keys** are the B operand of ``S = Q' K^T`` ([channels, tokens]). The contraction runs over channels, so
+  their order is free as long as q uses the same one: logical channel bits are mapped onto memory bits so
+  that each lane's channels of a token are contiguous bytes. A lane loads 16-byte vectors, and one ``prmt``
+  turns two codes into an fp16 pair already in the operand's register (``0x64cc`` is ``1024 + c``).
+* **Values** are the A operand of ``O^T = V^T P'^T`` ([channels, tokens], the group's query heads on the
+  8-wide N): the output's channel order is free until the final store, which maps it back. A lane loads
+  16 contiguous channels of a token; one ``prmt`` interleaves two tokens' bytes and two more make the fp16
+  pairs (tokens t, t + 1) that the operand holds.
+* **The offsets** (``1024 + c`` instead of ``c``, the key mins) never touch a code: ``q . kmin - 1024 (q
+  * kscale) . 1`` is one more tiny product per block on the matrix unit (``corr``), and for the values
+  ``1024 * sum(p * vscale)`` accumulates by a product with a ones tile (``acc_b``); ``sum(p * vmin)`` is a
+  per-row sum. The scores' softmax works on the 8 rows of the 16-row tile that can hold heads.
+* The running maximum rescales the accumulators only when it grows (the branch is uniform: one warp).
+
+INT4 bytes hold channel ``c`` (low nibble) and ``c + D/2`` (high nibble): each half is its own operand of
+``D/2`` channels from the same bytes; high nibbles are taken as ``1024 + 16 n`` (no shift), their ``1/16``
+folds into q (keys) or the final store (values).
+
+The hot zone (model precision) and the merge stay with the Triton kernels: the launcher runs this kernel
+over the cold blocks, then ``_split_kernel`` for the hot zone as one more split, then ``_merge_kernel``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+_MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+MMA = gl.constexpr(_MMA)
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2))
+B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2))
+ROWS_N = 8  # query rows per program on the matrix unit's N (the GQA group, G <= 8)
+NP = gl.constexpr(ROWS_N)
+
+
+def _linear(reg: list[list[int]], lane: list[list[int]], shape: list[int]) -> gl.DistributedLinearLayout:
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[], block_bases=[],
+                                      shape=shape)  # fmt: skip
+
+
+def _log2(n: int) -> int:
+    return n.bit_length() - 1
+
+
+def key_bits(c: int) -> list[int]:
+    """Memory bit of each logical channel bit of the key operand (channels ``c``): logical bits 0, 3, 4, ..
+    (a lane's registers) go to memory bits 0, 1, 2, .. (contiguous bytes), bits 1 and 2 (lanes) to the top."""
+    n = _log2(c)
+    return [0, n - 2, n - 1] + [j - 2 for j in range(3, n)]
+
+
+def value_bits(c: int) -> list[int]:
+    """Memory bit of each logical channel bit of the value operand: bits 3, 4, .. (registers) go to memory
+    bits 0, 1, ..; bits 0, 1, 2 (lanes) to the top."""
+    n = _log2(c)
+    return [n - 3, n - 2, n - 1] + [j - 3 for j in range(3, n)]
+
+
+def relabel_order(sigma: list[int], lead: int, trail: int) -> list[int]:
+    """The ``permute`` order taking a tensor reshaped to ``[lead dims.., 2 x n memory bits (high first),
+    trail dims..]`` to ``[lead.., 2 x n logical bits (high first), trail..]`` where logical bit ``j`` is memory
+    bit ``sigma[j]``."""
+    n = len(sigma)
+    return (list(range(lead)) + [lead + n - 1 - sigma[n - 1 - p] for p in range(n)]
+            + list(range(lead + n, lead + n + trail)))  # fmt: skip
+
+
+def transposed_order(sigma: list[int]) -> list[int]:
+    """The ``permute`` order taking codes reshaped to ``[T, 2 x n memory bits (high first)]`` to ``[2 x n
+    logical bits (high first), T]``."""
+    n = len(sigma)
+    return [1 + n - 1 - sigma[n - 1 - p] for p in range(n)] + [0]
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """The hand-placed layouts of one build (channels per operand ``c``, tokens per block ``t``)."""
+
+    k_mem: gl.DistributedLinearLayout  # key codes [t, c] as loaded
+    q_mem: gl.DistributedLinearLayout  # q rows [16, c], channels in memory order
+    kmin_mem: gl.DistributedLinearLayout  # key mins [c, 8] (broadcast over N)
+    v_mem: gl.DistributedLinearLayout  # value codes [t, c] as loaded
+    v_pair: gl.DistributedLinearLayout  # value codes [t, c], tokens t, t + 1 side by side
+    rows: gl.DistributedLinearLayout  # scores [8, t] of the query rows
+
+
+@functools.lru_cache(maxsize=None)
+def layouts(c: int, t: int) -> Layouts:
+    n, nt = _log2(c), _log2(t)
+    lanes_k = [[0, 1 << (n - 2)], [0, 1 << (n - 1)]]
+    tok_regs = [[1 << i, 0] for i in range(3, nt)]
+    v_lanes = [[2, 0], [4, 0], [0, 1 << (n - 3)], [0, 1 << (n - 2)], [0, 1 << (n - 1)]]
+    return Layouts(
+        k_mem=_linear([[0, 1 << b] for b in range(n - 2)] + tok_regs, lanes_k + [[1, 0], [2, 0], [4, 0]],
+                      [t, c]),
+        q_mem=_linear([[0, 1], [8, 0]] + [[0, 1 << b] for b in range(1, n - 2)],
+                      lanes_k + [[1, 0], [2, 0], [4, 0]], [16, c]),
+        kmin_mem=_linear([[1 << b, 0] for b in range(n - 2)],
+                         [[1 << (n - 2), 0], [1 << (n - 1), 0], [0, 1], [0, 2], [0, 4]], [c, ROWS_N]),
+        v_mem=_linear([[0, 1 << b] for b in range(n - 3)] + [[1, 0]] + tok_regs, v_lanes, [t, c]),
+        v_pair=_linear([[1, 0], [0, 1]] + tok_regs + [[0, 1 << b] for b in range(1, n - 3)], v_lanes, [t, c]),
+        rows=_linear([[0, 1]] + [[0, 1 << i] for i in range(3, nt)], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                     [ROWS_N, t]),
+    )  # fmt: skip
+
+
+# ---- the code -> fp16 conversions (PTX, four bytes per register) ----
+
+
+@gluon.jit
+def _bytes_f16(x):
+    """uint8 codes -> fp16 ``1024 + code``: one ``prmt`` per output register (bytes 0, 1 | 2, 3)."""
+    return gl.inline_asm_elementwise(
+        "prmt.b32 $0, $2, 0x64646464, 0x4140;\nprmt.b32 $1, $2, 0x64646464, 0x4342;",
+        "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _nibbles_f16(x):
+    """uint8 bytes -> (low nibble ``1024 + n``, high nibble ``1024 + 16 n``) as fp16, in byte order: a
+    ``prmt`` spreads bytes 0, 1 (2, 3) into the two halves of a register, a ``lop3`` per output masks a
+    nibble under the exponent of 1024."""
+    return gl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 y0, y1;
+        prmt.b32 y0, $4, 0, 0x4140;
+        prmt.b32 y1, $4, 0, 0x4342;
+        lop3.b32 $0, y0, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $1, y1, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $2, y0, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 $3, y1, 0x00F000F0, 0x64006400, 0xEA;
+        }
+        """,
+        "=r,=r,=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+# ---- relabelling: memory channel order <-> the operand's logical order (register renaming only) ----
+
+
+@gluon.jit
+def _key_operand(x, C: gl.constexpr, T: gl.constexpr, BITS: gl.constexpr, ORDER: gl.constexpr):
+    """fp16 key codes [T, C] (memory order) -> the B operand [C, T] of ``Q' K^T`` (BITS: [T, 2, 2, ..])."""
+    x = gl.reshape(x, BITS)
+    x = gl.permute(x, ORDER.value)
+    return gl.convert_layout(gl.reshape(x, [C, T]), B_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _value_operand(x, C: gl.constexpr, T: gl.constexpr, BITS: gl.constexpr, ORDER: gl.constexpr):
+    """fp16 value codes [T, C] (memory order, pair layout) -> the A operand [C, T] of ``V^T P'^T``."""
+    x = gl.reshape(x, BITS)
+    x = gl.permute(x, ORDER.value)
+    return gl.convert_layout(gl.reshape(x, [C, T]), A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _q_operand(x, C: gl.constexpr, BITS: gl.constexpr, ORDER: gl.constexpr):
+    """fp16 q rows [16, C] (memory order) -> the A operand [16, C] of ``Q' K^T`` (BITS: [16, 2, 2, ..])."""
+    x = gl.reshape(x, BITS)
+    x = gl.permute(x, ORDER.value)
+    return gl.convert_layout(gl.reshape(x, [16, C]), A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _kmin_operand(x, C: gl.constexpr, BITS: gl.constexpr, ORDER: gl.constexpr):
+    """fp16 key mins [C, 8] (memory order, the same in every column) -> a B operand [C, 8]."""
+    x = gl.reshape(x, BITS)
+    x = gl.permute(x, ORDER.value)
+    return gl.convert_layout(gl.reshape(x, [C, NP]), B_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _rows_of_8(s, T: gl.constexpr):
+    """Rows 0..7 of a [16, T] accumulator (the rows 8..15 of the matrix unit's tile hold no head)."""
+    s = gl.permute(gl.reshape(s, [2, NP, T]), [1, 2, 0])
+    lo, hi = gl.split(s)
+    return lo
+
+
+@gluon.jit
+def _corr_rows(corr, ROWS: gl.constexpr):
+    """The per-row value of a [16, 8] product whose columns are all equal, in ROWS' row layout."""
+    return gl.convert_layout(gl.max(_rows_of_8(corr, NP), 1), gl.SliceLayout(1, ROWS))
+
+
+@gluon.jit
+def _memory_channel(m, BITS: gl.constexpr):
+    """The memory channel of logical channels ``m`` (logical bit j is memory bit ``BITS[j]``)."""
+    out = gl.zeros_like(m)
+    for j in gl.static_range(len(BITS)):
+        out = out | (((m >> j) & 1) << BITS[j])
+    return out
+
+
+@gluon.jit
+def _cold_kernel(
+    q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table_ptr, num_cold_ptr,
+    part_acc_ptr, part_ml_ptr, blk_lse_ptr,
+    qk_scale, blocks_per_split, num_splits, M,
+    s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh,
+    H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, T: gl.constexpr, KIND: gl.constexpr,
+    LK: gl.constexpr, LQ: gl.constexpr, LKM: gl.constexpr, LV: gl.constexpr, LP: gl.constexpr,
+    ROWS: gl.constexpr, K_ORDER: gl.constexpr, Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr,
+    V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
+    KM_BITS: gl.constexpr,
+):  # fmt: skip
+    """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
+    partial (m, l, acc) in the layout of ``_split_kernel``'s partials, and each block's lse."""
+    pid_s = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    C: gl.constexpr = D if KIND == 8 else D // 2  # channels per operand (and bytes per code row)
+    # q rows of the group (rows >= G are zero), scaled to the base-2 softmax, channels in memory order
+    g16 = gl.arange(0, 16, layout=gl.SliceLayout(1, LQ))
+    cq = gl.arange(0, C, layout=gl.SliceLayout(0, LQ))
+    qmask = (g16 < G)[:, None]
+    q_off = b.to(gl.int64) * s_qb + (h * G + g16)[:, None] * s_qh + cq[None, :]
+    q_lo = gl.where(qmask, (gl.load(q_ptr + q_off, mask=qmask, other=0.0).to(gl.float32) * qk_scale), 0.0)
+    q_lo = q_lo.to(gl.float16)
+    if KIND == 4:
+        q_hi = gl.where(qmask, gl.load(q_ptr + q_off + C, mask=qmask, other=0.0).to(gl.float32) * qk_scale,
+                        0.0).to(gl.float16)  # fmt: skip
+    neg = gl.full([C, NP], -1024.0, gl.float16, layout=B_OP)
+    # running state: per query row (ROWS' rows) and the output [C, 8] (channels in the value order)
+    rows = gl.arange(0, NP, layout=gl.SliceLayout(1, ROWS))
+    tok = gl.arange(0, T, layout=gl.SliceLayout(0, ROWS))
+    m_i = gl.full([NP], -1.0e30, gl.float32, layout=gl.SliceLayout(1, ROWS))
+    l_i = gl.zeros([NP], gl.float32, layout=gl.SliceLayout(1, ROWS))
+    vm_i = gl.zeros([NP], gl.float32, layout=gl.SliceLayout(1, ROWS))
+    acc = gl.zeros([C, NP], gl.float32, layout=MMA)
+    if KIND == 4:
+        acc_h = gl.zeros([C, NP], gl.float32, layout=MMA)
+    acc_b = gl.zeros([16, NP], gl.float32, layout=MMA)  # sum of p * vscale (every row the same)
+    ones = gl.full([16, T], 1.0, gl.float16, layout=A_OP)
+    tk = gl.arange(0, T, layout=gl.SliceLayout(1, LK))
+    ck = gl.arange(0, C, layout=gl.SliceLayout(0, LK))
+    k_off = tk[:, None] * C + ck[None, :]
+    tv = gl.arange(0, T, layout=gl.SliceLayout(1, LV))
+    cv = gl.arange(0, C, layout=gl.SliceLayout(0, LV))
+    v_off = tv[:, None] * C + cv[None, :]
+    ckm = gl.arange(0, C, layout=gl.SliceLayout(1, LKM))
+    kmz = gl.zeros([C, NP], gl.float16, layout=LKM)
+
+    nc = gl.load(num_cold_ptr + bh)
+    j0 = pid_s * blocks_per_split
+    j1 = gl.minimum(j0 + blocks_per_split, nc)
+    row = bh.to(gl.int64) * M
+    for j in range(j0, j1):
+        bid = gl.load(table_ptr + row + j).to(gl.int64)
+        base = bid * s_cn + h * s_ch
+        kq = bid * s_kn + h * s_kh
+        vq = bid * s_vn + h * s_vh
+        kc = gl.load(ck_ptr + base + k_off)
+        vc = gl.load(cv_ptr + base + v_off)
+        ks = gl.load(ksc_ptr + kq + cq)
+        km = gl.load(kmin_ptr + kq + ckm)
+        vs = gl.load(vsc_ptr + vq + tok).to(gl.float32)
+        vmn = gl.load(vmin_ptr + vq + tok).to(gl.float32)
+        # scores: S = Q' K^T + corr, corr = q . kmin - 1024 (q * kscale) . 1 (rows of the [16, 8] tile)
+        qs = _q_operand(q_lo * ks[None, :], C, Q_BITS, Q_ORDER)
+        qa = _q_operand(q_lo, C, Q_BITS, Q_ORDER)
+        kmb = _kmin_operand(gl.broadcast(km[:, None], kmz)[0], C, KM_BITS, KM_ORDER)
+        corr = mma_v2(qa, kmb, gl.zeros([16, NP], gl.float32, layout=MMA))
+        corr = mma_v2(qs, neg, corr)
+        if KIND == 8:
+            kb = _key_operand(_bytes_f16(kc), C, T, TC_BITS, K_ORDER)
+            s = mma_v2(qs, kb, gl.zeros([16, T], gl.float32, layout=MMA))
+        else:
+            klo, khi = _nibbles_f16(kc)
+            ks_hi = gl.load(ksc_ptr + kq + C + cq) * 0.0625  # high nibbles are 1024 + 16 n
+            qs_h = _q_operand(q_hi * ks_hi[None, :], C, Q_BITS, Q_ORDER)
+            qa_h = _q_operand(q_hi, C, Q_BITS, Q_ORDER)
+            km_h = gl.load(kmin_ptr + kq + C + ckm)
+            corr = mma_v2(qa_h, _kmin_operand(gl.broadcast(km_h[:, None], kmz)[0], C, KM_BITS, KM_ORDER), corr)
+            corr = mma_v2(qs_h, neg, corr)
+            s = mma_v2(qs, _key_operand(klo, C, T, TC_BITS, K_ORDER), gl.zeros([16, T], gl.float32, layout=MMA))
+            s = mma_v2(qs_h, _key_operand(khi, C, T, TC_BITS, K_ORDER), s)
+        s8 = gl.convert_layout(_rows_of_8(s, T), ROWS, assert_trivial=True)
+        c8 = _corr_rows(corr, ROWS)
+        m_new = gl.maximum(m_i, gl.max(s8, 1) + c8)
+        if gl.max(m_new - m_i, 0) > 0.0:  # the running maximum grew: rescale (uniform branch, one warp)
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            vm_i = vm_i * alpha
+            a_n = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+            acc = acc * a_n[None, :]
+            if KIND == 4:
+                acc_h = acc_h * a_n[None, :]
+            acc_b = acc_b * a_n[None, :]
+            m_i = m_new
+        p = gl.exp2(s8 - (m_i - c8)[:, None])
+        l_blk = gl.sum(p, 1)
+        l_i = l_i + l_blk
+        vm_i = vm_i + gl.sum(p * vmn[None, :], 1)
+        gl.store(blk_lse_ptr + (row + j) * G + rows, m_i + gl.log2(l_blk), mask=rows < G)
+        pb = gl.convert_layout(gl.permute((p * vs[None, :]).to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+        acc_b = mma_v2(ones, pb, acc_b)
+        if KIND == 8:
+            va = _value_operand(_bytes_f16(gl.convert_layout(vc, LP)), C, T, TC_BITS, V_ORDER)
+            acc = mma_v2(va, pb, acc)
+        else:
+            vlo, vhi = _nibbles_f16(gl.convert_layout(vc, LP))
+            acc = mma_v2(_value_operand(vlo, C, T, TC_BITS, V_ORDER), pb, acc)
+            acc_h = mma_v2(_value_operand(vhi, C, T, TC_BITS, V_ORDER), pb, acc_h)
+    # partials: acc - 1024 sum(p * vscale) + sum(p * vmin), channels back in memory order
+    part = (bh * num_splits + pid_s).to(gl.int64)
+    bias = gl.max(acc_b, 0)
+    vmo = gl.convert_layout(vm_i, gl.SliceLayout(0, MMA))
+    mo = gl.arange(0, C, layout=gl.SliceLayout(1, MMA))
+    no = gl.arange(0, NP, layout=gl.SliceLayout(0, MMA))
+    memc = _memory_channel(mo, V_BITS)
+    o_off = part * G * D + no[None, :] * D + memc[:, None]
+    o_mask = (no < G)[None, :]
+    gl.store(part_acc_ptr + o_off, acc - 1024.0 * bias[None, :] + vmo[None, :], mask=o_mask)
+    if KIND == 4:
+        gl.store(part_acc_ptr + o_off + C, (acc_h - 1024.0 * bias[None, :]) * 0.0625 + vmo[None, :],
+                 mask=o_mask)  # fmt: skip
+    gl.store(part_ml_ptr + part * 2 * G + rows, m_i, mask=rows < G)
+    gl.store(part_ml_ptr + part * 2 * G + G + rows, l_i, mask=rows < G)
+
+
+# ---- host side ----
+
+_LAUNCH_KEYS = ("LK", "LQ", "LKM", "LV", "LP", "ROWS", "K_ORDER", "Q_ORDER", "KM_ORDER", "V_ORDER", "V_BITS",
+                "TC_BITS", "Q_BITS", "KM_BITS")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def build_constants(channels: int, tokens: int) -> dict[str, object]:
+    """The compile-time layouts and relabelling orders of one build (channels per operand, tokens per
+    block), as ``_cold_kernel``'s constexpr arguments."""
+    lay = layouts(channels, tokens)
+    kb, vb = key_bits(channels), value_bits(channels)
+    n = _log2(channels)
+    return dict(
+        LK=lay.k_mem, LQ=lay.q_mem, LKM=lay.kmin_mem, LV=lay.v_mem, LP=lay.v_pair, ROWS=lay.rows,
+        K_ORDER=tuple(transposed_order(kb)), Q_ORDER=tuple(relabel_order(kb, 1, 0)),
+        KM_ORDER=tuple(relabel_order(kb, 0, 1)), V_ORDER=tuple(transposed_order(vb)), V_BITS=tuple(vb),
+        TC_BITS=(tokens,) + (2,) * n, Q_BITS=(16,) + (2,) * n, KM_BITS=(2,) * n + (ROWS_N,),
+    )  # fmt: skip
+
+
+def supported(q: torch.Tensor, pool_bits: int, mixed: bool, block_size: int, code_stride: tuple[int, ...],
+              num_kv_heads: int) -> bool:  # fmt: skip
+    """Whether this kernel takes a launch: CUDA, fp16/bf16 models, 8-bit pools read without per-block bits
+    (``mixed`` False: nothing demoted) or 4-bit pools, head_dim 64 or 128, blocks of 16, 32 or 64 tokens, at
+    most 8 query heads per KV head, code rows contiguous."""
+    d = q.shape[2]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and (pool_bits == 4 or (pool_bits == 8 and not mixed))
+        and d in (64, 128)
+        and block_size in (16, 32, 64)
+        and q.shape[1] % num_kv_heads == 0
+        and q.shape[1] // num_kv_heads <= ROWS_N
+        and code_stride[-1] == 1
+        and code_stride[-2] == d * pool_bits // 8
+    )
+
+
+def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
+                maxnreg: int | None = None) -> object:  # fmt: skip
+    """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H) with its runtime ``args`` (in order)."""
+    channels = D if kind == 8 else D // 2
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, num_warps=1,
+                              **build_constants(channels, T), **extra)  # fmt: skip
