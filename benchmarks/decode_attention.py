@@ -63,6 +63,7 @@ def bench(fn, warmup: int = 25, rep: int = 100) -> float:
         return (time.perf_counter() - t0) * 1e3
     if GRAPHS:
         fn()  # compiles, and reads the build's occupancy, outside the capture
+        torch.cuda.synchronize()  # the timing runs on a side stream: the inputs must be ready first
         return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
