@@ -108,14 +108,16 @@ _DEFAULTS = {
     8: DecodeKernelOptions(cvt=2, mixed=True, programs_per_sm=8, maxnreg=128),
     # INT4: 2 stages + a 128-register cap fit 4 programs per SM (3 stages or 162 registers: 3), 0.535 -> 0.497
     # ms at 64x8K in one sweep on the H200; 16 programs per SM: 0.550 -> 0.517 ms at 16x32K (NOTES, run 4).
-    4: DecodeKernelOptions(cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128),
+    4: DecodeKernelOptions(cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128, gluon=True),
     0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
 }
 # programs_per_sm 16 (was 2): chosen by the split sweep of run 3 (16x32K 0.598 -> 0.553 ms, 64x8K 0.515 ->
 # 0.525 ms in the same run). The options ``words``, ``fold_bias`` and ``defer_min`` are correct on the H200
 # but were not faster there (benchmarks/NOTES.md, run 3); they stay off.
 # v_pairs: 0.527 -> 0.479 ms at 64x8K in one sweep on the H200 (NOTES, run 7).
-PURE_INT8 = DecodeKernelOptions(cvt=2, mixed=False, programs_per_sm=16, maxnreg=128, v_pairs=True)
+# gluon (CUDA, pure 8-bit and 4-bit pools): 64x8K INT8 0.466 -> 0.339 ms, INT4 0.488 -> 0.221 ms, CUDA graph
+# replays in one sweep on the H200 (NOTES, run 8).
+PURE_INT8 = DecodeKernelOptions(cvt=2, mixed=False, programs_per_sm=16, maxnreg=128, v_pairs=True, gluon=True)
 
 
 def default_options(bits: int) -> DecodeKernelOptions:
@@ -851,8 +853,32 @@ def split_plan(
     options: DecodeKernelOptions | None = None,
 ) -> tuple[int, int]:
     """(splits, blocks per split) of :func:`hybrid_decode_attention_triton` on these inputs, as its next
-    launch plans them."""
-    return _prepare(q, hot_k, pool, block_table, options)[3:]
+    launch plans them (the Gluon kernel's splits plus the hot zone's where it takes the launch)."""
+    opts, meta, _, splits, per = _prepare(q, hot_k, pool, block_table, options)
+    if _takes_gluon(q, pool, block_table, opts, meta):
+        _, splits, per = _gluon_plan(q, pool, block_table, opts)
+        return splits + 1, per
+    return splits, per
+
+
+def _takes_gluon(
+    q: torch.Tensor, pool: ColdPool, block_table: torch.Tensor, opts: DecodeKernelOptions, meta: dict
+) -> bool:
+    return opts.gluon and gluon_decode.supported(
+        q, pool.bits, bool(meta["MIXED"]), pool.k.shape[2], tuple(pool.k.stride()), block_table.shape[1]
+    )
+
+
+def _gluon_plan(
+    q: torch.Tensor, pool: ColdPool, block_table: torch.Tensor, opts: DecodeKernelOptions
+) -> tuple[tuple[object, ...], int, int]:
+    """The Gluon build's occupancy key, its split count and blocks per split."""
+    B, Hq, D = q.shape
+    H, M = block_table.shape[1], block_table.shape[2]
+    key = ("gluon", str(q.device), pool.bits, D, pool.k.shape[2], Hq // H, opts.gluon_maxnreg)
+    plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm)
+    splits, per = plan_splits(B * H, M, q.device, plan, _RESIDENT.get(key))
+    return key, splits, per
 
 
 def plan_splits(
@@ -1006,9 +1032,7 @@ def hybrid_decode_attention_triton(
     H, M = block_table.shape[1], block_table.shape[2]
     G = Hq // H
     opts, meta, key, splits, per = _prepare(q, hot_k, pool, block_table, options)
-    if opts.gluon and gluon_decode.supported(
-        q, pool.bits, bool(meta["MIXED"]), pool.k.shape[2], tuple(pool.k.stride()), H
-    ):
+    if _takes_gluon(q, pool, block_table, opts, meta):
         return _hybrid_gluon(q, hot_k, hot_v, hot_slot, hot_len, pool, block_table, num_cold, sm_scale, opts, meta)
     dev = q.device
     part_acc = torch.empty((B * H * splits, G, D), dtype=torch.float32, device=dev)
@@ -1060,7 +1084,7 @@ def _hybrid_gluon(
     B, Hq, D = q.shape
     H, M = block_table.shape[1], block_table.shape[2]
     G = Hq // H
-    splits, per = plan_splits(B * H, M, q.device, replace(opts, programs_per_sm=opts.gluon_programs_per_sm))
+    key, splits, per = _gluon_plan(q, pool, block_table, opts)
     total = splits + 1
     dev = q.device
     part_acc = torch.empty((B * H * total, G, D), dtype=torch.float32, device=dev)
@@ -1071,7 +1095,7 @@ def _hybrid_gluon(
     ncold = num_cold.to(torch.int32).contiguous()
     hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
     qk_scale = sm_scale * LOG2E
-    gluon_decode.launch_cold(
+    kernel = gluon_decode.launch_cold(
         (splits, B * H),
         (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, table, ncold,
          part_acc, part_ml, blk_lse, qk_scale, per, total, M,
@@ -1079,6 +1103,10 @@ def _hybrid_gluon(
          pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
         H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, maxnreg=opts.gluon_maxnreg,
     )  # fmt: skip
+    if opts.wave_splits and key not in _RESIDENT and dev.type == "cuda":
+        resident = _resident_of(kernel, dev)
+        if resident:
+            _RESIDENT[key] = resident
     _split_kernel[(1, B * H)](
         q, hot_k, hot_v, hot_slot, hot_len,
         pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
