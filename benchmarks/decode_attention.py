@@ -340,7 +340,9 @@ def pick_splits(opt: DecodeKernelOptions, bits: int, rows: list) -> DecodeKernel
         plans = [replace(opt, gluon_programs_per_sm=pps) for pps in (8, 16, 32, 64)]
         plans += [replace(opt, wave_splits=True, gluon_programs_per_sm=32)]
     else:
-        plans = [replace(opt, programs_per_sm=pps) for pps in (2, 4, 8, 16)] + [replace(opt, wave_splits=True)]
+        plans = [replace(opt, programs_per_sm=pps) for pps in (2, 4, 8, 16)] + [
+            replace(opt, wave_splits=True)
+        ]
     for cand in plans:
         times = [hybrid_case(Case(*shape, bits), cand)["ms"] for shape in PPS_SHAPES]
         rows.append(dict(bits=bits, options=asdict(cand), pps_ms=times))
@@ -368,7 +370,9 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="try kernel variants at 64x8K first")
     ap.add_argument("--quick", action="store_true", help="only 64x8K and 16x32K")
     ap.add_argument(
-        "--graphs", action="store_true", help="time CUDA graph replays (GPU time without the host's launch cost)"
+        "--graphs",
+        action="store_true",
+        help="time CUDA graph replays (GPU time without the host's launch cost)",
     )
     ap.add_argument(
         "--smoke", action="store_true", help="tiny shapes (CPU, TRITON_INTERPRET=1): the script runs"
@@ -448,7 +452,8 @@ def dump_kernels(out: Path) -> None:
 def format_table(results: dict) -> str:
     head = (
         f"{results['device']}, torch {results['torch']}, triton {results['triton']}; copy bandwidth "
-        f"{results['copy_tbs']:.2f} TB/s (read + write). Times: median ms of {results.get('timing', 'launches')}; (x SDPA); TB/s on bytes read.\n\n"
+        f"{results['copy_tbs']:.2f} TB/s (read + write). Times: median ms of "
+        f"{results.get('timing', 'launches')}; (x SDPA); TB/s on bytes read.\n\n"
         "| B x L | SDPA bf16 | SDPA TB/s | INT8 | INT4 | unquantized "
         "| sparse INT8 / INT4 / unq. (L1 1/8 + top 2048) |\n"
         "| --- | --- | --- | --- | --- | --- | --- |"

@@ -72,8 +72,8 @@ def value_bits(c: int) -> list[int]:
 
 def relabel_order(sigma: list[int], lead: int, trail: int) -> list[int]:
     """The ``permute`` order taking a tensor reshaped to ``[lead dims.., 2 x n memory bits (high first),
-    trail dims..]`` to ``[lead.., 2 x n logical bits (high first), trail..]`` where logical bit ``j`` is memory
-    bit ``sigma[j]``."""
+    trail dims..]`` to ``[lead.., 2 x n logical bits (high first), trail..]``, logical bit ``j`` being
+    memory bit ``sigma[j]``."""
     n = len(sigma)
     return (list(range(lead)) + [lead + n - 1 - sigma[n - 1 - p] for p in range(n)]
             + list(range(lead + n, lead + n + trail)))  # fmt: skip
@@ -98,17 +98,17 @@ class Layouts:
     rows: gl.DistributedLinearLayout  # scores [8, t] of the query rows
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layouts(c: int, t: int) -> Layouts:
     n, nt = _log2(c), _log2(t)
     lanes_k = [[0, 1 << (n - 2)], [0, 1 << (n - 1)]]
     tok_regs = [[1 << i, 0] for i in range(3, nt)]
     v_lanes = [[2, 0], [4, 0], [0, 1 << (n - 3)], [0, 1 << (n - 2)], [0, 1 << (n - 1)]]
     return Layouts(
-        k_mem=_linear([[0, 1 << b] for b in range(n - 2)] + tok_regs, lanes_k + [[1, 0], [2, 0], [4, 0]],
+        k_mem=_linear([[0, 1 << b] for b in range(n - 2)] + tok_regs, [*lanes_k, [1, 0], [2, 0], [4, 0]],
                       [t, c]),
         q_mem=_linear([[0, 1], [8, 0]] + [[0, 1 << b] for b in range(1, n - 2)],
-                      lanes_k + [[1, 0], [2, 0], [4, 0]], [16, c]),
+                      [*lanes_k, [1, 0], [2, 0], [4, 0]], [16, c]),
         kmin_mem=_linear([[1 << b, 0] for b in range(n - 2)],
                          [[1 << (n - 2), 0], [1 << (n - 1), 0], [0, 1], [0, 2], [0, 4]], [c, ROWS_N]),
         v_mem=_linear([[0, 1 << b] for b in range(n - 3)] + [[1, 0]] + tok_regs, v_lanes, [t, c]),
@@ -190,7 +190,7 @@ def _kmin_operand(x, C: gl.constexpr, BITS: gl.constexpr, ORDER: gl.constexpr):
 def _rows_of_8(s, T: gl.constexpr):
     """Rows 0..7 of a [16, T] accumulator (the rows 8..15 of the matrix unit's tile hold no head)."""
     s = gl.permute(gl.reshape(s, [2, NP, T]), [1, 2, 0])
-    lo, hi = gl.split(s)
+    lo, _ = gl.split(s)
     return lo
 
 
@@ -289,9 +289,13 @@ def _cold_kernel(
             qs_h = _q_operand(q_hi * ks_hi[None, :], C, Q_BITS, Q_ORDER)
             qa_h = _q_operand(q_hi, C, Q_BITS, Q_ORDER)
             km_h = gl.load(kmin_ptr + kq + C + ckm)
-            corr = mma_v2(qa_h, _kmin_operand(gl.broadcast(km_h[:, None], kmz)[0], C, KM_BITS, KM_ORDER), corr)
+            corr = mma_v2(
+                qa_h, _kmin_operand(gl.broadcast(km_h[:, None], kmz)[0], C, KM_BITS, KM_ORDER), corr
+            )
             corr = mma_v2(qs_h, neg, corr)
-            s = mma_v2(qs, _key_operand(klo, C, T, TC_BITS, K_ORDER), gl.zeros([16, T], gl.float32, layout=MMA))
+            s = mma_v2(
+                qs, _key_operand(klo, C, T, TC_BITS, K_ORDER), gl.zeros([16, T], gl.float32, layout=MMA)
+            )
             s = mma_v2(qs_h, _key_operand(khi, C, T, TC_BITS, K_ORDER), s)
         s8 = gl.convert_layout(_rows_of_8(s, T), ROWS, assert_trivial=True)
         c8 = _corr_rows(corr, ROWS)
@@ -311,7 +315,9 @@ def _cold_kernel(
         l_i = l_i + l_blk
         vm_i = vm_i + gl.sum(p * vmn[None, :], 1)
         gl.store(blk_lse_ptr + (row + j) * G + rows, m_i + gl.log2(l_blk), mask=rows < G)
-        pb = gl.convert_layout(gl.permute((p * vs[None, :]).to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+        pb = gl.convert_layout(
+            gl.permute((p * vs[None, :]).to(gl.float16), [1, 0]), B_OP, assert_trivial=True
+        )
         acc_b = mma_v2(ones, pb, acc_b)
         if KIND == 8:
             va = _value_operand(_bytes_f16(gl.convert_layout(vc, LP)), C, T, TC_BITS, V_ORDER)
@@ -343,7 +349,7 @@ _LAUNCH_KEYS = ("LK", "LQ", "LKM", "LV", "LP", "ROWS", "K_ORDER", "Q_ORDER", "KM
                 "TC_BITS", "Q_BITS", "KM_BITS")  # fmt: skip
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build_constants(channels: int, tokens: int) -> dict[str, object]:
     """The compile-time layouts and relabelling orders of one build (channels per operand, tokens per
     block), as ``_cold_kernel``'s constexpr arguments."""

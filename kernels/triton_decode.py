@@ -73,8 +73,9 @@ class DecodeKernelOptions:
         counted offline; not yet run on a GPU (NOTES).
     gluon: pure 8-bit and 4-bit pools on CUDA take the Gluon kernel for the cold blocks
         (``gluon_decode``: one warp per program, every register placed by hand), then this module's split
-        kernel for the hot zone as one more split; other launches ignore it. ``gluon_programs_per_sm`` sets
-        its split count, ``gluon_maxnreg`` its register cap.
+        kernel for the hot zone as one more split; other launches ignore it. Its split count follows the wave
+        model (``gluon_programs_per_sm`` until the build's occupancy is known), ``gluon_maxnreg`` caps its
+        registers.
     wave_splits: the split count from a wave model (:func:`wave_splits`) instead of ``programs_per_sm``: the
         fewest waves x blocks per program, with the programs the build keeps resident per multiprocessor (read
         from the build at its first launch, which still plans by ``programs_per_sm``). The model assumes
@@ -108,7 +109,9 @@ _DEFAULTS = {
     8: DecodeKernelOptions(cvt=2, mixed=True, programs_per_sm=8, maxnreg=128),
     # INT4: 2 stages + a 128-register cap fit 4 programs per SM (3 stages or 162 registers: 3), 0.535 -> 0.497
     # ms at 64x8K in one sweep on the H200; 16 programs per SM: 0.550 -> 0.517 ms at 16x32K (NOTES, run 4).
-    4: DecodeKernelOptions(cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128, gluon=True),
+    4: DecodeKernelOptions(
+        cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128, gluon=True
+    ),
     0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
 }
 # programs_per_sm 16 (was 2): chosen by the split sweep of run 3 (16x32K 0.598 -> 0.553 ms, 64x8K 0.515 ->
@@ -876,7 +879,9 @@ def _gluon_plan(
     B, Hq, D = q.shape
     H, M = block_table.shape[1], block_table.shape[2]
     key = ("gluon", str(q.device), pool.bits, D, pool.k.shape[2], Hq // H, opts.gluon_maxnreg)
-    plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm)
+    # The wave model, with the build's occupancy once known (64x8K INT8 0.307-0.320 -> 0.295 ms against
+    # the best programs-per-SM target, NOTES run 8).
+    plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm, wave_splits=True)
     splits, per = plan_splits(B * H, M, q.device, plan, _RESIDENT.get(key))
     return key, splits, per
 
@@ -1033,7 +1038,9 @@ def hybrid_decode_attention_triton(
     G = Hq // H
     opts, meta, key, splits, per = _prepare(q, hot_k, pool, block_table, options)
     if _takes_gluon(q, pool, block_table, opts, meta):
-        return _hybrid_gluon(q, hot_k, hot_v, hot_slot, hot_len, pool, block_table, num_cold, sm_scale, opts, meta)
+        return _hybrid_gluon(
+            q, hot_k, hot_v, hot_slot, hot_len, pool, block_table, num_cold, sm_scale, opts, meta
+        )
     dev = q.device
     part_acc = torch.empty((B * H * splits, G, D), dtype=torch.float32, device=dev)
     part_ml = torch.empty((B * H * splits, 2, G), dtype=torch.float32, device=dev)
@@ -1103,7 +1110,7 @@ def _hybrid_gluon(
          pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
         H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, maxnreg=opts.gluon_maxnreg,
     )  # fmt: skip
-    if opts.wave_splits and key not in _RESIDENT and dev.type == "cuda":
+    if key not in _RESIDENT and dev.type == "cuda":
         resident = _resident_of(kernel, dev)
         if resident:
             _RESIDENT[key] = resident

@@ -77,8 +77,8 @@ def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64
     q = torch.zeros(b, heads * group, d, dtype=torch.bfloat16)
     meta = td._prepare(q, hot, pool, table, opts)[1]
     return lambda: td._hybrid_gluon(
-        q, hot, hot.clone(), torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32), pool,
-        table, torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), opts, meta,
+        q, hot, hot.clone(), torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32),
+        pool, table, torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), opts, meta,
     )  # fmt: skip
 
 
