@@ -345,9 +345,6 @@ def _cold_kernel(
 
 # ---- host side ----
 
-_LAUNCH_KEYS = ("LK", "LQ", "LKM", "LV", "LP", "ROWS", "K_ORDER", "Q_ORDER", "KM_ORDER", "V_ORDER", "V_BITS",
-                "TC_BITS", "Q_BITS", "KM_BITS")  # fmt: skip
-
 
 @functools.cache
 def build_constants(channels: int, tokens: int) -> dict[str, object]:

@@ -1037,10 +1037,12 @@ def hybrid_decode_attention_triton(
     H, M = block_table.shape[1], block_table.shape[2]
     G = Hq // H
     opts, meta, key, splits, per = _prepare(q, hot_k, pool, block_table, options)
-    if _takes_gluon(q, pool, block_table, opts, meta):
-        return _hybrid_gluon(
-            q, hot_k, hot_v, hot_slot, hot_len, pool, block_table, num_cold, sm_scale, opts, meta
-        )
+    # The Gluon kernel takes the cold blocks as splits 0 .. s-1 where it applies; the split kernel then runs
+    # the hot zone alone, as split s (``split0``).
+    gluon = _takes_gluon(q, pool, block_table, opts, meta)
+    if gluon:
+        key, cold_splits, per = _gluon_plan(q, pool, block_table, opts)
+        splits = cold_splits + 1
     dev = q.device
     part_acc = torch.empty((B * H * splits, G, D), dtype=torch.float32, device=dev)
     part_ml = torch.empty((B * H * splits, 2, G), dtype=torch.float32, device=dev)
@@ -1049,17 +1051,28 @@ def hybrid_decode_attention_triton(
     table = block_table.contiguous()
     ncold = num_cold.to(torch.int32).contiguous()
     hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
-    kernel = _split_kernel[(splits, B * H)](
+    qk_scale = sm_scale * LOG2E
+    if gluon:
+        cold = gluon_decode.launch_cold(
+            (cold_splits, B * H),
+            (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, table, ncold,
+             part_acc, part_ml, blk_lse, qk_scale, per, splits, M,
+             q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1),
+             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
+            H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, maxnreg=opts.gluon_maxnreg,
+        )  # fmt: skip
+    kernel = _split_kernel[(1, B * H) if gluon else (splits, B * H)](
         q, hot_k, hot_v, hot_slot, hot_len,
         pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
         part_acc, part_ml, blk_lse, hot_lse,
-        sm_scale * LOG2E, per, splits, M,
+        qk_scale, per, splits, M,
         q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
         pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
-        pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1), **meta,
+        pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
+        split0=cold_splits if gluon else 0, **meta,
     )  # fmt: skip
-    if opts.wave_splits and key not in _RESIDENT and dev.type == "cuda":
-        resident = _resident_of(kernel, dev)
+    if (gluon or opts.wave_splits) and key not in _RESIDENT and dev.type == "cuda":
+        resident = _resident_of(cold if gluon else kernel, dev)
         if resident:
             _RESIDENT[key] = resident
     out = torch.empty_like(q)
@@ -1067,68 +1080,6 @@ def hybrid_decode_attention_triton(
     hot_mass = torch.empty((B, H), dtype=torch.float32, device=dev)
     _merge_kernel[(B * H,)](
         part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass, splits, M,
-        out.stride(0), out.stride(1),
-        H=H, G=G, GP=next_pow2(G), D=D, MB=64,
-    )  # fmt: skip
-    return out, mass, hot_mass
-
-
-def _hybrid_gluon(
-    q: torch.Tensor,
-    hot_k: torch.Tensor,
-    hot_v: torch.Tensor,
-    hot_slot: torch.Tensor,
-    hot_len: torch.Tensor,
-    pool: ColdPool,
-    block_table: torch.Tensor,
-    num_cold: torch.Tensor,
-    sm_scale: float,
-    opts: DecodeKernelOptions,
-    meta: dict[str, object],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`hybrid_decode_attention_triton` with the cold blocks in ``gluon_decode._cold_kernel`` (splits
-    ``0 .. s-1``), the hot zone in ``_split_kernel`` as split ``s``, then the merge."""
-    B, Hq, D = q.shape
-    H, M = block_table.shape[1], block_table.shape[2]
-    G = Hq // H
-    key, splits, per = _gluon_plan(q, pool, block_table, opts)
-    total = splits + 1
-    dev = q.device
-    part_acc = torch.empty((B * H * total, G, D), dtype=torch.float32, device=dev)
-    part_ml = torch.empty((B * H * total, 2, G), dtype=torch.float32, device=dev)
-    blk_lse = torch.empty((B * H, max(M, 1), G), dtype=torch.float32, device=dev)
-    hot_lse = torch.empty((B * H, G), dtype=torch.float32, device=dev)
-    table = block_table.contiguous()
-    ncold = num_cold.to(torch.int32).contiguous()
-    hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
-    qk_scale = sm_scale * LOG2E
-    kernel = gluon_decode.launch_cold(
-        (splits, B * H),
-        (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, table, ncold,
-         part_acc, part_ml, blk_lse, qk_scale, per, total, M,
-         q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1),
-         pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
-        H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, maxnreg=opts.gluon_maxnreg,
-    )  # fmt: skip
-    if key not in _RESIDENT and dev.type == "cuda":
-        resident = _resident_of(kernel, dev)
-        if resident:
-            _RESIDENT[key] = resident
-    _split_kernel[(1, B * H)](
-        q, hot_k, hot_v, hot_slot, hot_len,
-        pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
-        part_acc, part_ml, blk_lse, hot_lse,
-        qk_scale, per, total, M,
-        q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
-        pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
-        pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
-        split0=splits, **meta,
-    )  # fmt: skip
-    out = torch.empty_like(q)
-    mass = torch.empty((B, H, M), dtype=torch.float32, device=dev)
-    hot_mass = torch.empty((B, H), dtype=torch.float32, device=dev)
-    _merge_kernel[(B * H,)](
-        part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass, total, M,
         out.stride(0), out.stride(1),
         H=H, G=G, GP=next_pow2(G), D=D, MB=64,
     )  # fmt: skip

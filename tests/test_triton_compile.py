@@ -41,6 +41,7 @@ def _decode(
     d: int = 128,
     b: int = 3,
     m: int = 9,
+    bs: int = 64,
     **options: Any,
 ) -> Callable[[], Any]:
     """b sequences of m cold blocks; ``options``: a variant of the bits' default ``DecodeKernelOptions`` (the
@@ -52,7 +53,7 @@ def _decode(
     base = PURE_INT8 if bits == 8 and not demotable else default_options(bits)
     opts = replace(base, **options) if options else None
 
-    pool = _pool(bits, heads, d, demotable=demotable)
+    pool = _pool(bits, heads, d, bs, demotable=demotable)
     hot = torch.zeros(max(4, b), heads, 96, d, dtype=torch.bfloat16)
     table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
     return lambda: hybrid_decode_attention_triton(
@@ -64,22 +65,19 @@ def _decode(
 
 def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64, b: int = 3,
            m: int = 9) -> Callable[[], Any]:  # fmt: skip
-    """The Gluon cold kernel's launch (it takes CUDA tensors only; here the launcher's path is called)."""
-    from dataclasses import replace
+    """The launches with the Gluon cold kernel: it takes CUDA tensors only, so the launcher is told it
+    applies (every other condition of ``gluon_decode.supported`` holds for these pools)."""
+    from unittest import mock
 
     from kvtune.kernels import triton_decode as td
 
-    opts = replace(td.PURE_INT8 if bits == 8 else td.default_options(bits), gluon=True)
-    pool = ColdLayout(bs, heads, d, bits, torch.bfloat16).allocate(40, "cpu")
-    pool.may_demote = False
-    hot = torch.zeros(max(4, b), heads, 96, d, dtype=torch.bfloat16)
-    table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
-    q = torch.zeros(b, heads * group, d, dtype=torch.bfloat16)
-    meta = td._prepare(q, hot, pool, table, opts)[1]
-    return lambda: td._hybrid_gluon(
-        q, hot, hot.clone(), torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32),
-        pool, table, torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), opts, meta,
-    )  # fmt: skip
+    launch = _decode(bits, demotable=False, heads=heads, group=group, d=d, b=b, m=m, bs=bs, gluon=True)
+
+    def run() -> Any:
+        with mock.patch.object(td, "_takes_gluon", lambda *_: True):
+            return launch()
+
+    return run
 
 
 def _quest(bits: int, b: int = 2, m: int = 9) -> Callable[[], Any]:
