@@ -254,6 +254,7 @@ def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float,
     log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
         f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min} i8={opt.int8_dot} "
         f"vp={opt.v_pairs} nib={opt.nibble_asm} gluon={opt.gluon} gr={opt.gluon_maxnreg} "
+        f"st={opt.gluon_stages} pdl={opt.gluon_pdl} "
         f"{res['ms']:.4f} ms "
         f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
     return (res["ms"], opt) if ok else None
@@ -280,7 +281,9 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(mixed=True, maxnreg=96),
         dict(int8_dot=True),  # codes to the integer matrix unit, q and p split into two int8 parts
         dict(gluon=True),  # the Gluon cold kernel: one warp per program, registers placed by hand
-        dict(gluon=True, gluon_maxnreg=168),
+        dict(gluon=True, gluon_pdl=False),  # the merge + hot zone launched after the Gluon kernel ends
+        dict(gluon=True, gluon_stages=2),
+        dict(gluon=True, gluon_stages=0),  # Gluon, each block loaded into registers (no cp.async ring)
     ],
     4: [
         {},
@@ -290,7 +293,9 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(int8_dot=True, k_transposed=False),
         dict(nibble_asm=True),  # both nibbles of four bytes to fp16 in one piece of PTX
         dict(gluon=True),
-        dict(gluon=True, gluon_maxnreg=168),
+        dict(gluon=True, gluon_pdl=False),
+        dict(gluon=True, gluon_stages=3),
+        dict(gluon=True, gluon_stages=0),
     ],
     0: [{}],
 }
@@ -302,7 +307,8 @@ def sweep(results: dict) -> dict[str, DecodeKernelOptions]:
     best: dict[str, DecodeKernelOptions] = {}
     for bits, grid in SWEEP_GRIDS.items():
         base = PURE_INT8 if bits == 8 else default_options(bits)
-        scored = [x for g in grid if (x := try_variant(replace(base, **g), bits, rows)) is not None]
+        # an entry that does not name ``gluon`` is a variant of the Triton kernel
+        scored = [x for g in grid if (x := try_variant(replace(base, **{"gluon": False, **g}), bits, rows))]
         names = ["int8", "sparse8"] if bits == 8 else [f"int{bits}", f"sparse{bits}"]
         for name in names:
             mixed_ok = [x for x in scored if x[1].mixed or bits != 8]

@@ -25,8 +25,13 @@ INT4 bytes hold channel ``c`` (low nibble) and ``c + D/2`` (high nibble): each h
 ``D/2`` channels from the same bytes; high nibbles are taken as ``1024 + 16 n`` (no shift), their ``1/16``
 folds into q (keys) or the final store (values).
 
+Blocks j + 1 .. j + s - 1 are in flight while block j is computed: ``cp.async`` copies them into a ring of
+``s`` stages in shared memory (layouts in which both the copies and the loads back meet every bank once);
+the next block id is read an iteration ahead, off the copies' path.
+
 The hot zone (model precision) and the merge stay with the Triton kernels: the launcher runs this kernel
-over the cold blocks, then ``_split_kernel`` for the hot zone as one more split, then ``_merge_kernel``.
+over the cold blocks, then ``_merge_kernel``, which attends the hot zone and then merges; launched as a
+programmatic dependent, it attends the hot zone while this kernel runs.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 _MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 MMA = gl.constexpr(_MMA)
@@ -56,11 +61,26 @@ def _log2(n: int) -> int:
     return n.bit_length() - 1
 
 
+def _key_lane_bit(n: int) -> int:
+    """The memory bit of the key operand's first lane bit (channels ``2**n``): 4 where a lane holds more
+    than 16 channels of a token, so that one warp-instruction reads 16-byte pieces that fill whole 32-byte
+    sectors; else the top two bits."""
+    return min(4, n - 2)
+
+
+def key_register_bits(c: int) -> list[int]:
+    """The memory bits of the key channels a lane holds in registers, in increasing order."""
+    n = _log2(c)
+    low = _key_lane_bit(n)
+    return [b for b in range(n) if b not in (low, low + 1)]
+
+
 def key_bits(c: int) -> list[int]:
     """Memory bit of each logical channel bit of the key operand (channels ``c``): logical bits 0, 3, 4, ..
-    (a lane's registers) go to memory bits 0, 1, 2, .. (contiguous bytes), bits 1 and 2 (lanes) to the top."""
-    n = _log2(c)
-    return [0, n - 2, n - 1] + [j - 2 for j in range(3, n)]
+    (a lane's registers) go to memory bits 0, 1, 2, 3, then the bits above the lanes' two; logical bits 1
+    and 2 (lanes) to memory bits 4 and 5 (the top two bits where ``c`` < 64)."""
+    low = _key_lane_bit(_log2(c))
+    return [0, low, low + 1, *key_register_bits(c)[1:]]
 
 
 def value_bits(c: int) -> list[int]:
@@ -95,27 +115,63 @@ class Layouts:
     kmin_mem: gl.DistributedLinearLayout  # key mins [c, 8] (broadcast over N)
     v_mem: gl.DistributedLinearLayout  # value codes [t, c] as loaded
     v_pair: gl.DistributedLinearLayout  # value codes [t, c], tokens t, t + 1 side by side
+    v_pair4: gl.DistributedLinearLayout  # the same registers, channels c, c + 1 side by side (4-bit codes)
     rows: gl.DistributedLinearLayout  # scores [8, t] of the query rows
+    k_smem: gl.SharedLinearLayout  # key codes [t, c] of a stage: each lane's bytes of k_mem contiguous
+    v_smem: gl.SharedLinearLayout  # value codes [t, c] of a stage: rows in order, 16-byte pieces swizzled
+    v_copy: gl.BlockedLayout  # value codes [t, c] as copied: consecutive lanes, consecutive 16 bytes
+
+
+def staged(dist: gl.DistributedLinearLayout) -> gl.SharedLinearLayout:
+    """The shared layout of one stage [*dist.shape] in which a lane's leading contiguous registers (up to 16
+    bytes) are contiguous and a warp's 32 vectors are one run of consecutive bytes: the async copies and
+    the loads back in ``dist`` are whole 16-byte vectors without bank conflicts."""
+    regs = dist.reg_bases
+    vec = 0
+    while vec < min(4, len(regs)) and regs[vec] == [0, 1 << vec]:
+        vec += 1
+    bases = regs[:vec] + dist.lane_bases + regs[vec:]
+    return gl.SharedLinearLayout(bases)
+
+
+def swizzled_rows(c: int, t: int) -> gl.SharedLinearLayout:
+    """Rows of ``c`` bytes in order, with row bits 1 and 2 XORed into byte-offset bits 5 and 6: both the
+    coalesced copy (``v_copy``: a quarter-warp writes one 128-byte run) and the loads in ``v_mem`` (a
+    quarter-warp reads 16-byte pieces of rows 0, 2, 4, 6) meet every bank once."""
+    where = {}
+    for r in range(t):
+        for col in range(c):
+            where[(r * c + col) ^ (((r >> 1) & 1) << 5) ^ (((r >> 2) & 1) << 6)] = [r, col]
+    return gl.SharedLinearLayout([where[1 << k] for k in range(_log2(t * c))])
 
 
 @functools.cache
 def layouts(c: int, t: int) -> Layouts:
     n, nt = _log2(c), _log2(t)
-    lanes_k = [[0, 1 << (n - 2)], [0, 1 << (n - 1)]]
+    low, regs_k = _key_lane_bit(n), key_register_bits(c)
+    lanes_k = [[0, 1 << low], [0, 2 << low]]
     tok_regs = [[1 << i, 0] for i in range(3, nt)]
     v_lanes = [[2, 0], [4, 0], [0, 1 << (n - 3)], [0, 1 << (n - 2)], [0, 1 << (n - 1)]]
-    return Layouts(
-        k_mem=_linear([[0, 1 << b] for b in range(n - 2)] + tok_regs, [*lanes_k, [1, 0], [2, 0], [4, 0]],
-                      [t, c]),
-        q_mem=_linear([[0, 1], [8, 0]] + [[0, 1 << b] for b in range(1, n - 2)],
+    lay = dict(
+        k_mem=_linear([[0, 1 << b] for b in regs_k] + tok_regs, [*lanes_k, [1, 0], [2, 0], [4, 0]], [t, c]),
+        q_mem=_linear([[0, 1], [8, 0]] + [[0, 1 << b] for b in regs_k[1:]],
                       [*lanes_k, [1, 0], [2, 0], [4, 0]], [16, c]),
-        kmin_mem=_linear([[1 << b, 0] for b in range(n - 2)],
-                         [[1 << (n - 2), 0], [1 << (n - 1), 0], [0, 1], [0, 2], [0, 4]], [c, ROWS_N]),
+        kmin_mem=_linear([[1 << b, 0] for b in regs_k],
+                         [[1 << low, 0], [2 << low, 0], [0, 1], [0, 2], [0, 4]], [c, ROWS_N]),
         v_mem=_linear([[0, 1 << b] for b in range(n - 3)] + [[1, 0]] + tok_regs, v_lanes, [t, c]),
         v_pair=_linear([[1, 0], [0, 1]] + tok_regs + [[0, 1 << b] for b in range(1, n - 3)], v_lanes, [t, c]),
+        v_pair4=_linear([[0, 1], [1, 0]] + tok_regs + [[0, 1 << b] for b in range(1, n - 3)], v_lanes,
+                        [t, c]),
         rows=_linear([[0, 1]] + [[0, 1 << i] for i in range(3, nt)], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
                      [ROWS_N, t]),
     )  # fmt: skip
+    lanes_row = min(c // 16, 32)
+    return Layouts(
+        **lay,
+        k_smem=staged(lay["k_mem"]),
+        v_smem=swizzled_rows(c, t),
+        v_copy=gl.BlockedLayout([1, 16], [32 // lanes_row, lanes_row], [1, 1], [1, 0]),
+    )
 
 
 # ---- the code -> fp16 conversions (PTX, four bytes per register) ----
@@ -134,7 +190,7 @@ def _bytes_f16(x):
 def _nibbles_f16(x):
     """uint8 bytes -> (low nibble ``1024 + n``, high nibble ``1024 + 16 n``) as fp16, in byte order: a
     ``prmt`` spreads bytes 0, 1 (2, 3) into the two halves of a register, a ``lop3`` per output masks a
-    nibble under the exponent of 1024."""
+    nibble under the exponent of 1024 (six instructions per four bytes)."""
     return gl.inline_asm_elementwise(
         """
         {
@@ -149,6 +205,37 @@ def _nibbles_f16(x):
         """,
         "=r,=r,=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=4,
     )  # fmt: skip
+
+
+@gluon.jit
+def _nibbles_f16_02(x):
+    """As ``_nibbles_f16`` in five instructions per four bytes: a ``lop3`` per output register masks the
+    nibbles of bytes 0 and 2 (of 1 and 3 after one shift), so the four codes of a register come out as
+    bytes 0, 2, 1, 3 (in tensor order). The values take it on the channel-first pair layout, where that
+    order is the token pairs the operand wants (``_unswap_pairs`` renames the coordinates)."""
+    return gl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 y;
+        shr.b32 y, $4, 8;
+        lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $1, y, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $2, $4, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 $3, y, 0x00F000F0, 0x64006400, 0xEA;
+        }
+        """,
+        "=r,=r,=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _unswap_pairs(x, T: gl.constexpr, C: gl.constexpr):
+    """Value nibbles [T, C] from ``_nibbles_f16_02`` on the channel-first pair layout (a register's bytes
+    (t, c), (t, c + 1), (t + 1, c), (t + 1, c + 1) come out as (t, c), (t + 1, c), (t, c + 1),
+    (t + 1, c + 1)):
+    token bit 0 and channel bit 0 trade places, which leaves them in the token-first pair layout."""
+    x = gl.permute(gl.reshape(x, [T // 2, 2, C // 2, 2]), [0, 3, 2, 1])
+    return gl.reshape(x, [T, C])
 
 
 # ---- relabelling: memory channel order <-> the operand's logical order (register renaming only) ----
@@ -210,6 +297,37 @@ def _memory_channel(m, BITS: gl.constexpr):
 
 
 @gluon.jit
+def _launch_dependents(x):
+    """``griddepcontrol.launch_dependents``: the next launch on the stream, if programmatic, may start."""
+    return gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [x],
+                                     dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _block_id(table_ptr, row, j, j1):
+    """Entry ``j`` of the block-table row at ``row`` as int64 (0 past the split's end ``j1``)."""
+    return gl.load(table_ptr + row + j, mask=j < j1, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _stage(kbuf, vbuf, ksb, kmb, vsb, vmb, st, bid, h, ck_ptr, cv_ptr, ksc_ptr, kmin_ptr, vsc_ptr, vmin_ptr,
+           s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_off, v_off, cd, ct):  # fmt: skip
+    """Start the async copies of block ``bid``'s codes, key scales and mins (all D channels) and value scales
+    and mins into stage ``st``; the caller commits the group."""
+    base = bid * s_cn + h * s_ch
+    kq = bid * s_kn + h * s_kh
+    vq = bid * s_vn + h * s_vh
+    async_copy.async_copy_global_to_shared(kbuf.index(st), ck_ptr + base + k_off)
+    async_copy.async_copy_global_to_shared(vbuf.index(st), cv_ptr + base + v_off)
+    async_copy.async_copy_global_to_shared(ksb.index(st), ksc_ptr + kq + cd)
+    async_copy.async_copy_global_to_shared(kmb.index(st), kmin_ptr + kq + cd)
+    async_copy.async_copy_global_to_shared(vsb.index(st), vsc_ptr + vq + ct)
+    async_copy.async_copy_global_to_shared(vmb.index(st), vmin_ptr + vq + ct)
+
+
+# Sizes that follow the batch and the sequence lengths are not specialized (a value of 1 or a multiple of 16
+# would otherwise compile the kernel again in the middle of a replay).
+@gluon.jit(do_not_specialize=["blocks_per_split", "num_splits", "M"])
 def _cold_kernel(
     q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table_ptr, num_cold_ptr,
     part_acc_ptr, part_ml_ptr, blk_lse_ptr,
@@ -217,14 +335,18 @@ def _cold_kernel(
     s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh,
     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, T: gl.constexpr, KIND: gl.constexpr,
     LK: gl.constexpr, LQ: gl.constexpr, LKM: gl.constexpr, LV: gl.constexpr, LP: gl.constexpr,
+    LP4: gl.constexpr,
     ROWS: gl.constexpr, K_ORDER: gl.constexpr, Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr,
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
-    KM_BITS: gl.constexpr,
+    KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, VCOPY: gl.constexpr, STAGES: gl.constexpr,
+    PDL: gl.constexpr,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
     partial (m, l, acc) in the layout of ``_split_kernel``'s partials, and each block's lse."""
     pid_s = gl.program_id(0)
     bh = gl.program_id(1)
+    if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
+        _launch_dependents(pid_s)
     b = bh // H
     h = bh % H
     C: gl.constexpr = D if KIND == 8 else D // 2  # channels per operand (and bytes per code row)
@@ -263,17 +385,58 @@ def _cold_kernel(
     j0 = pid_s * blocks_per_split
     j1 = gl.minimum(j0 + blocks_per_split, nc)
     row = bh.to(gl.int64) * M
+    if STAGES > 0:
+        # A ring of STAGES blocks in shared memory: blocks j + 1 .. j + STAGES - 1 are in flight while block j
+        # is computed (one commit group per block, empty past the split's end).
+        kbuf = gl.allocate_shared_memory(ck_ptr.dtype.element_ty, [STAGES, T, C], SK)
+        vbuf = gl.allocate_shared_memory(cv_ptr.dtype.element_ty, [STAGES, T, C], SV)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        ksb = gl.allocate_shared_memory(ksc_ptr.dtype.element_ty, [STAGES, D], plain)
+        kmsb = gl.allocate_shared_memory(kmin_ptr.dtype.element_ty, [STAGES, D], plain)
+        vsb = gl.allocate_shared_memory(vsc_ptr.dtype.element_ty, [STAGES, T], plain)
+        vmb = gl.allocate_shared_memory(vmin_ptr.dtype.element_ty, [STAGES, T], plain)
+        tvc = gl.arange(0, T, layout=gl.SliceLayout(1, VCOPY))
+        cvc = gl.arange(0, C, layout=gl.SliceLayout(0, VCOPY))
+        v_copy = tvc[:, None] * C + cvc[None, :]
+        cd = gl.arange(0, D, layout=gl.BlockedLayout([max(D // 32, 2)], [32], [1], [0]))
+        ct = gl.arange(0, T, layout=gl.BlockedLayout([2], [32], [1], [0]))
+        for i in gl.static_range(STAGES - 1):
+            if j0 + i < j1:
+                _stage(kbuf, vbuf, ksb, kmsb, vsb, vmb, i, gl.load(table_ptr + row + j0 + i).to(gl.int64), h,
+                       ck_ptr, cv_ptr, ksc_ptr, kmin_ptr, vsc_ptr, vmin_ptr,
+                       s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_off, v_copy, cd, ct)  # fmt: skip
+            async_copy.commit_group()
+    # the id of the next block to load, read one iteration ahead (its latency is off the loads' path)
+    nxt = _block_id(table_ptr, row, j0 + max(STAGES - 1, 0), j1)
     for j in range(j0, j1):
-        bid = gl.load(table_ptr + row + j).to(gl.int64)
-        base = bid * s_cn + h * s_ch
-        kq = bid * s_kn + h * s_kh
-        vq = bid * s_vn + h * s_vh
-        kc = gl.load(ck_ptr + base + k_off)
-        vc = gl.load(cv_ptr + base + v_off)
-        ks = gl.load(ksc_ptr + kq + cq)
-        km = gl.load(kmin_ptr + kq + ckm)
-        vs = gl.load(vsc_ptr + vq + tok).to(gl.float32)
-        vmn = gl.load(vmin_ptr + vq + tok).to(gl.float32)
+        if STAGES > 0:
+            st = (j - j0) % STAGES
+            gl.thread_barrier()  # every lane is done with the stage the next copy overwrites (block j - 1's)
+            if j + STAGES - 1 < j1:
+                _stage(kbuf, vbuf, ksb, kmsb, vsb, vmb, (j - j0 + STAGES - 1) % STAGES, nxt, h,
+                       ck_ptr, cv_ptr, ksc_ptr, kmin_ptr, vsc_ptr, vmin_ptr,
+                       s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_off, v_copy, cd, ct)  # fmt: skip
+            async_copy.commit_group()
+            nxt = _block_id(table_ptr, row, j + STAGES, j1)
+            async_copy.wait_group(STAGES - 1)  # block j's copies (this lane's) have landed
+            gl.thread_barrier()  # ... and every other lane's
+            kc = kbuf.index(st).load(LK)
+            ks = ksb.index(st).slice(0, C).load(gl.SliceLayout(0, LQ))
+            km = kmsb.index(st).slice(0, C).load(gl.SliceLayout(1, LKM))
+            vs = vsb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
+            vmn = vmb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
+        else:
+            bid = nxt
+            nxt = _block_id(table_ptr, row, j + 1, j1)
+            base = bid * s_cn + h * s_ch
+            kq = bid * s_kn + h * s_kh
+            vq = bid * s_vn + h * s_vh
+            kc = gl.load(ck_ptr + base + k_off)
+            vc = gl.load(cv_ptr + base + v_off)
+            ks = gl.load(ksc_ptr + kq + cq)
+            km = gl.load(kmin_ptr + kq + ckm)
+            vs = gl.load(vsc_ptr + vq + tok).to(gl.float32)
+            vmn = gl.load(vmin_ptr + vq + tok).to(gl.float32)
         # scores: S = Q' K^T + corr, corr = q . kmin - 1024 (q * kscale) . 1 (rows of the [16, 8] tile)
         qs = _q_operand(q_lo * ks[None, :], C, Q_BITS, Q_ORDER)
         qa = _q_operand(q_lo, C, Q_BITS, Q_ORDER)
@@ -285,10 +448,16 @@ def _cold_kernel(
             s = mma_v2(qs, kb, gl.zeros([16, T], gl.float32, layout=MMA))
         else:
             klo, khi = _nibbles_f16(kc)
-            ks_hi = gl.load(ksc_ptr + kq + C + cq) * 0.0625  # high nibbles are 1024 + 16 n
-            qs_h = _q_operand(q_hi * ks_hi[None, :], C, Q_BITS, Q_ORDER)
+            if STAGES > 0:
+                ks_hi = ksb.index(st).slice(C, C).load(gl.SliceLayout(0, LQ))
+                km_h = kmsb.index(st).slice(C, C).load(gl.SliceLayout(1, LKM))
+            else:
+                ks_hi = gl.load(ksc_ptr + kq + C + cq)
+                km_h = gl.load(kmin_ptr + kq + C + ckm)
+            qs_h = _q_operand(
+                q_hi * (ks_hi * 0.0625)[None, :], C, Q_BITS, Q_ORDER
+            )  # high nibbles: 1024 + 16 n
             qa_h = _q_operand(q_hi, C, Q_BITS, Q_ORDER)
-            km_h = gl.load(kmin_ptr + kq + C + ckm)
             corr = mma_v2(
                 qa_h, _kmin_operand(gl.broadcast(km_h[:, None], kmz)[0], C, KM_BITS, KM_ORDER), corr
             )
@@ -319,11 +488,15 @@ def _cold_kernel(
             gl.permute((p * vs[None, :]).to(gl.float16), [1, 0]), B_OP, assert_trivial=True
         )
         acc_b = mma_v2(ones, pb, acc_b)
+        if STAGES > 0:
+            vc = vbuf.index(st).load(LV)
         if KIND == 8:
             va = _value_operand(_bytes_f16(gl.convert_layout(vc, LP)), C, T, TC_BITS, V_ORDER)
             acc = mma_v2(va, pb, acc)
         else:
-            vlo, vhi = _nibbles_f16(gl.convert_layout(vc, LP))
+            vlo, vhi = _nibbles_f16_02(gl.convert_layout(vc, LP4))
+            vlo = _unswap_pairs(vlo, T, C)
+            vhi = _unswap_pairs(vhi, T, C)
             acc = mma_v2(_value_operand(vlo, C, T, TC_BITS, V_ORDER), pb, acc)
             acc_h = mma_v2(_value_operand(vhi, C, T, TC_BITS, V_ORDER), pb, acc_h)
     # partials: acc - 1024 sum(p * vscale) + sum(p * vmin), channels back in memory order
@@ -347,17 +520,20 @@ def _cold_kernel(
 
 
 @functools.cache
-def build_constants(channels: int, tokens: int) -> dict[str, object]:
+def build_constants(channels: int, tokens: int, stages: int = 2) -> dict[str, object]:
     """The compile-time layouts and relabelling orders of one build (channels per operand, tokens per
-    block), as ``_cold_kernel``'s constexpr arguments."""
+    block, blocks in the shared-memory ring or 0: direct loads), as ``_cold_kernel``'s constexpr
+    arguments."""
     lay = layouts(channels, tokens)
     kb, vb = key_bits(channels), value_bits(channels)
     n = _log2(channels)
     return dict(
-        LK=lay.k_mem, LQ=lay.q_mem, LKM=lay.kmin_mem, LV=lay.v_mem, LP=lay.v_pair, ROWS=lay.rows,
+        LK=lay.k_mem, LQ=lay.q_mem, LKM=lay.kmin_mem, LV=lay.v_mem, LP=lay.v_pair, LP4=lay.v_pair4,
+        ROWS=lay.rows,
         K_ORDER=tuple(transposed_order(kb)), Q_ORDER=tuple(relabel_order(kb, 1, 0)),
         KM_ORDER=tuple(relabel_order(kb, 0, 1)), V_ORDER=tuple(transposed_order(vb)), V_BITS=tuple(vb),
         TC_BITS=(tokens,) + (2,) * n, Q_BITS=(16,) + (2,) * n, KM_BITS=(2,) * n + (ROWS_N,),
+        SK=lay.k_smem, SV=lay.v_smem, VCOPY=lay.v_copy, STAGES=stages,
     )  # fmt: skip
 
 
@@ -381,9 +557,10 @@ def supported(q: torch.Tensor, pool_bits: int, mixed: bool, block_size: int, cod
 
 
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
-                maxnreg: int | None = None) -> object:  # fmt: skip
-    """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H) with its runtime ``args`` (in order)."""
+                maxnreg: int | None = None, stages: int = 2, pdl: bool = False) -> object:  # fmt: skip
+    """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H) with its runtime ``args`` (in order); ``pdl``:
+    the next launch on the stream, a programmatic dependent, may start at once."""
     channels = D if kind == 8 else D // 2
     extra = {"maxnreg": maxnreg} if maxnreg else {}
-    return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, num_warps=1,
-                              **build_constants(channels, T), **extra)  # fmt: skip
+    return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, num_warps=1,
+                              **build_constants(channels, T, stages), **extra)  # fmt: skip

@@ -72,10 +72,13 @@ class DecodeKernelOptions:
         per output register) instead of a mask and a shift per byte before the conversion. Compiled and
         counted offline; not yet run on a GPU (NOTES).
     gluon: pure 8-bit and 4-bit pools on CUDA take the Gluon kernel for the cold blocks
-        (``gluon_decode``: one warp per program, every register placed by hand), then this module's split
-        kernel for the hot zone as one more split; other launches ignore it. Its split count follows the wave
+        (``gluon_decode``: one warp per program, every register placed by hand), and the merge kernel
+        attends the hot zone before it merges; other launches ignore it. Its split count follows the wave
         model (``gluon_programs_per_sm`` until the build's occupancy is known), ``gluon_maxnreg`` caps its
-        registers.
+        registers. ``gluon_stages``: blocks j + 1 .. j + s - 1 are copied into a ring of s blocks in shared
+        memory (``cp.async``) while a program computes block j; 0 loads each block into registers when the
+        program starts it. ``gluon_pdl``: the merge is launched as a programmatic dependent of the Gluon
+        kernel, so it attends the hot zone while the cold blocks are read and waits only before merging.
     wave_splits: the split count from a wave model (:func:`wave_splits`) instead of ``programs_per_sm``: the
         fewest waves x blocks per program, with the programs the build keeps resident per multiprocessor (read
         from the build at its first launch, which still plans by ``programs_per_sm``). The model assumes
@@ -100,6 +103,8 @@ class DecodeKernelOptions:
     gluon: bool = False
     gluon_programs_per_sm: int = 32
     gluon_maxnreg: int | None = None
+    gluon_stages: int = 2
+    gluon_pdl: bool = True
 
 
 # Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
@@ -120,7 +125,9 @@ _DEFAULTS = {
 # v_pairs: 0.527 -> 0.479 ms at 64x8K in one sweep on the H200 (NOTES, run 7).
 # gluon (CUDA, pure 8-bit and 4-bit pools): 64x8K INT8 0.466 -> 0.339 ms, INT4 0.488 -> 0.221 ms, CUDA graph
 # replays in one sweep on the H200 (NOTES, run 8).
-PURE_INT8 = DecodeKernelOptions(cvt=2, mixed=False, programs_per_sm=16, maxnreg=128, v_pairs=True, gluon=True)
+PURE_INT8 = DecodeKernelOptions(
+    cvt=2, mixed=False, programs_per_sm=16, maxnreg=128, v_pairs=True, gluon=True, gluon_stages=3
+)
 
 
 def default_options(bits: int) -> DecodeKernelOptions:
@@ -659,7 +666,7 @@ def _quant_tile_i8(
 
 # Sizes that follow the batch and the sequence lengths are not specialized (an int equal to 1 or divisible by
 # 16 would otherwise compile the kernel again, seconds each, in the middle of a replay).
-@triton.jit(do_not_specialize=["blocks_per_split", "num_splits", "M", "split0"])
+@triton.jit(do_not_specialize=["blocks_per_split", "num_splits", "M"])
 def _split_kernel(
     q_ptr, hot_k_ptr, hot_v_ptr, hot_slot_ptr, hot_len_ptr,
     ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, bits_ptr, table_ptr, num_cold_ptr,
@@ -670,11 +677,10 @@ def _split_kernel(
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
     PREC: tl.constexpr, KT: tl.constexpr = False, WORDS: tl.constexpr = False, FOLD: tl.constexpr = False,
     DEFER: tl.constexpr = False, I8: tl.constexpr = False, VPAIR: tl.constexpr = False,
-    NIB: tl.constexpr = False, split0=0,
+    NIB: tl.constexpr = False,
 ):  # fmt: skip
-    """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse.
-    ``split0``: the first split of this launch (the hot zone alone, after the Gluon kernel's splits)."""
-    pid_s = tl.program_id(0) + split0
+    """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse."""
+    pid_s = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -747,37 +753,62 @@ def _split_kernel(
 @triton.jit(do_not_specialize=["num_splits", "M"])
 def _merge_kernel(
     part_acc_ptr, part_ml_ptr, blk_lse_ptr, hot_lse_ptr, num_cold_ptr, out_ptr, mass_ptr, hot_mass_ptr,
-    num_splits, M, s_ob, s_oh,
+    q_ptr, hot_k_ptr, hot_v_ptr, hot_slot_ptr, hot_len_ptr, qk_scale,
+    num_splits, M, s_ob, s_oh, s_qb, s_qh, s_hs, s_hh, s_ht,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
+    HOT: tl.constexpr = False, WAIT: tl.constexpr = False, HOT_T: tl.constexpr = 64,
+    PREC: tl.constexpr = "tf32",
 ):  # fmt: skip
-    """Merge the splits of one (sequence, KV head): output rows, per-block mass, hot mass."""
+    """Merge the splits of one (sequence, KV head): output rows, per-block mass, hot mass. ``HOT``: the hot
+    zone is attended here first (the splits hold the cold blocks only) and ``WAIT``: this launch is a
+    programmatic dependent of the splits' launch, so the hot zone overlaps it and only the merge waits."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
+    DH: tl.constexpr = D // 2
     g = tl.arange(0, GP)
-    d = tl.arange(0, D)
+    c = tl.arange(0, DH)
     gmask = g < G
     m = tl.full([GP], -1.0e30, tl.float32)
     l_sum = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    acc_lo = tl.zeros([GP, DH], tl.float32)
+    acc_hi = tl.zeros([GP, DH], tl.float32)
+    if HOT:
+        q_off = b.to(tl.int64) * s_qb + (h * G + g)[:, None] * s_qh + c[None, :]
+        q_lo = tl.load(q_ptr + q_off, mask=gmask[:, None], other=0.0)
+        q_hi = tl.load(q_ptr + q_off + DH, mask=gmask[:, None], other=0.0)
+        n_hot = tl.load(hot_len_ptr + b)
+        hot_off = tl.load(hot_slot_ptr + b).to(tl.int64) * s_hs + h * s_hh
+        for t0 in range(0, n_hot, HOT_T):
+            m, l_sum, acc_lo, acc_hi, _ = _dense_tile(
+                hot_k_ptr + hot_off + t0 * s_ht, hot_v_ptr + hot_off + t0 * s_ht, s_ht, n_hot - t0,
+                q_lo, q_hi, qk_scale, m, l_sum, acc_lo, acc_hi, DH, HOT_T, PREC)  # fmt: skip
+        lse_hot = tl.where(l_sum > 0, m + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
+    else:
+        lse_hot = tl.load(hot_lse_ptr + bh * G + g, mask=gmask, other=float("-inf"))
     for s in range(0, num_splits):
         part = (bh * num_splits + s).to(tl.int64)
         m_s = tl.load(part_ml_ptr + part * 2 * G + g, mask=gmask, other=-1.0e30)
         l_s = tl.load(part_ml_ptr + part * 2 * G + G + g, mask=gmask, other=0.0)
-        a_s = tl.load(
-            part_acc_ptr + part * G * D + g[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0
-        )
+        a_off = part * G * D + g[:, None] * D + c[None, :]
+        a_lo = tl.load(part_acc_ptr + a_off, mask=gmask[:, None], other=0.0)
+        a_hi = tl.load(part_acc_ptr + a_off + DH, mask=gmask[:, None], other=0.0)
         m_new = tl.maximum(m, m_s)
         alpha = tl.exp2(m - m_new)
         beta = tl.exp2(m_s - m_new)
         l_sum = l_sum * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        acc_lo = acc_lo * alpha[:, None] + a_lo * beta[:, None]
+        acc_hi = acc_hi * alpha[:, None] + a_hi * beta[:, None]
         m = m_new
     safe_l = tl.where(l_sum > 0, l_sum, 1.0)
     lse = m + tl.log2(safe_l)
-    out_off = b.to(tl.int64) * s_ob + (h * G + g)[:, None] * s_oh + d[None, :]
-    tl.store(out_ptr + out_off, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-    hot = tl.exp2(tl.load(hot_lse_ptr + bh * G + g, mask=gmask, other=float("-inf")) - lse)
+    out_off = b.to(tl.int64) * s_ob + (h * G + g)[:, None] * s_oh + c[None, :]
+    out_t = out_ptr.dtype.element_ty
+    tl.store(out_ptr + out_off, (acc_lo / safe_l[:, None]).to(out_t), mask=gmask[:, None])
+    tl.store(out_ptr + out_off + DH, (acc_hi / safe_l[:, None]).to(out_t), mask=gmask[:, None])
+    hot = tl.where(gmask, tl.exp2(lse_hot - lse), 0.0)
     tl.store(hot_mass_ptr + bh, tl.sum(hot, 0) / G)
     nc = tl.load(num_cold_ptr + bh)
     row = bh.to(tl.int64) * M
@@ -860,7 +891,7 @@ def split_plan(
     opts, meta, _, splits, per = _prepare(q, hot_k, pool, block_table, options)
     if _takes_gluon(q, pool, block_table, opts, meta):
         _, splits, per = _gluon_plan(q, pool, block_table, opts)
-        return splits + 1, per
+        return splits, per
     return splits, per
 
 
@@ -878,7 +909,16 @@ def _gluon_plan(
     """The Gluon build's occupancy key, its split count and blocks per split."""
     B, Hq, D = q.shape
     H, M = block_table.shape[1], block_table.shape[2]
-    key = ("gluon", str(q.device), pool.bits, D, pool.k.shape[2], Hq // H, opts.gluon_maxnreg)
+    key = (
+        "gluon",
+        str(q.device),
+        pool.bits,
+        D,
+        pool.k.shape[2],
+        Hq // H,
+        opts.gluon_maxnreg,
+        opts.gluon_stages,
+    )
     # The wave model, with the build's occupancy once known (64x8K INT8 0.307-0.320 -> 0.295 ms against
     # the best programs-per-SM target, NOTES run 8).
     plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm, wave_splits=True)
@@ -1037,12 +1077,12 @@ def hybrid_decode_attention_triton(
     H, M = block_table.shape[1], block_table.shape[2]
     G = Hq // H
     opts, meta, key, splits, per = _prepare(q, hot_k, pool, block_table, options)
-    # The Gluon kernel takes the cold blocks as splits 0 .. s-1 where it applies; the split kernel then runs
-    # the hot zone alone, as split s (``split0``).
+    # Where the Gluon kernel takes the cold blocks, the merge attends the hot zone (``gluon_pdl``: as a
+    # programmatic dependent, while the Gluon kernel runs); elsewhere the split kernel's last split does.
     gluon = _takes_gluon(q, pool, block_table, opts, meta)
     if gluon:
-        key, cold_splits, per = _gluon_plan(q, pool, block_table, opts)
-        splits = cold_splits + 1
+        key, splits, per = _gluon_plan(q, pool, block_table, opts)
+    pdl = gluon and opts.gluon_pdl
     dev = q.device
     part_acc = torch.empty((B * H * splits, G, D), dtype=torch.float32, device=dev)
     part_ml = torch.empty((B * H * splits, 2, G), dtype=torch.float32, device=dev)
@@ -1053,34 +1093,40 @@ def hybrid_decode_attention_triton(
     hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
     qk_scale = sm_scale * LOG2E
     if gluon:
-        cold = gluon_decode.launch_cold(
-            (cold_splits, B * H),
+        kernel = gluon_decode.launch_cold(
+            (splits, B * H),
             (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, table, ncold,
              part_acc, part_ml, blk_lse, qk_scale, per, splits, M,
              q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1),
              pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
             H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, maxnreg=opts.gluon_maxnreg,
+            stages=opts.gluon_stages, pdl=pdl,
         )  # fmt: skip
-    kernel = _split_kernel[(1, B * H) if gluon else (splits, B * H)](
-        q, hot_k, hot_v, hot_slot, hot_len,
-        pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
-        part_acc, part_ml, blk_lse, hot_lse,
-        qk_scale, per, splits, M,
-        q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
-        pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
-        pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
-        split0=cold_splits if gluon else 0, **meta,
-    )  # fmt: skip
+    else:
+        kernel = _split_kernel[(splits, B * H)](
+            q, hot_k, hot_v, hot_slot, hot_len,
+            pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
+            part_acc, part_ml, blk_lse, hot_lse,
+            qk_scale, per, splits, M,
+            q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
+            pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
+            pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
+            **meta,
+        )  # fmt: skip
     if (gluon or opts.wave_splits) and key not in _RESIDENT and dev.type == "cuda":
-        resident = _resident_of(cold if gluon else kernel, dev)
+        resident = _resident_of(kernel, dev)
         if resident:
             _RESIDENT[key] = resident
     out = torch.empty_like(q)
     mass = torch.empty((B, H, M), dtype=torch.float32, device=dev)
     hot_mass = torch.empty((B, H), dtype=torch.float32, device=dev)
+    hot_args = {"HOT_T": meta["HOT_T"], "PREC": meta["PREC"], "WAIT": pdl, "launch_pdl": pdl} if gluon else {}
     _merge_kernel[(B * H,)](
-        part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass, splits, M,
-        out.stride(0), out.stride(1),
-        H=H, G=G, GP=next_pow2(G), D=D, MB=64,
+        part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass,
+        q, hot_k, hot_v, hot_slot, hot_len, qk_scale,
+        splits, M, out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
+        H=H, G=G, GP=max(16, next_pow2(G)) if gluon else next_pow2(G), D=D, MB=64, HOT=gluon,
+        **hot_args,
     )  # fmt: skip
     return out, mass, hot_mass

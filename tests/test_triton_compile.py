@@ -64,14 +64,16 @@ def _decode(
 
 
 def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64, b: int = 3,
-           m: int = 9) -> Callable[[], Any]:  # fmt: skip
+           m: int = 9, stages: int = 2) -> Callable[[], Any]:  # fmt: skip
     """The launches with the Gluon cold kernel: it takes CUDA tensors only, so the launcher is told it
     applies (every other condition of ``gluon_decode.supported`` holds for these pools)."""
     from unittest import mock
 
     from kvtune.kernels import triton_decode as td
 
-    launch = _decode(bits, demotable=False, heads=heads, group=group, d=d, b=b, m=m, bs=bs, gluon=True)
+    launch = _decode(
+        bits, demotable=False, heads=heads, group=group, d=d, b=b, m=m, bs=bs, gluon=True, gluon_stages=stages
+    )
 
     def run() -> Any:
         with mock.patch.object(td, "_takes_gluon", lambda *_: True):
@@ -158,6 +160,8 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     **{f"decode int{bits} gluon d{d} bs{bs}": (lambda bits=bits, d=d, bs=bs: _gluon(bits, d=d, bs=bs))
        for bits in (8, 4) for d in (64, 128) for bs in (16, 32, 64)},
     "decode int4 gluon smollm2 heads": lambda: _gluon(4, heads=3, group=3, d=64, bs=32),
+    **{f"decode int{bits} gluon stages {s}": (lambda bits=bits, s=s: _gluon(bits, stages=s))
+       for bits in (8, 4) for s in (0, 3)},
     "quest int8": lambda: _quest(8),
     "quest int4": lambda: _quest(4),
     "quest unquantized": lambda: _quest(0),
@@ -207,6 +211,8 @@ SIZED: dict[str, Callable[[int, int], Callable[[], Any]]] = {
     "decode int8": lambda b, m: _decode(8, True, b=b, m=m),
     "decode int4": lambda b, m: _decode(4, False, b=b, m=m),
     "decode unquantized": lambda b, m: _decode(0, False, b=b, m=m),
+    "decode int8 gluon": lambda b, m: _gluon(8, b=b, m=m),
+    "decode int4 gluon": lambda b, m: _gluon(4, b=b, m=m),
     "quest": lambda b, m: _quest(8, b, m),
     "sparse table": _sparse_table,
     "access update": lambda b, m: _access(b, m, now_ms=1234.5 + b),

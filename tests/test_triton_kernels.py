@@ -423,11 +423,16 @@ def test_decode_nibble_asm_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: to
 )  # fmt: skip
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_gluon_gpu(gpu_kernels, shape: Shape, bits: int, dtype: torch.dtype) -> None:
-    """The Gluon cold kernel (+ the hot zone as one more split) matches the reference."""
+@pytest.mark.parametrize("stages, pdl", [(2, True), (3, False), (0, True)])
+def test_decode_gluon_gpu(
+    gpu_kernels, shape: Shape, bits: int, dtype: torch.dtype, stages: int, pdl: bool
+) -> None:
+    """The Gluon cold kernel (the merge attends the hot zone) matches the reference: its blocks through a
+    ring of shared memory or loaded straight into registers (0), the merge a programmatic dependent or not."""
     td = gpu_kernels.triton_decode
     inp = make_decode(shape, bits, dtype, "cuda", demote=False)
-    opts = replace(td.PURE_INT8 if bits == 8 else td.default_options(bits), gluon=True)
+    base = td.PURE_INT8 if bits == 8 else td.default_options(bits)
+    opts = replace(base, gluon=True, gluon_stages=stages, gluon_pdl=pdl)
     meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
     pool = inp["pool"]
     assert gpu_kernels.gluon_decode.supported(
