@@ -230,9 +230,8 @@ def _nibbles_f16_02(x):
 
 @gluon.jit
 def _unswap_pairs(x, T: gl.constexpr, C: gl.constexpr):
-    """Value nibbles [T, C] from ``_nibbles_f16_02`` on the channel-first pair layout (a register's bytes
-    (t, c), (t, c + 1), (t + 1, c), (t + 1, c + 1) come out as (t, c), (t + 1, c), (t, c + 1),
-    (t + 1, c + 1)):
+    """Value nibbles [T, C] from ``_nibbles_f16_02`` on the channel-first pair layout, whose register bytes
+    (t, c), (t, c + 1), (t + 1, c), (t + 1, c + 1) come out as (t, c), (t + 1, c), (t, c + 1), (t + 1, c + 1):
     token bit 0 and channel bit 0 trade places, which leaves them in the token-first pair layout."""
     x = gl.permute(gl.reshape(x, [T // 2, 2, C // 2, 2]), [0, 3, 2, 1])
     return gl.reshape(x, [T, C])
@@ -454,9 +453,8 @@ def _cold_kernel(
             else:
                 ks_hi = gl.load(ksc_ptr + kq + C + cq)
                 km_h = gl.load(kmin_ptr + kq + C + ckm)
-            qs_h = _q_operand(
-                q_hi * (ks_hi * 0.0625)[None, :], C, Q_BITS, Q_ORDER
-            )  # high nibbles: 1024 + 16 n
+            ks_hi = ks_hi * 0.0625  # high nibbles are 1024 + 16 n
+            qs_h = _q_operand(q_hi * ks_hi[None, :], C, Q_BITS, Q_ORDER)
             qa_h = _q_operand(q_hi, C, Q_BITS, Q_ORDER)
             corr = mma_v2(
                 qa_h, _kmin_operand(gl.broadcast(km_h[:, None], kmz)[0], C, KM_BITS, KM_ORDER), corr

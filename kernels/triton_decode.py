@@ -887,11 +887,10 @@ def split_plan(
     options: DecodeKernelOptions | None = None,
 ) -> tuple[int, int]:
     """(splits, blocks per split) of :func:`hybrid_decode_attention_triton` on these inputs, as its next
-    launch plans them (the Gluon kernel's splits plus the hot zone's where it takes the launch)."""
+    launch plans them (the Gluon kernel's, where it takes the launch: the merge attends the hot zone)."""
     opts, meta, _, splits, per = _prepare(q, hot_k, pool, block_table, options)
     if _takes_gluon(q, pool, block_table, opts, meta):
         _, splits, per = _gluon_plan(q, pool, block_table, opts)
-        return splits, per
     return splits, per
 
 
@@ -909,16 +908,8 @@ def _gluon_plan(
     """The Gluon build's occupancy key, its split count and blocks per split."""
     B, Hq, D = q.shape
     H, M = block_table.shape[1], block_table.shape[2]
-    key = (
-        "gluon",
-        str(q.device),
-        pool.bits,
-        D,
-        pool.k.shape[2],
-        Hq // H,
-        opts.gluon_maxnreg,
-        opts.gluon_stages,
-    )
+    key = ("gluon", str(q.device), pool.bits, D, pool.k.shape[2], Hq // H, opts.gluon_maxnreg,
+           opts.gluon_stages)  # fmt: skip
     # The wave model, with the build's occupancy once known (64x8K INT8 0.307-0.320 -> 0.295 ms against
     # the best programs-per-SM target, NOTES run 8).
     plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm, wave_splits=True)
