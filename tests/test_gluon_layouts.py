@@ -1,0 +1,108 @@
+"""The Gluon cold kernel's hand-placed layouts, checked as the linear maps they are (no GPU, no compiler):
+bijections, whole 32-byte sectors per global warp-instruction, and shared-memory accesses that meet every
+bank once per phase (``kernels/gluon_decode.py``)."""
+
+from __future__ import annotations
+
+from functools import reduce
+
+import pytest
+
+from kvtune.kernels import gluon_decode as gd
+
+# (channels per operand, tokens per block): INT8 d128 / d64, INT4 d128 / d64, and the block sizes
+SHAPES = [(128, 64), (64, 64), (32, 64), (128, 16), (64, 32), (32, 16)]
+
+
+def _coord(bases: list[list[int]], index: int) -> tuple[int, ...]:
+    """The coordinate of ``index`` under a linear map with these bases (XOR of its set bits' bases)."""
+    picked = [b for i, b in enumerate(bases) if index >> i & 1]
+    return tuple(reduce(lambda a, b: [x ^ y for x, y in zip(a, b, strict=True)], picked, [0] * len(bases[0])))
+
+
+def _offsets(shared) -> dict[tuple[int, ...], int]:
+    """Byte offset of every coordinate of a one-byte-element shared linear layout (asserting a bijection)."""
+    bases = shared.offset_bases
+    where = {_coord(bases, off): off for off in range(1 << len(bases))}
+    assert len(where) == 1 << len(bases), "the shared layout maps two offsets to one coordinate"
+    return where
+
+
+def _vector(dist) -> int:
+    """Bytes a lane reads as one vector: its leading registers that are consecutive channels (at most 16)."""
+    n = 0
+    while n < min(4, len(dist.reg_bases)) and dist.reg_bases[n] == [0, 1 << n]:
+        n += 1
+    return 1 << n
+
+
+def _lane_starts(dist, reg: int) -> list[tuple[int, int]]:
+    """The [token, channel] each of the 32 lanes holds at register index ``reg`` (a vector's first byte)."""
+    at = _coord(dist.reg_bases, reg)
+    lanes = [_coord(dist.lane_bases, lane) for lane in range(32)]
+    return [tuple(a ^ b for a, b in zip(at, lane, strict=True)) for lane in lanes]
+
+
+def _conflict_free(addresses: list[int], vec: int) -> bool:
+    """A warp access of ``vec`` bytes per lane runs in phases of 128 bytes' worth of lanes; within each phase
+    the lanes' vectors must sit in distinct bank groups."""
+    per_phase = 128 // vec
+    for p in range(0, 32, per_phase):
+        slots = [(a % 128) // vec for a in addresses[p : p + per_phase]]
+        if len(set(slots)) != len(slots):
+            return False
+    return True
+
+
+def _vector_regs(dist) -> range:
+    """Register indices that start a vector (the other registers of a vector follow it)."""
+    vec = _vector(dist)
+    return range(0, 1 << len(dist.reg_bases), vec)
+
+
+@pytest.mark.parametrize("c, t", SHAPES)
+def test_value_stage_copies_and_loads_meet_every_bank_once(c: int, t: int) -> None:
+    lay = gd.layouts(c, t)
+    where = _offsets(lay.v_smem)
+    assert sorted(where) == sorted((r, col) for r in range(t) for col in range(c))
+    # the copy: consecutive lanes take consecutive 16-byte pieces of a row (a blocked layout)
+    lanes_row = lay.v_copy.threads_per_warp[1]
+    assert lay.v_copy.size_per_thread == [1, 16] and lanes_row * lay.v_copy.threads_per_warp[0] == 32
+    for row0 in range(0, t, 32 // lanes_row):
+        starts = [where[(row0 + lane // lanes_row, 16 * (lane % lanes_row))] for lane in range(32)]
+        assert _conflict_free(starts, 16), f"copy of rows {row0}..: {starts}"
+    # the loads back in the value operand's load layout
+    vec = _vector(lay.v_mem)
+    for reg in _vector_regs(lay.v_mem):
+        starts = [where[xy] for xy in _lane_starts(lay.v_mem, reg)]
+        assert _conflict_free(starts, vec), f"load of register {reg}: {starts}"
+
+
+@pytest.mark.parametrize("c, t", SHAPES)
+def test_key_stage_loads_meet_every_bank_once(c: int, t: int) -> None:
+    lay = gd.layouts(c, t)
+    where = _offsets(lay.k_smem)
+    vec = _vector(lay.k_mem)
+    for reg in _vector_regs(lay.k_mem):
+        starts = [where[xy] for xy in _lane_starts(lay.k_mem, reg)]
+        assert _conflict_free(starts, vec), f"load of register {reg}: {starts}"
+
+
+@pytest.mark.parametrize("c, t", SHAPES)
+def test_key_reads_fill_whole_sectors(c: int, t: int) -> None:
+    """Every warp-instruction of the key codes (global memory, rows of ``c`` bytes) reads whole 32-byte
+    sectors: the lanes' vectors tile the sectors they touch."""
+    lay = gd.layouts(c, t)
+    vec = _vector(lay.k_mem)
+    for reg in _vector_regs(lay.k_mem):
+        starts = [r * c + col for r, col in _lane_starts(lay.k_mem, reg)]
+        touched = {a // 32 for a in starts}
+        assert len(touched) * 32 == 32 * vec, f"register {reg}: {len(touched)} sectors for {32 * vec} bytes"
+
+
+@pytest.mark.parametrize("c", [128, 64, 32])
+def test_key_bits_is_a_permutation_with_lanes_on_bits_1_and_2(c: int) -> None:
+    bits = gd.key_bits(c)
+    assert sorted(bits) == list(range(c.bit_length() - 1))
+    low = min(4, c.bit_length() - 3)
+    assert bits[1:3] == [low, low + 1] and bits[0] == 0
