@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -20,39 +21,49 @@ from kvtune.kernels import triton_decode as td
 from kvtune.kernels.aot import record_launches, resources
 from kvtune.kernels.layout import ColdLayout
 
+# Changes to the launcher's default options per width; ``GLUON`` marks the Gluon cold kernel's builds (on a
+# GPU the launcher takes it for pure 8-bit and 4-bit pools; here it is told so). The others are the Triton
+# split kernel's.
+GLUON = "gluon build"
 VARIANTS: dict[int, dict[str, dict[str, Any]]] = {
-    8: {"pure INT8 (default)": {}, "byte values (no v_pairs)": {"v_pairs": False}, "cap 96": {"maxnreg": 96},
-        "mixed 8/4-bit pool": {"mixed": True}},
-    4: {"default (2 stages, cap 128)": {}, "2 stages, no cap": {"maxnreg": None},
-        "3 stages, no cap (old default)": {"num_stages": 3, "maxnreg": None},
-        "3 stages, cap 128": {"num_stages": 3}, "nibble asm": {"nibble_asm": True}},
-    0: {"default": {}},
+    8: {"Gluon, 3 stages (default)": {GLUON: True}, "Gluon, 2 stages": {GLUON: True, "gluon_stages": 2},
+        "Gluon, direct loads": {GLUON: True, "gluon_stages": 0},
+        "Triton, pure INT8": {}, "Triton, byte values (no v_pairs)": {"v_pairs": False},
+        "Triton, cap 96": {"maxnreg": 96}, "Triton, mixed 8/4-bit pool": {"mixed": True}},
+    4: {"Gluon, 2 stages (default)": {GLUON: True}, "Gluon, 3 stages": {GLUON: True, "gluon_stages": 3},
+        "Gluon, direct loads": {GLUON: True, "gluon_stages": 0},
+        "Triton (2 stages, cap 128)": {}, "Triton, 2 stages, no cap": {"maxnreg": None},
+        "Triton, 3 stages, cap 128": {"num_stages": 3}, "Triton, nibble asm": {"nibble_asm": True}},
+    0: {"Triton (default)": {}},
 }  # fmt: skip
 
 
-def split_launch(bits: int, options: td.DecodeKernelOptions) -> Any:
+def split_launch(bits: int, options: td.DecodeKernelOptions, gluon: bool = False) -> Any:
+    """The launch that reads the cold blocks: the Gluon kernel's (``gluon``) or the Triton split kernel's."""
     b, heads, group, d, m = 3, 8, 4, 128, 9
     pool = ColdLayout(64, heads, d, bits, torch.bfloat16).allocate(40, "cpu")
     pool.may_demote = options.mixed
     hot = torch.zeros(4, heads, 128, d, dtype=torch.bfloat16)
     table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
-    launches = record_launches(lambda: td.hybrid_decode_attention_triton(
-        torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
-        torch.arange(b, dtype=torch.int32), torch.full((b,), 64, dtype=torch.int32), pool, table,
-        torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=options,
-    ))  # fmt: skip
-    return launches[0]  # the split kernel (the merge kernel is small)
+    with mock.patch.object(td, "_takes_gluon", lambda *_: gluon):
+        launches = record_launches(lambda: td.hybrid_decode_attention_triton(
+            torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
+            torch.arange(b, dtype=torch.int32), torch.full((b,), 64, dtype=torch.int32), pool, table,
+            torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=options,
+        ))  # fmt: skip
+    return launches[0]  # the cold blocks' kernel (the merge kernel is small)
 
 
 def main() -> None:
-    print(f"{'bits':>4} {'variant':<32} {'warps':>5} {'regs':>5} {'stack B':>7} {'smem KB':>7} "
+    print(f"{'bits':>4} {'variant':<34} {'warps':>5} {'regs':>5} {'stack B':>7} {'smem KB':>7} "
           f"{'programs/SM':>11}")  # fmt: skip
     for bits, variants in VARIANTS.items():
         base = td.PURE_INT8 if bits == 8 else td.default_options(bits)
         for name, changes in variants.items():
-            r = resources(split_launch(bits, replace(base, **changes)))
+            opts = {k: v for k, v in changes.items() if k != GLUON}
+            r = resources(split_launch(bits, replace(base, **opts), gluon=changes.get(GLUON, False)))
             resident = td.resident_programs(r.registers, r.num_warps, r.shared_bytes)
-            print(f"{bits:>4} {name:<32} {r.num_warps:>5} {r.registers:>5} {r.stack_bytes:>7} "
+            print(f"{bits:>4} {name:<34} {r.num_warps:>5} {r.registers:>5} {r.stack_bytes:>7} "
                   f"{r.shared_bytes / 1024:>7.1f} {resident:>11}")  # fmt: skip
 
 
