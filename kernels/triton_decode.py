@@ -18,7 +18,10 @@ per-block shift, mask and column offset, without a branch. The codes become fp16
 once (GPU only, ``cvt=2``).
 
 ``_merge_kernel`` combines the splits (log-sum-exp), writes the output, the per-block attention mass
-``exp2(lse_block - lse_total)`` averaged over the group, and the hot zone's mass.
+``exp2(lse_block - lse_total)`` averaged over the group, and the hot zone's mass. Where the Gluon kernel
+(``gluon_decode``) reads the cold blocks of a pure 8-bit or 4-bit pool, the merge attends the hot zone
+itself before it merges, launched as a programmatic dependent so that it does so while the cold blocks
+stream.
 """
 
 from __future__ import annotations
