@@ -192,6 +192,40 @@ def test_decode_int8_dot_interpreted(kernels, shape: Shape, bits: int, knobs: di
     check_path(td, shape, bits, torch.float16, "cpu", opts, "I8")
 
 
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
+@pytest.mark.parametrize(
+    ("bits", "dtype"), [(8, torch.float16), (4, torch.float16), (4, torch.float32)], ids=str
+)
+def test_merge_attends_hot_zone_interpreted(kernels, monkeypatch, shape: Shape, bits: int, dtype) -> None:
+    """The Gluon path's merge (``HOT``: it attends the hot zone, then merges the cold splits). The Gluon
+    kernel cannot run here; the split kernel writes the same cold partials (the hot zone left out) in its
+    place, and the result must match the reference."""
+    td = kernels.triton_decode
+    inp = make_decode(shape, bits, dtype, "cpu", demote=False)
+    opts = td.DecodeKernelOptions(cvt=1, mixed=False, min_blocks_per_split=2, gluon=True, gluon_pdl=False)
+    meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
+    pool, hot_k = inp["pool"], inp["hot_k"]
+    no_hot = torch.zeros_like(inp["hot_len"])
+    ran = []
+
+    def cold_partials(grid, args, **_):
+        q, *codes, part_acc, part_ml, blk_lse, qk_scale, per, splits, m = args[:16]
+        ran.append(grid)
+        td._split_kernel[grid](
+            q, hot_k, inp["hot_v"], inp["hot_slot"], no_hot, *codes[:6], pool.block_bits, *codes[6:],
+            part_acc, part_ml, blk_lse, torch.empty(grid[1], meta["G"]), qk_scale, per, splits, m,
+            q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
+            pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
+            pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1), **meta,
+        )  # fmt: skip
+
+    monkeypatch.setattr(td, "_takes_gluon", lambda *_: True)
+    monkeypatch.setattr(td.gluon_decode, "launch_cold", cold_partials)
+    got = td.hybrid_decode_attention_triton(**inp, options=opts)
+    assert ran, "the launcher did not take the Gluon path"
+    assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], dtype)
+
+
 def test_v_pairs_only_on_pure_8bit_pools_interpreted(kernels) -> None:
     td = kernels.triton_decode
     opts = td.DecodeKernelOptions(cvt=1, mixed=False, v_pairs=True)
