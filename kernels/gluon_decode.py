@@ -122,16 +122,22 @@ class Layouts:
     v_copy: gl.BlockedLayout  # value codes [t, c] as copied: consecutive lanes, consecutive 16 bytes
 
 
+def vector_registers(dist: gl.DistributedLinearLayout) -> int:
+    """log2 of the bytes a lane reads as one vector: its leading registers that are consecutive channels of
+    one-byte codes (at most 4: 16 bytes)."""
+    regs = dist.reg_bases
+    n = 0
+    while n < min(4, len(regs)) and regs[n] == [0, 1 << n]:
+        n += 1
+    return n
+
+
 def staged(dist: gl.DistributedLinearLayout) -> gl.SharedLinearLayout:
     """The shared layout of one stage [*dist.shape] in which a lane's leading contiguous registers (up to 16
     bytes) are contiguous and a warp's 32 vectors are one run of consecutive bytes: the async copies and
     the loads back in ``dist`` are whole 16-byte vectors without bank conflicts."""
-    regs = dist.reg_bases
-    vec = 0
-    while vec < min(4, len(regs)) and regs[vec] == [0, 1 << vec]:
-        vec += 1
-    bases = regs[:vec] + dist.lane_bases + regs[vec:]
-    return gl.SharedLinearLayout(bases)
+    vec = vector_registers(dist)
+    return gl.SharedLinearLayout(dist.reg_bases[:vec] + dist.lane_bases + dist.reg_bases[vec:])
 
 
 def swizzled_rows(c: int, t: int) -> gl.SharedLinearLayout:

@@ -29,11 +29,8 @@ def _offsets(shared) -> dict[tuple[int, ...], int]:
 
 
 def _vector(dist) -> int:
-    """Bytes a lane reads as one vector: its leading registers that are consecutive channels (at most 16)."""
-    n = 0
-    while n < min(4, len(dist.reg_bases)) and dist.reg_bases[n] == [0, 1 << n]:
-        n += 1
-    return 1 << n
+    """Bytes a lane reads as one vector (at most 16)."""
+    return 1 << gd.vector_registers(dist)
 
 
 def _lane_starts(dist, reg: int) -> list[tuple[int, int]]:
@@ -60,6 +57,14 @@ def _vector_regs(dist) -> range:
     return range(0, 1 << len(dist.reg_bases), vec)
 
 
+def _assert_loads_conflict_free(dist, where: dict[tuple[int, ...], int]) -> None:
+    """Every vector load in ``dist`` from a stage laid out as ``where`` meets each bank once per phase."""
+    vec = _vector(dist)
+    for reg in _vector_regs(dist):
+        starts = [where[xy] for xy in _lane_starts(dist, reg)]
+        assert _conflict_free(starts, vec), f"load of register {reg}: {starts}"
+
+
 @pytest.mark.parametrize("c, t", SHAPES)
 def test_value_stage_copies_and_loads_meet_every_bank_once(c: int, t: int) -> None:
     lay = gd.layouts(c, t)
@@ -71,21 +76,13 @@ def test_value_stage_copies_and_loads_meet_every_bank_once(c: int, t: int) -> No
     for row0 in range(0, t, 32 // lanes_row):
         starts = [where[(row0 + lane // lanes_row, 16 * (lane % lanes_row))] for lane in range(32)]
         assert _conflict_free(starts, 16), f"copy of rows {row0}..: {starts}"
-    # the loads back in the value operand's load layout
-    vec = _vector(lay.v_mem)
-    for reg in _vector_regs(lay.v_mem):
-        starts = [where[xy] for xy in _lane_starts(lay.v_mem, reg)]
-        assert _conflict_free(starts, vec), f"load of register {reg}: {starts}"
+    _assert_loads_conflict_free(lay.v_mem, where)  # the loads back in the value operand's load layout
 
 
 @pytest.mark.parametrize("c, t", SHAPES)
 def test_key_stage_loads_meet_every_bank_once(c: int, t: int) -> None:
     lay = gd.layouts(c, t)
-    where = _offsets(lay.k_smem)
-    vec = _vector(lay.k_mem)
-    for reg in _vector_regs(lay.k_mem):
-        starts = [where[xy] for xy in _lane_starts(lay.k_mem, reg)]
-        assert _conflict_free(starts, vec), f"load of register {reg}: {starts}"
+    _assert_loads_conflict_free(lay.k_mem, _offsets(lay.k_smem))
 
 
 @pytest.mark.parametrize("c, t", SHAPES)
