@@ -117,9 +117,10 @@ class Layouts:
     v_pair: gl.DistributedLinearLayout  # value codes [t, c], tokens t, t + 1 side by side
     v_pair4: gl.DistributedLinearLayout  # the same registers, channels c, c + 1 side by side (4-bit codes)
     rows: gl.DistributedLinearLayout  # scores [8, t] of the query rows
-    k_smem: gl.SharedLinearLayout  # key codes [t, c] of a stage: each lane's bytes of k_mem contiguous
+    k_smem: gl.SharedLinearLayout  # key codes [t, c] of a stage: rows in order, 16-byte pieces swizzled
+    k_lanes: gl.SharedLinearLayout  # the same, each lane's bytes of k_mem contiguous (copied as loaded)
     v_smem: gl.SharedLinearLayout  # value codes [t, c] of a stage: rows in order, 16-byte pieces swizzled
-    v_copy: gl.BlockedLayout  # value codes [t, c] as copied: consecutive lanes, consecutive 16 bytes
+    copy: gl.BlockedLayout  # codes [t, c] as copied: consecutive lanes, consecutive 16 bytes
 
 
 def vector_registers(dist: gl.DistributedLinearLayout) -> int:
@@ -140,15 +141,31 @@ def staged(dist: gl.DistributedLinearLayout) -> gl.SharedLinearLayout:
     return gl.SharedLinearLayout(dist.reg_bases[:vec] + dist.lane_bases + dist.reg_bases[vec:])
 
 
-def swizzled_rows(c: int, t: int) -> gl.SharedLinearLayout:
-    """Rows of ``c`` bytes in order, with row bits 1 and 2 XORed into byte-offset bits 5 and 6: both the
-    coalesced copy (``v_copy``: a quarter-warp writes one 128-byte run) and the loads in ``v_mem`` (a
-    quarter-warp reads 16-byte pieces of rows 0, 2, 4, 6) meet every bank once."""
+def swizzled_rows(c: int, t: int, swaps: tuple[tuple[int, int], ...]) -> gl.SharedLinearLayout:
+    """Rows of ``c`` bytes in order, with each (row bit, byte-offset bit) of ``swaps`` XORed: the row bit
+    moves the 16-byte pieces of a row to other banks."""
     where = {}
     for r in range(t):
         for col in range(c):
-            where[(r * c + col) ^ (((r >> 1) & 1) << 5) ^ (((r >> 2) & 1) << 6)] = [r, col]
+            off = r * c + col
+            for row_bit, off_bit in swaps:
+                off ^= ((r >> row_bit) & 1) << off_bit
+            where[off] = [r, col]
     return gl.SharedLinearLayout([where[1 << k] for k in range(_log2(t * c))])
+
+
+def value_stage(c: int, t: int) -> gl.SharedLinearLayout:
+    """Value rows with row bits 1 and 2 XORed into byte-offset bits 5 and 6: both the coalesced copy
+    (``copy``: a quarter-warp writes one 128-byte run) and the loads in ``v_mem`` (a quarter-warp reads
+    16-byte pieces of rows 0, 2, 4, 6) meet every bank once."""
+    return swizzled_rows(c, t, ((1, 5), (2, 6)))
+
+
+def key_stage(c: int, t: int) -> gl.SharedLinearLayout:
+    """Key rows for the coalesced copy (``copy``): a quarter-warp of ``k_mem``'s loads reads two rows' halves
+    (pieces 0..3 or 4..7 of 128-byte rows), so row bit 0 is XORed into byte-offset bit 6 and the two halves
+    meet different banks; rows of 64 bytes or fewer are read whole and stay in order."""
+    return swizzled_rows(c, t, ((0, 6),) if c > 64 else ())
 
 
 @functools.cache
@@ -174,9 +191,10 @@ def layouts(c: int, t: int) -> Layouts:
     lanes_row = min(c // 16, 32)
     return Layouts(
         **lay,
-        k_smem=staged(lay["k_mem"]),
-        v_smem=swizzled_rows(c, t),
-        v_copy=gl.BlockedLayout([1, 16], [32 // lanes_row, lanes_row], [1, 1], [1, 0]),
+        k_smem=key_stage(c, t),
+        k_lanes=staged(lay["k_mem"]),
+        v_smem=value_stage(c, t),
+        copy=gl.BlockedLayout([1, 16], [32 // lanes_row, lanes_row], [1, 1], [1, 0]),
     )
 
 
@@ -316,14 +334,14 @@ def _block_id(table_ptr, row, j, j1):
 
 @gluon.jit
 def _stage(kbuf, vbuf, ksb, kmb, vsb, vmb, st, bid, h, ck_ptr, cv_ptr, ksc_ptr, kmin_ptr, vsc_ptr, vmin_ptr,
-           s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_off, v_off, cd, ct):  # fmt: skip
+           s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_copy, v_copy, cd, ct):  # fmt: skip
     """Start the async copies of block ``bid``'s codes, key scales and mins (all D channels) and value scales
     and mins into stage ``st``; the caller commits the group."""
     base = bid * s_cn + h * s_ch
     kq = bid * s_kn + h * s_kh
     vq = bid * s_vn + h * s_vh
-    async_copy.async_copy_global_to_shared(kbuf.index(st), ck_ptr + base + k_off)
-    async_copy.async_copy_global_to_shared(vbuf.index(st), cv_ptr + base + v_off)
+    async_copy.async_copy_global_to_shared(kbuf.index(st), ck_ptr + base + k_copy)
+    async_copy.async_copy_global_to_shared(vbuf.index(st), cv_ptr + base + v_copy)
     async_copy.async_copy_global_to_shared(ksb.index(st), ksc_ptr + kq + cd)
     async_copy.async_copy_global_to_shared(kmb.index(st), kmin_ptr + kq + cd)
     async_copy.async_copy_global_to_shared(vsb.index(st), vsc_ptr + vq + ct)
@@ -343,8 +361,8 @@ def _cold_kernel(
     LP4: gl.constexpr,
     ROWS: gl.constexpr, K_ORDER: gl.constexpr, Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr,
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
-    KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, VCOPY: gl.constexpr, STAGES: gl.constexpr,
-    PDL: gl.constexpr,
+    KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
+    KROWS: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
     partial (m, l, acc) in the layout of ``_split_kernel``'s partials, and each block's lse."""
@@ -400,16 +418,17 @@ def _cold_kernel(
         kmsb = gl.allocate_shared_memory(kmin_ptr.dtype.element_ty, [STAGES, D], plain)
         vsb = gl.allocate_shared_memory(vsc_ptr.dtype.element_ty, [STAGES, T], plain)
         vmb = gl.allocate_shared_memory(vmin_ptr.dtype.element_ty, [STAGES, T], plain)
-        tvc = gl.arange(0, T, layout=gl.SliceLayout(1, VCOPY))
-        cvc = gl.arange(0, C, layout=gl.SliceLayout(0, VCOPY))
-        v_copy = tvc[:, None] * C + cvc[None, :]
+        tc = gl.arange(0, T, layout=gl.SliceLayout(1, COPY))
+        cc = gl.arange(0, C, layout=gl.SliceLayout(0, COPY))
+        v_copy = tc[:, None] * C + cc[None, :]  # consecutive lanes along whole rows
+        k_copy = v_copy if KROWS else k_off
         cd = gl.arange(0, D, layout=gl.BlockedLayout([max(D // 32, 2)], [32], [1], [0]))
         ct = gl.arange(0, T, layout=gl.BlockedLayout([2], [32], [1], [0]))
         for i in gl.static_range(STAGES - 1):
             if j0 + i < j1:
                 _stage(kbuf, vbuf, ksb, kmsb, vsb, vmb, i, gl.load(table_ptr + row + j0 + i).to(gl.int64), h,
                        ck_ptr, cv_ptr, ksc_ptr, kmin_ptr, vsc_ptr, vmin_ptr,
-                       s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_off, v_copy, cd, ct)  # fmt: skip
+                       s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_copy, v_copy, cd, ct)  # fmt: skip
             async_copy.commit_group()
     # the id of the next block to load, read one iteration ahead (its latency is off the loads' path)
     nxt = _block_id(table_ptr, row, j0 + max(STAGES - 1, 0), j1)
@@ -420,7 +439,7 @@ def _cold_kernel(
             if j + STAGES - 1 < j1:
                 _stage(kbuf, vbuf, ksb, kmsb, vsb, vmb, (j - j0 + STAGES - 1) % STAGES, nxt, h,
                        ck_ptr, cv_ptr, ksc_ptr, kmin_ptr, vsc_ptr, vmin_ptr,
-                       s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_off, v_copy, cd, ct)  # fmt: skip
+                       s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_copy, v_copy, cd, ct)  # fmt: skip
             async_copy.commit_group()
             nxt = _block_id(table_ptr, row, j + STAGES, j1)
             async_copy.wait_group(STAGES - 1)  # block j's copies (this lane's) have landed
@@ -524,10 +543,11 @@ def _cold_kernel(
 
 
 @functools.cache
-def build_constants(channels: int, tokens: int, stages: int = 2) -> dict[str, object]:
+def build_constants(channels: int, tokens: int, stages: int = 2, key_rows: bool = True) -> dict[str, object]:
     """The compile-time layouts and relabelling orders of one build (channels per operand, tokens per
-    block, blocks in the shared-memory ring or 0: direct loads), as ``_cold_kernel``'s constexpr
-    arguments."""
+    block, blocks in the shared-memory ring or 0: direct loads; ``key_rows``: the key codes are copied by
+    consecutive lanes along whole rows, else each lane copies the pieces it loads), as ``_cold_kernel``'s
+    constexpr arguments."""
     lay = layouts(channels, tokens)
     kb, vb = key_bits(channels), value_bits(channels)
     n = _log2(channels)
@@ -537,7 +557,8 @@ def build_constants(channels: int, tokens: int, stages: int = 2) -> dict[str, ob
         K_ORDER=tuple(transposed_order(kb)), Q_ORDER=tuple(relabel_order(kb, 1, 0)),
         KM_ORDER=tuple(relabel_order(kb, 0, 1)), V_ORDER=tuple(transposed_order(vb)), V_BITS=tuple(vb),
         TC_BITS=(tokens,) + (2,) * n, Q_BITS=(16,) + (2,) * n, KM_BITS=(2,) * n + (ROWS_N,),
-        SK=lay.k_smem, SV=lay.v_smem, VCOPY=lay.v_copy, STAGES=stages,
+        SK=lay.k_smem if key_rows else lay.k_lanes, SV=lay.v_smem, COPY=lay.copy, STAGES=stages,
+        KROWS=key_rows,
     )  # fmt: skip
 
 
@@ -561,10 +582,11 @@ def supported(q: torch.Tensor, pool_bits: int, mixed: bool, block_size: int, cod
 
 
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
-                maxnreg: int | None = None, stages: int = 2, pdl: bool = False) -> object:  # fmt: skip
+                maxnreg: int | None = None, stages: int = 2, pdl: bool = False,
+                key_rows: bool = True) -> object:  # fmt: skip
     """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H) with its runtime ``args`` (in order); ``pdl``:
     the next launch on the stream, a programmatic dependent, may start at once."""
     channels = D if kind == 8 else D // 2
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, num_warps=1,
-                              **build_constants(channels, T, stages), **extra)  # fmt: skip
+                              **build_constants(channels, T, stages, key_rows), **extra)  # fmt: skip

@@ -82,6 +82,8 @@ class DecodeKernelOptions:
         memory (``cp.async``) while a program computes block j; 0 loads each block into registers when the
         program starts it. ``gluon_pdl``: the merge is launched as a programmatic dependent of the Gluon
         kernel, so it attends the hot zone while the cold blocks are read and waits only before merging.
+        ``gluon_key_rows``: key codes are copied into the ring by consecutive lanes along whole rows (whole
+        128-byte lines per quarter-warp) into a swizzled stage; False: each lane copies the pieces it loads.
     wave_splits: the split count from a wave model (:func:`wave_splits`) instead of ``programs_per_sm``: the
         fewest waves x blocks per program, with the programs the build keeps resident per multiprocessor (read
         from the build at its first launch, which still plans by ``programs_per_sm``). The model assumes
@@ -108,6 +110,7 @@ class DecodeKernelOptions:
     gluon_maxnreg: int | None = None
     gluon_stages: int = 2
     gluon_pdl: bool = True
+    gluon_key_rows: bool = True
 
 
 # Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
@@ -1095,7 +1098,7 @@ def hybrid_decode_attention_triton(
              q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1),
              pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
             H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, maxnreg=opts.gluon_maxnreg,
-            stages=opts.gluon_stages, pdl=pdl,
+            stages=opts.gluon_stages, pdl=pdl, key_rows=opts.gluon_key_rows,
         )  # fmt: skip
     else:
         kernel = _split_kernel[(splits, B * H)](

@@ -65,24 +65,32 @@ def _assert_loads_conflict_free(dist, where: dict[tuple[int, ...], int]) -> None
         assert _conflict_free(starts, vec), f"load of register {reg}: {starts}"
 
 
-@pytest.mark.parametrize("c, t", SHAPES)
-def test_value_stage_copies_and_loads_meet_every_bank_once(c: int, t: int) -> None:
-    lay = gd.layouts(c, t)
-    where = _offsets(lay.v_smem)
-    assert sorted(where) == sorted((r, col) for r in range(t) for col in range(c))
-    # the copy: consecutive lanes take consecutive 16-byte pieces of a row (a blocked layout)
-    lanes_row = lay.v_copy.threads_per_warp[1]
-    assert lay.v_copy.size_per_thread == [1, 16] and lanes_row * lay.v_copy.threads_per_warp[0] == 32
+def _assert_copies_conflict_free(lay: gd.Layouts, where: dict[tuple[int, ...], int], t: int) -> None:
+    """The coalesced copy (consecutive lanes take consecutive 16-byte pieces of a row, a blocked layout)
+    into a stage laid out as ``where`` meets each bank once per phase."""
+    lanes_row = lay.copy.threads_per_warp[1]
+    assert lay.copy.size_per_thread == [1, 16] and lanes_row * lay.copy.threads_per_warp[0] == 32
     for row0 in range(0, t, 32 // lanes_row):
         starts = [where[(row0 + lane // lanes_row, 16 * (lane % lanes_row))] for lane in range(32)]
         assert _conflict_free(starts, 16), f"copy of rows {row0}..: {starts}"
-    _assert_loads_conflict_free(lay.v_mem, where)  # the loads back in the value operand's load layout
 
 
 @pytest.mark.parametrize("c, t", SHAPES)
-def test_key_stage_loads_meet_every_bank_once(c: int, t: int) -> None:
+@pytest.mark.parametrize("codes", ["keys", "values"])
+def test_stage_copies_and_loads_meet_every_bank_once(c: int, t: int, codes: str) -> None:
     lay = gd.layouts(c, t)
-    _assert_loads_conflict_free(lay.k_mem, _offsets(lay.k_smem))
+    stage, load = (lay.k_smem, lay.k_mem) if codes == "keys" else (lay.v_smem, lay.v_mem)
+    where = _offsets(stage)
+    assert sorted(where) == sorted((r, col) for r in range(t) for col in range(c))
+    _assert_copies_conflict_free(lay, where, t)
+    _assert_loads_conflict_free(load, where)  # the loads back in the operand's load layout
+
+
+@pytest.mark.parametrize("c, t", SHAPES)
+def test_lane_ordered_key_stage_loads_meet_every_bank_once(c: int, t: int) -> None:
+    """The stage of keys copied as they are loaded (``gluon_key_rows`` off)."""
+    lay = gd.layouts(c, t)
+    _assert_loads_conflict_free(lay.k_mem, _offsets(lay.k_lanes))
 
 
 @pytest.mark.parametrize("c, t", SHAPES)

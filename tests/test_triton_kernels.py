@@ -457,16 +457,19 @@ def test_decode_nibble_asm_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: to
 )  # fmt: skip
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("stages, pdl", [(2, True), (3, False), (0, True)])
+@pytest.mark.parametrize(
+    "stages, pdl, key_rows", [(2, True, True), (3, False, True), (0, True, True), (3, True, False)]
+)
 def test_decode_gluon_gpu(
-    gpu_kernels, shape: Shape, bits: int, dtype: torch.dtype, stages: int, pdl: bool
+    gpu_kernels, shape: Shape, bits: int, dtype: torch.dtype, stages: int, pdl: bool, key_rows: bool
 ) -> None:
     """The Gluon cold kernel (the merge attends the hot zone) matches the reference: its blocks through a
-    ring of shared memory or loaded straight into registers (0), the merge a programmatic dependent or not."""
+    ring of shared memory (key rows copied whole or as loaded) or loaded straight into registers (0), the
+    merge a programmatic dependent or not."""
     td = gpu_kernels.triton_decode
     inp = make_decode(shape, bits, dtype, "cuda", demote=False)
     base = td.PURE_INT8 if bits == 8 else td.default_options(bits)
-    opts = replace(base, gluon=True, gluon_stages=stages, gluon_pdl=pdl)
+    opts = replace(base, gluon=True, gluon_stages=stages, gluon_pdl=pdl, gluon_key_rows=key_rows)
     meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
     pool = inp["pool"]
     assert gpu_kernels.gluon_decode.supported(
