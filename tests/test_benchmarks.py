@@ -25,6 +25,22 @@ def test_decode_attention_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "results.json").exists()
 
 
+def test_pool_read_smoke(tmp_path: Path) -> None:
+    """The read-ceiling pass checks each launch's XOR of the words it read before timing it."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pool_read.py"), "--smoke", "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [
+        line
+        for line in (tmp_path / "pool_read.md").read_text().splitlines()
+        if line.startswith("| 2 x 256 |")
+    ]
+    assert [row.split("|")[4].strip() for row in rows] == ["8", "4"]
+
+
 def test_decode_step_smoke(tmp_path: Path) -> None:
     configs = ROOT / "examples" / "configs"
     out = tmp_path / "step.json"
