@@ -254,7 +254,7 @@ def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float,
     log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
         f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min} i8={opt.int8_dot} "
         f"vp={opt.v_pairs} nib={opt.nibble_asm} gluon={opt.gluon} gr={opt.gluon_maxnreg} "
-        f"st={opt.gluon_stages} pdl={opt.gluon_pdl} kr={opt.gluon_key_rows} "
+        f"st={opt.gluon_stages} pdl={opt.gluon_pdl} kr={opt.gluon_key_rows} pipe={opt.gluon_pipeline} "
         f"{res['ms']:.4f} ms "
         f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
     return (res["ms"], opt) if ok else None
@@ -283,9 +283,9 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(gluon=True),  # the Gluon cold kernel: one warp per program, registers placed by hand
         dict(gluon=True, gluon_pdl=False),  # the merge + hot zone launched after the Gluon kernel ends
         dict(gluon=True, gluon_stages=2),
-        dict(gluon=True, gluon_stages=4),
         dict(gluon=True, gluon_stages=0),  # Gluon, each block loaded into registers (no cp.async ring)
         dict(gluon=True, gluon_key_rows=False),  # each lane copies the key pieces it loads (half lines)
+        dict(gluon=True, gluon_pipeline=True),  # block j + 1's scores beside block j's values
     ],
     4: [
         {},
@@ -298,8 +298,8 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(gluon=True, gluon_pdl=False),
         dict(gluon=True, gluon_stages=3),
         dict(gluon=True, gluon_stages=0),
-        dict(gluon=True, gluon_maxnreg=200),  # 10 warps per SM instead of 8
-        dict(gluon=True, gluon_maxnreg=168),  # 12 warps per SM, loop-invariant registers spilled
+        dict(gluon=True, gluon_pipeline=True),
+        dict(gluon=True, gluon_pipeline=True, gluon_stages=3),
     ],
     0: [{}],
 }

@@ -333,19 +333,101 @@ def _block_id(table_ptr, row, j, j1):
 
 
 @gluon.jit
-def _stage(kbuf, vbuf, ksb, kmb, vsb, vmb, st, bid, h, ck_ptr, cv_ptr, ksc_ptr, kmin_ptr, vsc_ptr, vmin_ptr,
-           s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_copy, v_copy, cd, ct):  # fmt: skip
-    """Start the async copies of block ``bid``'s codes, key scales and mins (all D channels) and value scales
-    and mins into stage ``st``; the caller commits the group."""
-    base = bid * s_cn + h * s_ch
+def _copy_keys(kbuf, ksb, kmb, st, bid, h, ck_ptr, ksc_ptr, kmin_ptr, s_cn, s_ch, s_kn, s_kh, k_copy, cd):
+    """Start the async copies of block ``bid``'s key codes, scales and mins (all D channels) into stage
+    ``st``; the caller commits the group."""
     kq = bid * s_kn + h * s_kh
-    vq = bid * s_vn + h * s_vh
-    async_copy.async_copy_global_to_shared(kbuf.index(st), ck_ptr + base + k_copy)
-    async_copy.async_copy_global_to_shared(vbuf.index(st), cv_ptr + base + v_copy)
+    async_copy.async_copy_global_to_shared(kbuf.index(st), ck_ptr + bid * s_cn + h * s_ch + k_copy)
     async_copy.async_copy_global_to_shared(ksb.index(st), ksc_ptr + kq + cd)
     async_copy.async_copy_global_to_shared(kmb.index(st), kmin_ptr + kq + cd)
+
+
+@gluon.jit
+def _copy_values(vbuf, vsb, vmb, st, bid, h, cv_ptr, vsc_ptr, vmin_ptr, s_cn, s_ch, s_vn, s_vh, v_copy, ct):
+    """Start the async copies of block ``bid``'s value codes, scales and mins into stage ``st``."""
+    vq = bid * s_vn + h * s_vh
+    async_copy.async_copy_global_to_shared(vbuf.index(st), cv_ptr + bid * s_cn + h * s_ch + v_copy)
     async_copy.async_copy_global_to_shared(vsb.index(st), vsc_ptr + vq + ct)
     async_copy.async_copy_global_to_shared(vmb.index(st), vmin_ptr + vq + ct)
+
+
+@gluon.jit
+def _scores(kc, ks, km, ks_hi, km_h, q_lo, q_hi, neg, kmz,
+            C: gl.constexpr, T: gl.constexpr, KIND: gl.constexpr, ROWS: gl.constexpr, K_ORDER: gl.constexpr,
+            Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
+            KM_BITS: gl.constexpr):  # fmt: skip
+    """One block's scores [8, T] of the query rows (``S = Q' K^T``, without the per-row ``corr``) and
+    ``corr = q . kmin - 1024 (q * kscale) . 1`` per row, from its key codes ``kc``, scales and mins (and the
+    high nibbles' ``ks_hi``, ``km_h`` where KIND is 4)."""
+    qs = _q_operand(q_lo * ks[None, :], C, Q_BITS, Q_ORDER)
+    qa = _q_operand(q_lo, C, Q_BITS, Q_ORDER)
+    kmb = _kmin_operand(gl.broadcast(km[:, None], kmz)[0], C, KM_BITS, KM_ORDER)
+    corr = mma_v2(qa, kmb, gl.zeros([16, NP], gl.float32, layout=MMA))
+    corr = mma_v2(qs, neg, corr)
+    if KIND == 8:
+        kb = _key_operand(_bytes_f16(kc), C, T, TC_BITS, K_ORDER)
+        s = mma_v2(qs, kb, gl.zeros([16, T], gl.float32, layout=MMA))
+    else:
+        klo, khi = _nibbles_f16(kc)
+        qs_h = _q_operand(q_hi * (ks_hi * 0.0625)[None, :], C, Q_BITS, Q_ORDER)  # high nibbles: 1024 + 16 n
+        qa_h = _q_operand(q_hi, C, Q_BITS, Q_ORDER)
+        corr = mma_v2(qa_h, _kmin_operand(gl.broadcast(km_h[:, None], kmz)[0], C, KM_BITS, KM_ORDER), corr)
+        corr = mma_v2(qs_h, neg, corr)
+        s = mma_v2(qs, _key_operand(klo, C, T, TC_BITS, K_ORDER), gl.zeros([16, T], gl.float32, layout=MMA))
+        s = mma_v2(qs_h, _key_operand(khi, C, T, TC_BITS, K_ORDER), s)
+    return gl.convert_layout(_rows_of_8(s, T), ROWS, assert_trivial=True), _corr_rows(corr, ROWS)
+
+
+@gluon.jit
+def _staged_scores(kbuf, ksb, kmsb, st, q_lo, q_hi, neg, kmz,
+                   C: gl.constexpr, D: gl.constexpr, T: gl.constexpr, KIND: gl.constexpr, LK: gl.constexpr,
+                   LQ: gl.constexpr, LKM: gl.constexpr, ROWS: gl.constexpr, K_ORDER: gl.constexpr,
+                   Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
+                   KM_BITS: gl.constexpr):  # fmt: skip
+    """``_scores`` of the block in stage ``st`` of the ring."""
+    ks, km = ksb.index(st), kmsb.index(st)
+    return _scores(kbuf.index(st).load(LK), ks.slice(0, C).load(gl.SliceLayout(0, LQ)),
+                   km.slice(0, C).load(gl.SliceLayout(1, LKM)),
+                   ks.slice(D - C, C).load(gl.SliceLayout(0, LQ)),
+                   km.slice(D - C, C).load(gl.SliceLayout(1, LKM)), q_lo, q_hi, neg, kmz,
+                   C, T, KIND, ROWS, K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS, KM_BITS)  # fmt: skip
+
+
+@gluon.jit
+def _attend(s8, c8, vc, vs, vmn, m_i, l_i, vm_i, acc, acc_h, acc_b, ones, lse_ptr, rows,
+            G: gl.constexpr, C: gl.constexpr, T: gl.constexpr, KIND: gl.constexpr, LV: gl.constexpr,
+            LP: gl.constexpr, LP4: gl.constexpr, TC_BITS: gl.constexpr, V_ORDER: gl.constexpr,
+            STAGED: gl.constexpr):  # fmt: skip
+    """Fold one block into the running state: the online softmax of its scores, its lse (stored at
+    ``lse_ptr``), and ``P' V`` from its value codes ``vc`` (module docstring; STAGED: ``vc`` is the stage
+    in shared memory, loaded only once the softmax is done). Returns the new state."""
+    m_new = gl.maximum(m_i, gl.max(s8, 1) + c8)
+    if gl.max(m_new - m_i, 0) > 0.0:  # the running maximum grew: rescale (uniform branch, one warp)
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        vm_i = vm_i * alpha
+        a_n = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+        acc = acc * a_n[None, :]
+        if KIND == 4:
+            acc_h = acc_h * a_n[None, :]
+        acc_b = acc_b * a_n[None, :]
+        m_i = m_new
+    p = gl.exp2(s8 - (m_i - c8)[:, None])
+    l_blk = gl.sum(p, 1)
+    l_i = l_i + l_blk
+    vm_i = vm_i + gl.sum(p * vmn[None, :], 1)
+    gl.store(lse_ptr + rows, m_i + gl.log2(l_blk), mask=rows < G)
+    pb = gl.convert_layout(gl.permute((p * vs[None, :]).to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+    acc_b = mma_v2(ones, pb, acc_b)
+    if STAGED:
+        vc = vc.load(LV)
+    if KIND == 8:
+        acc = mma_v2(_value_operand(_bytes_f16(gl.convert_layout(vc, LP)), C, T, TC_BITS, V_ORDER), pb, acc)
+    else:
+        vlo, vhi = _nibbles_f16_02(gl.convert_layout(vc, LP4))
+        acc = mma_v2(_value_operand(_unswap_pairs(vlo, T, C), C, T, TC_BITS, V_ORDER), pb, acc)
+        acc_h = mma_v2(_value_operand(_unswap_pairs(vhi, T, C), C, T, TC_BITS, V_ORDER), pb, acc_h)
+    return m_i, l_i, vm_i, acc, acc_h, acc_b
 
 
 # Sizes that follow the batch and the sequence lengths are not specialized (a value of 1 or a multiple of 16
@@ -362,7 +444,7 @@ def _cold_kernel(
     ROWS: gl.constexpr, K_ORDER: gl.constexpr, Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr,
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
-    KROWS: gl.constexpr, PDL: gl.constexpr,
+    KROWS: gl.constexpr, PIPE: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
     partial (m, l, acc) in the layout of ``_split_kernel``'s partials, and each block's lse."""
@@ -380,6 +462,7 @@ def _cold_kernel(
     q_off = b.to(gl.int64) * s_qb + (h * G + g16)[:, None] * s_qh + cq[None, :]
     q_lo = gl.where(qmask, (gl.load(q_ptr + q_off, mask=qmask, other=0.0).to(gl.float32) * qk_scale), 0.0)
     q_lo = q_lo.to(gl.float16)
+    q_hi = q_lo
     if KIND == 4:
         q_hi = gl.where(qmask, gl.load(q_ptr + q_off + C, mask=qmask, other=0.0).to(gl.float32) * qk_scale,
                         0.0).to(gl.float16)  # fmt: skip
@@ -391,8 +474,7 @@ def _cold_kernel(
     l_i = gl.zeros([NP], gl.float32, layout=gl.SliceLayout(1, ROWS))
     vm_i = gl.zeros([NP], gl.float32, layout=gl.SliceLayout(1, ROWS))
     acc = gl.zeros([C, NP], gl.float32, layout=MMA)
-    if KIND == 4:
-        acc_h = gl.zeros([C, NP], gl.float32, layout=MMA)
+    acc_h = acc  # the high nibbles' channels (KIND 4)
     acc_b = gl.zeros([16, NP], gl.float32, layout=MMA)  # sum of p * vscale (every row the same)
     ones = gl.full([16, T], 1.0, gl.float16, layout=A_OP)
     tk = gl.arange(0, T, layout=gl.SliceLayout(1, LK))
@@ -410,7 +492,9 @@ def _cold_kernel(
     row = bh.to(gl.int64) * M
     if STAGES > 0:
         # A ring of STAGES blocks in shared memory: blocks j + 1 .. j + STAGES - 1 are in flight while block j
-        # is computed (one commit group per block, empty past the split's end).
+        # is computed (one commit group per block, empty past the split's end). PIPE: the keys run one block
+        # ahead of the values, and block j + 1's scores are computed after block j's softmax, in the same
+        # stretch of code as block j's values (two independent chains for the scheduler to interleave).
         kbuf = gl.allocate_shared_memory(ck_ptr.dtype.element_ty, [STAGES, T, C], SK)
         vbuf = gl.allocate_shared_memory(cv_ptr.dtype.element_ty, [STAGES, T, C], SV)
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -426,102 +510,81 @@ def _cold_kernel(
         ct = gl.arange(0, T, layout=gl.BlockedLayout([2], [32], [1], [0]))
         for i in gl.static_range(STAGES - 1):
             if j0 + i < j1:
-                _stage(kbuf, vbuf, ksb, kmsb, vsb, vmb, i, gl.load(table_ptr + row + j0 + i).to(gl.int64), h,
-                       ck_ptr, cv_ptr, ksc_ptr, kmin_ptr, vsc_ptr, vmin_ptr,
-                       s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_copy, v_copy, cd, ct)  # fmt: skip
+                bid0 = gl.load(table_ptr + row + j0 + i).to(gl.int64)
+                _copy_keys(kbuf, ksb, kmsb, i, bid0, h, ck_ptr, ksc_ptr, kmin_ptr, s_cn, s_ch, s_kn, s_kh,
+                           k_copy, cd)  # fmt: skip
+                _copy_values(vbuf, vsb, vmb, i, bid0, h, cv_ptr, vsc_ptr, vmin_ptr, s_cn, s_ch, s_vn, s_vh,
+                             v_copy, ct)  # fmt: skip
             async_copy.commit_group()
     # the id of the next block to load, read one iteration ahead (its latency is off the loads' path)
     nxt = _block_id(table_ptr, row, j0 + max(STAGES - 1, 0), j1)
+    s8 = gl.zeros([NP, T], gl.float32, layout=ROWS)
+    c8 = gl.zeros([NP], gl.float32, layout=gl.SliceLayout(1, ROWS))
+    if PIPE:  # the keys one block further ahead, and block j0's scores before the loop
+        if j0 + STAGES - 1 < j1:
+            _copy_keys(kbuf, ksb, kmsb, STAGES - 1, nxt, h, ck_ptr, ksc_ptr, kmin_ptr, s_cn, s_ch, s_kn, s_kh,
+                       k_copy, cd)  # fmt: skip
+        async_copy.commit_group()
+        nxt_k = _block_id(table_ptr, row, j0 + STAGES, j1)
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        s8, c8 = _staged_scores(kbuf, ksb, kmsb, 0, q_lo, q_hi, neg, kmz, C, D, T, KIND, LK, LQ, LKM,
+                                ROWS, K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS, KM_BITS)  # fmt: skip
     for j in range(j0, j1):
         if STAGES > 0:
             st = (j - j0) % STAGES
-            gl.thread_barrier()  # every lane is done with the stage the next copy overwrites (block j - 1's)
-            if j + STAGES - 1 < j1:
-                _stage(kbuf, vbuf, ksb, kmsb, vsb, vmb, (j - j0 + STAGES - 1) % STAGES, nxt, h,
-                       ck_ptr, cv_ptr, ksc_ptr, kmin_ptr, vsc_ptr, vmin_ptr,
-                       s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, k_copy, v_copy, cd, ct)  # fmt: skip
-            async_copy.commit_group()
-            nxt = _block_id(table_ptr, row, j + STAGES, j1)
+            gl.thread_barrier()  # every lane is done with the stages the next copies overwrite
+            if PIPE:  # keys of block j + STAGES into block j's key stage, values of j + STAGES - 1
+                if j + STAGES < j1:
+                    _copy_keys(kbuf, ksb, kmsb, st, nxt_k, h, ck_ptr, ksc_ptr, kmin_ptr,
+                               s_cn, s_ch, s_kn, s_kh, k_copy, cd)  # fmt: skip
+                if j + STAGES - 1 < j1:
+                    _copy_values(vbuf, vsb, vmb, (st + STAGES - 1) % STAGES, nxt, h, cv_ptr, vsc_ptr,
+                                 vmin_ptr, s_cn, s_ch, s_vn, s_vh, v_copy, ct)  # fmt: skip
+                async_copy.commit_group()
+                nxt = nxt_k
+                nxt_k = _block_id(table_ptr, row, j + STAGES + 1, j1)
+            else:
+                if j + STAGES - 1 < j1:
+                    sn = (st + STAGES - 1) % STAGES
+                    _copy_keys(kbuf, ksb, kmsb, sn, nxt, h, ck_ptr, ksc_ptr, kmin_ptr,
+                               s_cn, s_ch, s_kn, s_kh, k_copy, cd)  # fmt: skip
+                    _copy_values(vbuf, vsb, vmb, sn, nxt, h, cv_ptr, vsc_ptr, vmin_ptr,
+                                 s_cn, s_ch, s_vn, s_vh, v_copy, ct)  # fmt: skip
+                async_copy.commit_group()
+                nxt = _block_id(table_ptr, row, j + STAGES, j1)
             async_copy.wait_group(STAGES - 1)  # block j's copies (this lane's) have landed
             gl.thread_barrier()  # ... and every other lane's
-            kc = kbuf.index(st).load(LK)
-            ks = ksb.index(st).slice(0, C).load(gl.SliceLayout(0, LQ))
-            km = kmsb.index(st).slice(0, C).load(gl.SliceLayout(1, LKM))
+            if not PIPE:
+                s8, c8 = _staged_scores(kbuf, ksb, kmsb, st, q_lo, q_hi, neg, kmz, C, D, T, KIND, LK, LQ,
+                                        LKM, ROWS, K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS,
+                                        KM_BITS)  # fmt: skip
             vs = vsb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
             vmn = vmb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
+            m_i, l_i, vm_i, acc, acc_h, acc_b = _attend(
+                s8, c8, vbuf.index(st), vs, vmn, m_i, l_i, vm_i, acc, acc_h, acc_b, ones,
+                blk_lse_ptr + (row + j) * G, rows, G, C, T, KIND, LV, LP, LP4, TC_BITS, V_ORDER, True,
+            )  # fmt: skip
         else:
             bid = nxt
             nxt = _block_id(table_ptr, row, j + 1, j1)
             base = bid * s_cn + h * s_ch
             kq = bid * s_kn + h * s_kh
             vq = bid * s_vn + h * s_vh
-            kc = gl.load(ck_ptr + base + k_off)
-            vc = gl.load(cv_ptr + base + v_off)
-            ks = gl.load(ksc_ptr + kq + cq)
-            km = gl.load(kmin_ptr + kq + ckm)
+            s8, c8 = _scores(gl.load(ck_ptr + base + k_off), gl.load(ksc_ptr + kq + cq),
+                             gl.load(kmin_ptr + kq + ckm), gl.load(ksc_ptr + kq + D - C + cq),
+                             gl.load(kmin_ptr + kq + D - C + ckm), q_lo, q_hi, neg, kmz, C, T, KIND, ROWS,
+                             K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS, KM_BITS)  # fmt: skip
             vs = gl.load(vsc_ptr + vq + tok).to(gl.float32)
             vmn = gl.load(vmin_ptr + vq + tok).to(gl.float32)
-        # scores: S = Q' K^T + corr, corr = q . kmin - 1024 (q * kscale) . 1 (rows of the [16, 8] tile)
-        qs = _q_operand(q_lo * ks[None, :], C, Q_BITS, Q_ORDER)
-        qa = _q_operand(q_lo, C, Q_BITS, Q_ORDER)
-        kmb = _kmin_operand(gl.broadcast(km[:, None], kmz)[0], C, KM_BITS, KM_ORDER)
-        corr = mma_v2(qa, kmb, gl.zeros([16, NP], gl.float32, layout=MMA))
-        corr = mma_v2(qs, neg, corr)
-        if KIND == 8:
-            kb = _key_operand(_bytes_f16(kc), C, T, TC_BITS, K_ORDER)
-            s = mma_v2(qs, kb, gl.zeros([16, T], gl.float32, layout=MMA))
-        else:
-            klo, khi = _nibbles_f16(kc)
-            if STAGES > 0:
-                ks_hi = ksb.index(st).slice(C, C).load(gl.SliceLayout(0, LQ))
-                km_h = kmsb.index(st).slice(C, C).load(gl.SliceLayout(1, LKM))
-            else:
-                ks_hi = gl.load(ksc_ptr + kq + C + cq)
-                km_h = gl.load(kmin_ptr + kq + C + ckm)
-            ks_hi = ks_hi * 0.0625  # high nibbles are 1024 + 16 n
-            qs_h = _q_operand(q_hi * ks_hi[None, :], C, Q_BITS, Q_ORDER)
-            qa_h = _q_operand(q_hi, C, Q_BITS, Q_ORDER)
-            corr = mma_v2(
-                qa_h, _kmin_operand(gl.broadcast(km_h[:, None], kmz)[0], C, KM_BITS, KM_ORDER), corr
-            )
-            corr = mma_v2(qs_h, neg, corr)
-            s = mma_v2(
-                qs, _key_operand(klo, C, T, TC_BITS, K_ORDER), gl.zeros([16, T], gl.float32, layout=MMA)
-            )
-            s = mma_v2(qs_h, _key_operand(khi, C, T, TC_BITS, K_ORDER), s)
-        s8 = gl.convert_layout(_rows_of_8(s, T), ROWS, assert_trivial=True)
-        c8 = _corr_rows(corr, ROWS)
-        m_new = gl.maximum(m_i, gl.max(s8, 1) + c8)
-        if gl.max(m_new - m_i, 0) > 0.0:  # the running maximum grew: rescale (uniform branch, one warp)
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            vm_i = vm_i * alpha
-            a_n = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
-            acc = acc * a_n[None, :]
-            if KIND == 4:
-                acc_h = acc_h * a_n[None, :]
-            acc_b = acc_b * a_n[None, :]
-            m_i = m_new
-        p = gl.exp2(s8 - (m_i - c8)[:, None])
-        l_blk = gl.sum(p, 1)
-        l_i = l_i + l_blk
-        vm_i = vm_i + gl.sum(p * vmn[None, :], 1)
-        gl.store(blk_lse_ptr + (row + j) * G + rows, m_i + gl.log2(l_blk), mask=rows < G)
-        pb = gl.convert_layout(
-            gl.permute((p * vs[None, :]).to(gl.float16), [1, 0]), B_OP, assert_trivial=True
-        )
-        acc_b = mma_v2(ones, pb, acc_b)
-        if STAGES > 0:
-            vc = vbuf.index(st).load(LV)
-        if KIND == 8:
-            va = _value_operand(_bytes_f16(gl.convert_layout(vc, LP)), C, T, TC_BITS, V_ORDER)
-            acc = mma_v2(va, pb, acc)
-        else:
-            vlo, vhi = _nibbles_f16_02(gl.convert_layout(vc, LP4))
-            vlo = _unswap_pairs(vlo, T, C)
-            vhi = _unswap_pairs(vhi, T, C)
-            acc = mma_v2(_value_operand(vlo, C, T, TC_BITS, V_ORDER), pb, acc)
-            acc_h = mma_v2(_value_operand(vhi, C, T, TC_BITS, V_ORDER), pb, acc_h)
+            m_i, l_i, vm_i, acc, acc_h, acc_b = _attend(
+                s8, c8, gl.load(cv_ptr + base + v_off), vs, vmn, m_i, l_i, vm_i, acc, acc_h, acc_b, ones,
+                blk_lse_ptr + (row + j) * G, rows, G, C, T, KIND, LV, LP, LP4, TC_BITS, V_ORDER, False,
+            )  # fmt: skip
+        if PIPE:  # block j + 1's scores (from a stale stage past the split's end: never used)
+            s1 = (st + 1) % STAGES
+            s8, c8 = _staged_scores(kbuf, ksb, kmsb, s1, q_lo, q_hi, neg, kmz, C, D, T, KIND, LK, LQ, LKM,
+                                    ROWS, K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS, KM_BITS)  # fmt: skip
     # partials: acc - 1024 sum(p * vscale) + sum(p * vmin), channels back in memory order
     part = (bh * num_splits + pid_s).to(gl.int64)
     bias = gl.max(acc_b, 0)
@@ -543,11 +606,13 @@ def _cold_kernel(
 
 
 @functools.cache
-def build_constants(channels: int, tokens: int, stages: int = 2, key_rows: bool = True) -> dict[str, object]:
+def build_constants(
+    channels: int, tokens: int, stages: int = 2, key_rows: bool = True, pipeline: bool = False
+) -> dict[str, object]:
     """The compile-time layouts and relabelling orders of one build (channels per operand, tokens per
     block, blocks in the shared-memory ring or 0: direct loads; ``key_rows``: the key codes are copied by
-    consecutive lanes along whole rows, else each lane copies the pieces it loads), as ``_cold_kernel``'s
-    constexpr arguments."""
+    consecutive lanes along whole rows, else each lane copies the pieces it loads; ``pipeline``: block j + 1's
+    scores are computed beside block j's values), as ``_cold_kernel``'s constexpr arguments."""
     lay = layouts(channels, tokens)
     kb, vb = key_bits(channels), value_bits(channels)
     n = _log2(channels)
@@ -558,7 +623,7 @@ def build_constants(channels: int, tokens: int, stages: int = 2, key_rows: bool 
         KM_ORDER=tuple(relabel_order(kb, 0, 1)), V_ORDER=tuple(transposed_order(vb)), V_BITS=tuple(vb),
         TC_BITS=(tokens,) + (2,) * n, Q_BITS=(16,) + (2,) * n, KM_BITS=(2,) * n + (ROWS_N,),
         SK=lay.k_smem if key_rows else lay.k_lanes, SV=lay.v_smem, COPY=lay.copy, STAGES=stages,
-        KROWS=key_rows,
+        KROWS=key_rows, PIPE=pipeline and stages > 0,
     )  # fmt: skip
 
 
@@ -583,10 +648,11 @@ def supported(q: torch.Tensor, pool_bits: int, mixed: bool, block_size: int, cod
 
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
                 maxnreg: int | None = None, stages: int = 2, pdl: bool = False,
-                key_rows: bool = True) -> object:  # fmt: skip
+                key_rows: bool = True, pipeline: bool = False) -> object:  # fmt: skip
     """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H) with its runtime ``args`` (in order); ``pdl``:
     the next launch on the stream, a programmatic dependent, may start at once."""
     channels = D if kind == 8 else D // 2
     extra = {"maxnreg": maxnreg} if maxnreg else {}
-    return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, num_warps=1,
-                              **build_constants(channels, T, stages, key_rows), **extra)  # fmt: skip
+    constants = build_constants(channels, T, stages, key_rows, pipeline)
+    return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, num_warps=1, **constants,
+                              **extra)  # fmt: skip
