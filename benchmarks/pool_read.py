@@ -11,6 +11,8 @@ few launch shapes is kept; the rows differ only in what is read and where it lie
     codes, scattered codes alone, random block order
     pool, in order   codes + scales and mins, each sequence's blocks consecutive
     bf16, in order   unquantized codes (SDPA's bytes per token), consecutive: the dense stream
+    attention        the launcher's default for the width (GPU), its time on the same byte count
+    ring only        the same with ``gluon_ring_only``: the Gluon kernel's copies and waits, no arithmetic
 
 Against the same run's SDPA, it says how much of the attention kernels' gap to SDPA's bandwidth is the
 access pattern itself (no kernel can read these bytes faster) and how much is the kernel.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -181,6 +184,12 @@ def main() -> int:
                 "codes, scattered": best_read(pool, scattered, False, launches),
                 "pool, in order": best_read(pool, ordered, True, launches),
             }
+            if da.DEVICE == "cuda":  # the attention itself, and its Gluon ring without the arithmetic
+                opts = da.defaults()[f"int{bits}"]
+                nbytes = bytes_read(pool, scattered, True)
+                for name, o in (("attention", opts), ("ring only", replace(opts, gluon_ring_only=True))):
+                    ms = da.bench(lambda o=o, inp=inp: da.run_hybrid(inp, o))
+                    row[f"int{bits}"][name] = dict(ms=ms, tbs=nbytes / ms / 1e9)
             del inp, pool
         dense = da.make_pool(batch * nc, 0, da.DTYPE)
         row["bf16, in order"] = best_read(dense, ordered, False, launches)
@@ -190,14 +199,16 @@ def main() -> int:
     device = torch.cuda.get_device_name() if da.DEVICE == "cuda" else "cpu"
     (args.out / "pool_read.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
     lines = [
-        "| B x L | SDPA TB/s | bf16, in order | bits | pool, scattered | codes, scattered | pool, in order |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| B x L | SDPA TB/s | bf16, in order | bits | pool, scattered | codes, scattered | pool, in order "
+        "| attention | Gluon ring only |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         size = f"{r['length'] // 1024}K" if r["length"] >= 1024 else str(r["length"])
         for bits in (8, 4):
             c = r[f"int{bits}"]
-            cells = [c[name]["tbs"] for name in ("pool, scattered", "codes, scattered", "pool, in order")]
+            names = ("pool, scattered", "codes, scattered", "pool, in order", "attention", "ring only")
+            cells = [c[name]["tbs"] if name in c else float("nan") for name in names]
             lines.append(
                 f"| {r['batch']} x {size} | {r['sdpa_tbs']:.2f} | {r['bf16, in order']['tbs']:.2f} | {bits} "
                 "| " + " | ".join(f"{x:.2f}" for x in cells) + " |"
