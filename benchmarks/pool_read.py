@@ -17,7 +17,9 @@ few launch shapes is kept; the rows differ only in what is read and where it lie
 Against the same run's SDPA, it says how much of the attention kernels' gap to SDPA's bandwidth is the
 access pattern itself (no kernel can read these bytes faster) and how much is the kernel.
 
-    python benchmarks/pool_read.py --out $OUT [--smoke]
+    python benchmarks/pool_read.py --out $OUT [--smoke | --rings]
+
+``--rings``: at 64x8K only, the attention and its ring alone with 2, 3 and 4 stages per width.
 """
 
 from __future__ import annotations
@@ -159,14 +161,42 @@ def best_read(pool: ColdPool, table: torch.Tensor, scales: bool, launches) -> di
     return best
 
 
+def ring_depths(out: Path) -> int:
+    """64x8K: the attention and its ring alone (``gluon_ring_only``) with 2, 3 and 4 stages per width,
+    against SDPA and the read ceiling of the same run (TB/s on the pool bytes)."""
+    batch, length = 64, 8192
+    sdpa_ms, sdpa_tbs = da.sdpa_case(batch, length)
+    head = "| bits | stages | read ceiling | attention | ring only |"
+    lines = [f"SDPA {sdpa_ms:.4f} ms {sdpa_tbs:.2f} TB/s", head,
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for bits in (8, 4):
+        inp = da.make_inputs(da.Case(batch, length, bits))
+        pool, table = inp["pool"], inp["block_table"]
+        nbytes = bytes_read(pool, table, True)
+        ceiling = best_read(pool, table, True, LAUNCHES)["tbs"]
+        for stages in (2, 3, 4):
+            opts = replace(da.defaults()[f"int{bits}"], gluon_stages=stages)
+            tbs = [nbytes / da.bench(lambda o=o, inp=inp: da.run_hybrid(inp, o)) / 1e9
+                   for o in (opts, replace(opts, gluon_ring_only=True))]  # fmt: skip
+            lines.append(f"| {bits} | {stages} | {ceiling:.2f} | {tbs[0]:.2f} | {tbs[1]:.2f} |")
+            print(lines[-1], flush=True)
+        del inp, pool
+    (out / "ring_depths.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, TRITON_INTERPRET=1)")
+    ap.add_argument("--rings", action="store_true", help="GPU: the Gluon ring's depth at 64x8K only")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     da.GRAPHS = da.DEVICE == "cuda"
+    if args.rings:
+        return ring_depths(args.out)
     shapes = [(2, 256)] if args.smoke else [(64, 8192), (16, 32768)]
     launches = LAUNCHES[:1] if args.smoke else LAUNCHES
     rows = []
