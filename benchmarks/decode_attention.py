@@ -254,7 +254,7 @@ def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float,
     log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
         f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min} i8={opt.int8_dot} "
         f"vp={opt.v_pairs} nib={opt.nibble_asm} gluon={opt.gluon} gr={opt.gluon_maxnreg} "
-        f"st={opt.gluon_stages} pdl={opt.gluon_pdl} kr={opt.gluon_key_rows} pipe={opt.gluon_pipeline} "
+        f"st={opt.gluon_stages} pdl={opt.gluon_pdl} kr={opt.gluon_key_rows} ta={opt.gluon_table_ahead} "
         f"{res['ms']:.4f} ms "
         f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
     return (res["ms"], opt) if ok else None
@@ -285,7 +285,7 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(gluon=True, gluon_stages=2),
         dict(gluon=True, gluon_stages=0),  # Gluon, each block loaded into registers (no cp.async ring)
         dict(gluon=True, gluon_key_rows=False),  # each lane copies the key pieces it loads (half lines)
-        dict(gluon=True, gluon_pipeline=True),  # block j + 1's scores beside block j's values
+        dict(gluon=True, gluon_table_ahead=False),  # each block id loaded one iteration ahead (run 9)
     ],
     4: [
         {},
@@ -298,8 +298,7 @@ SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
         dict(gluon=True, gluon_pdl=False),
         dict(gluon=True, gluon_stages=3),
         dict(gluon=True, gluon_stages=0),
-        dict(gluon=True, gluon_pipeline=True),
-        dict(gluon=True, gluon_pipeline=True, gluon_stages=3),
+        dict(gluon=True, gluon_table_ahead=False),
     ],
     0: [{}],
 }

@@ -19,7 +19,8 @@ access pattern itself (no kernel can read these bytes faster) and how much is th
 
     python benchmarks/pool_read.py --out $OUT [--smoke | --rings]
 
-``--rings``: at 64x8K only, the attention and its ring alone with 2, 3 and 4 stages per width.
+``--rings``: at 64x8K only, the attention and its ring alone with 2, 3 and 4 stages per width, the block
+ids carried in the ring or loaded an iteration ahead.
 """
 
 from __future__ import annotations
@@ -162,23 +163,25 @@ def best_read(pool: ColdPool, table: torch.Tensor, scales: bool, launches) -> di
 
 
 def ring_depths(out: Path) -> int:
-    """64x8K: the attention and its ring alone (``gluon_ring_only``) with 2, 3 and 4 stages per width,
-    against SDPA and the read ceiling of the same run (TB/s on the pool bytes)."""
+    """64x8K: the attention and its ring alone (``gluon_ring_only``) with 2, 3 and 4 stages per width, the
+    block ids in the ring or not (``gluon_table_ahead``), against SDPA and the read ceiling of the same run
+    (TB/s on the pool bytes)."""
     batch, length = 64, 8192
     sdpa_ms, sdpa_tbs = da.sdpa_case(batch, length)
-    head = "| bits | stages | read ceiling | attention | ring only |"
+    head = "| bits | stages | ids in the ring | read ceiling | attention | ring only |"
     lines = [f"SDPA {sdpa_ms:.4f} ms {sdpa_tbs:.2f} TB/s", head,
-             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for bits in (8, 4):
         inp = da.make_inputs(da.Case(batch, length, bits))
         pool, table = inp["pool"], inp["block_table"]
         nbytes = bytes_read(pool, table, True)
         ceiling = best_read(pool, table, True, LAUNCHES)["tbs"]
         for stages in (2, 3, 4):
-            opts = replace(da.defaults()[f"int{bits}"], gluon_stages=stages)
-            tbs = [nbytes / da.bench(lambda o=o, inp=inp: da.run_hybrid(inp, o)) / 1e9
-                   for o in (opts, replace(opts, gluon_ring_only=True))]  # fmt: skip
-            lines.append(f"| {bits} | {stages} | {ceiling:.2f} | {tbs[0]:.2f} | {tbs[1]:.2f} |")
+            for ahead in (False, True):
+                opts = replace(da.defaults()[f"int{bits}"], gluon_stages=stages, gluon_table_ahead=ahead)
+                tbs = [nbytes / da.bench(lambda o=o, inp=inp: da.run_hybrid(inp, o)) / 1e9
+                       for o in (opts, replace(opts, gluon_ring_only=True))]  # fmt: skip
+                lines.append(f"| {bits} | {stages} | {ahead} | {ceiling:.2f} | {tbs[0]:.2f} | {tbs[1]:.2f} |")
             print(lines[-1], flush=True)
         del inp, pool
     (out / "ring_depths.md").write_text("\n".join(lines) + "\n")

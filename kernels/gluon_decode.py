@@ -333,6 +333,14 @@ def _block_id(table_ptr, row, j, j1):
 
 
 @gluon.jit
+def _copy_id(ids, table_ptr, row, j0, k, j1, zero1):
+    """Start the async copy of the split's block id ``j0 + k`` (0 past its end ``j1``) into slot ``k % 16`` of
+    the id ring ``ids`` [16, 1]."""
+    async_copy.async_copy_global_to_shared(ids.index(k % 16), table_ptr + row + j0 + k + zero1,
+                                           mask=j0 + k + zero1 < j1)  # fmt: skip
+
+
+@gluon.jit
 def _copy_keys(kbuf, ksb, kmb, st, bid, h, ck_ptr, ksc_ptr, kmin_ptr, s_cn, s_ch, s_kn, s_kh, k_copy, cd):
     """Start the async copies of block ``bid``'s key codes, scales and mins (all D channels) into stage
     ``st``; the caller commits the group."""
@@ -444,7 +452,7 @@ def _cold_kernel(
     ROWS: gl.constexpr, K_ORDER: gl.constexpr, Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr,
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
-    KROWS: gl.constexpr, PIPE: gl.constexpr, PDL: gl.constexpr, RING_ONLY: gl.constexpr = False,
+    KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, RING_ONLY: gl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
     partial (m, l, acc) in the layout of ``_split_kernel``'s partials, and each block's lse. RING_ONLY (a
@@ -492,11 +500,12 @@ def _cold_kernel(
     j0 = pid_s * blocks_per_split
     j1 = gl.minimum(j0 + blocks_per_split, nc)
     row = bh.to(gl.int64) * M
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     if STAGES > 0:
         # A ring of STAGES blocks in shared memory: blocks j + 1 .. j + STAGES - 1 are in flight while block j
-        # is computed (one commit group per block, empty past the split's end). PIPE: the keys run one block
-        # ahead of the values, and block j + 1's scores are computed after block j's softmax, in the same
-        # stretch of code as block j's values (two independent chains for the scheduler to interleave).
+        # is computed (one commit group per block, empty past the split's end). TABLE_AHEAD: each group also
+        # copies the block-table entry STAGES blocks further on into a ring of 16 ids, so that an iteration
+        # reads its next block id from shared memory instead of waiting on a load from the iteration before.
         kbuf = gl.allocate_shared_memory(ck_ptr.dtype.element_ty, [STAGES, T, C], SK)
         vbuf = gl.allocate_shared_memory(cv_ptr.dtype.element_ty, [STAGES, T, C], SV)
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -504,6 +513,8 @@ def _cold_kernel(
         kmsb = gl.allocate_shared_memory(kmin_ptr.dtype.element_ty, [STAGES, D], plain)
         vsb = gl.allocate_shared_memory(vsc_ptr.dtype.element_ty, [STAGES, T], plain)
         vmb = gl.allocate_shared_memory(vmin_ptr.dtype.element_ty, [STAGES, T], plain)
+        ids = gl.allocate_shared_memory(table_ptr.dtype.element_ty, [16, 1], plain)
+        zero1 = gl.arange(0, 1, layout=one)
         tc = gl.arange(0, T, layout=gl.SliceLayout(1, COPY))
         cc = gl.arange(0, C, layout=gl.SliceLayout(0, COPY))
         v_copy = tc[:, None] * C + cc[None, :]  # consecutive lanes along whole rows
@@ -517,51 +528,34 @@ def _cold_kernel(
                            k_copy, cd)  # fmt: skip
                 _copy_values(vbuf, vsb, vmb, i, bid0, h, cv_ptr, vsc_ptr, vmin_ptr, s_cn, s_ch, s_vn, s_vh,
                              v_copy, ct)  # fmt: skip
+            if TABLE_AHEAD:  # the id of block j0 + STAGES + i
+                _copy_id(ids, table_ptr, row, j0, STAGES + i, j1, zero1)
             async_copy.commit_group()
     # the id of the next block to load, read one iteration ahead (its latency is off the loads' path)
     nxt = _block_id(table_ptr, row, j0 + max(STAGES - 1, 0), j1)
-    s8 = gl.zeros([NP, T], gl.float32, layout=ROWS)
-    c8 = gl.zeros([NP], gl.float32, layout=gl.SliceLayout(1, ROWS))
-    if PIPE:  # the keys one block further ahead, and block j0's scores before the loop
-        if j0 + STAGES - 1 < j1:
-            _copy_keys(kbuf, ksb, kmsb, STAGES - 1, nxt, h, ck_ptr, ksc_ptr, kmin_ptr, s_cn, s_ch, s_kn, s_kh,
-                       k_copy, cd)  # fmt: skip
-        async_copy.commit_group()
-        nxt_k = _block_id(table_ptr, row, j0 + STAGES, j1)
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()
-        s8, c8 = _staged_scores(kbuf, ksb, kmsb, 0, q_lo, q_hi, neg, kmz, C, D, T, KIND, LK, LQ, LKM,
-                                ROWS, K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS, KM_BITS)  # fmt: skip
     for j in range(j0, j1):
         if STAGES > 0:
             st = (j - j0) % STAGES
-            gl.thread_barrier()  # every lane is done with the stages the next copies overwrite
-            if PIPE:  # keys of block j + STAGES into block j's key stage, values of j + STAGES - 1
-                if j + STAGES < j1:
-                    _copy_keys(kbuf, ksb, kmsb, st, nxt_k, h, ck_ptr, ksc_ptr, kmin_ptr,
-                               s_cn, s_ch, s_kn, s_kh, k_copy, cd)  # fmt: skip
-                if j + STAGES - 1 < j1:
-                    _copy_values(vbuf, vsb, vmb, (st + STAGES - 1) % STAGES, nxt, h, cv_ptr, vsc_ptr,
-                                 vmin_ptr, s_cn, s_ch, s_vn, s_vh, v_copy, ct)  # fmt: skip
-                async_copy.commit_group()
-                nxt = nxt_k
-                nxt_k = _block_id(table_ptr, row, j + STAGES + 1, j1)
+            gl.thread_barrier()  # every lane is done with the stage the next copy overwrites (block j - 1's)
+            if TABLE_AHEAD and j > j0:  # block j + STAGES - 1's id, copied STAGES iterations ago
+                nxt = gl.max(ids.index((j - j0 + STAGES - 1) % 16).load(one), 0).to(gl.int64)
+            if j + STAGES - 1 < j1:
+                sn = (st + STAGES - 1) % STAGES
+                _copy_keys(kbuf, ksb, kmsb, sn, nxt, h, ck_ptr, ksc_ptr, kmin_ptr,
+                           s_cn, s_ch, s_kn, s_kh, k_copy, cd)  # fmt: skip
+                _copy_values(vbuf, vsb, vmb, sn, nxt, h, cv_ptr, vsc_ptr, vmin_ptr,
+                             s_cn, s_ch, s_vn, s_vh, v_copy, ct)  # fmt: skip
+            if TABLE_AHEAD:
+                _copy_id(ids, table_ptr, row, j0, j - j0 + 2 * STAGES - 1, j1, zero1)
             else:
-                if j + STAGES - 1 < j1:
-                    sn = (st + STAGES - 1) % STAGES
-                    _copy_keys(kbuf, ksb, kmsb, sn, nxt, h, ck_ptr, ksc_ptr, kmin_ptr,
-                               s_cn, s_ch, s_kn, s_kh, k_copy, cd)  # fmt: skip
-                    _copy_values(vbuf, vsb, vmb, sn, nxt, h, cv_ptr, vsc_ptr, vmin_ptr,
-                                 s_cn, s_ch, s_vn, s_vh, v_copy, ct)  # fmt: skip
-                async_copy.commit_group()
                 nxt = _block_id(table_ptr, row, j + STAGES, j1)
+            async_copy.commit_group()
             async_copy.wait_group(STAGES - 1)  # block j's copies (this lane's) have landed
             gl.thread_barrier()  # ... and every other lane's
-            if not PIPE and not RING_ONLY:
+            if not RING_ONLY:
                 s8, c8 = _staged_scores(kbuf, ksb, kmsb, st, q_lo, q_hi, neg, kmz, C, D, T, KIND, LK, LQ,
                                         LKM, ROWS, K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS,
                                         KM_BITS)  # fmt: skip
-            if not RING_ONLY:
                 vs = vsb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
                 vmn = vmb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
                 m_i, l_i, vm_i, acc, acc_h, acc_b = _attend(
@@ -584,10 +578,6 @@ def _cold_kernel(
                 s8, c8, gl.load(cv_ptr + base + v_off), vs, vmn, m_i, l_i, vm_i, acc, acc_h, acc_b, ones,
                 blk_lse_ptr + (row + j) * G, rows, G, C, T, KIND, LV, LP, LP4, TC_BITS, V_ORDER, False,
             )  # fmt: skip
-        if PIPE:  # block j + 1's scores (from a stale stage past the split's end: never used)
-            s1 = (st + 1) % STAGES
-            s8, c8 = _staged_scores(kbuf, ksb, kmsb, s1, q_lo, q_hi, neg, kmz, C, D, T, KIND, LK, LQ, LKM,
-                                    ROWS, K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS, KM_BITS)  # fmt: skip
     # partials: acc - 1024 sum(p * vscale) + sum(p * vmin), channels back in memory order
     part = (bh * num_splits + pid_s).to(gl.int64)
     bias = gl.max(acc_b, 0)
@@ -610,12 +600,12 @@ def _cold_kernel(
 
 @functools.cache
 def build_constants(
-    channels: int, tokens: int, stages: int = 2, key_rows: bool = True, pipeline: bool = False
+    channels: int, tokens: int, stages: int = 2, key_rows: bool = True, table_ahead: bool = True
 ) -> dict[str, object]:
     """The compile-time layouts and relabelling orders of one build (channels per operand, tokens per
     block, blocks in the shared-memory ring or 0: direct loads; ``key_rows``: the key codes are copied by
-    consecutive lanes along whole rows, else each lane copies the pieces it loads; ``pipeline``: block j + 1's
-    scores are computed beside block j's values), as ``_cold_kernel``'s constexpr arguments."""
+    consecutive lanes along whole rows, else each lane copies the pieces it loads; ``table_ahead``: the ring
+    also carries the block ids, ``STAGES`` blocks ahead), as ``_cold_kernel``'s constexpr arguments."""
     lay = layouts(channels, tokens)
     kb, vb = key_bits(channels), value_bits(channels)
     n = _log2(channels)
@@ -626,7 +616,7 @@ def build_constants(
         KM_ORDER=tuple(relabel_order(kb, 0, 1)), V_ORDER=tuple(transposed_order(vb)), V_BITS=tuple(vb),
         TC_BITS=(tokens,) + (2,) * n, Q_BITS=(16,) + (2,) * n, KM_BITS=(2,) * n + (ROWS_N,),
         SK=lay.k_smem if key_rows else lay.k_lanes, SV=lay.v_smem, COPY=lay.copy, STAGES=stages,
-        KROWS=key_rows, PIPE=pipeline and stages > 0,
+        KROWS=key_rows, TABLE_AHEAD=table_ahead,
     )  # fmt: skip
 
 
@@ -651,12 +641,12 @@ def supported(q: torch.Tensor, pool_bits: int, mixed: bool, block_size: int, cod
 
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
                 maxnreg: int | None = None, stages: int = 2, pdl: bool = False, key_rows: bool = True,
-                pipeline: bool = False, ring_only: bool = False) -> object:  # fmt: skip
+                table_ahead: bool = True, ring_only: bool = False) -> object:  # fmt: skip
     """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H) with its runtime ``args`` (in order); ``pdl``:
     the next launch on the stream, a programmatic dependent, may start at once."""
     channels = D if kind == 8 else D // 2
     extra = {"maxnreg": maxnreg} if maxnreg else {}
-    constants = build_constants(channels, T, stages, key_rows, pipeline)
+    constants = build_constants(channels, T, stages, key_rows, table_ahead)
     if ring_only:  # the diagnostic build (``_cold_kernel``'s RING_ONLY)
         extra["RING_ONLY"] = True
     return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, num_warps=1, **constants,

@@ -84,10 +84,11 @@ class DecodeKernelOptions:
         kernel, so it attends the hot zone while the cold blocks are read and waits only before merging.
         ``gluon_key_rows``: key codes are copied into the ring by consecutive lanes along whole rows (whole
         128-byte lines per quarter-warp) into a swizzled stage; False: each lane copies the pieces it loads.
-        ``gluon_pipeline`` (with a ring): the keys are copied one block ahead of the values, and block j + 1's
-        scores are computed after block j's softmax, beside its values, so that one warp has two independent
-        chains of work to interleave. ``gluon_ring_only`` is a diagnostic (``benchmarks/pool_read.py``): the
-        ring's copies and waits without any arithmetic, so the output is meaningless.
+        ``gluon_table_ahead`` (with a ring): the block-table entries travel in the ring too, s blocks ahead,
+        so no iteration waits on a load of its next block id (False: that id is loaded one iteration
+        ahead, a round trip to memory per block). ``gluon_ring_only`` is a diagnostic
+        (``benchmarks/pool_read.py``): the ring's copies and waits without any arithmetic, so the output is
+        meaningless.
     wave_splits: the split count from a wave model (:func:`wave_splits`) instead of ``programs_per_sm``: the
         fewest waves x blocks per program, with the programs the build keeps resident per multiprocessor (read
         from the build at its first launch, which still plans by ``programs_per_sm``). The model assumes
@@ -115,7 +116,7 @@ class DecodeKernelOptions:
     gluon_stages: int = 2
     gluon_pdl: bool = True
     gluon_key_rows: bool = True
-    gluon_pipeline: bool = False
+    gluon_table_ahead: bool = True
     gluon_ring_only: bool = False
 
 
@@ -921,7 +922,7 @@ def _gluon_plan(
     B, Hq, D = q.shape
     H, M = block_table.shape[1], block_table.shape[2]
     key = ("gluon", str(q.device), pool.bits, D, pool.k.shape[2], Hq // H, opts.gluon_maxnreg,
-           opts.gluon_stages, opts.gluon_key_rows, opts.gluon_pipeline, opts.gluon_ring_only)  # fmt: skip
+           opts.gluon_stages, opts.gluon_key_rows, opts.gluon_table_ahead, opts.gluon_ring_only)  # fmt: skip
     # The wave model, with the build's occupancy once known (64x8K INT8 0.307-0.320 -> 0.295 ms against
     # the best programs-per-SM target, NOTES run 8).
     plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm, wave_splits=True)
@@ -1105,7 +1106,7 @@ def hybrid_decode_attention_triton(
              pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
             H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, maxnreg=opts.gluon_maxnreg,
             stages=opts.gluon_stages, pdl=pdl, key_rows=opts.gluon_key_rows,
-            pipeline=opts.gluon_pipeline, ring_only=opts.gluon_ring_only,
+            table_ahead=opts.gluon_table_ahead, ring_only=opts.gluon_ring_only,
         )  # fmt: skip
     else:
         kernel = _split_kernel[(splits, B * H)](

@@ -458,22 +458,22 @@ def test_decode_nibble_asm_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: to
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "stages, pdl, key_rows, pipeline",
-    [(2, True, True, False), (3, False, True, False), (0, True, True, False), (3, True, False, False),
-     (2, True, True, True), (3, False, True, True)],
+    "stages, pdl, key_rows, table_ahead",
+    [(2, True, True, True), (3, False, True, True), (0, True, True, True), (3, True, False, False),
+     (4, True, True, True)],
 )  # fmt: skip
 def test_decode_gluon_gpu(
     gpu_kernels, shape: Shape, bits: int, dtype: torch.dtype, stages: int, pdl: bool, key_rows: bool,
-    pipeline: bool,
+    table_ahead: bool,
 ) -> None:  # fmt: skip
     """The Gluon cold kernel (the merge attends the hot zone) matches the reference: its blocks through a
-    ring of shared memory (key rows copied whole or as loaded; the next block's scores beside this block's
-    values or not) or loaded straight into registers (0), the merge a programmatic dependent or not."""
+    ring of shared memory (key rows copied whole or as loaded; block ids carried in the ring or loaded an
+    iteration ahead) or loaded straight into registers (0), the merge a programmatic dependent or not."""
     td = gpu_kernels.triton_decode
     inp = make_decode(shape, bits, dtype, "cuda", demote=False)
     base = td.PURE_INT8 if bits == 8 else td.default_options(bits)
     opts = replace(base, gluon=True, gluon_stages=stages, gluon_pdl=pdl, gluon_key_rows=key_rows,
-                   gluon_pipeline=pipeline)  # fmt: skip
+                   gluon_table_ahead=table_ahead)  # fmt: skip
     meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
     pool = inp["pool"]
     assert gpu_kernels.gluon_decode.supported(
