@@ -26,8 +26,9 @@ INT4 bytes hold channel ``c`` (low nibble) and ``c + D/2`` (high nibble): each h
 folds into q (keys) or the final store (values).
 
 Blocks j + 1 .. j + s - 1 are in flight while block j is computed: ``cp.async`` copies them into a ring of
-``s`` stages in shared memory (layouts in which both the copies and the loads back meet every bank once);
-the next block id is read an iteration ahead, off the copies' path.
+``s`` stages in shared memory, consecutive lanes along whole rows (stage layouts in which both the copies
+and the loads back in the operands' layouts meet every bank once); the block ids travel in the same commit
+groups, ``s`` blocks ahead, so no iteration waits on the load of its next id.
 
 The hot zone (model precision) and the merge stay with the Triton kernels: the launcher runs this kernel
 over the cold blocks, then ``_merge_kernel``, which attends the hot zone and then merges; launched as a
