@@ -532,7 +532,8 @@ def _cold_kernel(
             if TABLE_AHEAD:  # the id of block j0 + STAGES + i
                 _copy_id(ids, table_ptr, row, j0, STAGES + i, j1, zero1)
             async_copy.commit_group()
-    # the id of the next block to load, read one iteration ahead (its latency is off the loads' path)
+    # the id of the first block the loop copies (direct loads: loads); after it, each next id is read an
+    # iteration ahead, or taken from the id ring (TABLE_AHEAD)
     nxt = _block_id(table_ptr, row, j0 + max(STAGES - 1, 0), j1)
     for j in range(j0, j1):
         if STAGES > 0:
