@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU call's work, by step: tests | step | step-smol | sweep | replays-llama | replays-smol | quality |
-# study-llama | study-smol (several steps in order).
+# One GPU call's work, by step: tests | step | step-smol | sweep | pool-read | replays-llama | replays-smol |
+# quality | study-llama | study-smol (several steps in order).
 # Run from the checkout on the GPU machine after `. benchmarks/device_env.sh`; logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,6 +29,11 @@ for step in "$@"; do
     log "decode attention: variant sweep, then the table of all five shapes"
     timeout 540 python3 benchmarks/decode_attention.py --sweep --out "$OUT/decode_attention" 2>&1 \
       | tee "$OUT/decode_attention.log" | tail -30 ;;
+  pool-read)
+    log "decode attention: the pool's read ceiling, the attention and its copy ring alone; ring depths"
+    timeout 260 python3 benchmarks/pool_read.py --out "$OUT/pool_read" 2>&1 | tee "$OUT/pool_read.log" | tail -7
+    timeout 120 python3 benchmarks/pool_read.py --rings --out "$OUT/pool_read" 2>&1 | tee "$OUT/rings.log" \
+      | tail -15 ;;
   step)
     log "decode step: Triton per-token kernels vs PyTorch (attention Triton in both)"
     step_smol --host-profile "$OUT/host_profile"

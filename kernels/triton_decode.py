@@ -138,6 +138,8 @@ _DEFAULTS = {
 # v_pairs: 0.527 -> 0.479 ms at 64x8K in one sweep on the H200 (NOTES, run 7).
 # gluon (CUDA, pure 8-bit and 4-bit pools): 64x8K INT8 0.466 -> 0.339 ms, INT4 0.488 -> 0.221 ms, CUDA graph
 # replays in one sweep on the H200 (NOTES, run 8).
+# gluon_key_rows: 64x8K INT8 0.2822 -> 0.2795 ms; gluon_table_ahead: within the run's noise (0.5-1 %), kept
+# because it takes a dependent load off every iteration (NOTES, run 10).
 PURE_INT8 = DecodeKernelOptions(
     cvt=2, mixed=False, programs_per_sm=16, maxnreg=128, v_pairs=True, gluon=True, gluon_stages=3
 )
