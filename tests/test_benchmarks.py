@@ -11,13 +11,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_decode_attention_smoke(tmp_path: Path) -> None:
+def _smoke(script: str, out: Path) -> None:
+    """Run a benchmark script's ``--smoke`` mode under the Triton interpreter, writing into ``out``."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_decode_attention_smoke(tmp_path: Path) -> None:
+    _smoke("decode_attention.py", tmp_path)
     table = (tmp_path / "table.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| 2 x") or line.startswith("| 1 x")]
     assert len(rows) == 2
@@ -27,12 +32,7 @@ def test_decode_attention_smoke(tmp_path: Path) -> None:
 
 def test_pool_read_smoke(tmp_path: Path) -> None:
     """The read-ceiling pass checks each launch's XOR of the words it read before timing it."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "pool_read.py"), "--smoke", "--out", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
+    _smoke("pool_read.py", tmp_path)
     rows = [
         line
         for line in (tmp_path / "pool_read.md").read_text().splitlines()
