@@ -343,20 +343,16 @@ def pick_sparse(candidates: list[DecodeKernelOptions], bits: int, rows: list) ->
 
 def pick_splits(opt: DecodeKernelOptions, bits: int, rows: list) -> DecodeKernelOptions:
     """The split plan with the lowest summed time at 64x8K and 16x32K: a programs-per-SM target, or the wave
-    model (``wave_splits``; its first launch plans by the target and reads the build's occupancy)."""
+    model (``wave_splits``; its first launch plans by the target and reads the build's occupancy). A Gluon
+    build has nothing to choose: the launcher plans it by the wave model."""
+    if opt.gluon:  # the Gluon build is always planned by the wave model with its measured occupancy
+        return opt
     totals = {}
-    if opt.gluon:
-        plans = [replace(opt, gluon_programs_per_sm=pps) for pps in (8, 16, 32, 64)]
-        plans += [replace(opt, wave_splits=True, gluon_programs_per_sm=32)]
-    else:
-        plans = [replace(opt, programs_per_sm=pps) for pps in (2, 4, 8, 16)] + [
-            replace(opt, wave_splits=True)
-        ]
+    plans = [replace(opt, programs_per_sm=pps) for pps in (2, 4, 8, 16)] + [replace(opt, wave_splits=True)]
     for cand in plans:
         times = [hybrid_case(Case(*shape, bits), cand)["ms"] for shape in PPS_SHAPES]
         rows.append(dict(bits=bits, options=asdict(cand), pps_ms=times))
-        log(f"splits bits={bits} mixed={cand.mixed} pps={cand.programs_per_sm} waves={cand.wave_splits} "
-            f"gluon={cand.gluon} gpps={cand.gluon_programs_per_sm}: "
+        log(f"splits bits={bits} mixed={cand.mixed} pps={cand.programs_per_sm} waves={cand.wave_splits}: "
             f"{times}")  # fmt: skip
         totals[cand] = sum(times)
     return min(totals, key=lambda k: totals[k])

@@ -13,7 +13,7 @@ import argparse
 
 import optuna
 
-from kvtune.tuner.export import ATTR_CONFIG, describe_rate, search_rate
+from kvtune.tuner.export import ATTR_CONFIG, check_storage, describe_rate, load_study, search_rate
 from kvtune.tuner.study import ATTR_RETRY_OF
 
 FIELDS = ("quantization_bits", "hot_tokens", "block_size", "sparse_top_k")
@@ -28,8 +28,9 @@ def main() -> None:
     for spec in args.studies:
         path, _, name = spec.partition(":")
         storage = f"sqlite:///{path}"
+        check_storage(storage)  # a missing file is an error, not a new empty database
         name = name or optuna.get_all_study_names(storage)[0]
-        trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+        trials = load_study(storage, name).get_trials(deepcopy=False)
         rate = search_rate(trials)
         if rate is None:
             print(f"{name}: no finished trial")

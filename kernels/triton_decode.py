@@ -462,6 +462,19 @@ def _dense_tile(
 
 
 @triton.jit
+def _hot_zone(k_ptr, v_ptr, s_t, n_hot, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH: tl.constexpr,
+              HOT_T: tl.constexpr, PREC: tl.constexpr, VPAIR: tl.constexpr = False):  # fmt: skip
+    """The hot zone's ``n_hot`` tokens (model precision) folded into the running state, ``HOT_T`` at a time;
+    also returns the hot zone's own lse (-inf where it is empty)."""
+    for t0 in range(0, n_hot, HOT_T):
+        m_i, l_i, acc_lo, acc_hi, _ = _dense_tile(
+            k_ptr + t0 * s_t, v_ptr + t0 * s_t, s_t, n_hot - t0, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo,
+            acc_hi, DH, HOT_T, PREC, VPAIR)  # fmt: skip
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    return m_i, l_i, acc_lo, acc_hi, lse
+
+
+@triton.jit
 def _raw_tile(ptr, s_t, T: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, TRANS: tl.constexpr):
     """The bytes of one block's code rows: a uint8 tile [T, DH] ([DH, T] if TRANS)."""
     t = tl.arange(0, T)
@@ -717,11 +730,9 @@ def _split_kernel(
     is_last = pid_s == num_splits - 1
     n_hot = tl.where(is_last, tl.load(hot_len_ptr + b), 0)
     hot_off = tl.load(hot_slot_ptr + b).to(tl.int64) * s_hs + h * s_hh
-    for t0 in range(0, n_hot, HOT_T):
-        m_i, l_i, acc_lo, acc_hi, _ = _dense_tile(
-            hot_k_ptr + hot_off + t0 * s_ht, hot_v_ptr + hot_off + t0 * s_ht, s_ht, n_hot - t0,
-            q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, HOT_T, PREC, VPAIR)  # fmt: skip
-    lse_hot = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    m_i, l_i, acc_lo, acc_hi, lse_hot = _hot_zone(
+        hot_k_ptr + hot_off, hot_v_ptr + hot_off, s_ht, n_hot, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi,
+        DH, HOT_T, PREC, VPAIR)  # fmt: skip
     tl.store(hot_lse_ptr + bh * G + g, lse_hot, mask=gmask & is_last)
     # This split's share of the cold blocks (L1, then selected L2).
     nc = tl.load(num_cold_ptr + bh)
@@ -792,13 +803,10 @@ def _merge_kernel(
         q_off = b.to(tl.int64) * s_qb + (h * G + g)[:, None] * s_qh + c[None, :]
         q_lo = tl.load(q_ptr + q_off, mask=gmask[:, None], other=0.0)
         q_hi = tl.load(q_ptr + q_off + DH, mask=gmask[:, None], other=0.0)
-        n_hot = tl.load(hot_len_ptr + b)
         hot_off = tl.load(hot_slot_ptr + b).to(tl.int64) * s_hs + h * s_hh
-        for t0 in range(0, n_hot, HOT_T):
-            m, l_sum, acc_lo, acc_hi, _ = _dense_tile(
-                hot_k_ptr + hot_off + t0 * s_ht, hot_v_ptr + hot_off + t0 * s_ht, s_ht, n_hot - t0,
-                q_lo, q_hi, qk_scale, m, l_sum, acc_lo, acc_hi, DH, HOT_T, PREC)  # fmt: skip
-        lse_hot = tl.where(l_sum > 0, m + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
+        m, l_sum, acc_lo, acc_hi, lse_hot = _hot_zone(
+            hot_k_ptr + hot_off, hot_v_ptr + hot_off, s_ht, tl.load(hot_len_ptr + b), q_lo, q_hi, qk_scale, m,
+            l_sum, acc_lo, acc_hi, DH, HOT_T, PREC)  # fmt: skip
         if WAIT:
             tl.extra.cuda.gdc_wait()
     else:
