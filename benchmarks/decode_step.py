@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
-from kvtune.cache_impl.model import LoadedModel, load_model
+from kvtune.engine.model import LoadedModel, load_model
 from kvtune.kernels import decode_attention
 from kvtune.kernels.backend import HAS_TRITON
 

@@ -18,7 +18,7 @@ import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
-from kvtune.cache_impl.model import load_model
+from kvtune.engine.model import load_model
 
 SEQ = 0
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "examples" / "text" / "wikitext2_excerpt.txt"

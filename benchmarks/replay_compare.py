@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.cache_impl.engine import Engine, calibrate_time_scale, load_workload, resolve_device
-from kvtune.cache_impl.model import load_model
+from kvtune.engine.engine import load_workload, resolve_device
+from kvtune.engine.model import load_model
+from kvtune.engine.options import DTYPES, ReplayOptions
+from kvtune.engine.replay import Replayer
+from kvtune.engine.scheduler import SchedulerConfig
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 COLUMNS = (
     ("tpot_p50_ms", "TPOT p50"),
     ("tpot_p99_ms", "TPOT p99"),
@@ -65,15 +67,15 @@ def main() -> None:
     budget = int(args.budget_gb * 1e9)
     configs = [HybridConfig.from_json_file(p) for p in args.configs]
     t0 = time.perf_counter()
-    scale = calibrate_time_scale(loaded, requests, budget, device, args.load, configs[0])
+    replayer = Replayer(loaded, device, ReplayOptions(budget, scheduler=SchedulerConfig(args.max_batch)))
+    scale = replayer.calibrate(requests, args.load, configs[0])
     print(
         f"model {args.model} on {device} ({_device_name(device)}), {len(requests)} requests, budget "
         f"{args.budget_gb} GB, time scale {scale:.4g} (calibrated in {time.perf_counter() - t0:.1f} s)"
     )
-    engine = Engine(loaded, configs[0], budget, device, max_batch=args.max_batch)
     results = {}
     for path, config in zip(args.configs, configs, strict=True):
-        metrics = engine.with_config(config).replay(requests, scale, clipped=counts.clipped).to_dict()
+        metrics = replayer.replay(config, requests, scale, clipped=counts.clipped).to_dict()
         results[path.stem] = {"config": config.to_dict(), "metrics": metrics}
         print(path.stem, " ".join(f"{label}={_fmt(metrics.get(key))}" for key, label in COLUMNS), flush=True)
     if args.json:

@@ -13,8 +13,8 @@ import argparse
 
 import optuna
 
-from kvtune.tuner.export import ATTR_CONFIG, check_storage, describe_rate, load_study, search_rate
-from kvtune.tuner.study import ATTR_RETRY_OF
+from kvtune.studies.names import ATTR_CONFIG, ATTR_RETRY_OF
+from kvtune.tuner.export import check_storage, describe_rate, load_study, search_rate
 
 FIELDS = ("quantization_bits", "hot_tokens", "block_size", "sparse_top_k")
 

@@ -1,4 +1,4 @@
-"""The hybrid_v2 configuration contract (DESIGN §1).
+"""The hybrid_v2 configuration contract (docs/DESIGN.md §1).
 
 A configuration is a JSON object; it is also accepted nested as
 ``{"additional_config": {"kvtune": {...}}}``, where only the ``kvtune`` object is validated. Every rule below
@@ -85,7 +85,7 @@ RULES: dict[str, _Rule] = {
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """One hybrid_v2 configuration; see the table in README.md (and DESIGN §1) for every field."""
+    """One hybrid_v2 configuration; see the table in README.md (and docs/DESIGN.md §1) for every field."""
 
     kv_cache_strategy: Strategy
     hot_tokens: int

@@ -12,7 +12,7 @@ Quest-selected L2 blocks, then update the layer's access statistics from the per
 ``end_step`` (prefix registration, tier planning every ``migration_interval`` steps, the migration queue,
 debug statistics).
 
-Choices where DESIGN is silent: query head ``j`` uses KV head ``j // G``; the softmax scale is
+Choices where docs/DESIGN.md is silent: query head ``j`` uses KV head ``j // G``; the softmax scale is
 ``1/sqrt(head_dim)``; prefill attention is dense and causal over the dequantized cached prefix + the new
 tokens (scaled-dot-product attention in the model dtype); a prefix hit is limited to the blocks the prompt
 itself would seal (so the hot zone keeps at least ``hot_tokens`` tokens); blocks become findable for prefix

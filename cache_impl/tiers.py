@@ -1,4 +1,5 @@
-"""Tiers per (layer, physical block): access statistics, planning, the throttled migration queue (DESIGN §1).
+"""Tiers per (layer, physical block): access statistics, planning, the throttled migration queue
+(docs/DESIGN.md §1).
 
 * A sealed block starts in L1 (always attended) with ``last_access = now`` and no interval yet.
 * Statistics are device tensors ``[layers, blocks]`` updated by :func:`kvtune.kernels.access.update_access`

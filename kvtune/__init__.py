@@ -1,18 +1,12 @@
 """kvtune: tune a hybrid KV cache for one GPU model and one real workload.
 
-The sub-packages live in top-level folders of the repository and are mapped into this namespace by
-``pyproject.toml``: ``kvtune.kernels`` (Triton kernels + PyTorch references), ``kvtune.cache_impl``
-(config, cache, model runner, engine), ``kvtune.search_spaces`` (card facts and spaces),
-``kvtune.studies`` (study definitions), ``kvtune.tuner`` (driver, Ray workers, CLI).
+The sub-packages live in top-level folders of the repository; ``kvtune/`` holds this file and committed
+relative links to them (``kvtune/kernels -> ../kernels``, ...), so one tree serves the installed package, a
+plain checkout on ``PYTHONPATH``, type checkers and IDEs. By stage of the data flow: ``kvtune.kernels``
+(Triton kernels + PyTorch references) ← ``kvtune.cache_impl`` (the hybrid cache) ← ``kvtune.engine`` (model
+runner, scheduler, replay, traces, quality) ← ``kvtune.tuner`` (driver, Ray workers, CLI), with
+``kvtune.search_spaces`` (card facts and spaces) and ``kvtune.studies`` (the Optuna study and its names)
+beside the tuner.
 """
 
-from pathlib import Path as _Path
-
 __version__ = "0.1.0"
-
-# In a source checkout that is not installed (``PYTHONPATH=<checkout>``, e.g. on a GPU machine that only
-# receives the files), map the sibling folders the way the installed package does. Installed, the parent
-# folder holds no ``cache_impl`` and nothing changes.
-_checkout = _Path(__file__).resolve().parent.parent
-if (_checkout / "cache_impl" / "hybrid_cache.py").is_file() and str(_checkout) not in __path__:
-    __path__.append(str(_checkout))

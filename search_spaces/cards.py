@@ -1,4 +1,4 @@
-"""Facts about the cards kvtune tunes for, and how a card is recognised (DESIGN §3).
+"""Facts about the cards kvtune tunes for, and how a card is recognised (docs/DESIGN.md §3).
 
 Each card has a canonical id (``h100-sxm``, ``a100-80g``, ``cpu``, ...) and a family (``h100``), so
 ``--gpu h100`` resolves to the variant that is present, and NVML names plus total memory map to an id.

@@ -1,4 +1,4 @@
-"""The search space of one (card, model, workload): define-by-run, valid configs only (DESIGN §1, §3).
+"""The search space of one (card, model, workload): define-by-run, valid configs only (docs/DESIGN.md §1, §3).
 
 Parameters (optuna names) and how each maps onto :class:`HybridConfig`:
 

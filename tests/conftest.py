@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny() -> Any:
     """The tiny random-weight Llama on the CPU (engine and quality tests)."""
-    from kvtune.cache_impl.model import load_model
+    from kvtune.engine.model import load_model
 
     return load_model("random:tiny", torch.device("cpu"))
 

@@ -1,4 +1,5 @@
-"""The hybrid_v2 config contract (DESIGN §1): every rule, the nesting, the round trip, ``kvtune check``."""
+"""The hybrid_v2 config contract (docs/DESIGN.md §1): every rule, the nesting, the round trip, ``kvtune
+check``."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.cache_impl.engine import Engine, calibrate_time_scale, load_workload
 from kvtune.cache_impl.layout import kv_bytes_for
-from kvtune.cache_impl.metrics import (
+from kvtune.engine.engine import Engine, calibrate_time_scale, load_workload
+from kvtune.engine.metrics import (
     MIN_REQUESTS_FOR_PERCENTILES,
     EngineCounters,
     RequestTiming,
@@ -22,9 +22,9 @@ from kvtune.cache_impl.metrics import (
     percentiles,
     summarize,
 )
-from kvtune.cache_impl.scheduler import Scheduler, SchedulerConfig
-from kvtune.cache_impl.scheduler import Sequence as Seq
-from kvtune.cache_impl.traces import Request
+from kvtune.engine.scheduler import Scheduler, SchedulerConfig
+from kvtune.engine.scheduler import Sequence as Seq
+from kvtune.engine.traces import Request
 from kvtune.tuner.cli import main
 
 CPU = torch.device("cpu")
@@ -53,7 +53,7 @@ def _budget(config: HybridConfig, tiny, sequences: int, length: int) -> int:
 
 
 def _replay(tiny, config, budget, requests, time_scale=1.0, max_batch=256, max_prefill_tokens=8192):
-    engine = Engine(tiny, config, budget, CPU, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
+    engine = Engine(tiny, config, budget, CPU, SchedulerConfig(max_batch, max_prefill_tokens))
     return engine.replay(requests, time_scale, warmup_requests=1).to_dict()
 
 

@@ -13,6 +13,7 @@ import optuna
 import pytest
 
 from kvtune.cache_impl.config import HybridConfig
+from kvtune.studies import names, records
 from kvtune.tuner import export as ex
 from kvtune.tuner.cli import main
 
@@ -37,7 +38,7 @@ def _validation(repeats: int = 3) -> dict[str, Any]:
         "baseline": [_metrics(t, 500.0 + t) for t in (20.0, 21.0, 25.0)[:repeats]],
         "quality": {"mean_kl": 1e-4, "ppl_change_pct": 0.1, "passkey_rate": 1.0},
         "date": "2026-11-29T09:00:00+00:00",
-        "versions": ex.runtime_versions(),
+        "versions": records.versions(),
         "device": "cpu",
     }
 
@@ -179,25 +180,25 @@ def _study(tmp_path: Path, validated: bool = True) -> str:
     study = optuna.create_study(study_name="cpu-tiny-sample", storage=storage)
     workload = {"name": "sample", "path": "t/sample.jsonl", "sha256": "ab" * 32, "requests": 32}
     attrs = {
-        ex.ATTR_CARD: "cpu",
-        ex.ATTR_MODEL: "random:tiny",
-        ex.ATTR_OBJECTIVE: "tpot_p99",
-        ex.ATTR_WORKLOAD: workload,
-        ex.ATTR_SPACE: "0123456789abcdef",
-        ex.ATTR_BUDGET: 2**26,
-        ex.ATTR_TIME_SCALE: 3.5,
-        ex.ATTR_SEED: 0,
-        ex.ATTR_QUALITY_LIMITS: {"max_ppl_increase": 1.0, "max_kl": None},
+        names.ATTR_CARD: "cpu",
+        names.ATTR_MODEL: "random:tiny",
+        names.ATTR_OBJECTIVE: "tpot_p99",
+        names.ATTR_WORKLOAD: workload,
+        names.ATTR_SPACE: "0123456789abcdef",
+        names.ATTR_BUDGET: 2**26,
+        names.ATTR_TIME_SCALE: 3.5,
+        names.ATTR_SEED: 0,
+        names.ATTR_QUALITY_LIMITS: {"max_ppl_increase": 1.0, "max_kl": None},
     }
     if validated:
-        attrs[ex.ATTR_VALIDATION] = _validation()
+        attrs[names.ATTR_VALIDATION] = _validation()
     for key, value in attrs.items():
         study.set_user_attr(key, value)
     for value in (20.0, 11.0):
         trial = study.ask()
-        trial.set_user_attr(ex.ATTR_CONFIG, CONFIG.to_dict())
-        trial.set_user_attr(ex.ATTR_SEED, 7)
-        trial.set_user_attr(ex.ATTR_DEVICE, "cpu")
+        trial.set_user_attr(names.ATTR_CONFIG, CONFIG.to_dict())
+        trial.set_user_attr(names.ATTR_SEED, 7)
+        trial.set_user_attr(names.ATTR_DEVICE, "cpu")
         study.tell(trial, value)
     return storage
 
@@ -269,7 +270,7 @@ def _timed(start_s: float, length_s: float, worker: int, state: str = "COMPLETE"
     trial = optuna.trial.create_trial(
         state=optuna.trial.TrialState[state],
         value=1.0 if state == "COMPLETE" else None,
-        user_attrs={ex.ATTR_WORKER: worker},
+        user_attrs={names.ATTR_WORKER: worker},
     )
     trial.datetime_start = t0 + timedelta(seconds=start_s)
     trial.datetime_complete = t0 + timedelta(seconds=start_s + length_s)

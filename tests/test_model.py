@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtune.cache_impl.model import LlamaModel, LoadedModel, export_hf_dir, load_model, rope_inv_freq
-from kvtune.cache_impl.weights import SHAPES, smollm2_gguf_path, unpermute_rope_rows
+from kvtune.engine.model import LlamaModel, LoadedModel, export_hf_dir, load_model, rope_inv_freq
+from kvtune.engine.weights import SHAPES, smollm2_gguf_path, unpermute_rope_rows
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,10 +18,12 @@ import pytest
 from optuna.trial import TrialState
 
 from kvtune.search_spaces.cards import resolve_gpu
+from kvtune.studies.names import ATTR_RETRY_OF
+from kvtune.studies.study import StudyOptions
 from kvtune.tuner.driver import Bounds, Event
 from kvtune.tuner.job import TuneJob, TuneReport, tune
-from kvtune.tuner.study import ATTR_RETRY_OF, StudyOptions
-from kvtune.tuner.worker import QualitySettings, TrialWorker, WorkerSpec
+from kvtune.tuner.protocol import QualitySettings, WorkerSpec
+from kvtune.tuner.worker import TrialWorker
 from kvtune.tuner.workload import WorkloadSample
 
 ROOT = Path(__file__).resolve().parents[1]

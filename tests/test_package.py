@@ -1,4 +1,4 @@
-"""Packaging: the folders map into one ``kvtune`` namespace, and imports point one way (DESIGN §4)."""
+"""Packaging: the folders map into one ``kvtune`` namespace, and imports point one way (docs/DESIGN.md §4)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,20 @@ import torch
 import kvtune
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "cache_impl", "search_spaces", "studies", "tuner")
+PACKAGES = ("kernels", "cache_impl", "engine", "search_spaces", "studies", "tuner")
 # what each package may import from kvtune (besides itself and the root package)
 ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "cache_impl": {"kernels"},
-    "search_spaces": {"kernels", "cache_impl"},
-    "studies": {"kernels", "cache_impl", "search_spaces"},
-    "tuner": {"kernels", "cache_impl", "search_spaces", "studies"},
+    "engine": {"kernels", "cache_impl"},
+    "search_spaces": {"kernels", "cache_impl", "engine"},
+    "studies": {"kernels", "cache_impl", "engine", "search_spaces"},
+    "tuner": {"kernels", "cache_impl", "engine", "search_spaces", "studies"},
 }
 FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
     "kernels": {"optuna", "ray"},
     "cache_impl": {"optuna", "ray"},
+    "engine": {"optuna", "ray"},
 }
 
 
@@ -109,3 +111,32 @@ def test_kernels_variable_is_checked(monkeypatch: pytest.MonkeyPatch, value: str
     else:
         with pytest.raises(ValueError, match=r"KVTUNE_KERNELS=.*expected one of \['triton', 'torch'\]"):
             use_triton(torch.zeros(1))
+
+
+# The driver's process reads configs, traces and card facts; the cache, the kernels and the model runner are
+# the workers'. Only these light modules (values and byte arithmetic, no kernels) may load in the driver.
+DRIVER_MAY_IMPORT = {
+    "kvtune.cache_impl.config",
+    "kvtune.cache_impl.layout",
+    "kvtune.kernels.backend",
+    "kvtune.kernels.layout",
+    "kvtune.engine.options",
+    "kvtune.engine.scheduler",
+    "kvtune.engine.traces",
+}
+
+
+def test_driver_process_does_not_import_the_cache_or_kernels(tmp_path: Path) -> None:
+    code = (
+        "import sys, kvtune.tuner.cli, kvtune.tuner.commands.tune, kvtune.tuner.job, kvtune.tuner.driver;"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('kvtune.') or m == 'triton')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    heavy = {
+        m
+        for m in out.stdout.split()
+        if m == "triton" or (m.split(".")[1] in ("cache_impl", "kernels", "engine") and m.count(".") > 1)
+    }
+    assert heavy <= DRIVER_MAY_IMPORT, sorted(heavy - DRIVER_MAY_IMPORT)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.cache_impl.quality import (
+from kvtune.engine.quality import (
     PASSKEY_DEPTHS,
     PasskeyTrial,
     measure_quality,

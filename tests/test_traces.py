@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtune.cache_impl.traces import (
+from kvtune.engine.traces import (
     LengthPolicy,
     Request,
     Trace,

@@ -23,13 +23,15 @@ from optuna.trial import TrialState
 from kvtune.cache_impl.layout import ModelKVShape
 from kvtune.search_spaces.cards import resolve_gpu
 from kvtune.search_spaces.space import SearchSpace, WorkloadStats
+from kvtune.studies.names import ATTR_RESUME_OF
+from kvtune.studies.study import SpaceId, StudyOptions, open_study
 from kvtune.tests.tuner_fakes import CRASH_BITS, BrokenWorker, CrashingWorker
 from kvtune.tuner import cli
 from kvtune.tuner.driver import Bounds, Event
 from kvtune.tuner.job import TuneJob, quality_coverage, tune
 from kvtune.tuner.pool import WorkerStartError
-from kvtune.tuner.study import ATTR_RESUME_OF, SpaceId, StudyOptions, open_study
-from kvtune.tuner.worker import QualitySettings, TrialWorker, WorkerSpec
+from kvtune.tuner.protocol import QualitySettings, WorkerSpec
+from kvtune.tuner.worker import TrialWorker
 from kvtune.tuner.workload import WorkloadSample
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from kvtune.tuner.worker import TrialWorker, WorkerSpec
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.tuner.protocol import WorkerSpec
+from kvtune.tuner.worker import TrialWorker
 
 CRASH_BITS = 4  # the config the crashing worker refuses
 
@@ -17,8 +19,8 @@ CRASH_BITS = 4  # the config the crashing worker refuses
 class CrashingWorker(TrialWorker):
     """The real worker, but every config with ``quantization_bits == 4`` raises (as a CUDA OOM would)."""
 
-    def configure(self, config: dict[str, Any], workload: Any) -> None:
-        if config["quantization_bits"] == CRASH_BITS:
+    def configure(self, config: HybridConfig, workload: Any) -> None:
+        if config.quantization_bits == CRASH_BITS:
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)"
             )

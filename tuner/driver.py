@@ -1,6 +1,7 @@
 """The driver: the one process that asks the study for configs, runs them on workers and tells results.
 
-A trial is ``configure → run_window(0..W-1) → finish → quality`` on one worker (``tuner/worker.py``).
+A trial is ``configure → run_window(0..W-1) → finish → quality`` on one worker, in the order
+:mod:`kvtune.tuner.protocol` gives (:func:`~kvtune.tuner.protocol.next_call`).
 After each window the driver reports that window's objective and may prune (single-objective studies;
 Pareto mode never prunes). Quality is a constraint, measured once per config and reused.
 
@@ -44,33 +45,29 @@ import ray
 import ray.exceptions
 from optuna.trial import TrialState
 
-from kvtune.tuner.export import (
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.studies.names import (
     ATTR_CONFIG,
     ATTR_DEVICE,
     ATTR_ERROR,
+    ATTR_HOST,
+    ATTR_INTERRUPTED,
+    ATTR_LOST,
     ATTR_METRICS,
     ATTR_QUALITY,
-    ATTR_SEED,
-    ATTR_VERSIONS,
-    ATTR_WORKER,
-)
-from kvtune.tuner.pool import WorkerPool, _last_line
-from kvtune.tuner.study import (
     ATTR_RESUME_OF,
     ATTR_RETRY_OF,
-    OBJECTIVES,
-    PENALTY,
-    StudyOptions,
-    enqueue_rerun,
-    finished_trials,
+    ATTR_REUSED,
+    ATTR_SEED,
+    ATTR_VERSIONS,
+    ATTR_WINDOW_METRICS,
+    ATTR_WORKER,
 )
-from kvtune.tuner.worker import TrialResult, WorkerInfo, Workload
+from kvtune.studies.records import finite
+from kvtune.studies.study import OBJECTIVES, PENALTY, StudyOptions, enqueue_rerun, finished_trials
+from kvtune.tuner.pool import WorkerPool, _last_line
+from kvtune.tuner.protocol import Call, TrialResult, WorkerInfo, Workload, next_call
 
-ATTR_HOST = "kvtune.host"
-ATTR_WINDOW_METRICS = "kvtune.window_metrics"
-ATTR_LOST = "kvtune.lost_worker"
-ATTR_INTERRUPTED = "kvtune.interrupted"
-ATTR_REUSED = "kvtune.reused_from"
 WAIT_S = 1.0  # the loop wakes this often (Ctrl-C, deadlines)
 Suggest = Callable[[optuna.Trial], dict[str, Any]]  # define-by-run: the trial's resolved hybrid_v2 dict
 
@@ -116,10 +113,10 @@ class _Running:
     """A trial in flight (driver-internal bookkeeping)."""
 
     trial: optuna.Trial
-    config: dict[str, Any]
+    config: HybridConfig
     worker: int
     step: int = 0
-    stage: str = "configure"
+    stage: Call = Call.CONFIGURE
     result: TrialResult | None = None
 
 
@@ -170,9 +167,9 @@ class TrialLoop:
 
     def _start(self, worker: int) -> None:
         trial = self.study.ask()
-        config = self.suggest(trial)
+        config = HybridConfig.from_dict(self.suggest(trial))  # validated once: it crosses in this form
         info: WorkerInfo = self.pool.infos[worker]
-        attrs = {ATTR_CONFIG: config, ATTR_SEED: self.options.seed, ATTR_VERSIONS: info.versions,
+        attrs = {ATTR_CONFIG: config.to_dict(), ATTR_SEED: self.options.seed, ATTR_VERSIONS: info.versions,
                  ATTR_DEVICE: info.device_name, ATTR_HOST: info.hostname, ATTR_WORKER: worker}  # fmt: skip
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
@@ -185,10 +182,11 @@ class TrialLoop:
         self._submit(run, self.pool.actors[worker].configure.remote(config, self.workload_ref))
         self.events(Event("start", trial.number, worker, message=_short_config(config)))
 
-    def _measured(self, config: dict[str, Any]) -> optuna.trial.FrozenTrial | None:
+    def _measured(self, config: HybridConfig) -> optuna.trial.FrozenTrial | None:
         """A complete trial of the study that already ran ``config``."""
         done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        return next((t for t in done if t.user_attrs.get(ATTR_CONFIG) == config), None)
+        stored = config.to_dict()
+        return next((t for t in done if t.user_attrs.get(ATTR_CONFIG) == stored), None)
 
     def _reuse(self, trial: optuna.Trial, earlier: optuna.trial.FrozenTrial, worker: int) -> None:
         """Tell ``trial`` the result of ``earlier``, which ran the same config (proposed again)."""
@@ -215,21 +213,36 @@ class TrialLoop:
         except ray.exceptions.RayTaskError as e:
             self._crash(run, _last_line(e))
             return
-        actor = self.pool.actors[run.worker]
-        if run.stage == "configure":
-            run.stage = "window"
-            self._submit(run, actor.run_window.remote(0))
-        elif run.stage == "window":
-            self._window_done(run, value, actor)
-        elif run.stage == "finish":
+        if run.stage is Call.WINDOW:
+            self._window_done(run, value)
+            return
+        if run.stage is Call.FINISH:
             run.result = value
-            self._finished(run, actor)
-        else:
+        elif run.stage is Call.QUALITY:
             self.memo[config_key(run.config)] = value
-            self._complete(run, value)
+        self._next(run)
 
-    def _window_done(self, run: _Running, metrics: dict[str, Any], actor: Any) -> None:
+    def _next(self, run: _Running) -> None:
+        """Submit the protocol's next call of ``run``, or complete it when it has everything."""
+        quality = self.memo.get(config_key(run.config))
+        following = next_call(run.stage, run.step, self.windows, quality is not None)
+        if following is None:
+            assert quality is not None, f"trial {run.trial.number}: the protocol ended without a quality"
+            self._complete(run, quality)
+            return
+        run.stage, window = following
+        actor = self.pool.actors[run.worker]
+        if run.stage is Call.WINDOW:
+            run.step = window
+            self._submit(run, actor.run_window.remote(window))
+        elif run.stage is Call.FINISH:
+            self._submit(run, actor.finish.remote())
+        else:
+            self._submit(run, actor.quality.remote(run.config))
+
+    def _window_done(self, run: _Running, metrics: dict[str, Any]) -> None:
         value = float(metrics.get(self.options.metrics[0], math.nan))
+        actor = self.pool.actors[run.worker]
         self.events(Event("window", run.trial.number, run.worker, run.step, value, actor=actor))
         last = run.step == self.windows - 1
         if not self.options.pareto and math.isfinite(value):
@@ -239,20 +252,7 @@ class TrialLoop:
                 self.events(Event("pruned", run.trial.number, run.worker, run.step, value))
                 self.idle.append(run.worker)
                 return
-        if last:
-            run.stage = "finish"
-            self._submit(run, actor.finish.remote())
-        else:
-            run.step += 1
-            self._submit(run, actor.run_window.remote(run.step))
-
-    def _finished(self, run: _Running, actor: Any) -> None:
-        quality = self.memo.get(config_key(run.config))
-        if quality is not None:
-            self._complete(run, quality)
-            return
-        run.stage = "quality"
-        self._submit(run, actor.quality.remote(run.config))
+        self._next(run)
 
     # ---- outcomes ------------------------------------------------------------------------------------
     def _complete(self, run: _Running, quality: dict[str, Any]) -> None:
@@ -262,9 +262,9 @@ class TrialLoop:
             self._crash(run, f"no finite {self.options.metrics} in the replay (every request refused?)")
             return
         t = run.trial
-        t.set_user_attr(ATTR_METRICS, _finite(run.result.mean))
-        t.set_user_attr(ATTR_WINDOW_METRICS, [_finite(w) for w in run.result.windows])
-        t.set_user_attr(ATTR_QUALITY, _finite(quality))
+        t.set_user_attr(ATTR_METRICS, finite(run.result.mean))
+        t.set_user_attr(ATTR_WINDOW_METRICS, [finite(w) for w in run.result.windows])
+        t.set_user_attr(ATTR_QUALITY, finite(quality))
         for key, c in self.bounds.constraints(quality).items():
             t.set_constraint(key, c)
         self.study.tell(t, values)
@@ -307,8 +307,9 @@ class TrialLoop:
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
-def config_key(config: dict[str, Any]) -> str:
-    return json.dumps(config, sort_keys=True)
+def config_key(config: HybridConfig | dict[str, Any]) -> str:
+    stored = config.to_dict() if isinstance(config, HybridConfig) else config
+    return json.dumps(stored, sort_keys=True)
 
 
 def quality_memo(study: optuna.Study) -> dict[str, dict[str, Any]]:
@@ -320,14 +321,9 @@ def quality_memo(study: optuna.Study) -> dict[str, dict[str, Any]]:
     }
 
 
-def _finite(d: dict[str, Any]) -> dict[str, Any]:
-    """JSON-safe copy: non-finite floats become None."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
-
-
-def _short_config(config: dict[str, Any]) -> str:
+def _short_config(config: HybridConfig) -> str:
     keys = ("hot_tokens", "block_size", "quantization_bits", "sparse_top_k", "migration_throttling")
-    return " ".join(f"{k}={config[k]}" for k in keys if k in config)
+    return " ".join(f"{k}={getattr(config, k)}" for k in keys)
 
 
 def result_dict(result: TrialResult) -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""Presets: ``presets/<card>/<model>-<workload>.json``, written from what the study stores (DESIGN §3).
+"""Presets: ``presets/<card>/<model>-<workload>.json``, written from what the study stores
+(docs/DESIGN.md §3).
 
 A preset holds the hybrid_v2 config, its validated metrics with their spread (best config and the
 unquantized baseline, each re-measured ≥ 3 times on a window of the trace the search never saw), its
-quality, provenance, and a ``vllm`` section limited to what means the same in vLLM (``../shared/VLLM.md``).
+quality, provenance, and a ``vllm`` section limited to what means the same in vLLM (docs/DESIGN.md §3).
 A preset is never silently overwritten: an existing file gets a sibling with a ``-2``, ``-3``... suffix
 unless ``overwrite=True``.
 
@@ -23,8 +24,6 @@ Trial attributes
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import json
 import math
 import os
@@ -38,48 +37,41 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.cache_impl.config import HybridConfig
+from kvtune.studies.names import (
+    ATTR_BUDGET,
+    ATTR_CARD,
+    ATTR_DEVICE,
+    ATTR_MODEL,
+    ATTR_OBJECTIVE,
+    ATTR_QUALITY,
+    ATTR_QUALITY_LIMITS,
+    ATTR_SEED,
+    ATTR_SPACE,
+    ATTR_TIME_SCALE,
+    ATTR_VALIDATION,
+    ATTR_VERSIONS,
+    ATTR_WORKER,
+    ATTR_WORKLOAD,
+    MIN_REPEATS,
+    OBJECTIVE_METRICS,
+    STUDY_ATTRS_REQUIRED,
+    VALIDATION_KEYS,
+)
 
 # ---- the attribute names the driver and the exporter share ------------------------------------------
-ATTR_CARD = "kvtune.card"
-ATTR_MODEL = "kvtune.model"
-ATTR_WORKLOAD = "kvtune.workload"
-ATTR_OBJECTIVE = "kvtune.objective"
-ATTR_SPACE = "kvtune.space"
-ATTR_BUDGET = "kvtune.kv_budget_bytes"
-ATTR_TIME_SCALE = "kvtune.time_scale"
-ATTR_SEED = "kvtune.seed"
-ATTR_QUALITY_LIMITS = "kvtune.quality_limits"
-ATTR_VALIDATION = "kvtune.validation"
-ATTR_CONFIG = "kvtune.config"
-ATTR_VERSIONS = "kvtune.versions"
-ATTR_DEVICE = "kvtune.device"
-ATTR_METRICS = "kvtune.metrics"
-ATTR_QUALITY = "kvtune.quality"
-ATTR_ERROR = "kvtune.error"
-ATTR_WORKER = "kvtune.worker"  # which worker ran the trial (0, 1, ...)
-STUDY_ATTRS_REQUIRED = (ATTR_CARD, ATTR_MODEL, ATTR_WORKLOAD, ATTR_OBJECTIVE, ATTR_VALIDATION)
 # ``kvtune.validation``: trial (best trial number), config and baseline_config (config dicts), window
 # ({"start_fraction", "end_fraction", "requests"}), repeats, best and baseline (lists of replay metrics
 # dicts, one per repeat), quality (quality dict of the best config or null), date (ISO 8601), versions,
 # device.
-VALIDATION_KEYS = ("trial", "config", "baseline_config", "window", "repeats", "best", "baseline", "date")
-MIN_REPEATS = 3
 SELF_BASELINE = (
     "the best config is unquantized, so it is its own baseline: the two sides ran the same config, and "
     "their spread is the measurement's noise, not a gain or a loss"
 )
 SAME_CONFIG = "the same config on both sides: no gain possible"
 
-DEFAULT_STORAGE = "sqlite:///studies/kvtune.db"
 PRESETS_DIR = Path("presets")
 PRESET_FORMAT = "kvtune-preset/1"
 # objective name -> (metric key, direction)
-OBJECTIVE_METRICS: dict[str, tuple[str, str]] = {
-    "tpot_p99": ("tpot_p99_ms", "minimize"),
-    "ttft_p99": ("ttft_p99_ms", "minimize"),
-    "e2e_p99": ("e2e_p99_ms", "minimize"),
-    "throughput": ("tokens_per_s", "maximize"),
-}
 SUMMARY_METRICS = (
     "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
     "itl_p99_ms", "tokens_per_s", "attn_bandwidth_gbs", "bookkeeping_share", "peak_kv_bytes", "preemptions",
@@ -98,25 +90,6 @@ VLLM_NOT_EQUIVALENT = (
     "No --kv-cache-dtype is exported: vLLM's int8_per_token_head / int4_per_token_head quantize the whole "
     "cache per token (no hot zone, per-token keys) and are not equivalents of this config."
 )
-
-
-def runtime_versions() -> dict[str, str]:
-    """Versions of kvtune and the libraries that decide results (``"absent"`` when not installed)."""
-    out = {}
-    for name in ("kvtune", "torch", "triton", "optuna", "ray"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "absent"
-    return out
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def vllm_backend(card: str) -> str:

@@ -26,14 +26,19 @@ import ray
 import ray.exceptions
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.cache_impl.traces import Request, Trace
+from kvtune.engine.traces import Request, Trace
 from kvtune.search_spaces.cards import Card, match_card
 from kvtune.search_spaces.space import SearchSpace, WorkloadStats
-from kvtune.tuner import export
-from kvtune.tuner.driver import Bounds, Event, TrialLoop
-from kvtune.tuner.pool import WorkerPool, _last_line, plan_placement, ray_accelerator_type
-from kvtune.tuner.study import (
+from kvtune.studies import names
+from kvtune.studies.names import (
     ATTR_IDENTITY,
+    ATTR_PARETO,
+    ATTR_QUALITY_SETTINGS,
+    ATTR_SAMPLE,
+    ATTR_TIME_SCALE_SOURCE,
+)
+from kvtune.studies.records import file_sha256
+from kvtune.studies.study import (
     SpaceId,
     StudyOptions,
     enqueue_known_good,
@@ -42,14 +47,14 @@ from kvtune.tuner.study import (
     recover_abandoned,
     stored_attrs,
 )
+from kvtune.tuner import export
+from kvtune.tuner.driver import Bounds, Event, TrialLoop
+from kvtune.tuner.pool import WorkerPool, _last_line, plan_placement, ray_accelerator_type
+from kvtune.tuner.protocol import QualitySettings, WorkerInfo, WorkerSpec, Workload
 from kvtune.tuner.validation import best_trial, validate
-from kvtune.tuner.worker import QualitySettings, TrialWorker, WorkerInfo, WorkerSpec, Workload
-from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample, file_sha256, load_trace
+from kvtune.tuner.worker import TrialWorker
+from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample, load_trace
 
-ATTR_PARETO = "kvtune.pareto"
-ATTR_SAMPLE = "kvtune.sample"
-ATTR_QUALITY_SETTINGS = "kvtune.quality_settings"
-ATTR_TIME_SCALE_SOURCE = "kvtune.time_scale_source"
 CALIBRATION_LOAD = 0.75  # the baseline runs at this share of its saturation throughput
 
 
@@ -181,7 +186,7 @@ def quality_coverage(space: SearchSpace, quality: QualitySettings) -> tuple[str,
 # ---- pieces ----------------------------------------------------------------------------------------------
 def _spec_for(job: TuneJob, stored: dict[str, Any] | None) -> WorkerSpec:
     """The worker spec, with a resumed study's KV budget unless one is given (it must then match)."""
-    budget = None if stored is None else stored.get(export.ATTR_BUDGET)
+    budget = None if stored is None else stored.get(names.ATTR_BUDGET)
     if budget is None or job.spec.budget_bytes == budget:
         return job.spec if budget is None else dataclasses.replace(job.spec, budget_bytes=int(budget))
     if job.spec.budget_bytes is not None:
@@ -216,8 +221,8 @@ def _time_scale(
     job: TuneJob, stored: dict[str, Any] | None, pool: WorkerPool, requests: tuple[Request, ...]
 ) -> float:
     """The stored time scale (resume), the given one, or a calibration on the search requests (new study)."""
-    if stored is not None and export.ATTR_TIME_SCALE in stored:
-        value = float(stored[export.ATTR_TIME_SCALE])
+    if stored is not None and names.ATTR_TIME_SCALE in stored:
+        value = float(stored[names.ATTR_TIME_SCALE])
         if job.time_scale is not None and abs(job.time_scale - value) > 1e-12 * max(1.0, value):
             raise ValueError(
                 f"study {job.options.name!r} was made with --time-scale {value}, not {job.time_scale}"
@@ -256,14 +261,14 @@ def _study_attrs(job: TuneJob, info: WorkerInfo, time_scale: float) -> dict[str,
         "requests": job.sample.requests,
     }
     return {
-        export.ATTR_CARD: job.card.id,
-        export.ATTR_MODEL: job.spec.model,
-        export.ATTR_WORKLOAD: workload,
-        export.ATTR_OBJECTIVE: job.options.objective,
-        export.ATTR_BUDGET: info.budget_bytes,
-        export.ATTR_TIME_SCALE: time_scale,
-        export.ATTR_SEED: job.options.seed,
-        export.ATTR_QUALITY_LIMITS: dataclasses.asdict(job.bounds),
+        names.ATTR_CARD: job.card.id,
+        names.ATTR_MODEL: job.spec.model,
+        names.ATTR_WORKLOAD: workload,
+        names.ATTR_OBJECTIVE: job.options.objective,
+        names.ATTR_BUDGET: info.budget_bytes,
+        names.ATTR_TIME_SCALE: time_scale,
+        names.ATTR_SEED: job.options.seed,
+        names.ATTR_QUALITY_LIMITS: dataclasses.asdict(job.bounds),
         ATTR_TIME_SCALE_SOURCE: "given" if job.time_scale is not None else "calibrated",
         ATTR_PARETO: job.options.pareto,
         ATTR_SAMPLE: job.sample.to_dict(),
@@ -298,7 +303,7 @@ def _validate(
     if best is None:
         return None
     requests = job.sample.validation_requests(trace, info.max_context)
-    config = HybridConfig.from_dict(best.user_attrs[export.ATTR_CONFIG])
+    config = HybridConfig.from_dict(best.user_attrs[names.ATTR_CONFIG])
     best_runs, base_runs = validate(pool, config, requests, time_scale, job.repeats)
     record = {
         "trial": best.number,
@@ -314,13 +319,13 @@ def _validate(
         "trials": {"finished": finished, "asked": job.trials},
         "best": best_runs,
         "baseline": base_runs,
-        "quality": best.user_attrs.get(export.ATTR_QUALITY),
+        "quality": best.user_attrs.get(names.ATTR_QUALITY),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": info.versions,
         "device": info.device_name,
         "time_scale": time_scale,
     }
-    study.set_user_attr(export.ATTR_VALIDATION, record)
+    study.set_user_attr(names.ATTR_VALIDATION, record)
     return record
 
 

@@ -16,7 +16,8 @@ from typing import Any
 import ray
 import ray.exceptions
 
-from kvtune.tuner.worker import TrialWorker, WorkerInfo, WorkerSpec
+from kvtune.tuner.protocol import WorkerInfo, WorkerSpec
+from kvtune.tuner.worker import TrialWorker
 
 START_TIMEOUT_S = 900.0  # loading a model on a worker (weights from disk, first CUDA context)
 ACCELERATOR_PREFIX = "accelerator_type:"

@@ -1,15 +1,14 @@
 """Validation before export: the best config and its unquantized baseline, re-measured on held-out requests.
 
-The best of many noisy trials overstates itself (DESIGN §3). Each repeat replays both configs back to back on
-the same worker (which goes first alternates), on requests of the trace the search never saw; repeats are
-spread over the workers. :func:`kvtune.tuner.export.paired_gain` compares the two runs of each repeat
-(baseline ÷ best for latencies, best ÷ baseline for throughput, so > 1 is better); the preset reports each
-side's medians with their range, and that gain (:mod:`kvtune.tuner.export`).
+The best of many noisy trials overstates itself (docs/DESIGN.md §3). Each repeat replays both configs back to
+back on the same worker (which goes first alternates), on requests of the trace the search never saw;
+repeats are spread over the workers. :func:`kvtune.tuner.export.paired_gain` compares the two runs of each
+repeat (baseline ÷ best for latencies, best ÷ baseline for throughput, so > 1 is better); the preset reports
+each side's medians with their range, and that gain (:mod:`kvtune.tuner.export`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import optuna
@@ -17,12 +16,12 @@ import ray
 from optuna.trial import FrozenTrial, TrialState
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.cache_impl.traces import Request
+from kvtune.engine.options import WARMUP_REQUESTS
+from kvtune.engine.traces import Request
+from kvtune.studies.names import MIN_REPEATS
+from kvtune.studies.records import finite
+from kvtune.studies.study import OBJECTIVES, StudyOptions
 from kvtune.tuner.pool import WorkerPool
-from kvtune.tuner.study import OBJECTIVES, StudyOptions
-from kvtune.tuner.worker import WARMUP_REQUESTS
-
-MIN_REPEATS = 3
 
 
 def feasible(trial: FrozenTrial) -> bool:
@@ -54,15 +53,13 @@ def validate(
     for r in range(repeats):
         actor = pool.actors[r % len(pool.actors)]
         first, second = (best, baseline) if r % 2 == 0 else (baseline, best)
-        one, two = (
-            actor.replay.remote(c.to_dict(), requests, time_scale, WARMUP_REQUESTS) for c in (first, second)
-        )
+        one, two = (actor.replay.remote(c, requests, time_scale, WARMUP_REQUESTS) for c in (first, second))
         refs.append((one, two) if r % 2 == 0 else (two, one))
     runs = [(ray.get(b), ray.get(base)) for b, base in refs]
     where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(repeats)]
     return (
-        [{**_finite(b), "worker": w} for (b, _), w in zip(runs, where)],
-        [{**_finite(base), "worker": w} for (_, base), w in zip(runs, where)],
+        [{**finite(b), "worker": w} for (b, _), w in zip(runs, where)],
+        [{**finite(base), "worker": w} for (_, base), w in zip(runs, where)],
     )
 
 
@@ -70,8 +67,3 @@ def _worker_name(info: Any) -> str:
     """``host/gpu0`` (or ``host/cpu``): where a validation repeat ran."""
     gpus = ",".join(g for g in info.gpu_ids if g)
     return f"{info.hostname}/{'gpu' + gpus if gpus else 'cpu'}"
-
-
-def _finite(metrics: dict[str, Any]) -> dict[str, Any]:
-    """JSON-safe metrics: non-finite numbers become None."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}

@@ -5,20 +5,22 @@ trace's duration (the seed picks where they start), split into ``windows`` windo
 the same order, so per-window results compare across trials and a pruner can stop a bad trial early.
 Validation
 uses ``requests`` requests from the rest of the trace, never seen by the search. Lengths are fitted to the
-model's context (clipped, and counted) and, on a CPU, scaled by ``length_scale`` and capped at ``length_cap``.
+model's context and, on a CPU, scaled by ``length_scale`` and capped at ``length_cap``: a request cut by the
+cap or the context is marked ``shortened``, counted (:meth:`WorkloadSample.length_counts`; every replay
+reports it as ``clipped``), and a study warns when most of a sample is cut (:func:`length_warnings`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtune.cache_impl.traces import LengthPolicy, Request, Trace, read_trace
+from kvtune.engine.traces import LengthCounts, LengthPolicy, Request, Trace, TraceFile, read_trace
 
 SEARCH_FRACTION = 0.75
+AnyTrace = Trace | TraceFile
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,26 @@ class WorkloadSample:
     def policy(self, max_context: int) -> LengthPolicy:
         return LengthPolicy(max_context, "clip", self.length_scale, self.length_cap)
 
-    def search_requests(self, trace: Trace, max_context: int) -> tuple[Request, ...]:
+    def search_requests(self, trace: AnyTrace, max_context: int) -> tuple[Request, ...]:
         """The ``windows × requests`` requests of the search, fitted, in one run from 0 ms (calibration)."""
-        cut = trace.sample(n=self.windows * self.requests, seed=self.seed, end_fraction=SEARCH_FRACTION)
-        fitted, _ = self.policy(max_context).apply(cut.requests)
+        fitted, _ = self.policy(max_context).apply(self._search_cut(trace).requests)
         return rebase(fitted)
 
-    def search_windows(self, trace: Trace, max_context: int) -> tuple[tuple[Request, ...], ...]:
+    def _search_cut(self, trace: AnyTrace) -> Trace:
+        return trace.sample(n=self.windows * self.requests, seed=self.seed, end_fraction=SEARCH_FRACTION)
+
+    def _validation_cut(self, trace: AnyTrace) -> Trace:
+        return trace.sample(n=self.requests, seed=self.seed, start_fraction=SEARCH_FRACTION)
+
+    def length_counts(self, trace: AnyTrace, max_context: int) -> dict[str, LengthCounts]:
+        """What fitting did to the search requests and to the held-out ones (``shortened`` of ``total``)."""
+        policy = self.policy(max_context)
+        return {
+            "search": policy.apply(self._search_cut(trace).requests)[1],
+            "validation": policy.apply(self._validation_cut(trace).requests)[1],
+        }
+
+    def search_windows(self, trace: AnyTrace, max_context: int) -> tuple[tuple[Request, ...], ...]:
         """``windows`` windows of ``requests`` requests each, every window re-based to arrive from 0 ms."""
         fitted = self.search_requests(trace, max_context)
         chunks = [fitted[i * self.requests : (i + 1) * self.requests] for i in range(self.windows)]
@@ -61,10 +76,9 @@ class WorkloadSample:
             )
         return tuple(rebase(c) for c in chunks)
 
-    def validation_requests(self, trace: Trace, max_context: int) -> tuple[Request, ...]:
+    def validation_requests(self, trace: AnyTrace, max_context: int) -> tuple[Request, ...]:
         """``requests`` requests from the held-out end of the trace."""
-        cut = trace.sample(n=self.requests, seed=self.seed, start_fraction=SEARCH_FRACTION)
-        fitted, _ = self.policy(max_context).apply(cut.requests)
+        fitted, _ = self.policy(max_context).apply(self._validation_cut(trace).requests)
         if len(fitted) < 2:
             raise ValueError(f"{self.path}: the held-out end of the trace has fewer than 2 requests")
         return rebase(fitted)
@@ -75,13 +89,21 @@ def rebase(requests: list[Request] | tuple[Request, ...]) -> tuple[Request, ...]
     return tuple(dataclasses.replace(r, arrival_ms=r.arrival_ms - first) for r in requests)
 
 
-def load_trace(path: str | Path) -> Trace:
+def length_warnings(
+    counts: dict[str, LengthCounts], cap: int | None, max_context: int
+) -> tuple[str, ...]:
+    """One warning per sample (search, validation) of which most requests were cut to fit."""
+    return tuple(
+        f"{name} sample: {c.describe(cap, max_context)}: most of it was cut, so the replay measures shorter "
+        "requests than the trace's; raise --length-cap or lower --length-scale to keep their shape"
+        for name, c in counts.items()
+        if c.mostly_shortened
+    )
+
+
+def load_trace(path: str | Path) -> TraceFile:
     """Read the trace, with a one-line error when the file is missing."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"--workload {p}: no such trace file")
     return read_trace(p)
-
-
-def file_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

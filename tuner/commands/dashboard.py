@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvtune.studies.names import DEFAULT_STORAGE
 from kvtune.tuner.dashboard import DEFAULT_PORT, DashboardServer, study_url
-from kvtune.tuner.export import DEFAULT_STORAGE
 
 NAME = "dashboard"
 HELP = "serve optuna-dashboard on the study database at http://127.0.0.1:PORT (read-only by default)"

@@ -6,14 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from kvtune.tuner.export import (
-    DEFAULT_STORAGE,
-    PRESETS_DIR,
-    describe_rate,
-    export_from_study,
-    load_study,
-    search_rate,
-)
+from kvtune.studies.names import DEFAULT_STORAGE
+from kvtune.tuner.export import PRESETS_DIR, describe_rate, export_from_study, load_study, search_rate
 
 NAME = "export"
 HELP = "write a finished study's preset (config, validated metrics, vLLM section) from the database"

@@ -9,7 +9,7 @@ import torch
 from rich.table import Table
 
 from kvtune.cache_impl.layout import ModelKVShape
-from kvtune.cache_impl.weights import SHAPES, ModelSpec, spec_from_hf_config
+from kvtune.engine.weights import SHAPES, ModelSpec, spec_from_hf_config
 from kvtune.search_spaces.cards import CARDS, Card, Present, match_card, resolve_gpu
 from kvtune.search_spaces.space import BUDGET_FRACTION, SearchSpace, WorkloadStats
 from kvtune.tuner.commands import Limits, check_numbers

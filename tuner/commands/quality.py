@@ -13,17 +13,17 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.cache_impl.engine import resolve_device
-from kvtune.cache_impl.metrics import json_safe
-from kvtune.cache_impl.model import load_model
-from kvtune.cache_impl.quality import measure_quality
+from kvtune.engine.engine import resolve_device
+from kvtune.engine.metrics import json_safe
+from kvtune.engine.model import load_model
+from kvtune.engine.options import DTYPES
+from kvtune.engine.quality import measure_quality
 from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import progress_bar, table_console
 
 NAME = "quality"
 HELP = "measure a hybrid_v2 config's quality (KL, top-1, perplexity, passkey) against the unquantized cache"
 EXCERPT = Path("examples") / "text" / "wikitext2_excerpt.txt"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

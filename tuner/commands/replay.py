@@ -13,24 +13,24 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.cache_impl.engine import (
-    Engine,
-    calibrate_time_scale,
-    default_budget_bytes,
-    load_workload,
-    resolve_device,
+from kvtune.engine.engine import load_workload, resolve_device
+from kvtune.engine.metrics import json_safe
+from kvtune.engine.model import load_model
+from kvtune.engine.options import (
+    CPU_LENGTH_CAP,
+    CPU_LENGTH_SCALE,
+    DTYPES,
+    WARMUP_REQUESTS,
+    ReplayOptions,
+    length_defaults,
 )
-from kvtune.cache_impl.metrics import json_safe
-from kvtune.cache_impl.model import load_model
-from kvtune.cache_impl.scheduler import SchedulerConfig
+from kvtune.engine.replay import Replayer
+from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import progress_bar, table_console
 
 NAME = "replay"
 HELP = "replay a workload sample on one hybrid_v2 config and report latency, bandwidth and memory metrics"
-CPU_LENGTH_SCALE = 0.125
-CPU_LENGTH_CAP = 1024
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--length-scale",
         type=float,
         default=None,
-        help=f"factor on request lengths (default: 1 on CUDA, {CPU_LENGTH_SCALE} on CPU)",
+        help=f"factor on request lengths (default: 1 on CUDA, {CPU_LENGTH_SCALE:g} on CPU)",
     )
     parser.add_argument(
         "--length-cap",
@@ -76,7 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"cap on prompt + output tokens (default: none on CUDA, {CPU_LENGTH_CAP} on CPU)",
     )
-    parser.add_argument("--warmup", type=int, default=4, help="warm-up requests, not measured (default 4)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=WARMUP_REQUESTS,
+        help=f"warm-up requests, not measured (default {WARMUP_REQUESTS})",
+    )
     parser.add_argument("--max-batch", type=int, default=256, help="most sequences decoded together")
     parser.add_argument(
         "--max-prefill-tokens",
@@ -105,7 +110,7 @@ LIMITS: Limits = {
 def run(args: argparse.Namespace) -> int:
     check_numbers(args, LIMITS)
     config = HybridConfig.from_json_file(args.config)
-    SchedulerConfig(args.max_batch, args.max_prefill_tokens)  # bad limits fail before anything loads
+    scheduler = SchedulerConfig(args.max_batch, args.max_prefill_tokens)  # bad limits fail before loading
     device = resolve_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -114,29 +119,23 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with console.status(f"loading {args.model}"):
         loaded = load_model(args.model, device, dtype)
-    scale = args.length_scale if args.length_scale is not None else (CPU_LENGTH_SCALE if cpu else 1.0)
-    cap = args.length_cap if args.length_cap is not None else (CPU_LENGTH_CAP if cpu else None)
+    default_scale, default_cap = length_defaults(device)
+    scale = args.length_scale if args.length_scale is not None else default_scale
+    cap = args.length_cap if args.length_cap is not None else default_cap
     requests, counts, workload = load_workload(
         args.workload, loaded.spec.max_context, args.requests, args.seed, scale, cap
     )
-    budget = int(args.budget_gb * 1e9) if args.budget_gb is not None else default_budget_bytes(loaded, device)
+    budget = int(args.budget_gb * 1e9) if args.budget_gb is not None else None
+    replayer = Replayer(loaded, device, ReplayOptions(budget, args.warmup, scheduler))
+    budget = replayer.budget_bytes
     time_scale = args.time_scale
     if time_scale is None:
         with console.status(f"calibrating the time scale (unquantized baseline at load {args.load})"):
-            time_scale = calibrate_time_scale(
-                loaded, requests, budget, device, args.load, config, args.warmup
-            )
-    engine = Engine(
-        loaded, config, budget, device, max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens
-    )
+            time_scale = replayer.calibrate(requests, args.load, config)
     with progress_bar(console) as bar:
         task = bar.add_task("replay", total=len(requests))
-        metrics = engine.replay(
-            requests,
-            time_scale,
-            args.warmup,
-            lambda d, t: bar.update(task, completed=d),
-            clipped=counts.clipped,
+        metrics = replayer.replay(
+            config, requests, time_scale, lambda d, t: bar.update(task, completed=d), clipped=counts.clipped
         )
     result = metrics.to_dict()
     table_console().print(_table(result, config, args.model, time_scale, budget))

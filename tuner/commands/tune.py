@@ -24,22 +24,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtune.search_spaces.cards import Card, resolve_gpu
-from kvtune.tuner.commands import Limits, check_numbers
-from kvtune.tuner.console import table_console
-from kvtune.tuner.driver import Bounds, Event
-from kvtune.tuner.export import (
+from kvtune.studies.names import (
     ATTR_CONFIG,
     ATTR_ERROR,
     ATTR_METRICS,
     ATTR_QUALITY,
+    DEFAULT_STORAGE,
     MIN_REPEATS,
     OBJECTIVE_METRICS,
-    describe_rate,
-    paired_gain,
 )
+from kvtune.studies.study import OBJECTIVES, StudyOptions, resolve_storage, study_name
+from kvtune.tuner.commands import Limits, check_numbers
+from kvtune.tuner.console import table_console
+from kvtune.tuner.driver import Bounds, Event
+from kvtune.tuner.export import describe_rate, paired_gain
 from kvtune.tuner.job import TuneJob, TuneReport, tune
-from kvtune.tuner.study import DEFAULT_STORAGE, OBJECTIVES, StudyOptions, resolve_storage, study_name
-from kvtune.tuner.worker import QualitySettings, WorkerSpec
+from kvtune.tuner.protocol import QualitySettings, WorkerSpec
 from kvtune.tuner.workload import WorkloadSample
 
 NAME = "tune"
@@ -276,7 +276,7 @@ def _print_settings(console: Console, job: TuneJob, d: Defaults) -> None:
         f"requests of {Path(s.path).name} (seed {s.seed}; {lengths}); objective {job.options.objective}"
         + (" + Pareto" if job.options.pareto else "")
     )
-    reduced = " [yellow](reduced for CPU; DESIGN asks >= 8 x (2048 + 512))[/]" if d is CPU else ""
+    reduced = " [yellow](reduced for CPU; docs/DESIGN.md asks >= 8 x (2048 + 512))[/]" if d is CPU else ""
     console.print(
         f"  quality on {q.model}: {q.windows} x ({q.prefill_tokens} + {q.decode_tokens}) tokens of "
         f"{Path(q.text_path).name}, passkey {'on' if q.passkey else 'off'}{reduced}"

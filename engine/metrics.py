@@ -1,4 +1,4 @@
-"""Metrics of one trace replay (DESIGN §2) and the device copy-bandwidth probe.
+"""Metrics of one trace replay (docs/DESIGN.md §2) and the device copy-bandwidth probe.
 
 Per request: TTFT (arrival → first output token), TPOT (mean time per output token after the first), the
 inter-token latencies (every gap between consecutive output tokens) and end-to-end latency (arrival → last
@@ -175,7 +175,9 @@ def _warnings(completed: int, c: EngineCounters) -> tuple[str, ...]:
     if c.refused:
         out.append(f"{c.refused} request(s) refused: they can never fit in the KV budget")
     if c.clipped:
-        out.append(f"{c.clipped} request(s) clipped to the model's context")
+        total = completed + c.refused
+        most = " (most of the replay: it measures shorter requests than the trace's)" if 2 * c.clipped > total else ""
+        out.append(f"{c.clipped} request(s) clipped to a length cap or the model's context{most}")
     return tuple(out)
 
 

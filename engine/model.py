@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kvtune.cache_impl.layout import ModelKVShape
-from kvtune.cache_impl.tokenizer import TextTokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
-from kvtune.cache_impl.weights import (
+from kvtune.engine.tokenizer import TextTokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
+from kvtune.engine.weights import (
     SHAPES,
     ModelSpec,
     RopeScaling,

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtune.cache_impl.traces import Request
+from kvtune.engine.traces import Request
 
 
 @dataclass(frozen=True)

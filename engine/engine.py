@@ -1,7 +1,7 @@
 """The serving engine: open-loop trace replay with continuous batching over the hybrid cache.
 
 A replay puts requests on a clock (arrival = trace arrival × ``time_scale``; 0 = all at once, the saturation
-test), admits them as the KV budget allows (:mod:`kvtune.cache_impl.scheduler`), prefills each admitted
+test), admits them as the KV budget allows (:mod:`kvtune.engine.scheduler`), prefills each admitted
 sequence, then runs one decode step for the whole running batch, and repeats. Outputs are forced to
 ``output_length`` (greedy tokens, no early end). Time is measured (CUDA events on a GPU, ``perf_counter`` on
 a CPU); idle gaps with nothing to run are skipped, not slept: no latency can change in them, and the engine
@@ -27,20 +27,38 @@ import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
-from kvtune.cache_impl.metrics import (
+from kvtune.engine.metrics import (
     EngineCounters,
     ReplayMetrics,
     RequestTiming,
     copy_bandwidth_gbs,
     summarize,
 )
-from kvtune.cache_impl.scheduler import Scheduler, SchedulerConfig
-from kvtune.cache_impl.scheduler import Sequence as Seq
-from kvtune.cache_impl.traces import LengthCounts, LengthPolicy, Request, prompt_token_ids, read_trace
+from kvtune.engine.scheduler import Scheduler, SchedulerConfig
+from kvtune.engine.scheduler import Sequence as Seq
+from kvtune.engine.traces import LengthCounts, LengthPolicy, Request, prompt_token_ids, read_trace
 
 Progress = Callable[[int, int], None]
 CPU_BUDGET_CAP_BYTES = 4 << 30
 DEFAULT_BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=0)
+
+
+class ReplayTimeoutError(RuntimeError):
+    """A replay ran past its :class:`Deadline` (a trial's time limit): the config is infeasible here."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A bound on a replay's wall-clock time: ``at`` is a ``time.monotonic()`` reading, ``reason`` what the
+    error says (the limit and where it comes from). Checked once per engine iteration, so a replay ends
+    within one prefill chunk or decode step of it."""
+
+    at: float
+    reason: str
+
+    def check(self) -> None:
+        if time.monotonic() > self.at:
+            raise ReplayTimeoutError(self.reason)
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -140,8 +158,7 @@ class Engine:
         config: HybridConfig,
         budget_bytes: int,
         device: torch.device,
-        max_batch: int = 256,
-        max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"`budget_bytes > 0` must hold, but got budget_bytes={budget_bytes}")
@@ -151,7 +168,7 @@ class Engine:
         self.config = config
         self.budget_bytes = int(budget_bytes)
         self.device = torch.device(device)
-        self.scheduler_config = SchedulerConfig(max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
+        self.scheduler_config = scheduler or SchedulerConfig()
         self.timer = DeviceTimer(self.device)
         self.copy_bandwidth_gbs = copy_bandwidth_gbs(self.device)
 
@@ -164,11 +181,14 @@ class Engine:
         warmup_requests: int = 4,
         progress: Progress | None = None,
         clipped: int = 0,
+        deadline: Deadline | None = None,
     ) -> ReplayMetrics:
         """Replay ``requests`` open-loop (arrivals × ``time_scale``) and measure them.
 
-        Requests longer than the model's context are clipped to it; ``clipped`` in the result counts them
-        plus the ``clipped`` given (requests the caller already clipped, e.g. by :func:`load_workload`). The
+        Requests longer than the model's context are clipped to it; ``clipped`` in the result counts the
+        requests a length policy shortened (here, or before: :class:`~kvtune.engine.traces.Request`'s
+        ``shortened``) plus the ``clipped`` given. ``deadline`` ends a replay that runs too long
+        (:class:`ReplayTimeoutError`). The
         first ``warmup_requests`` requests are first run once, all at once, on a throw-away cache that
         first launches the kernels they may not reach (:meth:`HybridCache.compile_kernels`), so that no
         compilation falls inside the measured replay; that replay then serves every request.
@@ -181,9 +201,9 @@ class Engine:
             raise ValueError("request ids (rid) must be unique within a replay")
         fitted, counts = LengthPolicy(self.spec.max_context).apply(requests)
         if warmup_requests > 0:
-            self._run(fitted[:warmup_requests], 0.0, None, compile_kernels=True)
-        run = self._run(fitted, time_scale, progress)
-        return summarize(run.timings, self._counters(run, clipped=clipped + counts.clipped))
+            self._run(fitted[:warmup_requests], 0.0, None, compile_kernels=True, deadline=deadline)
+        run = self._run(fitted, time_scale, progress, deadline=deadline)
+        return summarize(run.timings, self._counters(run, clipped=clipped + counts.shortened))
 
     def with_config(self, config: HybridConfig) -> Engine:
         """The same engine (model, budget, device, copy-bandwidth probe) with another cache configuration."""
@@ -205,6 +225,7 @@ class Engine:
         time_scale: float,
         progress: Progress | None,
         compile_kernels: bool = False,
+        deadline: Deadline | None = None,
     ) -> _Run:
         cache = self.new_cache(min(self.scheduler_config.max_batch, len(requests)))
         if compile_kernels:  # the warm-up: kernels its requests may not reach compile now, not when timed
@@ -215,6 +236,8 @@ class Engine:
         run = _Run(cache, TimedCache(cache, self.timer), scheduler, EngineClock(), total=len(requests))
         with torch.inference_mode():
             while arrivals or run.scheduler.has_work():
+                if deadline is not None:
+                    deadline.check()
                 self._take_arrivals(run, arrivals)
                 if not run.scheduler.has_work():
                     run.clock.skip_to(arrivals[0].arrival_ms)
@@ -389,6 +412,8 @@ def calibrate_time_scale(
     load: float = 0.75,
     config: HybridConfig | None = None,
     warmup_requests: int = 4,
+    scheduler: SchedulerConfig | None = None,
+    deadline: Deadline | None = None,
 ) -> float:
     """The factor on trace inter-arrival times that runs the unquantized baseline at ``load`` of saturation.
 
@@ -405,7 +430,9 @@ def calibrate_time_scale(
     if span_ms <= 0:
         return 1.0  # every request arrives at once: a time scale changes nothing
     baseline = (config or DEFAULT_BASELINE).unquantized()
-    engine = Engine(loaded, baseline, budget_bytes, device)
-    saturation_rps = engine.replay(requests, time_scale=0.0, warmup_requests=warmup_requests).requests_per_s
+    engine = Engine(loaded, baseline, budget_bytes, device, scheduler)
+    saturation_rps = engine.replay(
+        requests, time_scale=0.0, warmup_requests=warmup_requests, deadline=deadline
+    ).requests_per_s
     trace_rps = (len(requests) - 1) / (span_ms / 1000.0)
     return trace_rps / (load * saturation_rps)

@@ -13,7 +13,8 @@ created; ``kvtune.identity`` and ``kvtune.space`` are compared on ``--resume``::
     kvtune.quality_limits     {max_ppl_increase, max_kl}; kvtune.quality_settings how quality is measured
     kvtune.identity           what a resumed run must repeat (all of the above that shape results)
     kvtune.version, kvtune.created
-    kvtune.validation         the re-measurement of the best config and its baseline (DESIGN §3), when done
+    kvtune.validation         the re-measurement of the best config and its baseline, when done
+                              (docs/DESIGN.md §3)
 
 Trial user attributes: see :mod:`kvtune.tuner.driver`.
 """
@@ -32,16 +33,18 @@ import optuna
 from optuna.trial import TrialState
 
 import kvtune
-from kvtune.tuner.export import ATTR_SPACE, OBJECTIVE_METRICS
+from kvtune.studies.names import (
+    ATTR_ABANDONED,
+    ATTR_CREATED,
+    ATTR_ENQUEUED_FROM,
+    ATTR_IDENTITY,
+    ATTR_RESUME_OF,
+    ATTR_SPACE,
+    ATTR_SPACE_TEXT,
+    ATTR_VERSION,
+    OBJECTIVE_METRICS,
+)
 
-ATTR_IDENTITY = "kvtune.identity"
-ATTR_SPACE_TEXT = "kvtune.space_description"
-ATTR_VERSION = "kvtune.version"
-ATTR_CREATED = "kvtune.created"
-ATTR_ENQUEUED_FROM = "kvtune.enqueued_from"
-ATTR_ABANDONED = "kvtune.abandoned"
-ATTR_RESUME_OF = "kvtune.resume_of"
-ATTR_RETRY_OF = "kvtune.retry_of"
 OBJECTIVES: dict[str, tuple[str, str]] = OBJECTIVE_METRICS  # name -> (metric key, direction)
 PARETO_PARTNER: dict[str, str] = {
     "tpot_p99": "throughput",
@@ -50,7 +53,6 @@ PARETO_PARTNER: dict[str, str] = {
     "throughput": "tpot_p99",
 }
 PENALTY: dict[str, float] = {"minimize": 1e9, "maximize": 0.0}  # the value told for a config that crashed
-DEFAULT_STORAGE = "sqlite:///studies/kvtune.db"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 

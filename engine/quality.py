@@ -1,4 +1,4 @@
-"""What a cache configuration costs in quality, measured (DESIGN §2).
+"""What a cache configuration costs in quality, measured (docs/DESIGN.md §2).
 
 A model runs teacher-forced over windows of real text: each window is a prefill of ``prefill_tokens``
 tokens, then ``decode_tokens`` tokens decoded one by one through the hybrid cache, and the same through an
@@ -31,6 +31,7 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
 from kvtune.cache_impl.layout import hot_bytes_per_seq, kv_bytes_for
 from kvtune.cache_impl.tiers import threshold_ms
+from kvtune.engine.options import check_quality_args
 
 Progress = Callable[[int, int], None]
 PASSKEY_DEPTHS = 10
@@ -143,18 +144,6 @@ def window_starts(num_tokens: int, windows: int, window_tokens: int) -> list[int
 
 
 # ------------------------------------------------------------------------------------------------ windows
-
-
-def check_quality_args(windows: int, prefill_tokens: int, decode_tokens: int, step_ms: float) -> None:
-    for name, value in (
-        ("windows", windows),
-        ("prefill_tokens", prefill_tokens),
-        ("decode_tokens", decode_tokens),
-    ):
-        if value < 1:
-            raise ValueError(f"`{name} >= 1` must hold, but got {name}={value}")
-    if not (math.isfinite(step_ms) and step_ms > 0):
-        raise ValueError(f"`step_ms > 0` must hold, but got step_ms={step_ms}")
 
 
 def _window_ids(loaded: Any, ids: Sequence[int], start: int, length: int) -> list[int]:

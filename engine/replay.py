@@ -1,0 +1,75 @@
+"""The one replay wiring: ``kvtune replay``, the tuner's workers and the benchmarks all replay through here.
+
+A :class:`Replayer` holds one loaded model on one device, the KV budget and the engine's options; it builds
+the :class:`~kvtune.engine.engine.Engine` once (that probes the device's copy bandwidth) and replays any
+config on it. Its options and the CPU length defaults are :mod:`kvtune.engine.options`, so every entry point
+scales a trace and warms up the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.engine.engine import Engine, Progress, calibrate_time_scale, default_budget_bytes
+from kvtune.engine.metrics import ReplayMetrics
+from kvtune.engine.options import ReplayOptions
+from kvtune.engine.traces import Request
+
+
+class Replayer:
+    """One model on one device replaying configs under one budget (see the module docstring)."""
+
+    def __init__(self, loaded: Any, device: torch.device, options: ReplayOptions | None = None) -> None:
+        self.loaded = loaded
+        self.device = torch.device(device)
+        self.options = options or ReplayOptions()
+        self.budget_bytes = self.options.budget_bytes or int(default_budget_bytes(loaded, self.device))
+        self._engine: Engine | None = None
+
+    def engine(self, config: HybridConfig) -> Engine:
+        """The engine with ``config`` (built on first use; later configs share its bandwidth probe)."""
+        if self._engine is None:
+            options = self.options
+            self._engine = Engine(self.loaded, config, self.budget_bytes, self.device, options.scheduler)
+        return self._engine.with_config(config)
+
+    def replay(
+        self,
+        config: HybridConfig,
+        requests: Sequence[Request],
+        time_scale: float,
+        progress: Progress | None = None,
+        clipped: int = 0,
+        warmup: int | None = None,
+    ) -> ReplayMetrics:
+        """Replay ``requests`` under ``config`` (arrivals × ``time_scale``; 0 = all at once), after ``warmup``
+        requests (default: the options') served on a throw-away cache."""
+        engine = self.engine(config)
+        warmup = self.options.warmup_requests if warmup is None else warmup
+        try:
+            return engine.replay(list(requests), time_scale, warmup, progress, clipped)
+        finally:
+            del engine
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def calibrate(
+        self, requests: Sequence[Request], load: float, config: HybridConfig | None = None
+    ) -> float:
+        """The time scale at which the unquantized baseline of ``config`` runs at ``load`` of saturation."""
+        return float(
+            calibrate_time_scale(
+                self.loaded,
+                list(requests),
+                self.budget_bytes,
+                self.device,
+                load,
+                config,
+                self.options.warmup_requests,
+                self.options.scheduler,
+            )
+        )

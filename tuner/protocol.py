@@ -1,0 +1,141 @@
+"""The trial protocol between the driver and a worker: the calls, their order, and the values that cross.
+
+The driver wraps :class:`kvtune.tuner.worker.TrialWorker` in a Ray actor (one per matching GPU, or CPU
+actors for ``--gpu cpu``) and drives each trial as this sequence of calls (:class:`Call`, ordered by
+:func:`next_call`)::
+
+    configure(config, workload)   -> None         validates nothing more: the config arrived validated
+    run_window(i), i = 0..W-1     -> dict         that window's ReplayMetrics.to_dict()
+    finish()                      -> TrialResult  frozen: the per-window metrics and their mean
+    quality(config)               -> dict         QualityResult.to_dict(); skipped when the driver knows it
+
+A config crosses as a :class:`~kvtune.cache_impl.config.HybridConfig`, built and validated once by the
+driver; the study stores ``config.to_dict()``. Workers never open the study; every result is a value. An
+exception raised by a call is the config's fault (the driver records a violated constraint); a worker
+process that dies is not (the driver re-runs the trial once).
+
+This module and everything it imports are light: the driver process never imports the cache, the kernels or
+the engine's model runner.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.engine.options import WARMUP_REQUESTS, check_quality_args
+from kvtune.engine.scheduler import SchedulerConfig
+from kvtune.engine.traces import Request
+
+
+class Call(enum.Enum):
+    """One call of the protocol; the value is the worker method's name."""
+
+    CONFIGURE = "configure"
+    WINDOW = "run_window"
+    FINISH = "finish"
+    QUALITY = "quality"
+
+
+def next_call(done: Call, window: int, windows: int, quality_known: bool) -> tuple[Call, int] | None:
+    """What follows ``done`` (with ``window`` the index of the window just run): the next call and the
+    window index it takes (-1 when none); None when the trial has everything (its quality already known)."""
+    if done is Call.CONFIGURE:
+        return Call.WINDOW, 0
+    if done is Call.WINDOW:
+        return (Call.WINDOW, window + 1) if window + 1 < windows else (Call.FINISH, -1)
+    if done is Call.FINISH and not quality_known:
+        return Call.QUALITY, -1
+    return None
+
+
+@dataclass(frozen=True)
+class QualitySettings:
+    """How quality is measured (docs/DESIGN.md §2; the CPU defaults are a stated, reduced size)."""
+
+    model: str
+    text_path: str
+    windows: int = 8
+    prefill_tokens: int = 2048
+    decode_tokens: int = 512
+    step_ms: float = 50.0
+    passkey: bool = True
+    dtype: str = "float32"  # whatever the replay's dtype (see TrialWorker._quality_loaded)
+
+    def __post_init__(self) -> None:
+        check_quality_args(self.windows, self.prefill_tokens, self.decode_tokens, self.step_ms)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be one of ['float32', 'bfloat16', 'float16'], but got {self.dtype!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker of a study loads: the model, where it runs, its KV budget and the quality
+    settings."""
+
+    model: str
+    device: str  # "cpu" or "cuda" (a Ray GPU actor sees its one GPU as cuda:0)
+    quality: QualitySettings
+    dtype: str = "float32"
+    budget_bytes: int | None = None  # None: the engine's default for the device
+    threads: int | None = None  # torch CPU threads (None: torch's default)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # the engine's batching limits
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be one of ['cpu', 'cuda'], but got device={self.device!r}")
+        if self.budget_bytes is not None and self.budget_bytes < 1:
+            raise ValueError(f"`budget_bytes >= 1` must hold, but got budget_bytes={self.budget_bytes}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The replay windows of a study (identical for every trial, so windows compare) and the time scale."""
+
+    windows: tuple[tuple[Request, ...], ...]
+    time_scale: float
+    warmup_requests: int = WARMUP_REQUESTS
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Where a worker runs and with what (stored on every trial it runs)."""
+
+    device_name: str
+    device_memory_bytes: int
+    hostname: str
+    gpu_ids: tuple[str, ...]
+    versions: dict[str, str]
+    budget_bytes: int
+    real_weights: bool
+    max_context: int
+    vocab_size: int
+    kv_shape: Any  # ModelKVShape of the model
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """The final, frozen result of one trial: every window's metrics and their mean (numeric keys only)."""
+
+    config: HybridConfig
+    windows: tuple[dict[str, Any], ...]
+    mean: dict[str, float] = field(default_factory=dict)
+
+
+def mean_metrics(windows: tuple[dict[str, Any], ...]) -> dict[str, float]:
+    """Mean over windows of every finite numeric metric (percentiles stay per window in ``windows``)."""
+    keys = [k for k, v in windows[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    out: dict[str, float] = {}
+    for key in keys:
+        values = [float(w[key]) for w in windows if isinstance(w.get(key), int | float)]
+        finite = [v for v in values if math.isfinite(v)]
+        out[key] = sum(finite) / len(finite) if finite else math.nan
+    return out
