@@ -17,7 +17,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from kvtune.kernels.triton_decode import (
     DecodeKernelOptions,
     default_options,
     hybrid_decode_attention_triton,
-    split_plan,
+    launch_plan,
 )
 from kvtune.kernels.triton_quest import quest_topk_triton
 
@@ -194,7 +194,7 @@ def hybrid_case(case: Case, options: DecodeKernelOptions) -> dict:
     inp = make_inputs(case)
     mixed = case.bits == 8 and options.mixed
     ms = bench(lambda: run_hybrid(inp, options))  # the warm-up launches read the build's occupancy
-    splits, _ = split_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], options)
+    splits = launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], options).splits
     nbytes = hybrid_bytes(case, case.cold, splits, mixed)
     return dict(ms=ms, tbs=nbytes / ms / 1e9, bytes=nbytes, splits=splits)
 
@@ -228,7 +228,7 @@ def sparse_case(case: Case, options: DecodeKernelOptions) -> dict:
     selection_ms = bench(select)
     table = select()
     attention_ms = bench(lambda: attend(table))
-    splits, _ = split_plan(inp["q"], inp["hot_k"], pool, table, options)
+    splits = launch_plan(inp["q"], inp["hot_k"], pool, table, options).splits
     attn = hybrid_bytes(case, 0, splits, False) + B * H * (
         l1 * cold_block_bytes(case.bits, case.bits == 8)
         + k_blocks * cold_block_bytes(4 if case.bits == 8 else case.bits, case.bits == 8)
@@ -252,10 +252,8 @@ def try_variant(opt: DecodeKernelOptions, bits: int, rows: list) -> tuple[float,
     ok = err < (2e-2 if bits else 1e-2)
     rows.append(dict(bits=bits, options=asdict(opt), err=err, ms=res["ms"], tbs=res["tbs"], ok=ok))
     log(f"sweep bits={bits} mixed={opt.mixed} kt={opt.k_transposed} cvt={opt.cvt} r={opt.maxnreg} "
-        f"s={opt.num_stages} words={opt.words} fold={opt.fold_bias} defer={opt.defer_min} i8={opt.int8_dot} "
-        f"vp={opt.v_pairs} nib={opt.nibble_asm} gluon={opt.gluon} gr={opt.gluon_maxnreg} "
-        f"st={opt.gluon_stages} pdl={opt.gluon_pdl} kr={opt.gluon_key_rows} ta={opt.gluon_table_ahead} "
-        f"{res['ms']:.4f} ms "
+        f"s={opt.num_stages} vp={opt.v_pairs} gluon={opt.gluon} st={opt.gluon_stages} pdl={opt.gluon_pdl} "
+        f"kr={opt.gluon_key_rows} ta={opt.gluon_table_ahead} {res['ms']:.4f} ms "
         f"{res['tbs']:.2f} TB/s err={err:.2e} ok={ok} ({time.time() - t0:.1f}s)")  # fmt: skip
     return (res["ms"], opt) if ok else None
 
@@ -272,28 +270,21 @@ def defaults() -> dict[str, DecodeKernelOptions]:
 SWEEP_GRIDS: dict[int, list[dict[str, Any]]] = {
     8: [
         {},
-        dict(v_pairs=False),  # value codes gathered byte by byte (the default before run 7)
-        dict(fold_bias=True, defer_min=True),
+        dict(v_pairs=False),  # value codes gathered byte by byte
         dict(maxnreg=None),
-        dict(words=True, v_pairs=False),
         dict(maxnreg=96),  # 5 programs of 4 warps per SM instead of 4 (spills to be read in kernels.txt)
         dict(mixed=True),
         dict(mixed=True, maxnreg=96),
-        dict(int8_dot=True),  # codes to the integer matrix unit, q and p split into two int8 parts
         dict(gluon=True),  # the Gluon cold kernel: one warp per program, registers placed by hand
         dict(gluon=True, gluon_pdl=False),  # the merge + hot zone launched after the Gluon kernel ends
         dict(gluon=True, gluon_stages=2),
         dict(gluon=True, gluon_stages=0),  # Gluon, each block loaded into registers (no cp.async ring)
         dict(gluon=True, gluon_key_rows=False),  # each lane copies the key pieces it loads (half lines)
-        dict(gluon=True, gluon_table_ahead=False),  # each block id loaded one iteration ahead (run 9)
+        dict(gluon=True, gluon_table_ahead=False),  # each block id loaded one iteration ahead
     ],
     4: [
         {},
-        dict(num_stages=3, maxnreg=None),  # the default before run 4 (3 programs per SM)
-        dict(words=True, k_transposed=False),
-        dict(int8_dot=True),
-        dict(int8_dot=True, k_transposed=False),
-        dict(nibble_asm=True),  # both nibbles of four bytes to fp16 in one piece of PTX
+        dict(num_stages=3, maxnreg=None),  # 3 programs per SM instead of 4
         dict(gluon=True),
         dict(gluon=True, gluon_pdl=False),
         dict(gluon=True, gluon_stages=3),
@@ -342,18 +333,15 @@ def pick_sparse(candidates: list[DecodeKernelOptions], bits: int, rows: list) ->
 
 
 def pick_splits(opt: DecodeKernelOptions, bits: int, rows: list) -> DecodeKernelOptions:
-    """The split plan with the lowest summed time at 64x8K and 16x32K: a programs-per-SM target, or the wave
-    model (``wave_splits``; its first launch plans by the target and reads the build's occupancy). A Gluon
-    build has nothing to choose: the launcher plans it by the wave model."""
+    """The programs-per-SM target of the split kernel with the lowest summed time at 64x8K and 16x32K. A
+    Gluon build has nothing to choose: the launcher plans it by the wave model."""
     if opt.gluon:  # the Gluon build is always planned by the wave model with its measured occupancy
         return opt
     totals = {}
-    plans = [replace(opt, programs_per_sm=pps) for pps in (2, 4, 8, 16)] + [replace(opt, wave_splits=True)]
-    for cand in plans:
+    for cand in [replace(opt, programs_per_sm=pps) for pps in (2, 4, 8, 16)]:
         times = [hybrid_case(Case(*shape, bits), cand)["ms"] for shape in PPS_SHAPES]
         rows.append(dict(bits=bits, options=asdict(cand), pps_ms=times))
-        log(f"splits bits={bits} mixed={cand.mixed} pps={cand.programs_per_sm} waves={cand.wave_splits}: "
-            f"{times}")  # fmt: skip
+        log(f"splits bits={bits} mixed={cand.mixed} pps={cand.programs_per_sm}: {times}")
         totals[cand] = sum(times)
     return min(totals, key=lambda k: totals[k])
 
@@ -361,7 +349,8 @@ def pick_splits(opt: DecodeKernelOptions, bits: int, rows: list) -> DecodeKernel
 def profile(args: argparse.Namespace) -> int:
     """One case, a few launches, for a profiler (ncu) to read: options from an earlier results.json."""
     chosen = json.loads(args.options_from.read_text())["chosen"][f"int{args.profile}"]
-    opt = DecodeKernelOptions(**chosen)
+    known = {f.name for f in fields(DecodeKernelOptions)}  # files from before a knob was removed name it too
+    opt = DecodeKernelOptions(**{k: v for k, v in chosen.items() if k in known})
     inp = make_inputs(Case(64, 8192, args.profile))
     for _ in range(3):
         run_hybrid(inp, opt)

@@ -3,7 +3,7 @@
 #   . benchmarks/device_env.sh
 # It installs the carried wheels in .whl/ (see README: device wheels) into /tmp/site and reassembles
 # the SmolLM2 GGUF from parts carried in .weights/{a,b,c}/ or left in /tmp/weights by earlier runs.
-# The checkout itself goes on PYTHONPATH: kvtune/__init__.py maps the sibling folders as an install would.
+# The checkout itself goes on PYTHONPATH: kvtune/ links the top-level folders into the namespace.
 set -u
 repo=$(pwd)
 if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once per machine: a running pipeline may use /tmp/site

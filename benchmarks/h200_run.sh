@@ -30,7 +30,7 @@ for step in "$@"; do
     timeout 540 python3 benchmarks/decode_attention.py --sweep --out "$OUT/decode_attention" 2>&1 \
       | tee "$OUT/decode_attention.log" | tail -30 ;;
   pool-read)
-    log "decode attention: the pool's read ceiling, the attention and its copy ring alone; ring depths"
+    log "decode attention: the pool's read ceiling, the attention; ring depths"
     timeout 260 python3 benchmarks/pool_read.py --out "$OUT/pool_read" 2>&1 | tee "$OUT/pool_read.log" | tail -7
     timeout 120 python3 benchmarks/pool_read.py --rings --out "$OUT/pool_read" 2>&1 | tee "$OUT/rings.log" \
       | tail -15 ;;

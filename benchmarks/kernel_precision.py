@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.cache_impl.model import load_model
-from kvtune.cache_impl.quality import single_sequence_cache, text_token_ids
+from kvtune.engine.model import load_model
+from kvtune.engine.quality import single_sequence_cache, text_token_ids
+from kvtune.kernels.backend import kernel_choice
 
 TEXT = "examples/text/wikitext2_excerpt.txt"
 CONFIG = HybridConfig.from_json_file("examples/configs/q_unquantized.json")
@@ -26,6 +27,7 @@ CONFIG = HybridConfig.from_json_file("examples/configs/q_unquantized.json")
 def logits(dtype: torch.dtype, kernels: str, windows: int = 8, length: int = 1024) -> torch.Tensor:
     """float32 logits [windows · 256, V] of the last 256 positions of each window."""
     os.environ["KVTUNE_KERNELS"] = kernels
+    kernel_choice.cache_clear()  # the launchers read the variable once: make them read it again
     loaded = load_model("smollm2", "cuda", dtype)
     ids = text_token_ids(loaded, Path(TEXT).read_text(encoding="utf-8"))
     out = []

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -33,7 +32,7 @@ VARIANTS: dict[int, dict[str, dict[str, Any]]] = {
     4: {"Gluon, 2 stages (default)": {GLUON: True}, "Gluon, 3 stages": {GLUON: True, "gluon_stages": 3},
         "Gluon, direct loads": {GLUON: True, "gluon_stages": 0},
         "Triton (2 stages, cap 128)": {}, "Triton, 2 stages, no cap": {"maxnreg": None},
-        "Triton, 3 stages, cap 128": {"num_stages": 3}, "Triton, nibble asm": {"nibble_asm": True}},
+        "Triton, 3 stages, cap 128": {"num_stages": 3}},
     0: {"Triton (default)": {}},
 }  # fmt: skip
 
@@ -45,12 +44,12 @@ def split_launch(bits: int, options: td.DecodeKernelOptions, gluon: bool = False
     pool.may_demote = options.mixed
     hot = torch.zeros(4, heads, 128, d, dtype=torch.bfloat16)
     table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
-    with mock.patch.object(td, "_takes_gluon", lambda *_: gluon):
-        launches = record_launches(lambda: td.hybrid_decode_attention_triton(
-            torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
-            torch.arange(b, dtype=torch.int32), torch.full((b,), 64, dtype=torch.int32), pool, table,
-            torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=options,
-        ))  # fmt: skip
+    launches = record_launches(lambda: td.hybrid_decode_attention_triton(
+        torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
+        torch.arange(b, dtype=torch.int32), torch.full((b,), 64, dtype=torch.int32), pool, table,
+        torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=options,
+        kernel="gluon" if gluon else "split",
+    ))  # fmt: skip
     return launches[0]  # the cold blocks' kernel (the merge kernel is small)
 
 

@@ -12,15 +12,14 @@ few launch shapes is kept; the rows differ only in what is read and where it lie
     pool, in order   codes + scales and mins, each sequence's blocks consecutive
     bf16, in order   unquantized codes (SDPA's bytes per token), consecutive: the dense stream
     attention        the launcher's default for the width (GPU), its time on the same byte count
-    ring only        the same with ``gluon_ring_only``: the Gluon kernel's copies and waits, no arithmetic
 
 Against the same run's SDPA, it says how much of the attention kernels' gap to SDPA's bandwidth is the
 access pattern itself (no kernel can read these bytes faster) and how much is the kernel.
 
     python benchmarks/pool_read.py --out $OUT [--smoke | --rings]
 
-``--rings``: at 64x8K only, the attention and its ring alone with 2, 3 and 4 stages per width, the block
-ids carried in the ring or loaded an iteration ahead.
+``--rings``: at 64x8K only, the attention with 2, 3 and 4 stages in the Gluon kernel's ring per width, the
+block ids carried in the ring or loaded an iteration ahead, beside the read ceiling.
 """
 
 from __future__ import annotations
@@ -163,14 +162,13 @@ def best_read(pool: ColdPool, table: torch.Tensor, scales: bool, launches) -> di
 
 
 def ring_depths(out: Path) -> int:
-    """64x8K: the attention and its ring alone (``gluon_ring_only``) with 2, 3 and 4 stages per width, the
-    block ids in the ring or not (``gluon_table_ahead``), against SDPA and the read ceiling of the same run
-    (TB/s on the pool bytes)."""
+    """64x8K: the attention with 2, 3 and 4 stages in the Gluon kernel's ring per width, the block ids in the
+    ring or not (``gluon_table_ahead``), against SDPA and the read ceiling of the same run (TB/s on the pool
+    bytes)."""
     batch, length = 64, 8192
     sdpa_ms, sdpa_tbs = da.sdpa_case(batch, length)
-    head = "| bits | stages | ids in the ring | read ceiling | attention | ring only |"
-    lines = [f"SDPA {sdpa_ms:.4f} ms {sdpa_tbs:.2f} TB/s", head,
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    head = "| bits | stages | ids in the ring | read ceiling | attention |"
+    lines = [f"SDPA {sdpa_ms:.4f} ms {sdpa_tbs:.2f} TB/s", head, "| --- | --- | --- | --- | --- |"]
     for bits in (8, 4):
         inp = da.make_inputs(da.Case(batch, length, bits))
         pool, table = inp["pool"], inp["block_table"]
@@ -179,9 +177,8 @@ def ring_depths(out: Path) -> int:
         for stages in (2, 3, 4):
             for ahead in (False, True):
                 opts = replace(da.defaults()[f"int{bits}"], gluon_stages=stages, gluon_table_ahead=ahead)
-                tbs = [nbytes / da.bench(lambda o=o, inp=inp: da.run_hybrid(inp, o)) / 1e9
-                       for o in (opts, replace(opts, gluon_ring_only=True))]  # fmt: skip
-                lines.append(f"| {bits} | {stages} | {ahead} | {ceiling:.2f} | {tbs[0]:.2f} | {tbs[1]:.2f} |")
+                tbs = nbytes / da.bench(lambda o=opts, inp=inp: da.run_hybrid(inp, o)) / 1e9
+                lines.append(f"| {bits} | {stages} | {ahead} | {ceiling:.2f} | {tbs:.2f} |")
             print(lines[-1], flush=True)
         del inp, pool
     (out / "ring_depths.md").write_text("\n".join(lines) + "\n")
@@ -217,12 +214,11 @@ def main() -> int:
                 "codes, scattered": best_read(pool, scattered, False, launches),
                 "pool, in order": best_read(pool, ordered, True, launches),
             }
-            if da.DEVICE == "cuda":  # the attention itself, and its Gluon ring without the arithmetic
+            if da.DEVICE == "cuda":  # the attention itself, on the same bytes
                 opts = da.defaults()[f"int{bits}"]
                 nbytes = bytes_read(pool, scattered, True)
-                for name, o in (("attention", opts), ("ring only", replace(opts, gluon_ring_only=True))):
-                    ms = da.bench(lambda o=o, inp=inp: da.run_hybrid(inp, o))
-                    row[f"int{bits}"][name] = dict(ms=ms, tbs=nbytes / ms / 1e9)
+                ms = da.bench(lambda o=opts, inp=inp: da.run_hybrid(inp, o))
+                row[f"int{bits}"]["attention"] = dict(ms=ms, tbs=nbytes / ms / 1e9)
             del inp, pool
         dense = da.make_pool(batch * nc, 0, da.DTYPE)
         row["bf16, in order"] = best_read(dense, ordered, False, launches)
@@ -233,14 +229,14 @@ def main() -> int:
     (args.out / "pool_read.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
     lines = [
         "| B x L | SDPA TB/s | bf16, in order | bits | pool, scattered | codes, scattered | pool, in order "
-        "| attention | Gluon ring only |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| attention |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         size = f"{r['length'] // 1024}K" if r["length"] >= 1024 else str(r["length"])
         for bits in (8, 4):
             c = r[f"int{bits}"]
-            names = ("pool, scattered", "codes, scattered", "pool, in order", "attention", "ring only")
+            names = ("pool, scattered", "codes, scattered", "pool, in order", "attention")
             cells = [c[name]["tbs"] if name in c else float("nan") for name in names]
             lines.append(
                 f"| {r['batch']} x {size} | {r['sdpa_tbs']:.2f} | {r['bf16, in order']['tbs']:.2f} | {bits} "

@@ -1,5 +1,5 @@
-"""Access statistics of cold blocks, updated from the attention pass (DESIGN §1, all tensor ops on the
-device).
+"""Access statistics of cold blocks, updated from the attention pass (docs/DESIGN.md §1; all tensor ops
+on the device).
 
 For each sequence and KV head, the attention mass on cold blocks is ``cold = Σ_j block_mass[b, h, j]`` over
 the ``num_cold[b, h]`` listed blocks; block ``j`` is accessed for that head when ``block_mass > cold /
@@ -44,7 +44,7 @@ def update_access_ref(
     block_mass: torch.Tensor,
     block_table: torch.Tensor,
     num_cold: torch.Tensor,
-    now_ms: float,
+    now_ms: float | torch.Tensor,
 ) -> torch.Tensor:
     """Update one layer's statistics in place; returns the accessed mask (bool [N]).
 
@@ -64,10 +64,13 @@ def update_access(
     block_mass: torch.Tensor,
     block_table: torch.Tensor,
     num_cold: torch.Tensor,
-    now_ms: float,
+    now_ms: float | torch.Tensor,
     flags: torch.Tensor | None = None,
 ) -> None:
     """See :func:`update_access_ref`; touches only the listed blocks' statistics (O(B·H·M), not O(N)).
+
+    ``now_ms``: a float, or a float64 scalar tensor on the statistics' device (a step captured in a CUDA
+    graph reads its clock from a static buffer, so no host value is baked into the graph).
 
     On CUDA two Triton launches (:mod:`kvtune.kernels.triton_access`; ``flags``, int32 [N] zeros, is their
     scratch and is zero again afterwards). Elsewhere: entries that list the same block gather the same old
@@ -87,7 +90,8 @@ def update_access(
     last, old = last_access[ids], ema[ids]
     new_ema = _next_ema(now_ms - last, old)
     ema.index_put_((ids,), torch.where(hit, new_ema, old))
-    last_access.index_put_((ids,), torch.where(hit, torch.full_like(last, now_ms), last))
+    now = torch.as_tensor(now_ms, dtype=last.dtype, device=last.device)
+    last_access.index_put_((ids,), torch.where(hit, now.expand_as(last), last))
 
 
 def inter_access_interval(last_access: torch.Tensor, ema: torch.Tensor, now_ms: float) -> torch.Tensor:

@@ -7,6 +7,10 @@ argument: types, constexprs, ints equal to 1, 16-divisible pointers and ints) an
 every kernel compiles for Hopper, and by ``benchmarks/kernel_resources.py`` to read registers, stack and
 shared memory of kernel variants offline. :func:`specialization` is the JIT's cache key of a launch: the CI
 test that sizes changing at run time (batch, blocks per sequence) never make the JIT compile a kernel again.
+
+Nothing at run time imports this module. It is in the package, not in ``tests/``, because a test
+(``tests/test_triton_compile.py``) and a benchmark (``benchmarks/kernel_resources.py``) both need it, and the
+benchmarks do not import the tests.
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@ use, not here: Triton chooses between its compiler and its CPU interpreter when 
 
 ``KVTUNE_KERNELS=torch`` in the environment makes every launcher take its PyTorch reference, also on CUDA (to
 compare, or to step around a kernel problem); the default, ``triton``, uses the kernels wherever they can run.
+The variable is read once per process, at the first launch (:func:`kernel_choice`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -18,8 +20,14 @@ HAS_TRITON: bool = importlib.util.find_spec("triton") is not None
 KERNEL_CHOICES = ("triton", "torch")
 
 
+@functools.cache
 def kernel_choice() -> str:
-    """``KVTUNE_KERNELS`` (default ``triton``); ValueError naming the variable for anything else."""
+    """``KVTUNE_KERNELS`` (default ``triton``); ValueError naming the variable for anything else.
+
+    Read once: the first call's answer is cached (every launch asks). A bad value is not cached, so every
+    call raises. ``kernel_choice.cache_clear()`` makes the next call read the environment again (a test or a
+    script that changes the variable in a running process must call it).
+    """
     choice = os.environ.get("KVTUNE_KERNELS", "triton")
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"KVTUNE_KERNELS={choice!r}: expected one of {list(KERNEL_CHOICES)}")

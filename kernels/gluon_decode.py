@@ -453,12 +453,10 @@ def _cold_kernel(
     ROWS: gl.constexpr, K_ORDER: gl.constexpr, Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr,
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
-    KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, RING_ONLY: gl.constexpr = False,
+    KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
-    partial (m, l, acc) in the layout of ``_split_kernel``'s partials, and each block's lse. RING_ONLY (a
-    diagnostic, ``benchmarks/pool_read.py``): the ring's copies and waits alone, no arithmetic (the partials
-    are meaningless)."""
+    partial (m, l, acc) in the layout of ``_split_kernel``'s partials, and each block's lse."""
     pid_s = gl.program_id(0)
     bh = gl.program_id(1)
     if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
@@ -554,16 +552,14 @@ def _cold_kernel(
             async_copy.commit_group()
             async_copy.wait_group(STAGES - 1)  # block j's copies (this lane's) have landed
             gl.thread_barrier()  # ... and every other lane's
-            if not RING_ONLY:
-                s8, c8 = _staged_scores(kbuf, ksb, kmsb, st, q_lo, q_hi, neg, kmz, C, D, T, KIND, LK, LQ,
-                                        LKM, ROWS, K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS,
-                                        KM_BITS)  # fmt: skip
-                vs = vsb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
-                vmn = vmb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
-                m_i, l_i, vm_i, acc, acc_h, acc_b = _attend(
-                    s8, c8, vbuf.index(st), vs, vmn, m_i, l_i, vm_i, acc, acc_h, acc_b, ones,
-                    blk_lse_ptr + (row + j) * G, rows, G, C, T, KIND, LV, LP, LP4, TC_BITS, V_ORDER, True,
-                )  # fmt: skip
+            s8, c8 = _staged_scores(kbuf, ksb, kmsb, st, q_lo, q_hi, neg, kmz, C, D, T, KIND, LK, LQ, LKM,
+                                    ROWS, K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS, KM_BITS)  # fmt: skip
+            vs = vsb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
+            vmn = vmb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
+            m_i, l_i, vm_i, acc, acc_h, acc_b = _attend(
+                s8, c8, vbuf.index(st), vs, vmn, m_i, l_i, vm_i, acc, acc_h, acc_b, ones,
+                blk_lse_ptr + (row + j) * G, rows, G, C, T, KIND, LV, LP, LP4, TC_BITS, V_ORDER, True,
+            )  # fmt: skip
         else:
             bid = nxt
             nxt = _block_id(table_ptr, row, j + 1, j1)
@@ -642,14 +638,10 @@ def supported(q: torch.Tensor, pool_bits: int, mixed: bool, block_size: int, cod
 
 
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
-                maxnreg: int | None = None, stages: int = 2, pdl: bool = False, key_rows: bool = True,
-                table_ahead: bool = True, ring_only: bool = False) -> object:  # fmt: skip
+                stages: int = 2, pdl: bool = False, key_rows: bool = True,
+                table_ahead: bool = True) -> object:  # fmt: skip
     """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H) with its runtime ``args`` (in order); ``pdl``:
     the next launch on the stream, a programmatic dependent, may start at once."""
     channels = D if kind == 8 else D // 2
-    extra = {"maxnreg": maxnreg} if maxnreg else {}
     constants = build_constants(channels, T, stages, key_rows, table_ahead)
-    if ring_only:  # the diagnostic build (``_cold_kernel``'s RING_ONLY)
-        extra["RING_ONLY"] = True
-    return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, num_warps=1, **constants,
-                              **extra)  # fmt: skip
+    return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, num_warps=1, **constants)

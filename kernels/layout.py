@@ -1,4 +1,4 @@
-"""The cold-block layout shared by the reference code and the Triton kernels (DESIGN §1).
+"""The cold-block layout shared by the reference code and the Triton kernels (docs/DESIGN.md §1).
 
 One pool per layer. ``N`` = blocks, ``H`` = KV heads, ``bs`` = block_size, ``D`` = head_dim::
 

@@ -8,7 +8,8 @@
    ready for the next call.
 
 ``now_ms`` travels as the bits of a float64 in an int64 argument, so the clock keeps its float64 precision
-without a host-to-device copy.
+without a host-to-device copy; or, given as a float64 device scalar, it is read from device memory
+(``NOW_PTR``: a step replayed as a CUDA graph takes its clock from a static buffer).
 """
 
 from __future__ import annotations
@@ -44,16 +45,19 @@ def _mark_kernel(mass_ptr, table_ptr, ncold_ptr, flags_ptr, M, MB: tl.constexpr)
 
 
 @triton.jit(do_not_specialize=["now_lo", "now_hi", "M"])
-def _update_kernel(table_ptr, ncold_ptr, flags_ptr, last_ptr, ema_ptr, now_lo, now_hi, M,
-                   EMA_W: tl.constexpr, MB: tl.constexpr):  # fmt: skip
+def _update_kernel(table_ptr, ncold_ptr, flags_ptr, last_ptr, ema_ptr, now_ptr, now_lo, now_hi, M,
+                   EMA_W: tl.constexpr, MB: tl.constexpr, NOW_PTR: tl.constexpr):  # fmt: skip
     """Claim each flagged listed block once (flag 1 → 0) and update its EMA and last access. The float64
     clock arrives as the two int32 halves of its bits (one int would be i32 or i64 by its value: two
-    compiled kernels)."""
+    compiled kernels), or with ``NOW_PTR`` as a float64 at ``now_ptr``."""
     bh = tl.program_id(0)
     n = tl.load(ncold_ptr + bh)
     row = bh.to(tl.int64) * M
-    bits = (now_hi.to(tl.int64) << 32) | (now_lo.to(tl.int64) & 0xFFFFFFFF)
-    now = bits.to(tl.float64, bitcast=True)
+    if NOW_PTR:
+        now = tl.load(now_ptr)
+    else:
+        bits = (now_hi.to(tl.int64) << 32) | (now_lo.to(tl.int64) & 0xFFFFFFFF)
+        now = bits.to(tl.float64, bitcast=True)
     for j0 in range(0, n, MB):
         j = j0 + tl.arange(0, MB)
         valid = j < n
@@ -73,10 +77,11 @@ def update_access_triton(
     block_mass: torch.Tensor,
     block_table: torch.Tensor,
     num_cold: torch.Tensor,
-    now_ms: float,
+    now_ms: float | torch.Tensor,
     flags: torch.Tensor,
 ) -> None:
-    """The contract of :func:`kvtune.kernels.access.update_access_ref`; ``flags`` int32 [N], all zeros."""
+    """The contract of :func:`kvtune.kernels.access.update_access_ref`; ``flags`` int32 [N], all zeros;
+    ``now_ms`` a float, or a float64 scalar on the device (read by the kernel, no host value baked in)."""
     b, h, m = block_table.shape
     rules = {
         "last_access, ema float64 [N] contiguous": last_access.dtype == ema.dtype == torch.float64
@@ -94,9 +99,17 @@ def update_access_triton(
         raise ValueError(f"update_access: `{broken[0]}` must hold (block_table {tuple(block_table.shape)})")
     if b * h == 0 or m == 0:
         return
-    now_lo, now_hi = struct.unpack("<ii", struct.pack("<d", float(now_ms)))
+    on_device = isinstance(now_ms, torch.Tensor)
+    if on_device:
+        assert isinstance(now_ms, torch.Tensor)  # for mypy
+        if now_ms.dtype != torch.float64 or now_ms.numel() != 1 or now_ms.device != last_access.device:
+            raise ValueError("update_access: a device `now_ms` must be one float64 on the statistics' device")
+        now_t, now_lo, now_hi = now_ms, 0, 0
+    else:
+        now_t = last_access  # unused pointer
+        now_lo, now_hi = struct.unpack("<ii", struct.pack("<d", float(now_ms)))
     _mark_kernel[(b * h,)](block_mass, block_table, num_cold, flags, m, MB=MB, num_warps=2)
     _update_kernel[(b * h,)](
-        block_table, num_cold, flags, last_access, ema, now_lo, now_hi, m, EMA_W=EMA_WEIGHT, MB=MB,
-        num_warps=2,
+        block_table, num_cold, flags, last_access, ema, now_t, now_lo, now_hi, m, EMA_W=EMA_WEIGHT, MB=MB,
+        NOW_PTR=on_device, num_warps=2,
     )  # fmt: skip

@@ -22,6 +22,8 @@ once (GPU only, ``cvt=2``).
 (``gluon_decode``) reads the cold blocks of a pure 8-bit or 4-bit pool, the merge attends the hot zone
 itself before it merges, launched as a programmatic dependent so that it does so while the cold blocks
 stream.
+
+Which of these kernels takes a launch is decided by :func:`kvtune.kernels.decode_attention.decode_kernel`.
 """
 
 from __future__ import annotations
@@ -29,179 +31,128 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from kvtune.kernels import gluon_decode
-from kvtune.kernels.decode_attention import hybrid_decode_attention_ref
+from kvtune.kernels.decode_attention import DecodeKernel, decode_kernel, hybrid_decode_attention_ref
 from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.triton_common import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
 class DecodeKernelOptions:
-    """Tuning knobs of the split kernel (per-pool-width defaults: :func:`default_options`).
+    """How :func:`hybrid_decode_attention_triton` runs a launch (per-pool defaults: :func:`options_for`).
+
+    Live knobs, in which the shipped defaults differ (``benchmarks/decode_attention.py --sweep`` varies them):
 
     cvt: code -> fp16 conversion, 0 plain cast, 1 magic number in pure ``tl``, 2 PTX ``prmt`` (GPU only).
     mixed: 8-bit pools honour ``block_bits`` per block (False only if no block was ever demoted).
     k_transposed: load key codes as ``[D/2, T]`` tiles (no register transpose before the matrix unit).
-    programs_per_sm: the split count aims at this many programs per multiprocessor.
-    maxnreg: register cap per thread (more programs per multiprocessor), None for the compiler's choice.
-    words: load codes as int32 words (4 INT8 codes or 8 INT4 nibbles each) and split them into fp16 with bit
-        operations on the whole word (PTX ``prmt``/``lop3`` with ``cvt=2``); 4-bit and pure 8-bit pools only
-        (``mixed=True`` pools take the byte path).
-    fold_bias: the magic-number conversion leaves ``1024 + code`` (no subtraction per code); the ``1024``
-        folds into the per-block terms, ``-1024 * sum(q * scale)`` for keys and ``-1024 * sum(p * scale)``
-        for values (``cvt`` 1 or 2 only).
-    defer_min: the value-min term ``sum_t p_t min_t`` (one number per query row) is accumulated in its own
-        rescaled vector and added to the output once per split, not to every output channel per block.
-    int8_dot: the cold codes go to the matrix unit as int8 (``int8 x int8 -> int32``), with no conversion to
-        fp16: ``q * key scale`` and ``p * value scale`` are split per block into two int8 parts,
-        ``x ~ s (h + l / 254)`` with ``s = max|x| / 127`` per row (|error| <= max|x| / 64516, finer than
-        fp16's rounding of the largest element). 8-bit codes are centred by ``c ^ 0x80`` (``c - 128``, the
-        offset comes back through ``sum(h + l / 254)``); 4-bit codes fit int8 as they are. Pure 8-bit and
-        4-bit pools, head dim >= 64, blocks of >= 32 tokens (the int8 matrix unit's depth is 32); other cases,
-        and float32 models, take the fp16 path.
+    programs_per_sm: the split kernel's split count aims at this many programs per multiprocessor.
+    num_warps: warps per program of the split kernel.
+    maxnreg: register cap per thread of the split kernel (more programs per multiprocessor), None for the
+        compiler's choice.
     v_pairs: value codes are read as 16-bit pairs of neighbouring channels (``[T, D/2]`` uint16), split
         into the even and the odd channels and multiplied as two ``[T, D/2]`` tiles; the output accumulates
         as even and odd channels instead of low and high halves. 16-bit elements take the matrix unit's
         transposing shared-memory load, where byte codes are gathered one by one for ``P . V`` (whose
         contraction runs over tokens). Pure 8-bit pools only (others take the byte path).
-    nibble_asm: 4-bit pools with ``cvt=2``: each register of four code bytes becomes the four low and the
-        four high nibbles as fp16 in one piece of PTX (a ``prmt``, then a mask, a shift and a subtraction
-        per output register) instead of a mask and a shift per byte before the conversion. Compiled and
-        counted offline; not yet run on a GPU (NOTES).
     gluon: pure 8-bit and 4-bit pools on CUDA take the Gluon kernel for the cold blocks
         (``gluon_decode``: one warp per program, every register placed by hand), and the merge kernel
-        attends the hot zone before it merges; other launches ignore it. Its split count follows the wave
-        model (``gluon_programs_per_sm`` until the build's occupancy is known), ``gluon_maxnreg`` caps its
-        registers. ``gluon_stages``: blocks j + 1 .. j + s - 1 are copied into a ring of s blocks in shared
-        memory (``cp.async``) while a program computes block j; 0 loads each block into registers when the
-        program starts it. ``gluon_pdl``: the merge is launched as a programmatic dependent of the Gluon
-        kernel, so it attends the hot zone while the cold blocks are read and waits only before merging.
-        ``gluon_key_rows``: key codes are copied into the ring by consecutive lanes along whole rows (whole
-        128-byte lines per quarter-warp) into a swizzled stage; False: each lane copies the pieces it loads.
-        ``gluon_table_ahead`` (with a ring): the block-table entries travel in the ring too, s blocks ahead,
-        so no iteration waits on a load of its next block id (False: that id is loaded one iteration
-        ahead, a round trip to memory per block). ``gluon_ring_only`` is a diagnostic
-        (``benchmarks/pool_read.py``): the ring's copies and waits without any arithmetic, so the output is
-        meaningless.
-    wave_splits: the split count from a wave model (:func:`wave_splits`) instead of ``programs_per_sm``: the
-        fewest waves x blocks per program, with the programs the build keeps resident per multiprocessor (read
-        from the build at its first launch, which still plans by ``programs_per_sm``). The model assumes
-        sequences of equal length.
+        attends the hot zone before it merges (:func:`~kvtune.kernels.decode_attention.decode_kernel`).
+    gluon_stages: the Gluon kernel copies blocks j + 1 .. j + s - 1 into a ring of s blocks in shared memory
+        (``cp.async``) while a program computes block j; 0 loads each block into registers when the program
+        starts it.
+
+    Named constants, the same in every shipped default (tests and sweeps set the other values):
+
+    num_stages: software-pipelining stages of the split kernel.
+    min_blocks_per_split: either kernel plans at most ``ceil(blocks / min_blocks_per_split)`` splits.
+    gluon_programs_per_sm: the Gluon kernel's split count aims at this many programs per multiprocessor until
+        the build's occupancy is known (its first launch); then the wave model plans it (:func:`wave_splits`).
+    gluon_pdl: the merge is launched as a programmatic dependent of the Gluon kernel, so it attends the hot
+        zone while the cold blocks are read and waits only before merging.
+    gluon_key_rows: key codes are copied into the ring by consecutive lanes along whole rows (whole 128-byte
+        lines per quarter-warp) into a swizzled stage; False: each lane copies the pieces it loads.
+    gluon_table_ahead: (with a ring) the block-table entries travel in the ring too, s blocks ahead, so no
+        iteration waits on a load of its next block id (False: that id is loaded one iteration ahead, a
+        round trip to memory per block).
     """
 
+    # live knobs
     cvt: int = 2
     mixed: bool = True
     k_transposed: bool = False
     programs_per_sm: int = 4
     num_warps: int = 4
+    maxnreg: int | None = None
+    v_pairs: bool = False
+    gluon: bool = False
+    gluon_stages: int = 2
+    # named constants
     num_stages: int = 2
     min_blocks_per_split: int = 4
-    maxnreg: int | None = None
-    words: bool = False
-    fold_bias: bool = False
-    defer_min: bool = False
-    wave_splits: bool = False
-    int8_dot: bool = False
-    v_pairs: bool = False
-    nibble_asm: bool = False
-    gluon: bool = False
     gluon_programs_per_sm: int = 32
-    gluon_maxnreg: int | None = None
-    gluon_stages: int = 2
     gluon_pdl: bool = True
     gluon_key_rows: bool = True
     gluon_table_ahead: bool = True
-    gluon_ring_only: bool = False
 
 
-# Chosen on the H200 (benchmarks/NOTES.md, "Decode attention kernels"), per pool bits. An 8-bit pool is read
-# with
-# per-block bits (a demoted block may sit in it); ``PURE_INT8`` is faster where no block was ever demoted.
+# Chosen on the H200 per pool bits (benchmarks/NOTES.md, "Decode attention kernels", and the runs after it).
+# An 8-bit pool is read with per-block bits (a demoted block may sit in it); ``PURE_INT8`` is for 8-bit pools
+# where no block is ever demoted, which the Gluon kernel can take.
 _DEFAULTS = {
     8: DecodeKernelOptions(cvt=2, mixed=True, programs_per_sm=8, maxnreg=128),
-    # INT4: 2 stages + a 128-register cap fit 4 programs per SM (3 stages or 162 registers: 3), 0.535 -> 0.497
-    # ms at 64x8K in one sweep on the H200; 16 programs per SM: 0.550 -> 0.517 ms at 16x32K (NOTES, run 4).
+    # INT4: 2 stages and a 128-register cap fit 4 programs per multiprocessor (3 stages or no cap: 3).
     4: DecodeKernelOptions(
         cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128, gluon=True
     ),
     0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
 }
-# programs_per_sm 16 (was 2): chosen by the split sweep of run 3 (16x32K 0.598 -> 0.553 ms, 64x8K 0.515 ->
-# 0.525 ms in the same run). The options ``words``, ``fold_bias`` and ``defer_min`` are correct on the H200
-# but were not faster there (benchmarks/NOTES.md, run 3); they stay off.
-# v_pairs: 0.527 -> 0.479 ms at 64x8K in one sweep on the H200 (NOTES, run 7).
-# gluon (CUDA, pure 8-bit and 4-bit pools): 64x8K INT8 0.466 -> 0.339 ms, INT4 0.488 -> 0.221 ms, CUDA graph
-# replays in one sweep on the H200 (NOTES, run 8).
-# gluon_key_rows: 64x8K INT8 0.2822 -> 0.2795 ms; gluon_table_ahead: within the run's noise (0.5-1 %), kept
-# because it takes a dependent load off every iteration (NOTES, run 10).
+# v_pairs: the value tile takes the matrix unit's transposing load instead of a byte gather (NOTES, "value
+# codes as channel pairs"). gluon: one warp per block, no shared-memory round trips between warps (NOTES,
+# "one warp per block, in Gluon"). gluon_stages 3: the 8-bit ring is fastest at 3 stages, the 4-bit one at 2
+# (NOTES, "ring depth").
 PURE_INT8 = DecodeKernelOptions(
     cvt=2, mixed=False, programs_per_sm=16, maxnreg=128, v_pairs=True, gluon=True, gluon_stages=3
 )
 
 
 def default_options(bits: int) -> DecodeKernelOptions:
-    """The kernel options used for a pool of ``bits`` (0, 4 or 8) when none are given."""
+    """The kernel options used for a pool of ``bits`` (0, 4 or 8) that may hold demoted blocks."""
     return _DEFAULTS[bits]
 
 
-def _prmt_asm(sel0: str, sel1: str, fold: bool) -> tl.constexpr:
+def options_for(pool: ColdPool, options: DecodeKernelOptions | None = None) -> DecodeKernelOptions:
+    """``options``, else the defaults for this pool: :data:`PURE_INT8` for an 8-bit pool that never demotes
+    a block, else :func:`default_options` of its bits."""
+    if options is not None:
+        return options
+    if pool.bits == 8 and not pool.may_demote:
+        return PURE_INT8
+    return default_options(pool.bits)
+
+
+def _prmt_asm(sel0: str, sel1: str) -> tl.constexpr:
     """PTX making two fp16x2 registers ($0, $1) of the bytes of one 32-bit register ($2) picked by two
-    ``prmt`` selectors: ``0x64cc`` is ``1024 + c`` in fp16, kept as such if ``fold``, else minus 1024."""
-    picks = f"prmt.b32 {{}}, $2, 0x64646464, {sel0};\nprmt.b32 {{}}, $2, 0x64646464, {sel1};\n"
-    if fold:
-        return tl.constexpr(picks.format("$0", "$1"))
+    ``prmt`` selectors: ``0x64cc`` is ``1024 + c`` in fp16, minus 1024."""
     return tl.constexpr(
         "{\n.reg .b32 t0, t1, bias;\nmov.b32 bias, 0x64006400;\n"
-        + picks.format("t0", "t1")
-        + "sub.f16x2 $0, t0, bias;\nsub.f16x2 $1, t1, bias;\n}\n"
+        f"prmt.b32 t0, $2, 0x64646464, {sel0};\nprmt.b32 t1, $2, 0x64646464, {sel1};\n"
+        "sub.f16x2 $0, t0, bias;\nsub.f16x2 $1, t1, bias;\n}\n"
     )
 
 
 # Four codes of a register in channel order (bytes 0, 1 | 2, 3), or the even and the odd channel of two 16-bit
 # code pairs (bytes 0, 2 | 1, 3).
-_CODES, _CODES_FOLDED = _prmt_asm("0x4140", "0x4342", False), _prmt_asm("0x4140", "0x4342", True)
-_PAIRS, _PAIRS_FOLDED = _prmt_asm("0x4240", "0x4341", False), _prmt_asm("0x4240", "0x4341", True)
-
-
-@triton.jit
-def _nibbles_to_f16(x, FOLD: tl.constexpr):
-    """uint8 bytes -> (low nibble, high nibble) as fp16, four bytes per register: one ``prmt`` puts bytes 0, 2
-    | 1, 3 into the halves, then a mask (+ shift) per output register (GPU only)."""
-    if FOLD:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 y, t;
-            prmt.b32 y, $4, 0, 0x3120;
-            and.b32 t, y, 0x000F000F; or.b32 $0, t, 0x64006400;
-            shr.b32 t, y, 8; and.b32 t, t, 0x000F000F; or.b32 $1, t, 0x64006400;
-            shr.b32 t, y, 4; and.b32 t, t, 0x000F000F; or.b32 $2, t, 0x64006400;
-            shr.b32 t, y, 12; and.b32 t, t, 0x000F000F; or.b32 $3, t, 0x64006400;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
-        )  # fmt: skip
-    else:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 y, t, bias;
-            mov.b32 bias, 0x64006400;
-            prmt.b32 y, $4, 0, 0x3120;
-            and.b32 t, y, 0x000F000F; or.b32 t, t, 0x64006400; sub.f16x2 $0, t, bias;
-            shr.b32 t, y, 8; and.b32 t, t, 0x000F000F; or.b32 t, t, 0x64006400; sub.f16x2 $1, t, bias;
-            shr.b32 t, y, 4; and.b32 t, t, 0x000F000F; or.b32 t, t, 0x64006400; sub.f16x2 $2, t, bias;
-            shr.b32 t, y, 12; and.b32 t, t, 0x000F000F; or.b32 t, t, 0x64006400; sub.f16x2 $3, t, bias;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
-        )  # fmt: skip
+_CODES = _prmt_asm("0x4140", "0x4342")
+_PAIRS = _prmt_asm("0x4240", "0x4341")
 
 
 @triton.jit
@@ -219,31 +170,21 @@ def _prmt_f16(x, ASM: tl.constexpr, PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _codes_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr = False):
-    """uint8 codes [.., n] -> CDT, exact (codes <= 255); ``1024 + code`` if FOLD (fp16 magic number)."""
+def _codes_to(x, CDT: tl.constexpr, CVT: tl.constexpr):
+    """uint8 codes [.., n] -> CDT, exact (codes <= 255)."""
     if CVT == 2:
-        if FOLD:
-            return _prmt_f16(x, _CODES_FOLDED, False)
-        else:
-            return _prmt_f16(x, _CODES, False)
+        return _prmt_f16(x, _CODES, False)
     elif CVT == 1:
-        if FOLD:
-            return (x.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        else:
-            return (x.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return (x.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
     else:
         return x.to(CDT)
 
 
 @triton.jit
-def _pair_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr = False):
-    """uint16 pairs of 8-bit codes (low byte: even channel) -> (even, odd) codes in CDT, exact; ``1024 +
-    code`` if FOLD."""
+def _pair_to(x, CDT: tl.constexpr, CVT: tl.constexpr):
+    """uint16 pairs of 8-bit codes (low byte: even channel) -> (even, odd) codes in CDT, exact."""
     if CVT == 2:  # one prmt (+ one sub.f16x2) per output register
-        if FOLD:
-            return _prmt_f16(x, _PAIRS_FOLDED, True)
-        else:
-            return _prmt_f16(x, _PAIRS, True)
+        return _prmt_f16(x, _PAIRS, True)
     lo = x & 255
     hi = x >> 8
     if CVT == 0:
@@ -251,160 +192,18 @@ def _pair_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr = False
     else:  # magic number: 0x6400 | c is 1024 + c in fp16
         even = (lo | 0x6400).to(tl.float16, bitcast=True)
         odd = (hi | 0x6400).to(tl.float16, bitcast=True)
-        if FOLD:
-            return even, odd
-        else:
-            return even - 1024.0, odd - 1024.0
+        return even - 1024.0, odd - 1024.0
 
 
 @triton.jit
 def _value_pairs(ptr, s_t, T: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, CDT: tl.constexpr,
-                 CVT: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
+                 CVT: tl.constexpr):  # fmt: skip
     """The value codes of one 8-bit block as (even, odd) channel tiles [T, DH] in CDT (``v_pairs``)."""
     t = tl.arange(0, T)
     j = tl.arange(0, DH)
     offs = t[:, None].to(tl.int64) * (s_t // 2) + j[None, :]
     raw = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=(t < BS)[:, None], other=0)
-    return _pair_to(raw, CDT, CVT, FOLD)
-
-
-@triton.jit
-def _small_int_to(x, CDT: tl.constexpr, CVT: tl.constexpr, FOLD: tl.constexpr):
-    """int32 values in [0, 255] -> CDT, exact; ``1024 + x`` if FOLD (pure ``tl``)."""
-    if CVT == 0:
-        return x.to(CDT)
-    else:
-        h = (x | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        if FOLD:
-            return h
-        else:
-            return h - 1024.0
-
-
-@triton.jit
-def _bytes_of_words_asm(w, FOLD: tl.constexpr):
-    """int32 words -> their four bytes as fp16 ``1024 + byte`` (``byte`` if not FOLD), byte 0 first.
-
-    One ``prmt`` per two bytes puts each byte under the exponent of 1024.0 (``0x64``), giving ``1024 + byte``
-    exactly; without FOLD the 1024 is subtracted (exact in fp16).
-    """
-    x0, x1, x2, x3 = tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t0, t1;
-        prmt.b32 t0, $4, 0x64646464, 0x4140;
-        prmt.b32 t1, $4, 0x64646464, 0x4342;
-        mov.b32 {$0, $1}, t0;
-        mov.b32 {$2, $3}, t1;
-        }
-        """,
-        constraints="=h,=h,=h,=h,r",
-        args=[w],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True,
-        pack=1,
-    )
-    if FOLD:
-        return x0, x1, x2, x3
-    else:
-        return x0 - 1024.0, x1 - 1024.0, x2 - 1024.0, x3 - 1024.0
-
-
-@triton.jit
-def _nibbles_of_words_asm(w, FOLD: tl.constexpr):
-    """int32 words -> fp16 ``1024 + nibble`` (``nibble`` if not FOLD): low nibbles of bytes 0..3, then high
-    nibbles of bytes 0..3.
-
-    ``lop3`` puts the low nibbles of bytes 0 and 2 into one f16x2 register (``(w & 0x000F000F) |
-    0x64006400``); shifts by 4, 8 and 12 give the other three pairs.
-    """
-    x = tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t0, t1, t2, t3, s;
-        lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
-        shr.u32 s, $8, 4;
-        lop3.b32 t1, s, 0x000F000F, 0x64006400, 0xEA;
-        shr.u32 s, $8, 8;
-        lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
-        shr.u32 s, $8, 12;
-        lop3.b32 t3, s, 0x000F000F, 0x64006400, 0xEA;
-        mov.b32 {$0, $2}, t0;
-        mov.b32 {$4, $6}, t1;
-        mov.b32 {$1, $3}, t2;
-        mov.b32 {$5, $7}, t3;
-        }
-        """,
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-        args=[w],
-        dtype=(tl.float16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
-    if FOLD:
-        return x
-    else:
-        return (x[0] - 1024.0, x[1] - 1024.0, x[2] - 1024.0, x[3] - 1024.0,
-                x[4] - 1024.0, x[5] - 1024.0, x[6] - 1024.0, x[7] - 1024.0)  # fmt: skip
-
-
-@triton.jit
-def _interleave4(c0, c1, c2, c3, T: tl.constexpr, N: tl.constexpr):
-    """Four [T, N/4] tiles -> [T, N] with column 4 w + j from tile j (no data movement: register joins)."""
-    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [T, N])
-
-
-@triton.jit
-def _word_halves(
-    ptr,
-    s_t,
-    T: tl.constexpr,
-    DH: tl.constexpr,
-    BS: tl.constexpr,
-    KIND: tl.constexpr,
-    CDT: tl.constexpr,
-    CVT: tl.constexpr,
-    FOLD: tl.constexpr,
-):
-    """Codes of channels [0, D/2) and [D/2, D) of one block from int32 words: two CDT tiles [T, DH].
-
-    Row stride ``s_t`` in bytes (a multiple of 4). INT8: words ``w`` of each half hold channels ``4w..4w+3``;
-    INT4: word ``w`` holds channels ``4w..4w+3`` (low nibbles) and ``DH + 4w..`` (high nibbles).
-    """
-    WH: tl.constexpr = DH // 4
-    t = tl.arange(0, T)
-    w = tl.arange(0, WH)
-    wptr = ptr.to(tl.pointer_type(tl.int32))
-    offs = t[:, None].to(tl.int64) * (s_t // 4) + w[None, :]
-    tmask = (t < BS)[:, None]
-    lo = tl.load(wptr + offs, mask=tmask, other=0)
-    if KIND == 8:
-        hi = tl.load(wptr + offs + WH, mask=tmask, other=0)
-        if CVT == 2:
-            a0, a1, a2, a3 = _bytes_of_words_asm(lo, FOLD)
-            b0, b1, b2, b3 = _bytes_of_words_asm(hi, FOLD)
-        else:
-            a0 = _small_int_to(lo & 255, CDT, CVT, FOLD)
-            a1 = _small_int_to((lo >> 8) & 255, CDT, CVT, FOLD)
-            a2 = _small_int_to((lo >> 16) & 255, CDT, CVT, FOLD)
-            a3 = _small_int_to((lo >> 24) & 255, CDT, CVT, FOLD)
-            b0 = _small_int_to(hi & 255, CDT, CVT, FOLD)
-            b1 = _small_int_to((hi >> 8) & 255, CDT, CVT, FOLD)
-            b2 = _small_int_to((hi >> 16) & 255, CDT, CVT, FOLD)
-            b3 = _small_int_to((hi >> 24) & 255, CDT, CVT, FOLD)
-    else:
-        if CVT == 2:
-            a0, a1, a2, a3, b0, b1, b2, b3 = _nibbles_of_words_asm(lo, FOLD)
-        else:
-            a0 = _small_int_to(lo & 15, CDT, CVT, FOLD)
-            a1 = _small_int_to((lo >> 8) & 15, CDT, CVT, FOLD)
-            a2 = _small_int_to((lo >> 16) & 15, CDT, CVT, FOLD)
-            a3 = _small_int_to((lo >> 24) & 15, CDT, CVT, FOLD)
-            b0 = _small_int_to((lo >> 4) & 15, CDT, CVT, FOLD)
-            b1 = _small_int_to((lo >> 12) & 15, CDT, CVT, FOLD)
-            b2 = _small_int_to((lo >> 20) & 15, CDT, CVT, FOLD)
-            b3 = _small_int_to((lo >> 28) & 15, CDT, CVT, FOLD)
-    return _interleave4(a0, a1, a2, a3, T, DH), _interleave4(b0, b1, b2, b3, T, DH)
+    return _pair_to(raw, CDT, CVT)
 
 
 @triton.jit
@@ -475,17 +274,6 @@ def _hot_zone(k_ptr, v_ptr, s_t, n_hot, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, 
 
 
 @triton.jit
-def _raw_tile(ptr, s_t, T: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, TRANS: tl.constexpr):
-    """The bytes of one block's code rows: a uint8 tile [T, DH] ([DH, T] if TRANS)."""
-    t = tl.arange(0, T)
-    c = tl.arange(0, DH)
-    if TRANS:
-        return tl.load(ptr + t[None, :].to(tl.int64) * s_t + c[:, None], mask=(t < BS)[None, :], other=0)
-    else:
-        return tl.load(ptr + t[:, None].to(tl.int64) * s_t + c[None, :], mask=(t < BS)[:, None], other=0)
-
-
-@triton.jit
 def _code_halves(
     ptr,
     s_t,
@@ -534,7 +322,6 @@ def _quant_tile(
     l_i,
     acc_lo,
     acc_hi,
-    acc_m,
     DH: tl.constexpr,
     T: tl.constexpr,
     BS: tl.constexpr,
@@ -544,17 +331,10 @@ def _quant_tile(
     CVT: tl.constexpr,
     PREC: tl.constexpr,
     KT: tl.constexpr,
-    WORDS: tl.constexpr = False,
-    FOLD: tl.constexpr = False,
-    DEFER: tl.constexpr = False,
     VPAIR: tl.constexpr = False,
-    NIB: tl.constexpr = False,
 ):
     """One quantized cold block; every pointer is already at this (block, head). KT: load keys as [DH, T];
-    VPAIR: values as even/odd channel tiles (:func:`_value_pairs`); NIB: 4-bit codes split by
-    :func:`_nibbles_to_f16` (GPU only);
-    WORDS: codes from int32 words (:func:`_word_halves`); FOLD: codes arrive as ``1024 + code``; DEFER: the
-    value-min term goes to ``acc_m`` [GP] (added to every channel by the caller at the end)."""
+    VPAIR: values as even/odd channel tiles (:func:`_value_pairs`)."""
     four = bits == 4
     hi_off = tl.where(four, 0, DH)
     shift = tl.where(four, 4, 0).to(tl.uint8)
@@ -565,28 +345,16 @@ def _quant_tile(
     kmin_hi = tl.load(kmin_ptr + DH + c).to(tl.float32)
     ksc_lo = tl.load(ksc_ptr + c).to(tl.float32)
     ksc_hi = tl.load(ksc_ptr + DH + c).to(tl.float32)
-    if WORDS:
-        k_lo, k_hi = _word_halves(k_ptr, s_t, T, DH, BS, KIND, CDT, CVT, FOLD)
-        k_lo = tl.trans(k_lo)
-        k_hi = tl.trans(k_hi)
-    elif NIB:
-        k_lo, k_hi = _nibbles_to_f16(_raw_tile(k_ptr, s_t, T, DH, BS, KT), FOLD)
-        if not KT:
-            k_lo = tl.trans(k_lo)
-            k_hi = tl.trans(k_hi)
+    k_lo, k_hi = _code_halves(k_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, KT)
+    if KT:
+        k_lo = _codes_to(k_lo, CDT, CVT)
+        k_hi = _codes_to(k_hi, CDT, CVT)
     else:
-        k_lo, k_hi = _code_halves(k_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, KT)
-        if KT:
-            k_lo = _codes_to(k_lo, CDT, CVT, FOLD)
-            k_hi = _codes_to(k_hi, CDT, CVT, FOLD)
-        else:
-            k_lo = tl.trans(_codes_to(k_lo, CDT, CVT, FOLD))
-            k_hi = tl.trans(_codes_to(k_hi, CDT, CVT, FOLD))
+        k_lo = tl.trans(_codes_to(k_lo, CDT, CVT))
+        k_hi = tl.trans(_codes_to(k_hi, CDT, CVT))
     qs_lo = (q_lo * ksc_lo[None, :]).to(CDT)
     qs_hi = (q_hi * ksc_hi[None, :]).to(CDT)
     qm = tl.sum(q_lo * kmin_lo[None, :], 1) + tl.sum(q_hi * kmin_hi[None, :], 1)
-    if FOLD:  # the codes are 1024 + code: take 1024 * sum(q * scale) (the rounded operands) back out
-        qm -= 1024.0 * (tl.sum(qs_lo.to(tl.float32), 1) + tl.sum(qs_hi.to(tl.float32), 1))
     s = tl.dot(qs_lo, k_lo, input_precision=PREC)
     s += tl.dot(qs_hi, k_hi, input_precision=PREC)
     s = tl.where((t < BS)[None, :], s + qm[:, None], float("-inf"))
@@ -595,100 +363,14 @@ def _quant_tile(
     vsc = tl.load(vsc_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
     ps = (p * vsc[None, :]).to(CDT)
     pm = tl.sum(p * vmin[None, :], 1)
-    if FOLD:
-        pm -= 1024.0 * tl.sum(ps.to(tl.float32), 1)
     if VPAIR:
-        v_lo, v_hi = _value_pairs(v_ptr, s_t, T, DH, BS, CDT, CVT, FOLD)
-    elif NIB:
-        v_lo, v_hi = _nibbles_to_f16(_raw_tile(v_ptr, s_t, T, DH, BS, False), FOLD)
-    elif WORDS:
-        v_lo, v_hi = _word_halves(v_ptr, s_t, T, DH, BS, KIND, CDT, CVT, FOLD)
+        v_lo, v_hi = _value_pairs(v_ptr, s_t, T, DH, BS, CDT, CVT)
     else:
         v_lo, v_hi = _code_halves(v_ptr, s_t, hi_off, shift, mask, T, DH, BS, KIND, MIXED, False)
-        v_lo = _codes_to(v_lo, CDT, CVT, FOLD)
-        v_hi = _codes_to(v_hi, CDT, CVT, FOLD)
-    if DEFER:
-        acc_m = acc_m * alpha + pm
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(ps, v_lo, input_precision=PREC)
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(ps, v_hi, input_precision=PREC)
-    else:
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(ps, v_lo, input_precision=PREC) + pm[:, None]
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(ps, v_hi, input_precision=PREC) + pm[:, None]
-    return m_i, l_i, acc_lo, acc_hi, acc_m, lse
-
-
-@triton.jit
-def _i8_parts(x, amax):
-    """x [R, C] float32 as two int8 tiles and a per-row scale: x ~ s (h + l / 254), s = amax / 127."""
-    inv = 127.0 / tl.maximum(amax, 1.0e-30)  # rows of zeros (padding) stay zeros
-    y = x * inv[:, None]
-    h = tl.floor(y + 0.5)
-    lo = tl.floor((y - h) * 254.0 + 0.5)
-    return h.to(tl.int8), lo.to(tl.int8), amax * (1.0 / 127.0), tl.sum(h + lo * (1.0 / 254.0), 1)
-
-
-@triton.jit
-def _i8_dot(h, lo, codes):
-    """sum(h + l / 254) . codes for int8 tiles, in float32 (two int8 x int8 -> int32 products)."""
-    hi_part = tl.dot(h, codes, out_dtype=tl.int32).to(tl.float32)
-    return hi_part + tl.dot(lo, codes, out_dtype=tl.int32).to(tl.float32) * (1.0 / 254.0)
-
-
-@triton.jit
-def _signed_halves(ptr, s_t, T: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
-                   TRANS: tl.constexpr):  # fmt: skip
-    """:func:`_code_halves` of a pure pool as int8 tiles: 8-bit codes centred (``c ^ 0x80``, i.e. ``c - 128``;
-    :func:`_i8_true` adds the 128 back), 4-bit codes as they are."""
-    lo, hi = _code_halves(ptr, s_t, 0, 0, 0, T, DH, BS, KIND, False, TRANS)
-    if KIND == 8:
-        lo = lo ^ 128
-        hi = hi ^ 128
-    return lo.to(tl.int8, bitcast=True), hi.to(tl.int8, bitcast=True)
-
-
-@triton.jit
-def _i8_true(dot, sums, KIND: tl.constexpr):
-    """The product with the true codes from the product with :func:`_signed_halves`' tiles; ``sums``: per
-    row, sum(h + l / 254) of the other operand."""
-    if KIND == 8:
-        return dot + 128.0 * sums[:, None]
-    else:
-        return dot
-
-
-@triton.jit
-def _quant_tile_i8(
-    k_ptr, v_ptr, s_t, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, q_lo, q_hi, m_i, l_i, acc_lo, acc_hi,
-    DH: tl.constexpr, T: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, KT: tl.constexpr,
-):  # fmt: skip
-    """:func:`_quant_tile` on the integer matrix unit (``DecodeKernelOptions.int8_dot``), pure pools only."""
-    c = tl.arange(0, DH)
-    t = tl.arange(0, T)
-    qs_lo = q_lo * tl.load(ksc_ptr + c).to(tl.float32)[None, :]
-    qs_hi = q_hi * tl.load(ksc_ptr + DH + c).to(tl.float32)[None, :]
-    qm = tl.sum(q_lo * tl.load(kmin_ptr + c).to(tl.float32)[None, :], 1)
-    qm += tl.sum(q_hi * tl.load(kmin_ptr + DH + c).to(tl.float32)[None, :], 1)
-    amax = tl.maximum(tl.max(tl.abs(qs_lo), 1), tl.max(tl.abs(qs_hi), 1))
-    hl, ll, scale, sum_lo = _i8_parts(qs_lo, amax)
-    hh, lh, _, sum_hi = _i8_parts(qs_hi, amax)
-    k_lo, k_hi = _signed_halves(k_ptr, s_t, T, DH, BS, KIND, KT)
-    if not KT:
-        k_lo = tl.trans(k_lo)
-        k_hi = tl.trans(k_hi)
-    s = _i8_true(_i8_dot(hl, ll, k_lo), sum_lo, KIND)
-    s += _i8_true(_i8_dot(hh, lh, k_hi), sum_hi, KIND)
-    s = tl.where((t < BS)[None, :], s * scale[:, None] + qm[:, None], float("-inf"))
-    p, alpha, m_i, l_i, lse = _softmax_step(s, m_i, l_i)
-    vmin = tl.load(vmin_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
-    vsc = tl.load(vsc_ptr + t, mask=t < BS, other=0.0).to(tl.float32)
-    ps = p * vsc[None, :]
-    pm = tl.sum(p * vmin[None, :], 1)
-    hp, lp, pscale, psum = _i8_parts(ps, tl.max(ps, 1))
-    v_lo, v_hi = _signed_halves(v_ptr, s_t, T, DH, BS, KIND, False)
-    o_lo = _i8_true(_i8_dot(hp, lp, v_lo), psum, KIND) * pscale[:, None]
-    o_hi = _i8_true(_i8_dot(hp, lp, v_hi), psum, KIND) * pscale[:, None]
-    acc_lo = acc_lo * alpha[:, None] + o_lo + pm[:, None]
-    acc_hi = acc_hi * alpha[:, None] + o_hi + pm[:, None]
+        v_lo = _codes_to(v_lo, CDT, CVT)
+        v_hi = _codes_to(v_hi, CDT, CVT)
+    acc_lo = acc_lo * alpha[:, None] + tl.dot(ps, v_lo, input_precision=PREC) + pm[:, None]
+    acc_hi = acc_hi * alpha[:, None] + tl.dot(ps, v_hi, input_precision=PREC) + pm[:, None]
     return m_i, l_i, acc_lo, acc_hi, lse
 
 
@@ -703,9 +385,7 @@ def _split_kernel(
     s_qb, s_qh, s_hs, s_hh, s_ht, s_cn, s_ch, s_ct, s_kn, s_kh, s_vn, s_vh,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr, BS: tl.constexpr,
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
-    PREC: tl.constexpr, KT: tl.constexpr = False, WORDS: tl.constexpr = False, FOLD: tl.constexpr = False,
-    DEFER: tl.constexpr = False, I8: tl.constexpr = False, VPAIR: tl.constexpr = False,
-    NIB: tl.constexpr = False,
+    PREC: tl.constexpr, KT: tl.constexpr = False, VPAIR: tl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse."""
     pid_s = tl.program_id(0)
@@ -725,7 +405,6 @@ def _split_kernel(
     l_i = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, DH], tl.float32)
     acc_hi = tl.zeros([GP, DH], tl.float32)
-    acc_m = tl.zeros([GP], tl.float32)  # deferred value-min term (DEFER), rescaled like acc
     # The hot zone (model precision, newest tokens) belongs to the last split.
     is_last = pid_s == num_splits - 1
     n_hot = tl.where(is_last, tl.load(hot_len_ptr + b), 0)
@@ -749,21 +428,14 @@ def _split_kernel(
             m_i, l_i, acc_lo, acc_hi, lse = _dense_tile(
                 k_ptr, v_ptr, s_ct, BS, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi, DH, T, PREC
             )
-        elif I8:
-            m_i, l_i, acc_lo, acc_hi, lse = _quant_tile_i8(
-                k_ptr, v_ptr, s_ct, kmin_ptr + kq, ksc_ptr + kq, vmin_ptr + vq, vsc_ptr + vq, qf_lo, qf_hi,
-                m_i, l_i, acc_lo, acc_hi, DH, T, BS, KIND, KT)  # fmt: skip
         else:
             bits = tl.load(bits_ptr + bid) if MIXED else KIND
-            m_i, l_i, acc_lo, acc_hi, acc_m, lse = _quant_tile(
+            m_i, l_i, acc_lo, acc_hi, lse = _quant_tile(
                 k_ptr, v_ptr, s_ct, kmin_ptr + kq, ksc_ptr + kq, vmin_ptr + vq, vsc_ptr + vq, bits,
-                qf_lo, qf_hi, m_i, l_i, acc_lo, acc_hi, acc_m, DH, T, BS, KIND, MIXED, CDT, CVT, PREC,
-                KT, WORDS, FOLD, DEFER, VPAIR, NIB)  # fmt: skip
+                qf_lo, qf_hi, m_i, l_i, acc_lo, acc_hi, DH, T, BS, KIND, MIXED, CDT, CVT, PREC, KT,
+                VPAIR)  # fmt: skip
         tl.store(blk_lse_ptr + (row + j) * G + g, lse, mask=gmask)
     part = (bh * num_splits + pid_s).to(tl.int64)
-    if DEFER:
-        acc_lo += acc_m[:, None]
-        acc_hi += acc_m[:, None]
     if VPAIR:  # even and odd channels
         acc_off = part * G * D + g[:, None] * D + 2 * c[None, :]
         tl.store(part_acc_ptr + acc_off, acc_lo, mask=gmask[:, None])
@@ -843,21 +515,8 @@ def _merge_kernel(
         tl.store(mass_ptr + row + j, tl.sum(tl.exp2(lb - lse[None, :]), 1) / G, mask=j < M)
 
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (at least 1), for host ints (``triton.next_power_of_2``: ~4 µs)."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for host ints (``triton.cdiv`` is a JIT function: ~4 µs a call from Python)."""
-    return -(-a // b)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton picks its interpreter when a kernel is defined (at this module's import); it runs no PTX (cvt=2).
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=16)
@@ -867,87 +526,68 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _prepare(
-    q: torch.Tensor,
-    hot_k: torch.Tensor,
-    pool: ColdPool,
-    block_table: torch.Tensor,
-    options: DecodeKernelOptions | None,
-) -> tuple[DecodeKernelOptions, dict[str, object], tuple[object, ...], int, int]:
-    """A launch's options, compile-time values, occupancy key, split count and blocks per split."""
-    B, Hq, D = q.shape
-    H, M = block_table.shape[1], block_table.shape[2]
-    G = Hq // H
-    bits = pool.bits
-    if options is None and bits == 8 and not pool.may_demote:
-        options = PURE_INT8
-    opts = _resolve(options, bits, hot_k.dtype)
-    cdt = tl.float32 if hot_k.dtype == torch.float32 else tl.float16
-    prec = "ieee" if hot_k.dtype == torch.float32 else "tf32"
-    mixed = bits == 8 and opts.mixed
-    i8 = opts.int8_dot and bits > 0 and not mixed and D // 2 >= 32 and pool.k.shape[2] >= 32
-    meta = dict(
-        H=H, G=G, GP=max(16, next_pow2(G)), D=D, T=max(16, next_pow2(pool.k.shape[2])), BS=pool.k.shape[2],
-        HOT_T=min(64, max(16, next_pow2(hot_k.shape[2]))), KIND=bits,
-        MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
-        WORDS=opts.words and not mixed and bits > 0 and _aligned(pool, 4),
-        FOLD=opts.fold_bias and opts.cvt > 0, DEFER=opts.defer_min and bits > 0,
-        NIB=opts.nibble_asm and bits == 4 and opts.cvt == 2 and not opts.words and not i8,
-        I8=i8, VPAIR=opts.v_pairs and bits == 8 and not (mixed or opts.words or i8) and _aligned(pool, 2),
-        num_warps=opts.num_warps, num_stages=opts.num_stages,
-        **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
-    )  # fmt: skip
-    key = (str(q.device), *((k, str(v)) for k, v in meta.items())) if opts.wave_splits else ()
-    splits, per = plan_splits(B * H, M, q.device, opts, _RESIDENT.get(key))
-    return opts, meta, key, splits, per
+class DecodePlan(NamedTuple):
+    """One launch of :func:`hybrid_decode_attention_triton` as planned (:func:`launch_plan`)."""
+
+    kernel: DecodeKernel  # :func:`~kvtune.kernels.decode_attention.decode_kernel`'s choice
+    options: DecodeKernelOptions  # as the launch uses them (:func:`_resolved`)
+    meta: dict[str, object]  # the split kernel's compile-time values (the merge reads HOT_T and PREC)
+    key: tuple[object, ...]  # the Gluon build's occupancy key in ``_RESIDENT`` (() for the split kernel)
+    splits: int
+    per: int  # cold blocks per split
 
 
-def split_plan(
+def launch_plan(
     q: torch.Tensor,
     hot_k: torch.Tensor,
     pool: ColdPool,
     block_table: torch.Tensor,
     options: DecodeKernelOptions | None = None,
-) -> tuple[int, int]:
-    """(splits, blocks per split) of :func:`hybrid_decode_attention_triton` on these inputs, as its next
-    launch plans them (the Gluon kernel's, where it takes the launch: the merge attends the hot zone)."""
-    opts, meta, _, splits, per = _prepare(q, hot_k, pool, block_table, options)
-    if _takes_gluon(q, pool, block_table, opts, meta):
-        _, splits, per = _gluon_plan(q, pool, block_table, opts)
-    return splits, per
-
-
-def _takes_gluon(
-    q: torch.Tensor, pool: ColdPool, block_table: torch.Tensor, opts: DecodeKernelOptions, meta: dict
-) -> bool:
-    return opts.gluon and gluon_decode.supported(
-        q, pool.bits, bool(meta["MIXED"]), pool.k.shape[2], tuple(pool.k.stride()), block_table.shape[1]
-    )
-
-
-def _gluon_plan(
-    q: torch.Tensor, pool: ColdPool, block_table: torch.Tensor, opts: DecodeKernelOptions
-) -> tuple[tuple[object, ...], int, int]:
-    """The Gluon build's occupancy key, its split count and blocks per split."""
+    kernel: DecodeKernel | None = None,
+) -> DecodePlan:
+    """How :func:`hybrid_decode_attention_triton` launches on these inputs: its kernel (``kernel``, else
+    :func:`~kvtune.kernels.decode_attention.decode_kernel`'s choice), options, compile-time values and split
+    count (the Gluon kernel's, where it takes the launch: the merge then attends the hot zone)."""
+    if kernel is None:
+        kernel = decode_kernel(q, pool, block_table, options, triton=True)
     B, Hq, D = q.shape
     H, M = block_table.shape[1], block_table.shape[2]
-    key = ("gluon", str(q.device), pool.bits, D, pool.k.shape[2], Hq // H, opts.gluon_maxnreg,
-           opts.gluon_stages, opts.gluon_key_rows, opts.gluon_table_ahead, opts.gluon_ring_only)  # fmt: skip
-    # The wave model, with the build's occupancy once known (64x8K INT8 0.307-0.320 -> 0.295 ms against
-    # the best programs-per-SM target, NOTES run 8).
-    plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm, wave_splits=True)
+    G = Hq // H
+    bits = pool.bits
+    opts = _resolved(options_for(pool, options), hot_k.dtype, _INTERPRETING)
+    cdt = tl.float32 if hot_k.dtype == torch.float32 else tl.float16
+    prec = "ieee" if hot_k.dtype == torch.float32 else "tf32"
+    mixed = bits == 8 and opts.mixed
+    meta = dict(
+        H=H, G=G, GP=max(16, next_pow2(G)), D=D, T=max(16, next_pow2(pool.k.shape[2])), BS=pool.k.shape[2],
+        HOT_T=min(64, max(16, next_pow2(hot_k.shape[2]))), KIND=bits,
+        MIXED=mixed, CDT=cdt, CVT=opts.cvt, PREC=prec, KT=opts.k_transposed,
+        VPAIR=opts.v_pairs and bits == 8 and not mixed and _aligned(pool, 2),
+        num_warps=opts.num_warps, num_stages=opts.num_stages,
+        **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
+    )  # fmt: skip
+    if kernel != "gluon":
+        splits, per = plan_splits(B * H, M, q.device, opts)
+        return DecodePlan(kernel, opts, meta, (), splits, per)
+    key = ("gluon", str(q.device), bits, D, pool.k.shape[2], G, opts.gluon_stages, opts.gluon_key_rows,
+           opts.gluon_table_ahead)  # fmt: skip
+    # The wave model with the build's occupancy, once known: on the H200 it beat every programs-per-SM target
+    # for the Gluon kernel (benchmarks/NOTES.md, "one warp per block, in Gluon").
+    plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm)
     splits, per = plan_splits(B * H, M, q.device, plan, _RESIDENT.get(key))
-    return key, splits, per
+    return DecodePlan(kernel, opts, meta, key, splits, per)
 
 
 def plan_splits(
     bh: int, m: int, device: torch.device, options: DecodeKernelOptions, resident: int | None = None
 ) -> tuple[int, int]:
-    """(number of splits, cold blocks per split) for bh = B * H programs over a table of m blocks;
-    ``resident``: programs of the build resident per multiprocessor (``wave_splits`` plans with it)."""
+    """(number of splits, cold blocks per split) for bh = B * H programs over a table of m blocks: by the
+    wave model (:func:`wave_splits`) where ``resident`` (programs of the build resident per multiprocessor)
+    is given, else by ``options.programs_per_sm``. The split kernel always plans by the target; the Gluon
+    kernel by the wave model once its build's occupancy is known."""
     target = options.programs_per_sm * _num_sms(device)
     most = max(1, cdiv(m, options.min_blocks_per_split))
-    if options.wave_splits and resident:
+    if resident:
         splits = wave_splits(bh, max(m, 1), most, resident * _num_sms(device), target)
     else:
         splits = max(1, min(cdiv(target, bh), most))
@@ -959,11 +599,8 @@ def plan_splits(
 def wave_splits(bh: int, m: int, most: int, slots: int, target: int) -> int:
     """The split count (1..most) with the least modeled time for bh programs per split over m blocks, when
     ``slots`` programs run at once: waves (programs / slots, rounded up) x (blocks per program + 1, the
-    program's own work: q, hot zone, partials). Ties go to the program count nearest ``target``.
-
-    Checked against the H200's four split sweeps of run 4 (NOTES): among the four split counts each sweep
-    measured, it picks the fastest in three and one within 1 % in the fourth (INT4 at 64x8K, where all four
-    measured within 1 %)."""
+    program's own work: q, hot zone, partials). Ties go to the program count nearest ``target``. Checked
+    against the H200's split sweeps (benchmarks/NOTES.md, "Split count from a wave model")."""
 
     def cost(s: int) -> tuple[int, int]:
         return wave_cost(bh, m, s, slots), abs(bh * cdiv(m, cdiv(m, s)) - target)
@@ -988,8 +625,8 @@ def resident_programs(
     return max(1, min(by_regs, by_smem, 32))
 
 
-# Programs resident per multiprocessor of each split-kernel build, read from the build at its first launch
-# (``wave_splits``); keyed by the device and the launch's compile-time values.
+# Programs resident per multiprocessor of each Gluon build, read from the build at its first launch (the wave
+# model plans its later launches); keyed by the device and the build's compile-time values.
 _RESIDENT: dict[tuple[object, ...], int] = {}
 
 
@@ -1006,36 +643,24 @@ def _resident_of(kernel: object, device: torch.device) -> int | None:
     )  # fmt: skip
 
 
-def _resolve(options: DecodeKernelOptions | None, bits: int, model_dtype: torch.dtype) -> DecodeKernelOptions:
-    return _resolved(options, bits, model_dtype, _interpreting())
-
-
 @functools.lru_cache(maxsize=64)
 def _resolved(
-    options: DecodeKernelOptions | None, bits: int, model_dtype: torch.dtype, interpreting: bool
+    options: DecodeKernelOptions, model_dtype: torch.dtype, interpreting: bool
 ) -> DecodeKernelOptions:
-    """The options a launch uses: float32 models convert codes by cast (and never split into int8); the
-    interpreter cannot run PTX."""
-    opts = options or default_options(bits)
-    cvt, int8_dot = opts.cvt, opts.int8_dot
-    if model_dtype == torch.float32:  # exact arithmetic: codes cast to float32, no int8 splitting
-        cvt, int8_dot = 0, False
+    """The options a launch uses: float32 models convert codes by cast; the interpreter cannot run PTX."""
+    cvt = options.cvt
+    if model_dtype == torch.float32:  # exact arithmetic: codes cast to float32
+        cvt = 0
     elif cvt == 2 and interpreting:
         cvt = 1
-    return replace(opts, cvt=cvt, int8_dot=int8_dot)
+    return replace(options, cvt=cvt)
 
 
 def _aligned(pool: ColdPool, size: int) -> bool:
-    """Code rows start at ``size``-byte boundaries (int32 word loads: 4, uint16 pair loads: 2)."""
+    """Code rows start at ``size``-byte boundaries (``v_pairs``' uint16 pair loads: 2)."""
     return all(
         x.data_ptr() % size == 0 and all(st % size == 0 for st in x.stride()[:3]) for x in (pool.k, pool.v)
     )
-
-
-def tileable_head_dim(d: int) -> bool:
-    """Head dims the kernels tile: two halves of a power of two >= 16 (others take the reference)."""
-    half = d // 2
-    return d % 2 == 0 and half >= 16 and half & (half - 1) == 0
 
 
 def _check_inputs(q: torch.Tensor, hot_k: torch.Tensor, hot_v: torch.Tensor, pool: ColdPool,
@@ -1075,14 +700,19 @@ def hybrid_decode_attention_triton(
     num_cold: torch.Tensor,
     sm_scale: float,
     options: DecodeKernelOptions | None = None,
+    kernel: DecodeKernel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused hybrid decode attention (module docstring); the contract of ``hybrid_decode_attention_ref``.
 
     q [B, Hq, D]; hot_k/hot_v [S, H, C, D] model dtype; hot_slot, hot_len int32 [B]; block_table int32
     [B, H, M] (padded -1); num_cold int32 [B, H]. Returns out [B, Hq, D] (q.dtype), block_mass float32
-    [B, H, M], hot_mass float32 [B, H].
+    [B, H, M], hot_mass float32 [B, H]. ``kernel``: the choice of
+    :func:`~kvtune.kernels.decode_attention.decode_kernel` where the caller made it (the dispatcher; a test
+    forcing one), else made here with the Triton kernels taken as available (CPU tensors: the interpreter).
     """
-    if not tileable_head_dim(q.shape[2]):
+    if kernel is None:
+        kernel = decode_kernel(q, pool, block_table, options, triton=True)
+    if kernel == "reference":
         return hybrid_decode_attention_ref(
             q, hot_k, hot_v, hot_slot, hot_len, pool, block_table, num_cold, sm_scale
         )
@@ -1090,12 +720,11 @@ def hybrid_decode_attention_triton(
     B, Hq, D = q.shape
     H, M = block_table.shape[1], block_table.shape[2]
     G = Hq // H
-    opts, meta, key, splits, per = _prepare(q, hot_k, pool, block_table, options)
+    plan = launch_plan(q, hot_k, pool, block_table, options, kernel)
+    opts, meta, key, splits, per = plan.options, plan.meta, plan.key, plan.splits, plan.per
     # Where the Gluon kernel takes the cold blocks, the merge attends the hot zone (``gluon_pdl``: as a
     # programmatic dependent, while the Gluon kernel runs); elsewhere the split kernel's last split does.
-    gluon = _takes_gluon(q, pool, block_table, opts, meta)
-    if gluon:
-        key, splits, per = _gluon_plan(q, pool, block_table, opts)
+    gluon = kernel == "gluon"
     pdl = gluon and opts.gluon_pdl
     dev = q.device
     part_acc = torch.empty((B * H * splits, G, D), dtype=torch.float32, device=dev)
@@ -1108,18 +737,21 @@ def hybrid_decode_attention_triton(
     hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
     qk_scale = sm_scale * LOG2E
     if gluon:
-        kernel = gluon_decode.launch_cold(
+        compiled = gluon_decode.launch_cold(
             (splits, B * H),
             (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, table, ncold,
              part_acc, part_ml, blk_lse, qk_scale, per, splits, M,
              q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1),
              pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
-            H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, maxnreg=opts.gluon_maxnreg,
-            stages=opts.gluon_stages, pdl=pdl, key_rows=opts.gluon_key_rows,
-            table_ahead=opts.gluon_table_ahead, ring_only=opts.gluon_ring_only,
+            H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, stages=opts.gluon_stages, pdl=pdl,
+            key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead,
         )  # fmt: skip
+        if key not in _RESIDENT and dev.type == "cuda":
+            resident = _resident_of(compiled, dev)
+            if resident:
+                _RESIDENT[key] = resident
     else:
-        kernel = _split_kernel[(splits, B * H)](
+        _split_kernel[(splits, B * H)](
             q, hot_k, hot_v, hot_slot, hot_len,
             pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
             part_acc, part_ml, blk_lse, hot_lse,
@@ -1129,10 +761,6 @@ def hybrid_decode_attention_triton(
             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
             **meta,
         )  # fmt: skip
-    if (gluon or opts.wave_splits) and key not in _RESIDENT and dev.type == "cuda":
-        resident = _resident_of(kernel, dev)
-        if resident:
-            _RESIDENT[key] = resident
     out = torch.empty_like(q)
     mass = torch.empty((B, H, M), dtype=torch.float32, device=dev)
     hot_mass = torch.empty((B, H), dtype=torch.float32, device=dev)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtune.kernels.triton_decode import cdiv, next_pow2
+from kvtune.kernels.triton_common import cdiv, next_pow2
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import triton.language as tl
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import check_seal_bits, seal_blocks_ref
 from kvtune.kernels.requant import requantize_int4_ref
-from kvtune.kernels.triton_decode import next_pow2, tileable_head_dim
+from kvtune.kernels.triton_common import next_pow2, tileable_head_dim
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.sparse_table import L1, L2, ByteCount, sparse_block_table_ref
-from kvtune.kernels.triton_decode import cdiv, tileable_head_dim
+from kvtune.kernels.triton_common import cdiv, tileable_head_dim
 from kvtune.kernels.triton_quest import quest_scores_triton
 
 CHUNK = 64

@@ -102,10 +102,14 @@ def test_console_command_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("value", "ok"), [("torch", True), ("triton", True), ("cuda", False), ("", False)])
-def test_kernels_variable_is_checked(monkeypatch: pytest.MonkeyPatch, value: str, ok: bool) -> None:
-    from kvtune.kernels.backend import use_triton
+def test_kernels_variable_is_checked(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, value: str, ok: bool
+) -> None:
+    from kvtune.kernels.backend import kernel_choice, use_triton
 
     monkeypatch.setenv("KVTUNE_KERNELS", value)
+    kernel_choice.cache_clear()  # the variable is read once per process; the test re-reads it
+    request.addfinalizer(kernel_choice.cache_clear)
     if ok:
         assert use_triton(torch.zeros(1)) is False  # a CPU tensor never takes Triton
     else:

@@ -42,10 +42,11 @@ def _decode(
     b: int = 3,
     m: int = 9,
     bs: int = 64,
+    kernel: str | None = None,
     **options: Any,
 ) -> Callable[[], Any]:
     """b sequences of m cold blocks; ``options``: a variant of the bits' default ``DecodeKernelOptions`` (the
-    word loads, say)."""
+    byte values, say); ``kernel``: the launcher's choice of kernel, where given."""
     from dataclasses import replace
 
     from kvtune.kernels.triton_decode import PURE_INT8, default_options, hybrid_decode_attention_triton
@@ -59,7 +60,7 @@ def _decode(
     return lambda: hybrid_decode_attention_triton(
         torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
         torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32), pool, table,
-        torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=opts,
+        torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=opts, kernel=kernel,
     )  # fmt: skip
 
 
@@ -67,19 +68,8 @@ def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64
            m: int = 9, stages: int = 2) -> Callable[[], Any]:  # fmt: skip
     """The launches with the Gluon cold kernel: it takes CUDA tensors only, so the launcher is told it
     applies (every other condition of ``gluon_decode.supported`` holds for these pools)."""
-    from unittest import mock
-
-    from kvtune.kernels import triton_decode as td
-
-    launch = _decode(
-        bits, demotable=False, heads=heads, group=group, d=d, b=b, m=m, bs=bs, gluon=True, gluon_stages=stages
-    )
-
-    def run() -> Any:
-        with mock.patch.object(td, "_takes_gluon", lambda *_: True):
-            return launch()
-
-    return run
+    return _decode(bits, demotable=False, heads=heads, group=group, d=d, b=b, m=m, bs=bs, kernel="gluon",
+                   gluon=True, gluon_stages=stages)  # fmt: skip
 
 
 def _quest(bits: int, b: int = 2, m: int = 9) -> Callable[[], Any]:
@@ -149,14 +139,7 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "decode int4": lambda: _decode(4, demotable=False),
     "decode unquantized": lambda: _decode(0, demotable=False),
     "decode int8 smollm2 heads": lambda: _decode(8, demotable=False, heads=3, group=3, d=64),
-    **{f"decode int{bits} words{' fold' if fold else ''}": (
-        lambda bits=bits, fold=fold: _decode(bits, False, cvt=2, words=True, mixed=False, fold_bias=fold))
-       for bits in (8, 4) for fold in (False, True)},
-    **{f"decode int4 nibble asm{' fold' if fold else ''}": (
-        lambda fold=fold: _decode(4, False, cvt=2, nibble_asm=True, fold_bias=fold))
-       for fold in (False, True)},
     "decode int8 byte values": lambda: _decode(8, False, v_pairs=False),
-    "decode int8 int8_dot": lambda: _decode(8, False, int8_dot=True, v_pairs=False),
     **{f"decode int{bits} gluon d{d} bs{bs}": (lambda bits=bits, d=d, bs=bs: _gluon(bits, d=d, bs=bs))
        for bits in (8, 4) for d in (64, 128) for bs in (16, 32, 64)},
     "decode int4 gluon smollm2 heads": lambda: _gluon(4, heads=3, group=3, d=64, bs=32),
@@ -350,13 +333,11 @@ def test_the_wave_model_ranks_first_what_the_h200_measured_fastest(
     assert min(costs, key=lambda s: costs[s]) == min(measured, key=lambda s: measured[s])
 
 
-def test_plan_splits_uses_the_wave_model_only_when_asked_and_the_occupancy_is_known() -> None:
+def test_plan_splits_uses_the_wave_model_only_when_the_occupancy_is_known() -> None:
     from kvtune.kernels.triton_decode import DecodeKernelOptions, plan_splits, wave_splits
 
     cpu = torch.device("cpu")  # 4 multiprocessors stand in for a GPU's count
     base = DecodeKernelOptions(programs_per_sm=16)
-    waves = DecodeKernelOptions(programs_per_sm=16, wave_splits=True)
-    assert plan_splits(8, 200, cpu, waves) == plan_splits(8, 200, cpu, base)  # occupancy not read yet
-    splits, per = plan_splits(8, 200, cpu, waves, resident=4)
+    assert plan_splits(8, 200, cpu, base) == (8, 25)  # occupancy not read yet: 16 x 4 programs over 8 rows
+    splits, per = plan_splits(8, 200, cpu, base, resident=4)
     assert splits == wave_splits(8, 200, 50, 16, 64) and splits * per >= 200 > (splits - 1) * per
-    assert plan_splits(8, 200, cpu, base, resident=4) == plan_splits(8, 200, cpu, base)

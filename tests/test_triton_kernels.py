@@ -126,7 +126,7 @@ def check_path(td, shape: Shape, bits: int, dtype: torch.dtype, device: str, opt
     """A launch with ``opts`` takes the ``flag`` path (a compile-time value of the split kernel) on a pool
     where nothing was demoted, and matches the reference."""
     inp = make_decode(shape, bits, dtype, device, demote=False)
-    assert td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1][flag], flag
+    assert td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts).meta[flag], flag
     want = hybrid_decode_attention_ref(**inp)
     poison_allocator(device)
     got = td.hybrid_decode_attention_triton(**inp, options=opts)
@@ -149,16 +149,7 @@ def poison_allocator(device: str) -> None:
      (8, torch.float16, {"cvt": 1, "k_transposed": True, "mixed": False}), (4, torch.float16, {"cvt": 1}),
      (4, torch.float16, {"cvt": 1, "k_transposed": True}), (4, torch.float32, {}), (0, torch.float16, {}),
      (0, torch.float32, {}),
-     (8, torch.float16, {"cvt": 1, "mixed": False, "words": True}),
-     (8, torch.float16, {"cvt": 1, "mixed": False, "words": True, "fold_bias": True, "defer_min": True}),
-     (8, torch.float16, {"cvt": 0, "mixed": False, "words": True, "defer_min": True}),
-     (8, torch.float16, {"cvt": 1, "fold_bias": True}), (8, torch.float32, {"mixed": False, "words": True}),
-     (4, torch.float16, {"cvt": 1, "words": True}),
-     (4, torch.float16, {"cvt": 1, "words": True, "fold_bias": True, "defer_min": True}),
-     (4, torch.float16, {"cvt": 1, "k_transposed": True, "fold_bias": True}),
-     (8, torch.float16, {"cvt": 1, "wave_splits": True}),
      (8, torch.float16, {"cvt": 1, "mixed": False, "v_pairs": True}),
-     (8, torch.float16, {"cvt": 1, "mixed": False, "v_pairs": True, "fold_bias": True, "defer_min": True}),
      (8, torch.float16, {"cvt": 0, "mixed": False, "v_pairs": True, "k_transposed": True}),
      (8, torch.float32, {"mixed": False, "v_pairs": True})],
     ids=str,
@@ -172,26 +163,6 @@ def test_decode_attention_interpreted(
     assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], dtype)
 
 
-I8_SHAPES = [Shape(2, 2, 4, 64, 32, 3, 40), Shape(1, 1, 2, 64, 48, 2, 20)]
-
-
-@pytest.mark.parametrize("shape", I8_SHAPES, ids=str)
-@pytest.mark.parametrize(
-    ("bits", "knobs"),
-    [
-        (8, {"mixed": False}),
-        (8, {"mixed": False, "k_transposed": True}),
-        (4, {}),
-        (4, {"k_transposed": True}),
-    ],
-    ids=str,
-)
-def test_decode_int8_dot_interpreted(kernels, shape: Shape, bits: int, knobs: dict) -> None:
-    td = kernels.triton_decode
-    opts = td.DecodeKernelOptions(cvt=1, int8_dot=True, min_blocks_per_split=2, **knobs)
-    check_path(td, shape, bits, torch.float16, "cpu", opts, "I8")
-
-
 @pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
 @pytest.mark.parametrize(
     ("bits", "dtype"), [(8, torch.float16), (4, torch.float16), (4, torch.float32)], ids=str
@@ -203,7 +174,7 @@ def test_merge_attends_hot_zone_interpreted(kernels, monkeypatch, shape: Shape, 
     td = kernels.triton_decode
     inp = make_decode(shape, bits, dtype, "cpu", demote=False)
     opts = td.DecodeKernelOptions(cvt=1, mixed=False, min_blocks_per_split=2, gluon=True, gluon_pdl=False)
-    meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
+    meta = td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts).meta
     pool, hot_k = inp["pool"], inp["hot_k"]
     no_hot = torch.zeros_like(inp["hot_len"])
     ran = []
@@ -219,9 +190,8 @@ def test_merge_attends_hot_zone_interpreted(kernels, monkeypatch, shape: Shape, 
             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1), **meta,
         )  # fmt: skip
 
-    monkeypatch.setattr(td, "_takes_gluon", lambda *_: True)
     monkeypatch.setattr(td.gluon_decode, "launch_cold", cold_partials)
-    got = td.hybrid_decode_attention_triton(**inp, options=opts)
+    got = td.hybrid_decode_attention_triton(**inp, options=opts, kernel="gluon")
     assert ran, "the launcher did not take the Gluon path"
     assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], dtype)
 
@@ -233,21 +203,30 @@ def test_v_pairs_only_on_pure_8bit_pools_interpreted(kernels) -> None:
         inp = make_decode(CPU_SHAPES[1], bits, torch.float16, "cpu", demote=demote)
         inp["pool"].may_demote = demote
         resolved = opts if not demote else replace(opts, mixed=True)
-        meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], resolved)[1]
+        meta = td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], resolved).meta
         assert meta["VPAIR"] == on, (bits, demote)
 
 
-def test_int8_dot_only_where_it_applies_interpreted(kernels) -> None:
-    """Mixed 8-bit pools, float32 models, head dims below 64 and blocks below 32 tokens take the fp16 path."""
-    td = kernels.triton_decode
-    opts = td.DecodeKernelOptions(cvt=1, int8_dot=True)
-    cases = [(I8_SHAPES[0], 8, torch.float16, True), (I8_SHAPES[0], 4, torch.float32, False),
-             (CPU_SHAPES[1], 4, torch.float16, False),
-             (Shape(1, 1, 2, 64, 16, 2, 20), 4, torch.float16, False)]  # fmt: skip
-    for shape, bits, dtype, demote in cases:
-        inp = make_decode(shape, bits, dtype, "cpu", demote=demote)
-        meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
-        assert not meta["I8"], (shape, bits, dtype)
+def test_decode_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode_kernel``: the reference where Triton may not run (a CPU tensor) or the head dim does not tile;
+    the Gluon kernel where the options ask for it and it applies (told so here: it needs CUDA); else the
+    split kernel."""
+    from kvtune.kernels import gluon_decode
+    from kvtune.kernels.decode_attention import decode_kernel
+    from kvtune.kernels.triton_decode import PURE_INT8
+
+    monkeypatch.setattr(gluon_decode, "supported", lambda q, bits, mixed, *_: bits == 4 or not mixed)
+    mixed = make_decode(CPU_SHAPES[1], 8, torch.float16, "cpu")
+    pure = make_decode(CPU_SHAPES[1], 8, torch.float16, "cpu", demote=False)
+    pure["pool"].may_demote = False
+    odd = make_decode(Shape(1, 1, 1, 48, 8, 1, 8), 4, torch.float16, "cpu")
+    kind = {name: (x["q"], x["pool"], x["block_table"]) for name, x in (("mixed", mixed), ("pure", pure),
+                                                                        ("odd", odd))}  # fmt: skip
+    assert decode_kernel(*kind["pure"]) == "reference"  # CPU tensors: no Triton
+    assert decode_kernel(*kind["odd"], triton=True) == "reference"
+    assert decode_kernel(*kind["mixed"], triton=True) == "split"  # 8-bit pools that may demote a block
+    assert decode_kernel(*kind["pure"], triton=True) == "gluon"  # PURE_INT8
+    assert decode_kernel(*kind["pure"], triton=True, options=replace(PURE_INT8, gluon=False)) == "split"
 
 
 @pytest.mark.parametrize("head_dim", [16, 48])
@@ -409,44 +388,12 @@ def test_decode_attention_gpu(gpu_kernels, shape: Shape, bits: int, dtype: torch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [8, 4, 0])
-def test_decode_wave_splits_gpu(gpu_kernels, bits: int) -> None:
-    """The first launch reads the build's occupancy; the second plans its splits with the wave model."""
-    td = gpu_kernels.triton_decode
-    shape = GPU_SHAPES[2]
-    inp = make_decode(shape, bits, torch.bfloat16, "cuda")
-    opts = td.DecodeKernelOptions(cvt=2 if bits else 0, num_warps=8 if bits == 0 else 4, wave_splits=True)
-    want = hybrid_decode_attention_ref(**inp)
-    first = td.split_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)
-    assert_decode_close(td.hybrid_decode_attention_triton(**inp, options=opts), want, inp["num_cold"],
-                        torch.bfloat16)  # fmt: skip
-    resident = td._RESIDENT[td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[2]]
-    assert 1 <= resident <= 32
-    bh, m = shape.batch * shape.kv_heads, shape.max_blocks
-    second = td.split_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)
-    assert second == td.plan_splits(bh, m, inp["q"].device, opts, resident)
-    assert first == td.plan_splits(bh, m, inp["q"].device, replace(opts, wave_splits=False))
-    poison_allocator("cuda")
-    got = td.hybrid_decode_attention_triton(**inp, options=opts)
-    assert_decode_close(got, want, inp["num_cold"], torch.bfloat16)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
-@pytest.mark.parametrize("knobs", [{}, {"fold_bias": True, "defer_min": True}, {"maxnreg": None}], ids=str)
+@pytest.mark.parametrize("knobs", [{}, {"maxnreg": None}], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_v_pairs_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: torch.dtype) -> None:
     td = gpu_kernels.triton_decode
     check_path(td, shape, 8, dtype, "cuda", replace(td.PURE_INT8, v_pairs=True, **knobs), "VPAIR")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
-@pytest.mark.parametrize("knobs", [{}, {"fold_bias": True}, {"k_transposed": False}], ids=str)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_nibble_asm_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: torch.dtype) -> None:
-    td = gpu_kernels.triton_decode
-    check_path(td, shape, 4, dtype, "cuda", replace(td.default_options(4), nibble_asm=True, **knobs), "NIB")
 
 
 @pytest.mark.gpu
@@ -474,7 +421,7 @@ def test_decode_gluon_gpu(
     base = td.PURE_INT8 if bits == 8 else td.default_options(bits)
     opts = replace(base, gluon=True, gluon_stages=stages, gluon_pdl=pdl, gluon_key_rows=key_rows,
                    gluon_table_ahead=table_ahead)  # fmt: skip
-    meta = td._prepare(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)[1]
+    meta = td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts).meta
     pool = inp["pool"]
     assert gpu_kernels.gluon_decode.supported(
         inp["q"], bits, bool(meta["MIXED"]), pool.k.shape[2], tuple(pool.k.stride()), pool.k.shape[1]
@@ -486,19 +433,6 @@ def test_decode_gluon_gpu(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [GPU_SHAPES[0], GPU_SHAPES[2], Shape(3, 4, 5, 64, 32, 21, 48)], ids=str)
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("k_transposed", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_int8_dot_gpu(
-    gpu_kernels, shape: Shape, bits: int, k_transposed: bool, dtype: torch.dtype
-) -> None:
-    td = gpu_kernels.triton_decode
-    opts = td.DecodeKernelOptions(cvt=2, mixed=False, k_transposed=k_transposed, int8_dot=True, maxnreg=128)
-    check_path(td, shape, bits, dtype, "cuda", opts, "I8")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("cvt", [0, 1, 2])
 @pytest.mark.parametrize("k_transposed", [False, True])
 @pytest.mark.parametrize(("bits", "mixed"), [(8, True), (8, False), (4, True)])
@@ -507,25 +441,6 @@ def test_decode_variants_gpu(gpu_kernels, cvt: int, k_transposed: bool, bits: in
     opts = gpu_kernels.triton_decode.DecodeKernelOptions(cvt=cvt, k_transposed=k_transposed, mixed=mixed)
     got = gpu_kernels.triton_decode.hybrid_decode_attention_triton(**inp, options=opts)
     assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES[:2], ids=str)
-@pytest.mark.parametrize(
-    ("cvt", "knobs"),
-    [(2, {"words": True}), (2, {"words": True, "fold_bias": True, "defer_min": True}),
-     (2, {"fold_bias": True, "defer_min": True}), (2, {"words": True, "num_warps": 2}),
-     (1, {"words": True, "fold_bias": True})], ids=str,
-)  # fmt: skip
-@pytest.mark.parametrize("bits", [8, 4])
-def test_decode_word_variants_gpu(gpu_kernels, shape: Shape, cvt: int, knobs: dict, bits: int) -> None:
-    """Word loads, the folded magic-number bias and the deferred value-min term (pure 8-bit or 4-bit)."""
-    inp = make_decode(shape, bits, torch.bfloat16, "cuda", demote=False)
-    opts = gpu_kernels.triton_decode.DecodeKernelOptions(cvt=cvt, mixed=False, **knobs)
-    want = hybrid_decode_attention_ref(**inp)
-    poison_allocator("cuda")
-    got = gpu_kernels.triton_decode.hybrid_decode_attention_triton(**inp, options=opts)
-    assert_decode_close(got, want, inp["num_cold"], torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ import importlib
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,11 +78,14 @@ def check_access(k, n_blocks: int, b: int, h: int, m: int, device: str, seed: in
     ema = torch.where(nan, math.nan, 50.0).to(torch.float64)
     ref_last, ref_ema = last.clone(), ema.clone()
     update_access_ref(ref_last, ref_ema, mass, table, num_cold, 1234567.125)
-    flags = torch.zeros(n_blocks, dtype=torch.int32, device=device)
-    k.triton_access.update_access_triton(last, ema, mass, table, num_cold, 1234567.125, flags)
+    # the clock as a float, and as a float64 device scalar (what a step captured in a CUDA graph reads)
+    for now in (1234567.125, torch.tensor(1234567.125, dtype=torch.float64, device=device)):
+        got_last, got_ema = last.clone(), ema.clone()
+        flags = torch.zeros(n_blocks, dtype=torch.int32, device=device)
+        k.triton_access.update_access_triton(got_last, got_ema, mass, table, num_cold, now, flags)
+        assert torch.equal(got_last, ref_last) and not flags.any()
+        torch.testing.assert_close(got_ema, ref_ema, equal_nan=True, rtol=1e-14, atol=0)
     assert accessed_blocks_ref(n_blocks, mass, table, num_cold).any() == (m > 1)  # one block: never above
-    assert torch.equal(last, ref_last) and not flags.any()
-    torch.testing.assert_close(ema, ref_ema, equal_nan=True, rtol=1e-14, atol=0)
 
 
 # ---- CPU: interpreter
@@ -230,6 +234,74 @@ def test_cache_on_the_triton_kernels_equals_the_references_interpreted(
     assert torch.equal(got[2], want[2])
 
 
+class _Padded:
+    """A static step's shape rounded up as graph buckets are: 4 rows, a 16-block table, 2 seal entries."""
+
+    def rows_for(self, batch: int) -> int:
+        return 4
+
+    def width_for(self, blocks: int) -> int:
+        return 16
+
+    def seals_for(self, seals: int) -> int:
+        return 2
+
+
+def _run_static(seed: int, steps: int) -> tuple[list[torch.Tensor], dict, torch.Tensor]:
+    """``_run_cache`` through the static step (what a CUDA graph replays): seals before the step, padded
+    rows, a fixed table width, the clock in the step buffers."""
+    from kvtune.cache_impl.config import HybridConfig
+    from kvtune.cache_impl.hybrid_cache import HybridCache, ModelKVShape
+    from kvtune.cache_impl.plan import StepBuffers
+
+    shape = ModelKVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4, dtype=torch.float32)
+    cfg = HybridConfig("hybrid_v2", hot_tokens=16, block_size=8, quantization_bits=8, sparse_top_k=16,
+                       migration_interval=4, migration_threshold_ms=5.0)  # fmt: skip
+    cache = HybridCache(cfg, shape, 1 << 22, "cpu", max_seqs=2)
+    g = torch.Generator().manual_seed(seed)
+    n = 75 + steps
+    q = torch.randn(2, n, 4, 32, generator=g)
+    k, v = torch.randn(2, n, 2, 32, generator=g), torch.randn(2, n, 2, 32, generator=g)
+    for sid, length in ((0, 60), (1, 75)):
+        cache.add_sequence(sid, list(range(sid * 100, sid * 100 + length)))
+        for layer in range(2):
+            cache.prefill(layer, sid, q[layer, :length], k[layer, :length], v[layer, :length])
+    buffers, policy = StepBuffers(4, 16, "cpu"), _Padded()
+    slots = np.asarray([cache.slot_of(0), cache.slot_of(1)])
+    outs = []
+    for t in range(steps):
+        info = cache.prepare_step(slots, np.zeros(2, dtype=np.int64), 10.0 * t, buffers, policy)
+        if info.num_seals:
+            cache.seal_static(buffers, info.seal_rows)
+        plan, extra = buffers.plan(info.rows, info.width, 2), info.rows - 2
+        rows = [60 + t, 75 + t]
+        qp, kp, vp = (torch.cat([x[:, rows], x.new_zeros((2, extra, *x.shape[2:]))], 1) for x in (q, k, v))
+        layers = [cache.decode(i, plan, qp[i], kp[i], vp[i])[:2] for i in range(2)]
+        outs.append(torch.stack(layers))
+        cache.finish_step(info)
+    cache.check_integrity()
+    return outs, cache.stats(), cache.tiers.tier.clone()
+
+
+def test_static_step_on_the_triton_kernels_equals_the_references_interpreted(
+    kernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The static step (clock read from the step buffers, sparse table at a fixed width, seals before the
+    step) on the Triton kernels, interpreted, gives the reference static step's outputs and statistics, and
+    the eager step's."""
+    eager = _run_cache(seed=3, steps=24)
+    want = _run_static(seed=3, steps=24)
+    for name in DISPATCHERS:
+        monkeypatch.setattr(importlib.import_module(f"kvtune.kernels.{name}"), "use_triton", lambda t: True)
+    got = _run_static(seed=3, steps=24)
+    assert want[1]["l2_blocks"] > 0 and want[1]["migrations_done"] > 0  # the sparse tier was exercised
+    for step, (a, b, c) in enumerate(zip(got[0], want[0], eager[0])):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-4, msg=f"step {step} (eager)")
+    assert got[1] == want[1] == eager[1]
+    assert torch.equal(got[2], want[2]) and torch.equal(want[2], eager[2])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [8, 4])
 def test_no_kernel_compiles_inside_a_timed_replay_gpu(gpu_kernels, monkeypatch, bits: int) -> None:
@@ -238,9 +310,10 @@ def test_no_kernel_compiles_inside_a_timed_replay_gpu(gpu_kernels, monkeypatch, 
     from triton.runtime.jit import JITFunction
 
     from kvtune.cache_impl.config import HybridConfig
-    from kvtune.cache_impl.engine import Engine
-    from kvtune.cache_impl.model import load_model
-    from kvtune.cache_impl.traces import Request
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.model import load_model
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
 
     phase = ["load"]
     compiled: list[tuple[str, str]] = []
@@ -262,7 +335,7 @@ def test_no_kernel_compiles_inside_a_timed_replay_gpu(gpu_kernels, monkeypatch, 
         migration_interval=8, migration_threshold_ms=1.0,
     )  # fmt: skip
     requests = [Request(i, 5.0 * i, 96 + 37 * i, 40 + 3 * i) for i in range(12)]
-    engine = Engine(model, config, 1 << 30, torch.device("cuda"), max_batch=8)
+    engine = Engine(model, config, 1 << 30, torch.device("cuda"), SchedulerConfig(max_batch=8))
     engine.replay(requests, time_scale=1.0, warmup_requests=2)
     timed = sorted({name for when, name in compiled if when == "timed"})
     warmed = {name for when, name in compiled if when == "warm-up"}
