@@ -1,15 +1,25 @@
-"""One engine decode step, timed: host wall time, GPU kernel time and kernel launches per step.
+"""One engine decode step, timed: host wall time, GPU kernel time and launches per step, eager and as graphs.
 
-B sequences of L prompt tokens are prefilled into a hybrid cache, then the same decode steps the engine runs
-(``begin_step`` → ``model.decode`` → ``end_step`` → ``argmax``) are timed with the Triton kernels
-(``KVTUNE_KERNELS=triton``, the default) and with the PyTorch references for every operation but attention
-(``KVTUNE_KERNELS=torch`` for the per-token operations and the access update; attention stays Triton so that
-the comparison isolates the launch overhead). The two paths' first-step logits are compared.
+B sequences of L prompt tokens are prefilled into a hybrid cache, then the decode steps the engine runs are
+timed on it, path after path (each continues the same sequences; a few hundred tokens on thousands):
 
-    python benchmarks/decode_step.py --model smollm2 --batch 32 --length 2048 examples/configs/q_int8.json
+* ``eager``: ``begin_step`` → ``model.decode`` → ``end_step`` → argmax to the host, every kernel launched
+  from Python (the engine with ``--no-graphs``);
+* ``graph``: the static step (:mod:`kvtune.engine.graphs`): ``prepare_step`` (host bookkeeping, one upload)
+  → the seal graph when a zone fills → the forward's CUDA graph → ``finish_step`` → argmax to the host (the
+  engine's decode-only iterations); captured during the warm-up;
+* ``torch`` (optional): eager with the PyTorch references for every operation but attention.
 
-Prints a table and writes it as JSON to ``--json``; ``--host-profile DIR`` also writes, per config and path,
-the functions where the host spends its time (cProfile over 5 steps).
+Each step ends with its tokens on the host (as in the engine), so the wall time per step includes the
+host's work; GPU time is the sum of the step's kernel times (profiler, 3 steps), launches are the host's
+kernel and graph launch calls per step. Ratios: wall / GPU per path, and each config's wall time against the
+first config's (unquantized) for the same path.
+
+    python benchmarks/decode_step.py --shape llama-3.1-8b --batch 32 --context 8192
+    python benchmarks/decode_step.py --shape smollm2-135m --batch 64 --context 2048 --json step.json
+
+Without configs: unquantized, INT8, INT4 and INT8 with a sparse tier (examples/configs). ``--host-profile
+DIR`` also writes, per config and path, the functions where the host spends its time (cProfile, 5 steps).
 """
 
 from __future__ import annotations
@@ -21,24 +31,32 @@ import json
 import os
 import pstats
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
+from kvtune.engine.graphs import DecodeGraphs
 from kvtune.engine.model import LoadedModel, load_model
 from kvtune.kernels import decode_attention
-from kvtune.kernels.backend import HAS_TRITON
+from kvtune.kernels.backend import HAS_TRITON, kernel_choice
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+DEFAULT_CONFIGS = ("q_unquantized", "q_int8", "q_int4", "q_int8_sparse512_fast")
+LAUNCH_CALLS = ("LaunchKernel", "GraphLaunch")  # host API calls that start device work (memcpy counted apart)
 
 
 @contextmanager
-def kernels_choice(choice: str):
+def kernels_choice(choice: str) -> Iterator[None]:
     """``KVTUNE_KERNELS=choice``, but attention always takes its Triton kernel."""
     old = os.environ.get("KVTUNE_KERNELS")
     os.environ["KVTUNE_KERNELS"] = choice
+    kernel_choice.cache_clear()  # the backend is read once per process
     triton_attention = decode_attention.use_triton
     decode_attention.use_triton = lambda t: t.is_cuda and HAS_TRITON  # type: ignore[assignment]
     try:
@@ -49,41 +67,72 @@ def kernels_choice(choice: str):
             del os.environ["KVTUNE_KERNELS"]
         else:
             os.environ["KVTUNE_KERNELS"] = old
+        kernel_choice.cache_clear()
 
 
-def prefilled(loaded: LoadedModel, config: HybridConfig, batch: int, length: int, seed: int) -> HybridCache:
+def prefilled(
+    loaded: LoadedModel, config: HybridConfig, batch: int, length: int, seed: int, fast: bool
+) -> HybridCache:
+    """``batch`` sequences of ``length`` random tokens in a fresh cache: prefilled by the model, or (``fast``,
+    for random weights, where K/V contents do not matter to a step's time) by the cache alone from random
+    q/k/v, which skips the model's projections."""
     model, dev = loaded.model, loaded.model.device
-    budget = int(batch * (length + 2048) * model.kv_shape.num_layers * model.kv_shape.num_kv_heads * 4
-                 * model.kv_shape.head_dim * 1.2)  # fmt: skip
-    cache = HybridCache(config, model.kv_shape, budget, dev, max_seqs=batch)
+    s = model.kv_shape
+    budget = int(batch * (length + 2048) * s.num_layers * s.num_kv_heads * 4 * s.head_dim * 1.2)
+    cache = HybridCache(config, s, budget, dev, max_seqs=batch)
     gen = torch.Generator().manual_seed(seed)
-    for s in range(batch):
+    for seq in range(batch):
         ids = torch.randint(0, loaded.spec.vocab_size, (length,), generator=gen)
-        cache.add_sequence(s, ids.tolist())
-        model.prefill(cache, s, ids.to(dev), 0, last_only=True)
+        cache.add_sequence(seq, ids.tolist())
+        if not fast:
+            model.prefill(cache, seq, ids.to(dev), 0, last_only=True)
+            continue
+        q = torch.randn((length, s.num_q_heads, s.head_dim), dtype=s.dtype, device=dev)
+        k = torch.randn((length, s.num_kv_heads, s.head_dim), dtype=s.dtype, device=dev)
+        for layer in range(s.num_layers):
+            cache.prefill(layer, seq, q, k, k)
     return cache
 
 
-def step(loaded: LoadedModel, cache: HybridCache, batch: int, t: int) -> torch.Tensor:
-    plan = cache.begin_step(list(range(batch)), now_ms=50.0 * t)  # a virtual 50 ms per step, as quality runs
-    tokens = torch.full((batch,), 7, dtype=torch.long, device=loaded.model.device)
-    positions = torch.tensor(plan.lengths, device=loaded.model.device) - 1
-    logits = loaded.model.decode(cache, plan, tokens, positions)
-    cache.end_step(plan)
-    logits.argmax(-1).tolist()
-    return logits
+class Stepper:
+    """One path's decode step on a prefilled cache; ``step(t)`` runs step ``t`` (a virtual 50 ms each, as
+    quality runs) and brings its tokens to the host."""
+
+    def __init__(self, loaded: LoadedModel, cache: HybridCache, batch: int, path: str, max_len: int) -> None:
+        self.loaded, self.cache, self.batch, self.path = loaded, cache, batch, path
+        self.slots = np.asarray([cache.slot_of(s) for s in range(batch)], dtype=np.int64)
+        self.graphs: DecodeGraphs | None = None
+        if path == "graph":
+            blocks = min(cache.layout.num_blocks, cache.layout.blocks_for(max_len))
+            cuda = cache.device.type == "cuda"
+            self.graphs = DecodeGraphs(loaded.model, cache, batch, blocks, capture=cuda, padded=True)
+
+    def step(self, t: int) -> None:
+        now, dev = 50.0 * t, self.loaded.model.device
+        if self.graphs is not None:
+            info = self.graphs.prepare(self.slots, np.full(self.batch, 7, dtype=np.int64), now)
+            self.graphs.run(info)
+            self.cache.finish_step(info)
+            self.graphs.next_tokens(info).tolist()
+            return
+        positions = torch.as_tensor(self.cache.lengths(self.slots), device=dev)
+        plan = self.cache.begin_step(list(range(self.batch)), now_ms=now)
+        tokens = torch.full((self.batch,), 7, dtype=torch.long, device=dev)
+        logits = self.loaded.model.decode(self.cache, plan, tokens, positions)
+        self.cache.end_step(plan)
+        logits.argmax(-1).tolist()
 
 
 def config_name(config: HybridConfig) -> str:
     return f"q{config.quantization_bits}-hot{config.hot_tokens}-bs{config.block_size}-k{config.sparse_top_k}"
 
 
-def host_profile(path: Path, loaded: LoadedModel, cache: HybridCache, batch: int) -> None:
+def host_profile(path: Path, run: Callable[[int], None], t0: int) -> None:
     """Where the host's time goes: cProfile over 5 steps, the 40 functions with the most own time."""
     prof = cProfile.Profile()
     prof.enable()
     for t in range(5):
-        step(loaded, cache, batch, 20_000 + t)
+        run(t0 + t)
     prof.disable()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
@@ -91,76 +140,114 @@ def host_profile(path: Path, loaded: LoadedModel, cache: HybridCache, batch: int
     path.write_text(out.getvalue())
 
 
-def measure(loaded: LoadedModel, config: HybridConfig, args: argparse.Namespace, choice: str) -> dict:
-    with kernels_choice(choice):
-        cache = prefilled(loaded, config, args.batch, args.length, args.seed)
-        # Warm-up: one seal cycle by default, so that every kernel of the step (the seal from the hot zones
-        # included) has compiled before the timed steps; a compilation there would cost seconds.
-        warmup = config.hot_tokens + config.block_size if args.warmup is None else args.warmup
-        first = step(loaded, cache, args.batch, 0)
-        for t in range(1, warmup):
-            step(loaded, cache, args.batch, t)
-        sync = torch.cuda.synchronize if first.is_cuda else lambda: None
+def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0: int) -> dict:
+    """Warm-up (one seal cycle by default: every kernel compiled, every graph of these shapes captured),
+    then the timed steps, then 3 profiled steps."""
+    cuda = stepper.cache.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    warmup = config.hot_tokens + config.block_size if args.warmup is None else args.warmup
+    for t in range(warmup):
+        stepper.step(t0 + t)
+    sync()
+    t0 += warmup
+    start = time.perf_counter()
+    for t in range(args.steps):
+        stepper.step(t0 + t)
+    sync()
+    wall = (time.perf_counter() - start) * 1000 / args.steps
+    t0 += args.steps
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        for t in range(3):
+            stepper.step(t0 + t)
         sync()
-        t0 = time.perf_counter()
-        for t in range(args.steps):
-            step(loaded, cache, args.batch, warmup + t)
-        sync()
-        wall = (time.perf_counter() - t0) * 1000 / args.steps
-        with profile(activities=[ProfilerActivity.CUDA if first.is_cuda else ProfilerActivity.CPU]) as prof:
-            for t in range(3):
-                step(loaded, cache, args.batch, 10_000 + t)
-            sync()
-        if args.host_profile is not None:
-            host_profile(args.host_profile / f"{config_name(config)}-{choice}.txt", loaded, cache, args.batch)
-    if first.is_cuda:
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    t0 += 3
+    if args.host_profile is not None:
+        name = f"{config_name(config)}-{stepper.path}.txt"
+        host_profile(args.host_profile / name, stepper.step, t0)
+        t0 += 5
+    events = prof.events()
+    if cuda:
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         gpu_ms = sum(e.device_time for e in kernels) / 3000
     else:  # a CPU run counts the top-level operators instead of kernels
-        kernels = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+        kernels = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
         gpu_ms = 0.0
-    return {"first_logits": first.cpu(), "wall_ms": wall, "gpu_ms": gpu_ms, "kernels": len(kernels) / 3}
+    launches = sum(1 for e in events if any(c in e.name for c in LAUNCH_CALLS))
+    graphs = stepper.graphs
+    return {
+        "wall_ms": wall,
+        "gpu_ms": gpu_ms,
+        "wall_over_gpu": wall / gpu_ms if gpu_ms > 0 else None,
+        "kernels": len(kernels) / 3,
+        "launches": launches / 3,
+        "captures": graphs.captures if graphs is not None else 0,
+        "next_t": t0,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("configs", nargs="+", type=Path)
-    p.add_argument("--model", default="smollm2")
+    p.add_argument(
+        "configs", nargs="*", type=Path, help=f"config JSONs (default: {', '.join(DEFAULT_CONFIGS)})"
+    )
+    p.add_argument("--model", default=None, help="a model name (default: random:<--shape>)")
+    p.add_argument(
+        "--shape", default="smollm2-135m", help="random weights of this shape (default smollm2-135m)"
+    )
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--context", "--length", dest="length", type=int, default=2048, help="prompt tokens")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default hot_tokens + block_size)")
+    p.add_argument("--paths", default="eager,graph", help="comma-separated: eager, graph, torch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--host-profile", type=Path, default=None, help="folder for cProfile reports of the host")
     args = p.parse_args()
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    if not set(paths) <= {"eager", "graph", "torch"}:
+        p.error(f"--paths: expected eager, graph or torch, got {paths}")
+    configs = args.configs or [CONFIGS / f"{c}.json" for c in DEFAULT_CONFIGS]
+    model = args.model or f"random:{args.shape}"
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    loaded = load_model(args.model, args.device, dtype, args.seed)
+    loaded = load_model(model, args.device, dtype, args.seed)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"{name} · {args.model} {dtype} · {args.batch} sequences × {args.length} tokens")
-    print(f"{'config':<28} {'kernels':>8} {'ms/step':>8} {'GPU ms':>7} {'launches':>8} {'max |Δlogit|':>12}")
-    rows = []
-    measure(loaded, HybridConfig.from_json_file(args.configs[0]), args, "triton")  # compiles the kernels
-    for path in args.configs:
+    print(f"{name} · {model} {dtype} · {args.batch} sequences × {args.length} tokens · paths {paths}")
+    header = f"{'config':<26} {'path':>6} {'ms/step':>8} {'GPU ms':>7} {'wall/GPU':>8} {'kernels':>8}"
+    print(header + f" {'launches':>8} {'vs first':>8}")
+    rows: list[dict] = []
+    first: dict[str, float] = {}
+    max_len = args.length + 2048  # room for every path's steps
+    for path in configs:
         config = HybridConfig.from_json_file(path)
-        res = {c: measure(loaded, config, args, c) for c in ("torch", "triton")}
-        diff = float((res["torch"]["first_logits"] - res["triton"]["first_logits"]).abs().max())
-        agree = float((res["torch"]["first_logits"].argmax(-1) == res["triton"]["first_logits"].argmax(-1))
-                      .float().mean())  # fmt: skip
-        for choice, r in res.items():
-            r.pop("first_logits")
-            rows.append(
-                {"config": path.stem, "kernels": choice, **r, "max_logit_diff": diff, "argmax_agree": agree}
+        cache = prefilled(loaded, config, args.batch, args.length, args.seed, model.startswith("random:"))
+        t0, res = 0, {}
+        for choice in paths:
+            with kernels_choice("torch" if choice == "torch" else "triton"):
+                stepper = Stepper(
+                    loaded, cache, args.batch, "eager" if choice == "torch" else choice, max_len
+                )
+                r = measure(stepper, config, args, t0)
+            t0 = r.pop("next_t")
+            first.setdefault(choice, r["wall_ms"])
+            r["vs_first"] = r["wall_ms"] / first[choice]
+            res[choice] = r
+            rows.append({"config": path.stem, "path": choice, **r})
+            ratio = f"{r['wall_over_gpu']:.2f}" if r["wall_over_gpu"] else "n/a"
+            cells = f"{r['wall_ms']:>8.2f} {r['gpu_ms']:>7.2f} {ratio:>8} {r['kernels']:>8.0f}"
+            print(
+                f"{path.stem:<26} {choice:>6} {cells} {r['launches']:>8.0f} {r['vs_first']:>7.2f}×",
+                flush=True,
             )
-            cells = f"{r['wall_ms']:>8.2f} {r['gpu_ms']:>7.2f} {r['kernels']:>8.0f}"
-            print(f"{path.stem:<28} {choice:>8} {cells} "
-                  f"{diff:>12.3g}")  # fmt: skip
-        print(f"{'':<28} speed-up {res['torch']['wall_ms'] / res['triton']['wall_ms']:.2f}×, "
-              f"argmax agreement {agree:.3f}")  # fmt: skip
+        if "eager" in res and "graph" in res:
+            speedup = res["eager"]["wall_ms"] / res["graph"]["wall_ms"]
+            print(f"{'':<26} speed-up of the graph step {speedup:.2f}×")
+        del cache
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     if args.json:
-        meta = {"device": name, "torch": torch.__version__, **vars(args)}
-        meta["configs"] = [str(c) for c in args.configs]
+        meta = {"device": name, "torch": torch.__version__, "model": model, **vars(args)}
+        meta["configs"] = [str(c) for c in configs]
         meta.pop("json")
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
 

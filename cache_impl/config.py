@@ -1,9 +1,13 @@
 """The hybrid_v2 configuration contract (docs/DESIGN.md §1).
 
-A configuration is a JSON object; it is also accepted nested as
-``{"additional_config": {"kvtune": {...}}}``, where only the ``kvtune`` object is validated. Every rule below
-is enforced at construction: a missing required key, a wrong type, a value outside its rule or an unknown key
-raises :class:`ConfigError` naming the key, the value and the rule. Nothing is coerced.
+A configuration is a JSON object; it is also accepted in the forms kvtune writes, so its outputs are its
+inputs: nested as ``{"additional_config": {"kvtune": {...}}}`` (what vLLM's config carries), as the
+``{"kvtune": {...}}`` block a preset exports for ``--additional-config``, and as a whole preset file
+(``{"format": "kvtune-preset/1", "config": {...}, ...}``: its ``config``, the one it recommends). Only the
+config object itself is validated. Every rule below is enforced at construction: a missing required key, a
+wrong type, a value outside its rule or an unknown key raises :class:`ConfigError` naming the key, the value
+and the rule. Nothing is coerced. JSON text with a key given twice, or nested deeper than
+:data:`MAX_JSON_DEPTH`, is refused before it is parsed further (one line, naming the file).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 BITS: tuple[int, ...] = get_args(Bits)
 HOT_TOKENS_RANGE = (16, 1024)
 BLOCK_SIZE_RANGE = (8, 512)
+MAX_JSON_DEPTH = 32  # a preset nests 5 levels; deeper is not a config (and would exhaust the parser's stack)
+PRESET_FORMAT_PREFIX = "kvtune-preset/"
 
 
 class ConfigError(ValueError):
@@ -137,10 +143,7 @@ class HybridConfig:
 
     @classmethod
     def from_json(cls, text: str, source: str = "<string>") -> HybridConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{source}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+        data = parse_json(text, source)
         try:
             return cls.from_dict(data)
         except ConfigError as e:
@@ -184,7 +187,82 @@ class HybridConfig:
         return self.replace(quantization_bits=0, sparse_top_k=0, migration_throttling=False)
 
 
+def parse_json(text: str, source: str = "<string>") -> Any:
+    """``text`` as JSON, refusing (one :class:`ConfigError` line naming ``source``) what is not plain
+    configuration: invalid JSON, an object with a key given twice (JSON would keep the last silently), and
+    nesting deeper than :data:`MAX_JSON_DEPTH` (checked before parsing, so no recursion limit is reached)."""
+    depth, line = _max_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise ConfigError(
+            f"{source}:{line}: nested more than {MAX_JSON_DEPTH} levels deep; a config is not (a preset "
+            "nests 5)"
+        )
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+    except _DuplicateKeyError as e:
+        raise ConfigError(f"{source}: key {e.args[0]!r} appears twice in one object; keep one") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be a config") from None
+
+
+class _DuplicateKeyError(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _max_depth(text: str) -> tuple[int, int]:
+    """The deepest nesting of ``[`` and ``{`` outside strings (stopping once past :data:`MAX_JSON_DEPTH`),
+    and the line where it is reached."""
+    depth = deepest = 0
+    line = where = 1
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest, where = depth, line
+                if deepest > MAX_JSON_DEPTH:
+                    break
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "\n":
+            line += 1
+    return deepest, where
+
+
 def _unnest(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config object of ``d``: ``d`` itself, or what one of the wrappers of the module docstring holds."""
+    if isinstance(d.get("format"), str) and d["format"].startswith(PRESET_FORMAT_PREFIX):
+        config = d.get("config")
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"a preset ({d['format']}) needs a 'config' object")
+        return config
+    if "kvtune" in d:
+        extra = sorted(set(d) - {"kvtune"})
+        if extra:
+            raise ConfigError(f"unknown key {extra[0]!r} beside 'kvtune'; only 'kvtune' allowed")
+        if not isinstance(d["kvtune"], Mapping):
+            raise ConfigError(f"kvtune must be an object, got {type(d['kvtune']).__name__}")
+        return d["kvtune"]
     if "additional_config" not in d:
         return d
     extra = sorted(set(d) - {"additional_config"})

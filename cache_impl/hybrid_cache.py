@@ -12,6 +12,16 @@ Quest-selected L2 blocks, then update the layer's access statistics from the per
 ``end_step`` (prefix registration, tier planning every ``migration_interval`` steps, the migration queue,
 debug statistics).
 
+Static decode step (what a CUDA graph replays, :mod:`kvtune.cache_impl.plan`): ``prepare_step`` (vectorized
+host bookkeeping: the same allocation and lengths as ``begin_step``, written into :class:`StepBuffers` in
+one copy) → ``seal_static`` for the zones that would fill (before the step: the oldest ``block_size`` of
+their ``hot_tokens + block_size − 1`` tokens, every layer at once) → ``decode`` per layer on the static
+plan (append → attend) → ``finish_step`` (what ``end_step`` does). Both orders give attention the same hot
+tokens and blocks; a sequence may take either from one step to the next.
+
+Per-sequence decode state (length, hot length, block table) lives in numpy arrays indexed by hot-zone slot,
+so a step's bookkeeping is a few array operations whatever the batch; ``_Seq`` reads and writes them.
+
 Choices where docs/DESIGN.md is silent: query head ``j`` uses KV head ``j // G``; the softmax scale is
 ``1/sqrt(head_dim)``; prefill attention is dense and causal over the dequantized cached prefix + the new
 tokens (scaled-dot-product attention in the model dtype); a prefix hit is limited to the blocks the prompt
@@ -23,7 +33,7 @@ end of their step); blocks holding generated tokens are never shared; blocks sea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +46,7 @@ from kvtune.cache_impl.block_pool import BlockPool, CacheFullError, chain_hashes
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.debug import DebugStats
 from kvtune.cache_impl.layout import CacheLayout, ModelKVShape, cache_layout, hot_capacity, kv_bytes_for
-from kvtune.cache_impl.plan import DecodePlan
+from kvtune.cache_impl.plan import DecodePlan, StepBuffers, StepInfo, StepShape
 from kvtune.cache_impl.tiers import L2, MigrationQueue, TierState
 from kvtune.kernels.access import update_access
 from kvtune.kernels.decode_attention import hybrid_decode_attention
@@ -48,24 +58,75 @@ from kvtune.kernels.sparse_table import ByteCount, sparse_block_table
 __all__ = ["CacheFullError", "CacheLayout", "DecodePlan", "HybridCache", "ModelKVShape", "kv_bytes_for"]
 
 
-@dataclass
+class _SlotArrays:
+    """Decode state per hot-zone slot (numpy): tokens, hot-zone tokens, sealed blocks and their ids."""
+
+    def __init__(self, num_slots: int, width: int = 16) -> None:
+        self.length = np.zeros(num_slots, dtype=np.int64)
+        self.hot_len = np.zeros(num_slots, dtype=np.int64)
+        self.num_blocks = np.zeros(num_slots, dtype=np.int64)
+        self.table = np.full((num_slots, width), -1, dtype=np.int64)
+
+    def ensure_width(self, width: int) -> None:
+        """Room for ``width`` blocks per slot (the table grows by doubling, padded with -1)."""
+        if width > self.table.shape[1]:
+            grown = np.full((self.table.shape[0], max(width, 2 * self.table.shape[1])), -1, dtype=np.int64)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+
+    def clear(self, slot: int) -> None:
+        self.length[slot] = self.hot_len[slot] = self.num_blocks[slot] = 0
+        self.table[slot] = -1
+
+
+@dataclass(eq=False)
 class _Seq:
-    """Host state of one sequence."""
+    """Host state of one sequence; its length, hot length and blocks are the slot's row of ``arrays``."""
 
     seq_id: int
     slot: int
     token_ids: list[int]
     hashes: list[int]
-    blocks: list[int]
     hits: int
-    length: int
-    hot_len: int  # tokens in the hot zone now (during prefill: of the chunks done so far)
     sealed: int  # blocks of ``blocks`` that hold K/V (the hits, then what prefill chunks sealed)
     prefilled: int  # tokens whose K/V are cached in every layer
+    arrays: _SlotArrays = field(repr=False)
     chunk: int = 0  # tokens of the prefill chunk in flight (0: none)
     layers_done: int = 0  # layers of that chunk done
     ready: bool = False
     registered: set[int] = field(default_factory=set)
+
+    @property
+    def length(self) -> int:
+        return int(self.arrays.length[self.slot])
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.arrays.length[self.slot] = value
+
+    @property
+    def hot_len(self) -> int:
+        """Tokens in the hot zone now (during prefill: of the chunks done so far)."""
+        return int(self.arrays.hot_len[self.slot])
+
+    @hot_len.setter
+    def hot_len(self, value: int) -> None:
+        self.arrays.hot_len[self.slot] = value
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.arrays.num_blocks[self.slot])
+
+    @property
+    def blocks(self) -> list[int]:
+        """Block ids, oldest first (a copy)."""
+        return self.arrays.table[self.slot, : self.num_blocks].tolist()
+
+    def set_blocks(self, blocks: Sequence[int]) -> None:
+        self.arrays.ensure_width(len(blocks))
+        self.arrays.table[self.slot] = -1
+        self.arrays.table[self.slot, : len(blocks)] = blocks
+        self.arrays.num_blocks[self.slot] = len(blocks)
 
 
 class HybridCache:
@@ -96,6 +157,9 @@ class HybridCache:
         self.sm_scale = shape.head_dim**-0.5
         self._seqs: dict[int, _Seq] = {}
         self._free_slots = list(range(lay.num_slots - 1, -1, -1))
+        self._st = _SlotArrays(lay.num_slots)
+        self._seq_at: list[_Seq | None] = [None] * lay.num_slots
+        self._ready = np.zeros(lay.num_slots, dtype=bool)  # slots whose sequence can decode
         self._step = 0
         self._now = 0.0
         self._bytes_dev = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -130,6 +194,36 @@ class HybridCache:
                 requantize_int4(pool, block[0])
         for pool in self.pools:
             pool.block_bits[0] = pool.bits
+        if self.device.type == "cuda":  # the access update with a device clock (static steps)
+            mass = torch.zeros((1, s.num_kv_heads, 1), dtype=torch.float32, device=self.device)
+            table = torch.zeros((1, s.num_kv_heads, 1), dtype=torch.int32, device=self.device)
+            count = torch.zeros((1, s.num_kv_heads), dtype=torch.int32, device=self.device)
+            now = torch.zeros((), dtype=torch.float64, device=self.device)
+            for layer in range(s.num_layers):  # no block listed: nothing changes
+                tiers = self.tiers
+                update_access(
+                    tiers.last_access[layer], tiers.ema[layer], mass, table, count, now, tiers.flags
+                )
+
+    def reset(self) -> None:
+        """Forget every sequence and statistic, keeping every tensor (and its address: graphs captured over
+        this cache stay valid). The cold pools' contents are left as they are (unreferenced)."""
+        lay = self.layout
+        self._seqs.clear()
+        self._free_slots = list(range(lay.num_slots - 1, -1, -1))
+        self._st = _SlotArrays(lay.num_slots, self._st.table.shape[1])
+        self._seq_at = [None] * lay.num_slots
+        self._ready[:] = False
+        self.blocks = BlockPool(lay.num_blocks)
+        self.tiers.clear()
+        self.queue = MigrationQueue(self.config)
+        self.debug = DebugStats(self.device, enabled=self.config.kv_cache_debug)
+        for pool in self.pools:
+            pool.block_bits.fill_(pool.bits)
+        self._step, self._now = 0, 0.0
+        self._bytes_dev.zero_()
+        self._bytes_host = 0
+        self.counters = dict.fromkeys(self.counters, 0)
 
     # ---- capacity -------------------------------------------------------------------------------------
     def blocks_free(self) -> int:
@@ -139,20 +233,38 @@ class HybridCache:
         """Could a sequence of ``num_tokens`` tokens live in an empty cache."""
         return self.layout.blocks_for(num_tokens) <= self.layout.num_blocks
 
-    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None) -> bool:
+    def can_allocate(
+        self, num_tokens: int, token_ids: list[int] | None = None, reserved_blocks: int = 0
+    ) -> bool:
         """Would a new sequence with this prompt fit now (a slot, and blocks for what prefix reuse cannot
-        give)."""
+        give), leaving ``reserved_blocks`` free blocks (e.g. those this iteration's decode step seals)."""
         if not self._free_slots:
             return False
         n_total = self.layout.blocks_for(num_tokens)
         hits = self._match(token_ids, n_total) if token_ids is not None else []
         from_lru = sum(self.blocks.in_lru(b) for b in hits)
-        return n_total - len(hits) <= self.blocks.num_free() - from_lru
+        return n_total - len(hits) <= self.blocks.num_free() - from_lru - reserved_blocks
 
     def blocks_needed_for_step(self, seq_ids: Sequence[int]) -> int:
         """Blocks the next ``begin_step(seq_ids)`` allocates (sequences whose hot zone fills)."""
+        return self.blocks_needed_for_slots(np.asarray([self._seq(s).slot for s in seq_ids], dtype=np.int64))
+
+    def blocks_needed_for_slots(self, slots: np.ndarray) -> int:
+        """Blocks a step of the sequences in hot-zone ``slots`` allocates (vectorized)."""
         full = self.config.hot_tokens + self.config.block_size
-        return sum(self._seq(s).hot_len + 1 == full for s in seq_ids)
+        return int(np.count_nonzero(self._st.hot_len[slots] + 1 == full))
+
+    def slot_of(self, seq_id: int) -> int:
+        """The hot-zone slot of a registered sequence (its row in the step's arrays)."""
+        return self._seq(seq_id).slot
+
+    def lengths(self, slots: np.ndarray) -> np.ndarray:
+        """Tokens cached per slot (a copy)."""
+        return self._st.length[slots].copy()
+
+    def ready_slots(self) -> np.ndarray:
+        """Slots whose sequence is fully prefilled (can decode)."""
+        return np.flatnonzero(self._ready)
 
     # ---- sequences ------------------------------------------------------------------------------------
     def _seq(self, seq_id: int) -> _Seq:
@@ -186,10 +298,11 @@ class HybridCache:
         self.counters["prefix_lookup_blocks"] += n_total
         self.counters["prefix_hit_blocks"] += len(hits)
         slot = self._free_slots.pop()
-        self._seqs[seq_id] = _Seq(
-            seq_id, slot, list(token_ids), hashes, hits + fresh, len(hits), len(token_ids), 0,
-            sealed=len(hits), prefilled=len(hits) * bs,
-        )  # fmt: skip
+        seq = _Seq(seq_id, slot, list(token_ids), hashes, len(hits), len(hits), len(hits) * bs, self._st)
+        seq.set_blocks(hits + fresh)
+        seq.length, seq.hot_len = len(token_ids), 0
+        self._seqs[seq_id] = seq
+        self._seq_at[slot] = seq
         return len(hits) * bs
 
     def free_sequence(self, seq_id: int) -> None:
@@ -197,6 +310,9 @@ class HybridCache:
         seq = self._seq(seq_id)
         self.blocks.release(seq.blocks)
         self._free_slots.append(seq.slot)
+        self._st.clear(seq.slot)
+        self._seq_at[seq.slot] = None
+        self._ready[seq.slot] = False
         del self._seqs[seq_id]
 
     # ---- prefill ---------------------------------------------------------------------------------------
@@ -229,9 +345,10 @@ class HybridCache:
             seq.sealed += n_seal
             seq.hot_len, seq.chunk, seq.layers_done = hot_len, 0, 0
             if seq.prefilled == seq.length:
-                assert seq.sealed == len(seq.blocks), f"{seq.sealed} of {len(seq.blocks)} blocks sealed"
+                assert seq.sealed == seq.num_blocks, f"{seq.sealed} of {seq.num_blocks} blocks sealed"
                 seq.ready = True
-                self._register(seq, range(seq.hits, len(seq.blocks)))
+                self._ready[seq.slot] = True
+                self._register(seq, range(seq.hits, seq.num_blocks))
         return out
 
     def _prefill_layer(
@@ -253,7 +370,9 @@ class HybridCache:
             new_k, new_v = torch.cat([hot_k.to(dt), new_k]), torch.cat([hot_v.to(dt), new_v])
         n_seal = max(0, (new_k.shape[0] - self.config.hot_tokens) // bs)
         if n_seal:
-            ids = torch.as_tensor(seq.blocks[seq.sealed : seq.sealed + n_seal], device=self.device)
+            ids = torch.as_tensor(
+                self._st.table[seq.slot, seq.sealed : seq.sealed + n_seal], device=self.device
+            )
             k_new = new_k[: n_seal * bs].reshape(n_seal, bs, *k.shape[1:])
             v_new = new_v[: n_seal * bs].reshape(n_seal, bs, *v.shape[1:])
             seal_blocks(pool, ids, k_new, v_new, self.config.quantization_bits)
@@ -270,59 +389,75 @@ class HybridCache:
         return k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1)
 
     def _register(self, seq: _Seq, indices: Sequence[int]) -> None:
+        row = self._st.table[seq.slot]
         for i in indices:
             if i < len(seq.hashes) and i not in seq.registered:
-                self.blocks.register(seq.blocks[i], seq.hashes[i])
+                self.blocks.register(int(row[i]), seq.hashes[i])
                 seq.registered.add(i)
 
     # ---- decode ----------------------------------------------------------------------------------------
     def begin_step(self, seq_ids: Sequence[int], now_ms: float) -> DecodePlan:
         """Plan one decode step (one new token per sequence) at clock ``now_ms``."""
-        seqs = [self._seq(s) for s in seq_ids]
-        if len(set(seq_ids)) != len(seqs) or not all(s.ready for s in seqs):
+        if len(set(seq_ids)) != len(seq_ids) or not all(self._seq(s).ready for s in seq_ids):
             raise ValueError(f"begin_step needs distinct, fully prefilled sequences, got {list(seq_ids)}")
+        return self.begin_step_slots(
+            np.asarray([self._seqs[s].slot for s in seq_ids], dtype=np.int64), now_ms
+        )
+
+    def begin_step_slots(self, slots: np.ndarray, now_ms: float) -> DecodePlan:
+        """:meth:`begin_step` of the sequences in hot-zone ``slots`` (distinct, ready; not checked)."""
+        st, bs = self._st, self.config.block_size
+        sealing, fresh = self._allocate_seals(slots)
+        self.tiers.reset(fresh, now_ms)
+        self._now = float(now_ms)
+        write_pos = st.hot_len[slots].copy()
+        st.hot_len[slots] += 1
+        st.length[slots] += 1
+        st.hot_len[sealing] -= bs
+        return self._plan(slots, write_pos, sealing, fresh)
+
+    def _allocate_seals(self, slots: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """The slots of ``slots`` whose hot zone fills at this step, and a fresh block each, appended to their
+        tables (CacheFullError when too few blocks are free)."""
+        st = self._st
         full = self.config.hot_tokens + self.config.block_size
-        sealing = [s for s in seqs if s.hot_len + 1 == full]
+        sealing = slots[st.hot_len[slots] + 1 == full]
         if len(sealing) > self.blocks.num_free():
             raise CacheFullError(f"step needs {len(sealing)} blocks, {self.blocks.num_free()} free")
         fresh = self.blocks.allocate(len(sealing))
-        self.tiers.reset(fresh, now_ms)
-        self._now = float(now_ms)
-        write_pos = [s.hot_len for s in seqs]
-        for s in seqs:
-            s.hot_len += 1
-            s.length += 1
-        for s, block in zip(sealing, fresh):
-            s.blocks.append(block)
-            s.hot_len -= self.config.block_size
-        return self._plan(seqs, write_pos, sealing, fresh)
+        if len(sealing):
+            st.ensure_width(int(st.num_blocks[sealing].max()) + 1)
+            st.table[sealing, st.num_blocks[sealing]] = fresh
+            st.num_blocks[sealing] += 1
+        return sealing, fresh
 
     def _plan(
-        self, seqs: list[_Seq], write_pos: list[int], sealing: list[_Seq], fresh: list[int]
+        self, slots: np.ndarray, write_pos: np.ndarray, sealing: np.ndarray, fresh: list[int]
     ) -> DecodePlan:
         """The step's index tensors, packed on the host and sent to the device in one copy. Every segment
         starts 16 bytes aligned (lengths rounded up to even): a kernel argument's alignment is part of what
         Triton specializes on, and an offset that followed the batch's parity would compile kernels again."""
-        b, n_seal, h = len(seqs), len(sealing), self.shape.num_kv_heads
+        st = self._st
+        b, n_seal, h = len(slots), len(sealing), self.shape.num_kv_heads
         bp, sp = b + b % 2, n_seal + n_seal % 2
-        width = max((len(s.blocks) for s in seqs), default=0)
+        num_blocks = st.num_blocks[slots]
+        width = int(num_blocks.max()) if b else 0
         packed = np.full(4 * bp + 2 * sp + b * width, -1, dtype=np.int64)
-        packed[0:b] = [s.slot for s in seqs]
+        packed[0:b] = slots
         packed[bp : bp + b] = write_pos
-        packed[2 * bp : 2 * bp + b] = [s.hot_len for s in seqs]
-        packed[3 * bp : 3 * bp + b] = [len(s.blocks) for s in seqs]
+        packed[2 * bp : 2 * bp + b] = st.hot_len[slots]
+        packed[3 * bp : 3 * bp + b] = num_blocks
         seal0, table0 = 4 * bp, 4 * bp + 2 * sp
-        packed[seal0 : seal0 + n_seal] = [s.slot for s in sealing]
+        packed[seal0 : seal0 + n_seal] = sealing
         packed[seal0 + sp : seal0 + sp + n_seal] = fresh
-        table = packed[table0:].reshape(b, width)
-        for i, s in enumerate(seqs):
-            table[i, : len(s.blocks)] = s.blocks
+        packed[table0:] = st.table[slots, :width].reshape(-1)
         dev = torch.from_numpy(packed).to(self.device)
         small = dev[: 4 * bp].to(torch.int32)
         blocks = dev[table0:].view(b, width)
-        num_blocks = small[3 * bp : 3 * bp + b]
+        num_blocks_t = small[3 * bp : 3 * bp + b]
+        seq_at = self._seq_at
         return DecodePlan(
-            seq_ids=tuple(s.seq_id for s in seqs),
+            seq_ids=tuple(seq_at[i].seq_id for i in slots.tolist()),  # type: ignore[union-attr]
             step=self._step,
             now_ms=self._now,
             slots=dev[0:b],
@@ -333,17 +468,119 @@ class HybridCache:
             seal_blocks=dev[seal0 + sp : seal0 + sp + n_seal],
             blocks=blocks,
             cold_table=blocks.to(torch.int32)[:, None].expand(b, h, width).contiguous(),
-            cold_count=num_blocks[:, None].expand(b, h).contiguous(),
-            lengths=tuple(s.length for s in seqs),
-            hot_tokens=sum(s.hot_len for s in seqs),
-            cold_blocks=sum(len(s.blocks) for s in seqs),
-            sealed_seq_ids=tuple(s.seq_id for s in sealing),
+            cold_count=num_blocks_t[:, None].expand(b, h).contiguous(),
+            lengths=tuple(st.length[slots].tolist()),
+            hot_tokens=int(st.hot_len[slots].sum()),
+            cold_blocks=int(num_blocks.sum()),
+            sealed_seq_ids=tuple(seq_at[i].seq_id for i in sealing.tolist()),  # type: ignore[union-attr]
         )
+
+    # ---- static step (CUDA-graph replay) ---------------------------------------------------------------
+    def prepare_step(
+        self, slots: np.ndarray, tokens: np.ndarray, now_ms: float, buffers: StepBuffers, shape: StepShape
+    ) -> StepInfo:
+        """Host half of a static decode step of the sequences in ``slots`` (distinct, ready), feeding
+        ``tokens``: allocate the blocks that seal, advance lengths, count the bytes attention will read, and
+        stage everything in ``buffers`` (one upload). The caller then runs :meth:`seal_static` (``seal_rows``
+        entries, when ``num_seals``), the forward on ``buffers.plan(rows, width)``, then :meth:`finish_step`.
+        Vectorized: no per-sequence Python work besides one block per sealing sequence."""
+        st, bs, b = self._st, self.config.block_size, len(slots)
+        rows = shape.rows_for(b)
+        if not (b <= rows <= buffers.rows) or len(tokens) != b or b == 0:
+            raise ValueError(
+                f"prepare_step: batch {b} (tokens {len(tokens)}) must fit {rows} <= {buffers.rows}"
+            )
+        if not self._ready[slots].all():
+            raise ValueError("prepare_step needs fully prefilled sequences")
+        sealing, fresh = self._allocate_seals(slots)
+        self.tiers.reset_host(fresh)
+        self._now = float(now_ms)
+        st.hot_len[sealing] -= bs  # sealed before the step (seal_static): the zone keeps hot_tokens - 1
+        positions = st.length[slots]  # of the fed tokens (the length before this step)
+        write_pos = st.hot_len[slots]
+        st.hot_len[slots] += 1
+        st.length[slots] += 1
+        num_blocks = st.num_blocks[slots]
+        width = shape.width_for(int(num_blocks.max()))
+        if width > buffers.width:
+            raise ValueError(
+                f"prepare_step: {int(num_blocks.max())} blocks exceed the buffers' width {buffers.width}"
+            )
+        st.ensure_width(width)
+        n_seal = len(sealing)
+        seal_rows = shape.seals_for(n_seal) if n_seal else 0
+        buffers.wait_staging()
+        pad = slice(b, rows)
+        for name, values, filler in (
+            ("slots", slots, 0),
+            ("write_pos", write_pos, hot_capacity(self.config) - 1),  # no zone holds this between steps
+            ("hot_len", st.hot_len[slots], 1),
+            ("positions", positions, 0),
+            ("num_blocks", num_blocks, 0),
+            ("tokens", tokens, 0),
+        ):
+            row = buffers.field(name, rows)
+            row[:b] = values
+            row[pad] = filler
+        if n_seal:
+            repeat = np.resize(np.arange(n_seal), seal_rows)  # padding repeats real entries
+            buffers.field("seal_slots", seal_rows)[:] = sealing[repeat]
+            buffers.field("seal_blocks", seal_rows)[:] = np.asarray(fresh, dtype=np.int64)[repeat]
+        table = buffers.table(rows, width)
+        table[:b] = st.table[slots, :width]
+        table[pad] = -1
+        buffers.set_now(now_ms)
+        buffers.upload(rows, width)
+        self._count_bytes_host(int(st.hot_len[slots].sum()), int(num_blocks.sum()))
+        return StepInfo(b, rows, width, n_seal, seal_rows, slots, sealing, float(now_ms))
+
+    def seal_static(self, buffers: StepBuffers, rows: int) -> None:
+        """Seal the ``rows`` staged seal entries before a static step, every layer (device work only, no
+        host read: capturable): the oldest ``block_size`` tokens of each zone become its fresh block, the
+        ``hot_tokens - 1`` after them move to the front, the fresh blocks' statistics start now."""
+        bs, hot, bits = self.config.block_size, self.config.hot_tokens, self.config.quantization_bits
+        slots, blocks = buffers.view("seal_slots", rows), buffers.view("seal_blocks", rows)
+        for layer, pool in enumerate(self.pools):
+            k = self.hot_k[layer][:, :, :bs].transpose(1, 2)  # [slots, bs, H, D] views, read at ``slots``
+            v = self.hot_v[layer][:, :, :bs].transpose(1, 2)
+            seal_blocks(pool, blocks, k, v, bits, slots)
+        zone = self.hot_kv  # [layers, 2, slots, H, C, D]: every layer's K and V zones in one gather + scatter
+        zone[:, :, slots, :, : hot - 1] = zone[:, :, slots, :, bs : bs + hot - 1]
+        self.tiers.reset_device(blocks, buffers.now_tensor())
+
+    def save_step_effects(self, slots: torch.Tensor, write_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What a static step changes besides its own outputs: the hot positions it writes (``slots``,
+        ``write_pos``), the access statistics and the byte count. For running a step once and undoing it
+        (the warm-up before a CUDA-graph capture)."""
+        tiers = self.tiers
+        written = self.hot_kv[:, :, slots, :, write_pos].clone()
+        return (
+            slots,
+            write_pos,
+            written,
+            tiers.last_access.clone(),
+            tiers.ema.clone(),
+            self._bytes_dev.clone(),
+        )
+
+    def restore_step_effects(self, saved: tuple[torch.Tensor, ...]) -> None:
+        slots, write_pos, written, last_access, ema, nbytes = saved
+        self.hot_kv[:, :, slots, :, write_pos] = written
+        self.tiers.last_access.copy_(last_access)
+        self.tiers.ema.copy_(ema)
+        self._bytes_dev.copy_(nbytes)
+
+    def finish_step(self, info: StepInfo) -> None:
+        """End of a static step: what :meth:`end_step` does (prefix registration of the sealed blocks, tier
+        planning, migrations)."""
+        self._end_step(info.sealed_slots, info.now_ms, lambda: self._st.length[info.slots].tolist())
 
     def decode(
         self, layer: int, plan: DecodePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Append → seal → attend for one layer. q: [B, Hq, D], k, v: [B, H, D] → out [B, Hq, D] (q.dtype)."""
+        """Append → seal → attend for one layer. q: [B, Hq, D], k, v: [B, H, D] → out [B, Hq, D] (q.dtype).
+
+        A static plan never seals here, and reads nothing from the device on the host: capturable."""
         hk, hv, pool = self.hot_k[layer], self.hot_v[layer], self.pools[layer]
         hk[plan.slots, :, plan.write_pos] = k.to(hk.dtype)
         hv[plan.slots, :, plan.write_pos] = v.to(hv.dtype)
@@ -359,7 +596,7 @@ class HybridCache:
             mass,
             table,
             num_cold,
-            plan.now_ms,
+            plan.now,
             self.tiers.flags,
         )
         self._count_bytes(pool, plan, table, counted)
@@ -382,8 +619,9 @@ class HybridCache:
         self, layer: int, plan: DecodePlan, q: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """Cold blocks attended per (sequence, KV head): L1 then Quest-selected L2; [B, H, M] int32, counts,
-        and whether the bytes they read are already counted (the sparse path counts them itself)."""
-        if self.config.sparse_top_k == 0 or self.tiers.l2_blocks[layer] == 0:
+        and whether the bytes they read are already counted (the sparse path counts them itself). A static
+        plan of a sparse config always takes the sparse path (the same shapes whatever the tiers hold)."""
+        if self.config.sparse_top_k == 0 or (self.tiers.l2_blocks[layer] == 0 and not plan.static):
             return plan.cold_table, plan.cold_count, plan.cold_count, False
         count = ByteCount(self._cost, self._quest_cost, self._bytes_dev)
         table, num, n1 = sparse_block_table(
@@ -402,14 +640,24 @@ class HybridCache:
 
     def _count_bytes(self, pool: ColdPool, plan: DecodePlan, table: torch.Tensor, counted: bool) -> None:
         h, d, elem = self.shape.num_kv_heads, self.shape.head_dim, self.shape.element_size
-        self._bytes_host += 2 * plan.hot_tokens * h * d * elem
+        if not plan.static:  # a static step counted its host share in prepare_step
+            self._bytes_host += 2 * plan.hot_tokens * h * d * elem
         if counted:
             return
         if not pool.may_demote:  # every block has the pool's bits and every head reads all of them
-            self._bytes_host += plan.cold_blocks * h * int(self._cost_host[pool.bits])
+            if not plan.static:
+                self._bytes_host += plan.cold_blocks * h * int(self._cost_host[pool.bits])
             return
         bits = pool.block_bits[table.long().clamp(min=0)].long()
         self._bytes_dev += torch.where(table >= 0, self._cost[bits], 0).sum()
+
+    def _count_bytes_host(self, hot_tokens: int, cold_blocks: int) -> None:
+        """The host share of :meth:`_count_bytes` for every layer of a static step."""
+        h, d, elem = self.shape.num_kv_heads, self.shape.head_dim, self.shape.element_size
+        per_layer = 2 * hot_tokens * h * d * elem
+        if self.config.sparse_top_k == 0 and not self.pools[0].may_demote:
+            per_layer += cold_blocks * h * int(self._cost_host[self.pools[0].bits])
+        self._bytes_host += self.shape.num_layers * per_layer
 
     @property
     def attention_bytes_read(self) -> int:
@@ -419,14 +667,22 @@ class HybridCache:
     # ---- end of step ----------------------------------------------------------------------------------
     def end_step(self, plan: DecodePlan) -> None:
         """Prefix registration, tier planning every ``migration_interval`` steps, the migration queue."""
+        sealed = [self._seqs[s].slot for s in plan.sealed_seq_ids if s in self._seqs]
+        self._end_step(np.asarray(sealed, dtype=np.int64), plan.now_ms, lambda: plan.lengths)
+
+    def _end_step(
+        self, sealed_slots: np.ndarray, now_ms: float, lengths: Callable[[], Sequence[int]]
+    ) -> None:
+        """:meth:`end_step`: ``sealed_slots`` sealed a block at this step; ``lengths()`` of the step's
+        sequences (asked only when the tiers are planned)."""
         self._step += 1
-        for seq_id in plan.sealed_seq_ids:
-            if seq_id in self._seqs:
-                seq = self._seqs[seq_id]
-                self._register(seq, [len(seq.blocks) - 1])
+        for slot in sealed_slots.tolist():
+            seq = self._seq_at[slot]
+            if seq is not None:
+                self._register(seq, [seq.num_blocks - 1])
         if self._step % self.config.migration_interval == 0:
             in_use = self.blocks.refcount > 0
-            self.queue.replace(self.tiers.plan(self.config, plan.now_ms, in_use, plan.lengths))
+            self.queue.replace(self.tiers.plan(self.config, now_ms, in_use, lengths()))
             self.counters["plans"] += 1
         if len(self.queue):
             done = self.tiers.apply(self.queue.take(self.blocks.refcount), self.pools)
@@ -440,7 +696,7 @@ class HybridCache:
         return {
             "budget_bytes": lay.budget_bytes,
             "total_bytes": lay.total_bytes,
-            "kv_bytes_in_use": len(self._seqs) * lay.hot_bytes_per_seq + in_use * lay.block_bytes,
+            "kv_bytes_in_use": self.kv_bytes_in_use(),
             "num_slots": lay.num_slots,
             "num_blocks": lay.num_blocks,
             "blocks_in_use": in_use,
@@ -458,6 +714,11 @@ class HybridCache:
             "l2_blocks": int(self.tiers.l2_blocks.sum()),
             "attention_bytes_read": self.attention_bytes_read,
         }
+
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the budget held for live data: hot zones of registered sequences + blocks in use."""
+        lay = self.layout
+        return len(self._seqs) * lay.hot_bytes_per_seq + self.blocks.num_in_use() * lay.block_bytes
 
     def debug_stats(self) -> dict[str, Any]:
         """Attention shares (hot, L1, L2; means over decode calls), L2 occupancy, migrations, seal errors."""
@@ -477,13 +738,16 @@ class HybridCache:
         expected = np.zeros(self.layout.num_blocks, dtype=np.int32)
         for s in self._seqs.values():
             np.add.at(expected, np.asarray(s.blocks, dtype=np.int64), 1)
-            assert len(s.blocks) == self.layout.blocks_for(s.length), f"seq {s.seq_id}: block count"
+            assert s.num_blocks == self.layout.blocks_for(s.length), f"seq {s.seq_id}: block count"
             done = s.length if s.ready else s.prefilled
-            sealed = len(s.blocks) if s.ready else s.sealed
+            sealed = s.num_blocks if s.ready else s.sealed
             assert done - sealed * self.config.block_size == s.hot_len, f"seq {s.seq_id}: hot_len"
+            assert self._seq_at[s.slot] is s and self._ready[s.slot] == s.ready, f"seq {s.seq_id}: slot maps"
         self.blocks.check_integrity(expected)
         slots = sorted([s.slot for s in self._seqs.values()] + self._free_slots)
         assert slots == list(range(self.layout.num_slots)), "hot-zone slots leaked or doubled"
+        free = np.asarray(self._free_slots, dtype=np.int64)
+        assert not self._ready[free].any() and not self._st.num_blocks[free].any(), "a free slot holds state"
         self.tiers.check()
 
 

@@ -132,6 +132,16 @@ def cache_layout(
     return CacheLayout(config, shape, int(budget_bytes), slots, int(blocks), hot, blk)
 
 
+def sequences_for_budget(config: HybridConfig, shape: ModelKVShape, budget_bytes: int, length: float) -> int:
+    """How many sequences of ``length`` tokens (hot zone + sealed blocks at the config's bits) the budget
+    holds at once, at least 1: the engine's default ``max_num_seqs``, so that a config that stores more tokens
+    runs bigger batches and its hot-zone slots do not take what its blocks need."""
+    blocks = blocks_for(config, round(length))
+    return max(
+        1, int(budget_bytes) // (hot_bytes_per_seq(config, shape) + blocks * block_bytes(config, shape))
+    )
+
+
 def kv_bytes_for(config: HybridConfig, shape: ModelKVShape, seq_lens: Sequence[int]) -> int:
     """Bytes that sequences of these lengths occupy at once (hot zones + their blocks, metadata included).
 

@@ -88,15 +88,34 @@ class TierState:
 
     def reset(self, blocks: Sequence[int], now_ms: float) -> None:
         """Fresh blocks (sealed now, all layers): L1, ``last_access = now``, no interval yet."""
-        if not blocks:
+        if not len(blocks):
+            return
+        self.reset_host(blocks)
+        self.reset_device(torch.as_tensor(np.asarray(blocks, dtype=np.int64), device=self.device), now_ms)
+
+    def reset_host(self, blocks: Sequence[int] | np.ndarray) -> None:
+        """The host mirror's half of :meth:`reset` (L1, L2 counts)."""
+        if not len(blocks):
             return
         ids = np.asarray(blocks, dtype=np.int64)
         self.l2_blocks -= (self.tier_host[:, ids] == L2).sum(axis=1)
         self.tier_host[:, ids] = L1
-        idx = torch.as_tensor(ids, device=self.device)
+
+    def reset_device(self, idx: torch.Tensor, now_ms: float | torch.Tensor) -> None:
+        """The device half of :meth:`reset` for block ids ``idx`` (int64 on the device; repeats allowed) at
+        ``now_ms`` (a float, or a float64 device scalar: capturable in a CUDA graph, no host read)."""
         self.tier[:, idx] = L1
         self.last_access[:, idx] = now_ms
         self.ema[:, idx] = math.nan
+
+    def clear(self) -> None:
+        """Every block back to L1 with no statistics, in place (the tensors keep their addresses)."""
+        self.tier.fill_(L1)
+        self.last_access.zero_()
+        self.ema.fill_(math.nan)
+        self.flags.zero_()
+        self.tier_host.fill(L1)
+        self.l2_blocks[:] = 0
 
     def plan(
         self, config: HybridConfig, now_ms: float, in_use: np.ndarray, lengths: Sequence[int]

@@ -7,10 +7,21 @@ sequence, then runs one decode step for the whole running batch, and repeats. Ou
 a CPU); idle gaps with nothing to run are skipped, not slept: no latency can change in them, and the engine
 clock advances by the gap.
 
-Each decode step is split into: attention (the ``cache.decode`` calls, timed one by one), model math (the
-rest of ``model.decode``) and bookkeeping (everything else in the step: ``begin_step``/``end_step``,
-scheduling, preemption). A warm-up run of the first ``warmup_requests`` requests on a throw-away cache comes
-first, so first compilations and allocator growth stay out of the metrics.
+Iterations (:class:`~kvtune.engine.scheduler.SchedulerConfig`): by default each iteration is one forward
+with the decode token of every running sequence whose prompt is done and prompt chunks filling the rest of
+``max_num_batched_tokens`` (``mixed``); an iteration without prompt work runs the static decode step
+(``graphs``, :mod:`kvtune.engine.graphs`): host bookkeeping in a few array operations, then the seals and
+the forward replayed as CUDA graphs on CUDA (run directly on a CPU). ``max_num_seqs`` is derived from the
+budget unless given (:meth:`Engine.settings_for`). Per-sequence outputs live in slot-indexed arrays
+(:mod:`kvtune.engine.outputs`), so the host work of a decode step does not grow with the batch beyond array
+operations. ``mixed=False, graphs=False`` is the engine as it was: admit, prefill each chunk in its own
+forward, then one eager decode step.
+
+Each decode iteration is split into: attention (the ``cache.decode`` calls; in graph mode timed on every
+16th replay only, see :mod:`kvtune.engine.metrics`), model math (the rest of the forward) and bookkeeping
+(everything else in the iteration: ``begin_step``/``end_step`` or ``prepare_step``/``finish_step``,
+scheduling, preemption). A warm-up run of the first ``warmup_requests`` requests comes first on the replay's
+cache (then emptied), so first compilations, graph captures and allocator growth stay out of the metrics.
 """
 
 from __future__ import annotations
@@ -20,13 +31,16 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
+from kvtune.cache_impl.layout import sequences_for_budget
+from kvtune.engine.graphs import DecodeGraphs
 from kvtune.engine.metrics import (
     EngineCounters,
     ReplayMetrics,
@@ -34,12 +48,16 @@ from kvtune.engine.metrics import (
     copy_bandwidth_gbs,
     summarize,
 )
-from kvtune.engine.scheduler import Scheduler, SchedulerConfig
+from kvtune.engine.options import CPU_BUDGET_CAP_BYTES
+from kvtune.engine.outputs import SlotOutputs
+from kvtune.engine.scheduler import MAX_NUM_SEQS_CAP, Scheduler, SchedulerConfig
 from kvtune.engine.scheduler import Sequence as Seq
 from kvtune.engine.traces import LengthCounts, LengthPolicy, Request, prompt_token_ids, read_trace
 
 Progress = Callable[[int, int], None]
-CPU_BUDGET_CAP_BYTES = 4 << 30
+# (engine clock in ms, every sequence of the replay in arrival order) -> True to end the replay now: a
+# capacity probe whose latency limits can no longer be met stops instead of serving a long queue.
+Stop = Callable[[float, Sequence[Seq]], bool]
 DEFAULT_BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=0)
 
 
@@ -126,8 +144,29 @@ class EngineClock:
     def skip_to(self, ms: float) -> None:
         self._skipped_ms += max(0.0, ms - self.now_ms())
 
+    def exclude(self, ms: float) -> None:
+        """Leave ``ms`` just spent (capturing a CUDA graph) out of the clock: it stood still meanwhile."""
+        self._skipped_ms -= max(0.0, ms)
+
 
 # ------------------------------------------------------------------------------------------------ a run
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine's options as one replay resolves them (:class:`SchedulerConfig`; recorded in its result).
+
+    max_num_seqs: hot-zone slots of the cache = most sequences running; max_model_len: the longest request
+    (prompt + output), which bounds a sequence's block table; graphs: decode-only iterations run the static
+    step; cuda_graphs: ... replayed as CUDA graphs (CUDA only)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    graphs: bool
+    cuda_graphs: bool
+    mixed: bool
+    max_model_len: int
+    max_output: int
 
 
 @dataclass
@@ -139,6 +178,9 @@ class _Run:
     scheduler: Scheduler
     clock: EngineClock
     total: int
+    settings: EngineSettings
+    outputs: SlotOutputs
+    graphs: DecodeGraphs | None = None
     timings: list[RequestTiming] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
 
@@ -182,16 +224,20 @@ class Engine:
         progress: Progress | None = None,
         clipped: int = 0,
         deadline: Deadline | None = None,
+        stop: Stop | None = None,
     ) -> ReplayMetrics:
         """Replay ``requests`` open-loop (arrivals × ``time_scale``) and measure them.
 
         Requests longer than the model's context are clipped to it; ``clipped`` in the result counts the
         requests a length policy shortened (here, or before: :class:`~kvtune.engine.traces.Request`'s
         ``shortened``) plus the ``clipped`` given. ``deadline`` ends a replay that runs too long
-        (:class:`ReplayTimeoutError`). The
-        first ``warmup_requests`` requests are first run once, all at once, on a throw-away cache that
-        first launches the kernels they may not reach (:meth:`HybridCache.compile_kernels`), so that no
-        compilation falls inside the measured replay; that replay then serves every request.
+        (:class:`ReplayTimeoutError`). ``stop``, asked once per engine iteration, ends the measured replay
+        early when it returns True (the result then covers the requests finished so far). The
+        first ``warmup_requests`` requests are first run once, all at once, on the replay's cache, which
+        first launches the kernels they may not reach (:meth:`HybridCache.compile_kernels`) and captures the
+        CUDA graphs they use, so that no compilation falls inside the measured replay; the cache is then
+        emptied (:meth:`HybridCache.reset`, its tensors and the graphs over them kept) and serves every
+        request. A graph first needed by the measured replay is captured then, outside its clock.
         """
         if not (math.isfinite(time_scale) and time_scale >= 0):
             raise ValueError(f"`time_scale >= 0` must hold, but got time_scale={time_scale}")
@@ -200,9 +246,20 @@ class Engine:
         if len({r.rid for r in requests}) != len(requests):
             raise ValueError("request ids (rid) must be unique within a replay")
         fitted, counts = LengthPolicy(self.spec.max_context).apply(requests)
+        settings = self.settings_for(fitted)
+        cache = self.new_cache(settings.max_num_seqs)
+        settings = replace(settings, max_num_seqs=cache.layout.num_slots)  # the layout may give fewer
+        graphs = self._decode_graphs(cache, settings)
         if warmup_requests > 0:
-            self._run(fitted[:warmup_requests], 0.0, None, compile_kernels=True, deadline=deadline)
-        run = self._run(fitted, time_scale, progress, deadline=deadline)
+            self._run(
+                fitted[:warmup_requests], 0.0, None, compile_kernels=True, deadline=deadline,
+                cache=cache, graphs=graphs, settings=settings,
+            )  # fmt: skip
+            cache.reset()
+        run = self._run(
+            fitted, time_scale, progress, deadline=deadline, stop=stop, cache=cache, graphs=graphs,
+            settings=settings,
+        )  # fmt: skip
         return summarize(run.timings, self._counters(run, clipped=clipped + counts.shortened))
 
     def with_config(self, config: HybridConfig) -> Engine:
@@ -212,10 +269,46 @@ class Engine:
         clone.config = config
         return clone
 
+    def settings_for(self, requests: Sequence[Request]) -> EngineSettings:
+        """The options of a replay of ``requests`` (already fitted to the context): ``max_num_seqs`` given, or
+        derived from the budget and the layout (:func:`~kvtune.cache_impl.layout.sequences_for_budget` at
+        the requests' mean prompt + output length), never above :data:`MAX_NUM_SEQS_CAP`, the number of
+        requests or ``max_num_batched_tokens``."""
+        opts = self.scheduler_config
+        lengths = [r.input_length + r.output_length for r in requests] or [1]
+        if opts.max_num_seqs is not None:
+            seqs = opts.max_num_seqs
+        else:
+            mean = sum(lengths) / len(lengths)
+            seqs = min(
+                MAX_NUM_SEQS_CAP,
+                sequences_for_budget(self.config, self.model.kv_shape, self.budget_bytes, mean),
+            )
+        seqs = max(1, min(seqs, len(requests) or 1, opts.max_num_batched_tokens))
+        graphs = opts.graphs and not self.config.kv_cache_debug
+        return EngineSettings(
+            max_num_seqs=seqs,
+            max_num_batched_tokens=opts.max_num_batched_tokens,
+            graphs=graphs,
+            cuda_graphs=graphs and self.device.type == "cuda",
+            mixed=opts.mixed,
+            max_model_len=max(lengths),
+            max_output=max((r.output_length for r in requests), default=1),
+        )
+
     def new_cache(self, max_seqs: int | None = None) -> HybridCache:
-        """A fresh cache over the budget with ``max_seqs`` hot-zone slots (default ``max_batch``)."""
-        slots = self.scheduler_config.max_batch if max_seqs is None else max_seqs
+        """A fresh cache over the budget with ``max_seqs`` hot-zone slots (default: the options'
+        ``max_num_seqs``, else :data:`~kvtune.cache_impl.layout.DEFAULT_MAX_SEQS`)."""
+        slots = self.scheduler_config.max_num_seqs if max_seqs is None else max_seqs
         return HybridCache(self.config, self.model.kv_shape, self.budget_bytes, self.device, max_seqs=slots)
+
+    def _decode_graphs(self, cache: HybridCache, settings: EngineSettings) -> DecodeGraphs | None:
+        if not settings.graphs:
+            return None
+        max_blocks = min(cache.layout.num_blocks, cache.layout.blocks_for(settings.max_model_len))
+        return DecodeGraphs(
+            self.model, cache, settings.max_num_seqs, max(1, max_blocks), settings.cuda_graphs
+        )
 
     # -------------------------------------------------------------------------------------------- loop
 
@@ -226,24 +319,53 @@ class Engine:
         progress: Progress | None,
         compile_kernels: bool = False,
         deadline: Deadline | None = None,
+        stop: Stop | None = None,
+        cache: HybridCache | None = None,
+        graphs: DecodeGraphs | None = None,
+        settings: EngineSettings | None = None,
     ) -> _Run:
-        cache = self.new_cache(min(self.scheduler_config.max_batch, len(requests)))
+        if settings is None:
+            settings = self.settings_for(requests)
+        if cache is None:
+            cache = self.new_cache(settings.max_num_seqs)
+            settings = replace(settings, max_num_seqs=cache.layout.num_slots)
+            graphs = self._decode_graphs(cache, settings)
         if compile_kernels:  # the warm-up: kernels its requests may not reach compile now, not when timed
             cache.compile_kernels()
-        arrivals = deque(self._sequences(requests, time_scale))
-        scheduler = Scheduler(cache, self.scheduler_config)
+        seqs = self._sequences(requests, time_scale)
+        arrivals = deque(seqs)
+        config = replace(
+            self.scheduler_config, max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
+        )  # fmt: skip
+        scheduler = Scheduler(cache, config)
+        outputs = SlotOutputs(cache.layout.num_slots, settings.max_output)
         self.timer.synchronize()
-        run = _Run(cache, TimedCache(cache, self.timer), scheduler, EngineClock(), total=len(requests))
+        run = _Run(
+            cache,
+            TimedCache(cache, self.timer),
+            scheduler,
+            EngineClock(),
+            len(requests),
+            settings,
+            outputs,
+            graphs,
+        )
+        scheduler.on_preempt = outputs.detach
         with torch.inference_mode():
             while arrivals or run.scheduler.has_work():
                 if deadline is not None:
                     deadline.check()
+                if stop is not None and stop(run.clock.now_ms(), seqs):
+                    break
                 self._take_arrivals(run, arrivals)
                 if not run.scheduler.has_work():
                     run.clock.skip_to(arrivals[0].arrival_ms)
                     continue
-                self._prefill_admitted(run, progress)
-                self._decode_step(run, progress)
+                if settings.mixed:
+                    self._mixed_iteration(run, progress)
+                else:
+                    self._separate_iteration(run, progress)
         run.add("duration_ms", run.clock.now_ms())
         return run
 
@@ -258,74 +380,192 @@ class Engine:
         while arrivals and arrivals[0].arrival_ms <= now:
             run.scheduler.add(arrivals.popleft())
 
-    def _prefill_admitted(self, run: _Run, progress: Progress | None) -> None:
-        """Admit what fits, then this iteration's prefill chunks; a finished prompt emits its first token."""
-        refused_before = len(run.scheduler.refused)
-        run.scheduler.admit(run.clock.now_ms())
+    # ---- iterations --------------------------------------------------------------------------------------
+
+    def _mixed_iteration(self, run: _Run, progress: Progress | None) -> None:
+        """The decode token of every running sequence whose prompt is done, then prompt chunks filling the
+        rest of ``max_num_batched_tokens``: one forward (a static/graph step when there is no chunk)."""
+        start = self.timer.mark()
+        slots = self._decode_slots(run)
+        reserved = run.cache.blocks_needed_for_slots(slots) if slots.size else 0
+        budget = run.scheduler.config.max_num_batched_tokens - len(slots)
+        self._admit(run, progress, budget=budget, reserved_blocks=reserved, partial=True)
+        chunks = run.scheduler.prefill_chunks(budget)
+        if chunks:
+            self._forward(run, slots, chunks, start, progress)
+        elif slots.size:
+            self._decode(run, slots, start, progress)
+        self._track_memory(run)
+
+    def _separate_iteration(self, run: _Run, progress: Progress | None) -> None:
+        """The engine before mixed iterations: admit, prefill each chunk in its own forward, then one decode
+        step of every running sequence whose prompt is done."""
+        self._admit(run, progress)
         for seq, n in run.scheduler.prefill_chunks():
-            start = self.timer.mark()
-            chunk = seq.tokens[seq.prefilled : seq.prefilled + n]
-            ids = torch.tensor(chunk, dtype=torch.long, device=self.device)
-            logits = self.model.prefill(run.cache, seq.seq_id, ids, seq.prefilled, last_only=True)
-            seq.prefilled += n
-            token = None if seq.prefilling else int(logits[-1].argmax())
-            run.add("prefill_ms", self.timer.elapsed_ms(start, self.timer.mark()))
-            run.add("prefill_chunks", 1)
-            if token is not None:
-                self._emit(run, seq, token, progress)
+            self._forward(run, np.zeros(0, dtype=np.int64), [(seq, n)], self.timer.mark(), progress)
+        self._track_memory(run)
+        start = self.timer.mark()
+        slots = self._decode_slots(run)
+        if slots.size:
+            self._decode(run, slots, start, progress)
+            self._track_memory(run)
+
+    def _admit(self, run: _Run, progress: Progress | None, **kwargs: Any) -> None:
+        refused_before = len(run.scheduler.refused)
+        for admission in run.scheduler.admit(run.clock.now_ms(), **kwargs):
+            seq = admission.seq
+            run.outputs.attach(seq, run.cache.slot_of(seq.seq_id))
         if len(run.scheduler.refused) > refused_before and progress is not None:
             progress(len(run.timings) + len(run.scheduler.refused), run.total)
-        self._track_memory(run)
 
-    def _decode_step(self, run: _Run, progress: Progress | None) -> None:
-        start = self.timer.mark()
-        batch = run.scheduler.schedule_decode()
-        if not batch:
-            return
-        ids = [s.seq_id for s in batch]
-        plan = run.cache.begin_step(ids, run.clock.now_ms())
-        tokens = torch.tensor([s.output[-1] for s in batch], dtype=torch.long, device=self.device)
-        positions = torch.tensor([s.next_position for s in batch], dtype=torch.long, device=self.device)
+    def _decode_slots(self, run: _Run) -> np.ndarray:
+        """Slots of the sequences that decode this iteration, after preempting the newest running ones until
+        the blocks their step seals are free."""
+        slots = run.outputs.decoding_slots()
+        while slots.size and run.cache.blocks_needed_for_slots(slots) > run.cache.blocks_free():
+            run.scheduler.preempt_newest()  # saves the victim's outputs (on_preempt) before freeing it
+            slots = run.outputs.decoding_slots()
+        return slots
+
+    def _decode(self, run: _Run, slots: np.ndarray, start: Any, progress: Progress | None) -> None:
+        """One decode-only iteration: the static step (graph replay on CUDA) or the eager one."""
+        cache, now = run.cache, run.clock.now_ms()
+        tokens = run.outputs.last_tokens(slots)
+        graphs, captured_ms, timed = run.graphs, 0.0, True
+        bytes_before = self._attention_bytes(run, timed=graphs is None or graphs.timing_next())
+        if graphs is not None:
+            info = graphs.prepare(slots, tokens, now)
+            captured_ms = graphs.take_capture_ms()  # left out of the clock and of this step's time
+            run.clock.exclude(captured_ms)
+            run.add("graph_capture_ms", captured_ms)
+            model_start = self.timer.mark()
+            timed = graphs.run(info)
+            model_end = self.timer.mark()
+            next_tokens = graphs.next_tokens(info)
+            cache.finish_step(info)
+        else:
+            positions = cache.lengths(slots)
+            plan = cache.begin_step_slots(slots, now)
+            inputs = torch.from_numpy(np.stack([tokens, positions])).to(self.device)
+            model_start = self.timer.mark()
+            logits = self.model.decode(run.timed, plan, inputs[0], inputs[1])
+            model_end = self.timer.mark()
+            next_tokens = logits.argmax(dim=-1)
+            cache.end_step(plan)
+        end = self.timer.mark()
+        next_np = next_tokens.cpu().numpy()  # synchronizes
+        self.timer.synchronize()
+        model_ms = self.timer.elapsed_ms(model_start, model_end)
+        run.add("decode_steps", 1)
+        run.add("decode_ms", max(0.0, self.timer.elapsed_ms(start, end) - captured_ms))
+        run.add("model_ms", model_ms)
+        run.add("forward_ms", model_ms)
+        if graphs is not None:
+            run.add("graph_steps", 1)
+            if timed:
+                self._add_attention(run, graphs.attention_ms(), bytes_before)
+        else:
+            self._add_attention(run, run.timed.take_attention_ms(), bytes_before)
+        run.peak("peak_running", len(slots))
+        self._emit(run, slots, next_np, progress)
+
+    def _forward(
+        self,
+        run: _Run,
+        slots: np.ndarray,
+        chunks: list[tuple[Seq, int]],
+        start: Any,
+        progress: Progress | None,
+    ) -> None:
+        """One eager forward of the decode rows ``slots`` (may be none) and prompt ``chunks``."""
+        cache, b = run.cache, len(slots)
+        bytes_before = self._attention_bytes(run, timed=b > 0)
+        ids, positions = [run.outputs.last_tokens(slots)], [cache.lengths(slots)]
+        for seq, n in chunks:
+            ids.append(np.asarray(seq.tokens[seq.prefilled : seq.prefilled + n], dtype=np.int64))
+            positions.append(np.arange(seq.prefilled, seq.prefilled + n, dtype=np.int64))
+        plan = cache.begin_step_slots(slots, run.clock.now_ms()) if b else None
+        inputs = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(positions)])).to(self.device)
         model_start = self.timer.mark()
-        logits = self.model.decode(run.timed, plan, tokens, positions)
+        if b == 0 and len(chunks) == 1:  # a prompt chunk alone: the model's prefill, as it always was
+            seq, n = chunks[0]
+            logits = self.model.prefill(cache, seq.seq_id, inputs[0], seq.prefilled, last_only=True)
+        else:
+            segments = [(seq.seq_id, n) for seq, n in chunks]
+            logits = self.model.forward_mixed(run.timed, plan, inputs[0], inputs[1], b, segments)
         model_end = self.timer.mark()
         next_tokens = logits.argmax(dim=-1)
-        run.cache.end_step(plan)
+        if plan is not None:
+            cache.end_step(plan)
         end = self.timer.mark()
-        next_list = next_tokens.tolist()  # synchronizes
-        self.timer.synchronize()
-        run.add("decode_steps", 1)
-        run.add("decode_ms", self.timer.elapsed_ms(start, end))
-        run.add("model_ms", self.timer.elapsed_ms(model_start, model_end))
-        run.add("attention_ms", run.timed.take_attention_ms())
-        run.peak("peak_running", len(batch))
-        self._track_memory(run)
-        for seq, token in zip(batch, next_list):
-            self._emit(run, seq, int(token), progress)
+        next_np = next_tokens.cpu().numpy()  # synchronizes
+        model_ms = self.timer.elapsed_ms(model_start, model_end)
+        run.add("prefill_ms", model_ms)
+        run.add("forward_ms", model_ms)
+        run.add("prefill_chunks", len(chunks))
+        if b:
+            run.add("decode_steps", 1)
+            run.add("mixed_iterations", 1)
+            run.add("decode_ms", self.timer.elapsed_ms(start, end))
+            run.add("model_ms", model_ms)
+            self._add_attention(run, run.timed.take_attention_ms(), bytes_before)
+            run.peak("peak_running", b)
+            self._emit(run, slots, next_np[:b], progress)
+        done = [(j, seq) for j, (seq, n) in enumerate(chunks) if seq.prefilled + n == seq.prefill_target]
+        for seq, n in chunks:
+            seq.prefilled += n
+        if done:  # a finished prompt emits its first token and decodes from the next iteration on
+            first = np.asarray([seq.slot for _, seq in done], dtype=np.int64)
+            self._emit(run, first, next_np[[b + j for j, _ in done]], progress, start_decoding=True)
 
-    def _emit(self, run: _Run, seq: Seq, token: int, progress: Progress | None) -> None:
-        seq.output.append(token)
-        seq.token_ms.append(run.clock.now_ms())
-        if not seq.done:
-            return
-        run.scheduler.finish(seq)
-        run.timings.append(RequestTiming(seq.seq_id, seq.arrival_ms, tuple(seq.token_ms)))
-        if progress is not None:
-            progress(len(run.timings) + len(run.scheduler.refused), run.total)
+    def _emit(
+        self, run: _Run, slots: np.ndarray, tokens: np.ndarray, progress: Progress | None,
+        start_decoding: bool = False,
+    ) -> None:  # fmt: skip
+        """One output token for each slot, all at the clock's now; finished sequences leave."""
+        outputs = run.outputs
+        finished = outputs.record(slots, tokens, run.clock.now_ms())
+        if start_decoding:
+            outputs.decoding[slots] = True
+        for slot in finished.tolist():
+            seq = outputs.seqs[slot]
+            assert seq is not None
+            outputs.detach(seq)
+            run.scheduler.finish(seq)
+            run.timings.append(RequestTiming(seq.seq_id, seq.arrival_ms, tuple(seq.token_ms)))
+            if progress is not None:
+                progress(len(run.timings) + len(run.scheduler.refused), run.total)
+
+    def _attention_bytes(self, run: _Run, timed: bool) -> int:
+        """The cache's attention byte count now, where attention is timed on some steps only (graphs); an
+        engine that times every decode step reads the total once at the end."""
+        if run.graphs is None or not timed:
+            return 0
+        return int(run.cache.attention_bytes_read)
+
+    def _add_attention(self, run: _Run, ms: float, bytes_before: int) -> None:
+        run.add("attention_ms", ms)
+        run.add("attention_steps", 1)
+        if run.graphs is not None:
+            run.add("attention_bytes", int(run.cache.attention_bytes_read) - bytes_before)
 
     def _track_memory(self, run: _Run) -> None:
         run.peak("peak_kv_bytes", float(kv_bytes_in_use(run.cache)))
 
     def _counters(self, run: _Run, clipped: int) -> EngineCounters:
-        c, s = run.counters, run.scheduler
+        c, s, st = run.counters, run.scheduler, run.settings
         debug = dict(run.cache.debug_stats()) if self.config.kv_cache_debug else {}
+        graphs = run.graphs
+        attention_bytes = (
+            c.get("attention_bytes", 0.0) if graphs is not None else run.cache.attention_bytes_read
+        )
         return EngineCounters(
             duration_ms=c.get("duration_ms", 0.0),
             decode_steps=int(c.get("decode_steps", 0)),
             decode_ms=c.get("decode_ms", 0.0),
             model_ms=c.get("model_ms", 0.0),
             attention_ms=c.get("attention_ms", 0.0),
-            attention_bytes=int(run.cache.attention_bytes_read),  # decode attention only
+            attention_bytes=int(attention_bytes),  # decode attention only (of the timed steps)
             prefill_ms=c.get("prefill_ms", 0.0),
             prefill_chunks=int(c.get("prefill_chunks", 0)),
             peak_kv_bytes=int(c.get("peak_kv_bytes", 0)),
@@ -337,11 +577,24 @@ class Engine:
             clipped=clipped,
             copy_bandwidth_gbs=self.copy_bandwidth_gbs,
             debug=debug,
+            attention_steps=int(c.get("attention_steps", 0)),
+            forward_ms=c.get("forward_ms", 0.0),
+            graph_steps=int(c.get("graph_steps", 0)),
+            mixed_iterations=int(c.get("mixed_iterations", 0)),
+            graph_captures=graphs.captures if graphs is not None else 0,
+            graph_capture_ms=c.get("graph_capture_ms", 0.0),
+            max_num_seqs=st.max_num_seqs,
+            max_num_batched_tokens=s.config.max_num_batched_tokens,
+            graphs=st.graphs,
+            cuda_graphs=st.cuda_graphs,
+            mixed=st.mixed,
         )
 
 
 def kv_bytes_in_use(cache: Any) -> int:
     """Bytes of the budget the cache holds for live data (hot zones of running sequences + used blocks)."""
+    if hasattr(cache, "kv_bytes_in_use"):
+        return int(cache.kv_bytes_in_use())
     return int(cache.stats()["kv_bytes_in_use"])
 
 

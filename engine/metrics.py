@@ -5,6 +5,15 @@ inter-token latencies (every gap between consecutive output tokens) and end-to-e
 token); each summarized as P50/P90/P99. A percentile over fewer than :data:`MIN_REQUESTS_FOR_PERCENTILES`
 requests is reported with a warning. Attention bandwidth is the bytes the attention pass read divided by its
 measured time; utilization compares it with the copy bandwidth measured on the device at start.
+
+Attention time is the device time of the decode attention (the ``cache.decode`` calls: hot-zone append,
+table, attention kernels, access update). An eager step times every layer's call with events; a decode
+step replayed as a CUDA graph cannot be timed inside, so only every ``TIMING_EVERY``-th replay (16,
+:mod:`kvtune.engine.graphs`) takes a variant of its graph with timing events around each layer's attention:
+``attention_ms`` and ``attention_bytes`` then cover the timed steps only (``attention_steps`` of them, the
+eager and mixed iterations included), and the attention per step and bandwidth are ratios over those
+steps. ``model_ms`` is the device time of the forwards of decode iterations (a graph replay whole);
+bookkeeping is what a decode iteration's wall time adds to it (host work between replays, scheduling).
 """
 
 from __future__ import annotations
@@ -66,7 +75,7 @@ class EngineCounters:
     decode_steps: int = 0
     decode_ms: float = 0.0  # whole decode steps: scheduling + cache bookkeeping + model + attention
     model_ms: float = 0.0  # model.decode calls (model math + attention)
-    attention_ms: float = 0.0  # cache.decode calls
+    attention_ms: float = 0.0  # cache.decode calls, of the ``attention_steps`` timed decode iterations
     attention_bytes: int = 0
     prefill_ms: float = 0.0
     prefill_chunks: int = 0  # model prefill calls (a prompt over the per-iteration budget takes several)
@@ -79,6 +88,18 @@ class EngineCounters:
     clipped: int = 0
     copy_bandwidth_gbs: float = math.nan
     debug: dict[str, Any] = field(default_factory=dict)
+    attention_steps: int = 0  # decode iterations whose attention was timed (0: all of them)
+    forward_ms: float = 0.0  # device time of every forward (decode, mixed, prefill)
+    graph_steps: int = 0  # decode steps run as static steps (replayed as CUDA graphs on CUDA)
+    mixed_iterations: int = 0  # iterations with decode tokens and prompt chunks in one forward
+    graph_captures: int = 0
+    graph_capture_ms: float = 0.0  # left out of the replay's clock
+    # the engine's options as this replay resolved them (max_num_seqs: the derived value when not given)
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    graphs: bool = False  # static decode steps
+    cuda_graphs: bool = False  # ... captured and replayed as CUDA graphs
+    mixed: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +131,16 @@ class ReplayMetrics:
     prefix_hit_rate: float
     warnings: tuple[str, ...] = ()
     debug: dict[str, Any] = field(default_factory=dict)
+    prefill_share: float = math.nan  # of the forwards' device time, in iterations that carry prompt tokens
+    graph_steps: int = 0
+    mixed_iterations: int = 0
+    graph_captures: int = 0
+    graph_capture_ms: float = 0.0
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    graphs: bool = False
+    cuda_graphs: bool = False
+    mixed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {}
@@ -132,6 +163,7 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
     tokens = sum(len(t.token_ms) for t in timings)
     seconds = c.duration_ms / 1000.0
     steps = max(c.decode_steps, 1)
+    attn_steps = max(c.attention_steps or c.decode_steps, 1)
     attn_s = c.attention_ms / 1000.0
     bandwidth = c.attention_bytes / attn_s / 1e9 if attn_s > 0 else math.nan
     bookkeeping = max(c.decode_ms - c.model_ms, 0.0) / steps
@@ -151,7 +183,7 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         duration_s=seconds,
         decode_steps=c.decode_steps,
         step_ms=step_ms,
-        attn_ms_per_step=c.attention_ms / steps,
+        attn_ms_per_step=c.attention_ms / attn_steps,
         attn_bandwidth_gbs=bandwidth,
         copy_bandwidth_gbs=c.copy_bandwidth_gbs,
         attn_utilization=bandwidth / c.copy_bandwidth_gbs if c.copy_bandwidth_gbs > 0 else math.nan,
@@ -162,6 +194,16 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         prefix_hit_rate=c.prefix_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         warnings=_warnings(len(timings), c),
         debug=dict(c.debug),
+        prefill_share=c.prefill_ms / c.forward_ms if c.forward_ms > 0 else math.nan,
+        graph_steps=c.graph_steps,
+        mixed_iterations=c.mixed_iterations,
+        graph_captures=c.graph_captures,
+        graph_capture_ms=c.graph_capture_ms,
+        max_num_seqs=c.max_num_seqs,
+        max_num_batched_tokens=c.max_num_batched_tokens,
+        graphs=c.graphs,
+        cuda_graphs=c.cuda_graphs,
+        mixed=c.mixed,
     )
 
 
@@ -176,7 +218,9 @@ def _warnings(completed: int, c: EngineCounters) -> tuple[str, ...]:
         out.append(f"{c.refused} request(s) refused: they can never fit in the KV budget")
     if c.clipped:
         total = completed + c.refused
-        most = " (most of the replay: it measures shorter requests than the trace's)" if 2 * c.clipped > total else ""
+        most = ""
+        if 2 * c.clipped > total:
+            most = " (most of the replay: it measures shorter requests than the trace's)"
         out.append(f"{c.clipped} request(s) clipped to a length cap or the model's context{most}")
     return tuple(out)
 

@@ -12,7 +12,7 @@ The cache is any object with ``prefill(layer, seq_id, q [T,Hq,D], k [T,H,D], v [
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -163,15 +163,58 @@ class LlamaModel:
         return self._forward(token_ids, positions.to(self.device), attend, False)
 
     @torch.inference_mode()
+    def forward_mixed(
+        self,
+        cache: KVCacheLike,
+        plan: Any,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        num_decode: int,
+        chunks: Sequence[tuple[int, int]],
+    ) -> torch.Tensor:
+        """One forward over ``num_decode`` decode tokens then prompt chunks, logits [num_decode + len(chunks),
+        V] float32: each decode row's, then each chunk's last token's.
+
+        token_ids, positions [N]: the decode tokens (one per sequence of ``plan``), then each chunk's tokens
+        (``chunks``: (seq_id, length), in order). Embeddings, norms, projections and the MLP see all N rows
+        as one batch; attention is split by segment: the decode rows through ``cache.decode(layer, plan,
+        ...)``, each chunk through ``cache.prefill(layer, seq_id, ...)``.
+        """
+        bounds = [num_decode]
+        for _, n in chunks:
+            bounds.append(bounds[-1] + n)
+        if bounds[-1] != len(token_ids):
+            raise ValueError(
+                f"{len(token_ids)} tokens for {num_decode} decode rows and chunks {list(chunks)}"
+            )
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            outs = (
+                [cache.decode(i, plan, q[:num_decode], k[:num_decode], v[:num_decode])] if num_decode else []
+            )
+            for (seq_id, _), a, b in zip(chunks, bounds, bounds[1:]):
+                outs.append(cache.prefill(i, seq_id, q[a:b], k[a:b], v[a:b]))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        rows = torch.tensor(list(range(num_decode)) + [b - 1 for b in bounds[1:]], device=self.device)
+        return self._forward(token_ids, positions.to(self.device), attend, False, rows)
+
+    @torch.inference_mode()
     def forward_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits [T, V] float32 of a whole sequence with dense causal attention (no cache)."""
         positions = torch.arange(len(token_ids), device=self.device)
         return self._forward(token_ids, positions, lambda i, q, k, v: causal_attention(q, k, v), False)
 
     def _forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, last_only: bool
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        last_only: bool,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Residual stream ``x``; each layer adds attention then MLP, the add fused with the next RMSNorm."""
+        """Residual stream ``x``; each layer adds attention then MLP, the add fused with the next RMSNorm.
+        Logits of every row, of the last (``last_only``) or of ``rows`` (indices)."""
         eps = self.spec.rms_eps
         x = F.embedding(token_ids.to(self.device), self.embed)  # [N, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions)
@@ -182,6 +225,8 @@ class LlamaModel:
             delta = F.linear(silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
         if last_only:
             x, delta = x[-1:], None if delta is None else delta[-1:]
+        elif rows is not None:
+            x, delta = x[rows], None if delta is None else delta[rows]
         return F.linear(add_rms_norm(x, delta, self.norm, eps)[1], self.lm_head).float()
 
     def _attention(

@@ -11,6 +11,7 @@ import torch
 
 from kvtune.engine.scheduler import SchedulerConfig
 
+CPU_BUDGET_CAP_BYTES = 4 << 30  # a CPU worker's default KV budget at most (allocated whole, up front)
 WARMUP_REQUESTS = 2  # served once on a throw-away cache before every measured replay (compilations, pools)
 # On a CPU, lengths are scaled down so that a replay of a few requests takes about a minute.
 CPU_LENGTH_SCALE = 1 / 32

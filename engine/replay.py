@@ -14,7 +14,14 @@ from typing import Any
 import torch
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.engine.engine import Engine, Progress, calibrate_time_scale, default_budget_bytes
+from kvtune.engine.engine import (
+    Deadline,
+    Engine,
+    Progress,
+    Stop,
+    calibrate_time_scale,
+    default_budget_bytes,
+)
 from kvtune.engine.metrics import ReplayMetrics
 from kvtune.engine.options import ReplayOptions
 from kvtune.engine.traces import Request
@@ -45,20 +52,29 @@ class Replayer:
         progress: Progress | None = None,
         clipped: int = 0,
         warmup: int | None = None,
+        stop: Stop | None = None,
+        deadline: Deadline | None = None,
     ) -> ReplayMetrics:
         """Replay ``requests`` under ``config`` (arrivals × ``time_scale``; 0 = all at once), after ``warmup``
-        requests (default: the options') served on a throw-away cache."""
+        requests (default: the options') served on a throw-away cache; ``stop`` may end it early
+        (:meth:`Engine.replay`)."""
         engine = self.engine(config)
         warmup = self.options.warmup_requests if warmup is None else warmup
         try:
-            return engine.replay(list(requests), time_scale, warmup, progress, clipped)
+            return engine.replay(
+                list(requests), time_scale, warmup, progress, clipped, stop=stop, deadline=deadline
+            )
         finally:
             del engine
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
     def calibrate(
-        self, requests: Sequence[Request], load: float, config: HybridConfig | None = None
+        self,
+        requests: Sequence[Request],
+        load: float,
+        config: HybridConfig | None = None,
+        deadline: Deadline | None = None,
     ) -> float:
         """The time scale at which the unquantized baseline of ``config`` runs at ``load`` of saturation."""
         return float(
@@ -71,5 +87,6 @@ class Replayer:
                 config,
                 self.options.warmup_requests,
                 self.options.scheduler,
+                deadline=deadline,
             )
         )

@@ -237,9 +237,7 @@ def _sample_range(
     pool_hi = int(np.searchsorted(arrivals, hi, side="right" if end == 1.0 else "left"))
     size = max(0, pool_hi - pool_lo)
     if size == 0:
-        raise ValueError(
-            f"{path}: no request arrives in [{start}, {end}) of the trace's {duration:.0f} ms"
-        )
+        raise ValueError(f"{path}: no request arrives in [{start}, {end}) of the trace's {duration:.0f} ms")
     pool = arrivals[pool_lo:pool_hi]
     first = 0
     if window_ms is not None:
@@ -336,8 +334,8 @@ class _Columns:
         arrival = np.frombuffer(self.arrival, dtype=np.float64).copy()
         arrival -= arrival[0]
         offsets = None if self.offsets is None else np.frombuffer(self.offsets, dtype=np.int64).copy()
-        columns = (np.frombuffer(c, dtype=np.int64).copy() for c in (self.inp, self.out))
-        return TraceFile(name, fmt, arrival, *columns, offsets, stamp)
+        inp, out = (np.frombuffer(c, dtype=np.int64).copy() for c in (self.inp, self.out))
+        return TraceFile(name, fmt, arrival, inp, out, offsets, stamp)
 
 
 def _read_jsonl(
@@ -416,7 +414,9 @@ def _read_azure(
 ) -> TraceFile:
     header_line, _, header = first
     if header.strip().replace(" ", "") != AZURE_HEADER:
-        raise TraceError(f"{name}:{header_line}: expected the header {AZURE_HEADER!r}, got {header.strip()!r}")
+        raise TraceError(
+            f"{name}:{header_line}: expected the header {AZURE_HEADER!r}, got {header.strip()!r}"
+        )
     columns, start, previous = _Columns(offsets=False), None, -math.inf
     for lineno, _, line in lines:
         where = f"{name}:{lineno}"

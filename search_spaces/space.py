@@ -12,7 +12,15 @@ parameter                  distribution                            config field
 ``migration_throttling``   categorical (only when m > 0)           ``migration_throttling``
 ``migration_interval``     int, log scale (only when m > 0)        ``migration_interval``
 ``migration_threshold_ms`` float, log scale (only when m > 0)      ``migration_threshold_ms``
+``max_num_batched_tokens`` categorical (GPU 2K-16K; CPU 64-512)    engine knob (not in the config)
+``max_num_seqs_factor``    categorical 0.5, 1, 2                   engine knob: ``max_num_seqs`` =
+                                                                   factor x what the budget holds
 =========================  ======================================  =====================================
+
+The engine knobs (:meth:`SearchSpace.suggest_knobs`) are asked after the config and travel beside it:
+``max_num_seqs`` is the factor times the sequences of the workload's mean length that the config's cache
+holds under the budget (:meth:`SearchSpace.auto_seqs`), capped at ``MAX_NUM_SEQS`` and at
+``max_num_batched_tokens`` (vLLM's rule: an iteration must be able to batch one token per sequence).
 
 Memory rule: every point of the space fits the KV budget for the workload, i.e. a cache of that budget
 laid out for ``concurrency`` sequences (:func:`kvtune.cache_impl.layout.cache_layout`) holds that many
@@ -45,10 +53,16 @@ from optuna.distributions import (
 )
 
 from kvtune.cache_impl.config import BITS, HOT_TOKENS_RANGE, HybridConfig
-from kvtune.cache_impl.layout import ModelKVShape, cache_layout, hot_bytes_per_seq
+from kvtune.cache_impl.layout import ModelKVShape, cache_layout, hot_bytes_per_seq, sequences_for_budget
+from kvtune.engine.scheduler import MAX_NUM_SEQS_CAP
 from kvtune.search_spaces.cards import Card
 
-SPACE_VERSION = 1
+SPACE_VERSION = 2  # 2: the engine knobs
+BATCHED_TOKENS_GPU = (2048, 4096, 8192, 16384)
+BATCHED_TOKENS_CPU = (64, 128, 256, 512)  # CPU lengths are scaled down 32x (docs/DESIGN.md §2.2)
+SEQS_FACTORS = (0.5, 1.0, 2.0)
+MAX_NUM_SEQS = MAX_NUM_SEQS_CAP  # the engine's cap on a derived max_num_seqs
+DEFAULT_SEQS_FACTOR = 1.0
 BUDGET_FRACTION = 0.9  # of the card's memory, when the caller resolves no budget
 MAX_SPARSE_BLOCKS = 8
 MIGRATION_INTERVAL_RANGE = (25, 400)
@@ -72,6 +86,7 @@ class WorkloadStats:
     length_pctl: int
     percentile: float
     concurrency: int
+    mean_length: int = 0  # 0: unknown (the percentile length stands in)
 
     def __post_init__(self) -> None:
         if not 1 <= self.length_pctl <= self.max_length:
@@ -91,7 +106,8 @@ class WorkloadStats:
             raise ValueError("WorkloadStats.from_lengths: the workload has no requests")
         ordered = sorted(lengths)
         index = min(len(ordered) - 1, math.ceil(percentile / 100 * len(ordered)) - 1)
-        return cls(ordered[-1], ordered[max(index, 0)], percentile, min(concurrency, len(ordered)))
+        mean = max(1, round(sum(ordered) / len(ordered)))
+        return cls(ordered[-1], ordered[max(index, 0)], percentile, min(concurrency, len(ordered)), mean)
 
 
 @dataclass(frozen=True)
@@ -107,6 +123,9 @@ class SearchSpace:
     block_sizes: tuple[int, ...]
     hot_tokens: tuple[int, ...]  # consecutive powers of two
     notes: tuple[str, ...] = ()
+    shape: ModelKVShape | None = None  # needed by the engine knobs
+    batched_tokens: tuple[int, ...] = ()  # max_num_batched_tokens choices; () = the knobs are not searched
+    seqs_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         hot = self.hot_tokens
@@ -127,13 +146,18 @@ class SearchSpace:
         workload: WorkloadStats,
         real_weights: bool,
         kv_budget_bytes: int | None = None,
+        knobs: bool = True,
     ) -> SearchSpace:
         """Narrow the card's choices until every combination fits ``kv_budget_bytes`` (default: 0.9 of
-        the card's memory) for ``workload``; raises ``ValueError`` when nothing fits."""
+        the card's memory) for ``workload``; raises ``ValueError`` when nothing fits. ``knobs``: search the
+        engine knobs too."""
         budget = kv_budget_bytes if kv_budget_bytes is not None else int(BUDGET_FRACTION * card.memory_bytes)
         fit = _Fit(shape, workload, budget)
         bits, blocks, hot, notes = _narrow(card, workload, fit)
-        return cls(card.id, model, workload, budget, real_weights, bits, blocks, hot, tuple(notes))
+        tokens = (BATCHED_TOKENS_GPU if card.is_gpu else BATCHED_TOKENS_CPU) if knobs else ()
+        factors = SEQS_FACTORS if knobs else ()
+        return cls(card.id, model, workload, budget, real_weights, bits, blocks, hot, tuple(notes), shape,
+                   tokens, factors)  # fmt: skip
 
     # ---- proposing ---------------------------------------------------------------------------------
     def suggest(self, trial: optuna.Trial) -> HybridConfig:
@@ -160,6 +184,51 @@ class SearchSpace:
             ),
         }
 
+    # ---- engine knobs (beside the config, never in it) -----------------------------------------------
+    def suggest_knobs(self, trial: optuna.Trial, config: HybridConfig) -> dict[str, Any] | None:
+        """Ask ``trial`` for the engine knobs of ``config``: :meth:`knobs_for`'s dict, or None when this
+        space does not search them."""
+        if not self.batched_tokens:
+            return None
+        tokens = trial.suggest_categorical("max_num_batched_tokens", self.batched_tokens)
+        factor = trial.suggest_categorical("max_num_seqs_factor", self.seqs_factors)
+        return self.knobs_for(config, int(tokens), float(factor))
+
+    def knobs_for(self, config: HybridConfig, batched_tokens: int, factor: float) -> dict[str, Any]:
+        """``{max_num_batched_tokens, max_num_seqs, max_num_seqs_factor, max_num_seqs_auto}`` for
+        ``config``: ``max_num_seqs`` = ``factor`` × :meth:`auto_seqs`, within [1, min(MAX_NUM_SEQS,
+        max_num_batched_tokens)]."""
+        auto = self.auto_seqs(config)
+        seqs = max(1, min(round(factor * auto), MAX_NUM_SEQS, batched_tokens))
+        return {"max_num_batched_tokens": batched_tokens, "max_num_seqs": seqs,
+                "max_num_seqs_factor": factor, "max_num_seqs_auto": auto}  # fmt: skip
+
+    def auto_seqs(self, config: HybridConfig) -> int:
+        """The most sequences of the workload's mean length that ``config``'s cache holds at once under the
+        budget, at most ``MAX_NUM_SEQS``: the engine's own default ``max_num_seqs``
+        (:func:`~kvtune.cache_impl.layout.sequences_for_budget`), so a config that stores more tokens per
+        byte runs larger batches."""
+        if self.shape is None:
+            raise ValueError("SearchSpace: the engine knobs need the model's KV shape")
+        length = self.workload.mean_length or self.workload.length_pctl
+        return min(MAX_NUM_SEQS, sequences_for_budget(config, self.shape, self.kv_budget_bytes, length))
+
+    def knob_params(self, knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The parameters that make :meth:`suggest_knobs` return ``knobs`` (default: the default knobs);
+        {} when the space does not search them."""
+        if not self.batched_tokens:
+            return {}
+        default = self.batched_tokens[len(self.batched_tokens) // 2]  # 8192 on a GPU, vLLM's usual
+        knobs = knobs or {}
+        tokens = int(knobs.get("max_num_batched_tokens", default))
+        factor = float(knobs.get("max_num_seqs_factor", DEFAULT_SEQS_FACTOR))
+        if tokens not in self.batched_tokens or factor not in self.seqs_factors:
+            raise ValueError(
+                f"engine knobs {knobs} are outside the {self.card} space: max_num_batched_tokens one of "
+                f"{list(self.batched_tokens)}, max_num_seqs_factor one of {list(self.seqs_factors)}"
+            )
+        return {"max_num_batched_tokens": tokens, "max_num_seqs_factor": factor}
+
     def distributions(self) -> dict[str, BaseDistribution]:
         """Every parameter the space can ask for (conditional ones included)."""
         d: dict[str, BaseDistribution] = {
@@ -167,6 +236,9 @@ class SearchSpace:
             "block_size": CategoricalDistribution(self.block_sizes),
             "hot_tokens_log2": IntDistribution(_log2(self.hot_tokens[0]), _log2(self.hot_tokens[-1])),
         }
+        if self.batched_tokens:
+            d["max_num_batched_tokens"] = CategoricalDistribution(self.batched_tokens)
+            d["max_num_seqs_factor"] = CategoricalDistribution(self.seqs_factors)
         if self.real_weights:
             d["sparse_blocks"] = IntDistribution(0, MAX_SPARSE_BLOCKS)
             d["migration_throttling"] = CategoricalDistribution((False, True))
@@ -273,6 +345,16 @@ class SearchSpace:
             f"  {name:<24} {_show(d)}{MEANING.get(name, '')}" for name, d in self.distributions().items()
         ]
         lines += [f"  {name:<24} fixed at {json.dumps(v)}" for name, v in self.fixed().items()]
+        if self.batched_tokens:
+            length = w.mean_length or w.length_pctl
+            hot, block = self.hot_tokens[0], self.block_sizes[0]
+            fits = [self.auto_seqs(HybridConfig("hybrid_v2", hot, block, q)) for q in self.bits]
+            holds = ", ".join(f"{q}-bit {n}" for q, n in zip(self.bits, fits))
+            lines.append(
+                f"  engine knobs: max_num_seqs = factor x the sequences of {length} tokens (mean) the budget "
+                f"holds (hot {hot}, block {block}: {holds}), at most {MAX_NUM_SEQS} and "
+                "max_num_batched_tokens"
+            )
         if not self.real_weights:
             lines.append("  tier parameters are fixed: random weights give meaningless attention")
         lines += [f"  note: {n}" for n in self.notes]

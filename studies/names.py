@@ -15,6 +15,10 @@ Study attributes (set when the study is created; ``kvtune.identity`` and ``kvtun
     kvtune.identity           what a resumed run must repeat (all of the above that shape results)
     kvtune.version, kvtune.created
     kvtune.validation         the re-measurement of the best config and its baseline (docs/DESIGN.md §3)
+    kvtune.slo                capacity's latency limits {ttft_ms, tpot_ms, source, rule, unloaded}
+    kvtune.noise              the baseline's capacity searched NOISE_REPEATS times: {capacities, median,
+                              spread, threshold, granularity, max_probes, ...} (warm start and noise floor)
+    kvtune.validation_history every validation record, oldest first (re-validating appends one)
 
 Trial attributes::
 
@@ -23,6 +27,8 @@ Trial attributes::
     kvtune.quality            the quality dict                kvtune.error, one line when the config failed
     kvtune.worker, kvtune.host  who ran it                    kvtune.reused_from, kvtune.retry_of,
     kvtune.lost_worker, kvtune.interrupted, kvtune.enqueued_from, kvtune.abandoned, kvtune.resume_of
+    kvtune.engine             the engine knobs {max_num_batched_tokens, max_num_seqs, max_num_seqs_factor}
+    kvtune.probes             capacity objective: each probe {rate, passed, aborted, ttft_p99_ms, ...}
 """
 
 from __future__ import annotations
@@ -42,10 +48,13 @@ ATTR_PARETO = "kvtune.pareto"
 ATTR_SAMPLE = "kvtune.sample"
 ATTR_QUALITY_LIMITS = "kvtune.quality_limits"
 ATTR_QUALITY_SETTINGS = "kvtune.quality_settings"
-ATTR_VALIDATION = "kvtune.validation"
+ATTR_VALIDATION = "kvtune.validation"  # the latest validation record (what export reads)
+ATTR_VALIDATION_HISTORY = "kvtune.validation_history"  # every validation record, oldest first, latest last
 ATTR_IDENTITY = "kvtune.identity"
 ATTR_VERSION = "kvtune.version"
 ATTR_CREATED = "kvtune.created"
+ATTR_SLO = "kvtune.slo"
+ATTR_NOISE = "kvtune.noise"
 # ---- trial attributes --------------------------------------------------------------------------------
 ATTR_CONFIG = "kvtune.config"
 ATTR_VERSIONS = "kvtune.versions"
@@ -63,6 +72,8 @@ ATTR_ENQUEUED_FROM = "kvtune.enqueued_from"
 ATTR_ABANDONED = "kvtune.abandoned"
 ATTR_RESUME_OF = "kvtune.resume_of"
 ATTR_RETRY_OF = "kvtune.retry_of"
+ATTR_ENGINE = "kvtune.engine"
+ATTR_PROBES = "kvtune.probes"
 
 STUDY_ATTRS_REQUIRED = (ATTR_CARD, ATTR_MODEL, ATTR_WORKLOAD, ATTR_OBJECTIVE, ATTR_VALIDATION)
 # ``kvtune.validation``: trial (best trial number), config and baseline_config (config dicts), window
@@ -76,8 +87,20 @@ DEFAULT_STORAGE = "sqlite:///studies/kvtune.db"
 MIN_REPEATS = 3  # validation repeats of the best config and of its baseline, at least
 # objective name -> (metric key, direction)
 OBJECTIVE_METRICS: dict[str, tuple[str, str]] = {
+    "capacity": ("capacity", "maximize"),  # highest arrival rate (x the trace's own) within the limits
     "tpot_p99": ("tpot_p99_ms", "minimize"),
     "ttft_p99": ("ttft_p99_ms", "minimize"),
     "e2e_p99": ("e2e_p99_ms", "minimize"),
     "throughput": ("tokens_per_s", "maximize"),
 }
+DEFAULT_OBJECTIVE = "capacity"
+# ---- the capacity objective (docs/DESIGN.md §3.7; README "The objective") ------------------------------
+CAPACITY_GRANULARITY = 0.05  # a search stops once hi / lo - 1 <= this (Vidur: 2.5 %; 5 % = the noise goal)
+CAPACITY_PROBES = 8  # probes per trial at most (warm-started: bracket, then about 4 bisections)
+CAPACITY_PROBES_COLD = 12  # probes of a search that is not warm-started (the baseline's own)
+NOISE_REPEATS = 3  # the baseline's capacity is searched this often when a study starts
+SLO_TTFT_FACTOR = 5.0  # default TTFT limit: this x the unloaded baseline's P99 TTFT
+# default TPOT limit: this x the unloaded baseline's median TPOT (its decode step). Sarathi-Serve's strict
+# limit is 5x, its relaxed one 25x; 10x because a short output's TPOT includes whole prompt chunks of a mixed
+# iteration (up to max_num_batched_tokens), and at 5x one 2K-token chunk fails a P99 whatever the KV cache.
+SLO_TPOT_FACTOR = 10.0

@@ -41,9 +41,12 @@ from kvtune.studies.names import (
     ATTR_RESUME_OF,
     ATTR_SPACE,
     ATTR_SPACE_TEXT,
+    ATTR_VALIDATION,
+    ATTR_VALIDATION_HISTORY,
     ATTR_VERSION,
     OBJECTIVE_METRICS,
 )
+from kvtune.studies.storage import redact
 
 OBJECTIVES: dict[str, tuple[str, str]] = OBJECTIVE_METRICS  # name -> (metric key, direction)
 PARETO_PARTNER: dict[str, str] = {
@@ -51,7 +54,11 @@ PARETO_PARTNER: dict[str, str] = {
     "ttft_p99": "throughput",
     "e2e_p99": "throughput",
     "throughput": "tpot_p99",
-}
+}  # capacity has none: it already is the load carried within latency limits (StudyOptions refuses it)
+PARETO_REFUSED = (
+    "--pareto is for the fixed-rate objectives (tpot_p99, ttft_p99, e2e_p99, throughput): capacity already "
+    "is the throughput carried within the latency limits"
+)
 PENALTY: dict[str, float] = {"minimize": 1e9, "maximize": 0.0}  # the value told for a config that crashed
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -76,6 +83,8 @@ class StudyOptions:
             raise ValueError(
                 f"objective must be one of {list(OBJECTIVES)}, but got objective={self.objective!r}"
             )
+        if self.pareto and self.objective not in PARETO_PARTNER:
+            raise ValueError(PARETO_REFUSED)
 
     @property
     def objectives(self) -> tuple[str, ...]:
@@ -155,8 +164,8 @@ def open_study(
     existing = _existing_trials(options.storage, options.name)
     if existing is not None and not options.resume:
         raise ValueError(
-            f"study {options.name!r} already exists in {options.storage} with {existing} trial(s); pass "
-            "--resume to continue it, or --study NAME to start another"
+            f"study {options.name!r} already exists in {redact(options.storage)} with {existing} trial(s); "
+            "pass --resume to continue it, or --study NAME to start another"
         )
     sampler, pruner = _sampler(options, existing or 0), _pruner(options, pruner_startup)
     if existing is not None:
@@ -246,3 +255,16 @@ def stored_attrs(storage: str, name: str) -> dict[str, Any] | None:
     if _existing_trials(storage, name) is None:
         return None
     return dict(optuna.load_study(study_name=name, storage=storage).user_attrs)
+
+
+def store_validation(study: optuna.Study, record: Mapping[str, Any]) -> int:
+    """Store ``record`` as the study's latest validation and append it to its history; how many validations
+    the study now holds. Nothing earlier is overwritten: a study validated before the history existed has its
+    one record moved into it first."""
+    attrs = study.user_attrs
+    earlier = [attrs[ATTR_VALIDATION]] if ATTR_VALIDATION in attrs else []
+    history = list(attrs.get(ATTR_VALIDATION_HISTORY) or earlier)
+    history.append(_jsonable(dict(record)))
+    study.set_user_attr(ATTR_VALIDATION_HISTORY, history)
+    study.set_user_attr(ATTR_VALIDATION, history[-1])
+    return len(history)

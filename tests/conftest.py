@@ -24,7 +24,9 @@ def tiny() -> Any:
 # ---- Ray: one session for the whole test run (tuner tests) ------------------------------------------------
 # A fake multi-GPU node, described the way Ray describes a real one: 4 GPUs and one accelerator_type resource.
 # GPU workers ask for num_gpus=1 and accelerator_type="H200" (they compute on the CPU here); CPU workers ask
-# for CPUs. Started on first use, shut down at the end of the run.
+# for CPUs. Started on first use, shut down at the end of the run. It is started the way kvtune starts its own
+# local Ray (kvtune.tuner.local_ray: every listener on 127.0.0.1), with token authentication off for the tests
+# (RAY_AUTH_MODE=disabled; tests/test_hostile_inputs.py checks the token in a Ray of its own).
 FAKE_GPUS = 4
 FAKE_ACCELERATOR = "H200"
 
@@ -33,15 +35,10 @@ FAKE_ACCELERATOR = "H200"
 def ray_cluster() -> Iterator[Any]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray = pytest.importorskip("ray")
+    from kvtune.tuner.local_ray import start_local_ray
+
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=2,
-            num_gpus=FAKE_GPUS,
-            resources={f"accelerator_type:{FAKE_ACCELERATOR}": 1},
-            include_dashboard=False,
-            logging_level="ERROR",
-            log_to_driver=False,
-        )
+        start_local_ray(num_cpus=2, num_gpus=FAKE_GPUS, resources={f"accelerator_type:{FAKE_ACCELERATOR}": 1})
     yield ray
     ray.shutdown()
 

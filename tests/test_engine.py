@@ -52,8 +52,8 @@ def _budget(config: HybridConfig, tiny, sequences: int, length: int) -> int:
     return kv_bytes_for(config, tiny.model.kv_shape, [length] * sequences)
 
 
-def _replay(tiny, config, budget, requests, time_scale=1.0, max_batch=256, max_prefill_tokens=8192):
-    engine = Engine(tiny, config, budget, CPU, SchedulerConfig(max_batch, max_prefill_tokens))
+def _replay(tiny, config, budget, requests, time_scale=1.0, **options):
+    engine = Engine(tiny, config, budget, CPU, SchedulerConfig(**options))
     return engine.replay(requests, time_scale, warmup_requests=1).to_dict()
 
 
@@ -71,11 +71,20 @@ def test_replay_end_to_end_gives_finite_metrics(tiny):
 
 
 def test_long_prompts_are_prefilled_in_chunks(tiny):
-    """48-token prompts under a 20-token prefill budget: three chunks each, every request completes."""
-    m = _replay(tiny, _config(), 1 << 24, _requests(6), max_prefill_tokens=20)
-    assert m["completed"] == 6 and m["refused"] == 0
+    """48-token prompts under a 20-token prefill budget (separate prefill forwards, the former engine): three
+    chunks each, every request completes."""
+    m = _replay(tiny, _config(), 1 << 24, _requests(6), max_num_batched_tokens=20, mixed=False, graphs=False)
+    assert m["completed"] == 6 and m["refused"] == 0 and not m["mixed"] and not m["graphs"]
     assert m["prefill_chunks"] == 6 * 3 and math.isfinite(m["tpot_p99_ms"])
     assert _replay(tiny, _config(), 1 << 24, _requests(6))["prefill_chunks"] == 6
+
+
+def test_mixed_iterations_share_the_token_budget_with_decode_tokens(tiny):
+    """Mixed iterations under a 20-token budget: decode tokens and prompt chunks share it, so prompts take
+    at least three chunks each and decode rows ride along with them; everything completes."""
+    m = _replay(tiny, _config(), 1 << 24, _requests(6, gap_ms=0.5), max_num_batched_tokens=20)
+    assert m["completed"] == 6 and m["refused"] == 0 and m["mixed"] and m["max_num_batched_tokens"] == 20
+    assert m["prefill_chunks"] >= 6 * 3 and m["mixed_iterations"] > 0
 
 
 @pytest.mark.parametrize("bounds", [[0, 13, 40, 70], [0, 1, 70], [0, 69, 70]])
@@ -95,11 +104,24 @@ def test_chunked_model_prefill_gives_the_same_logits(tiny, bounds):
     caches[1].check_integrity()
 
 
-def test_small_budget_preempts_and_still_completes(tiny):
+@pytest.mark.parametrize("mixed", [True, False])
+def test_small_budget_preempts_and_still_completes(tiny, mixed):
+    """More hot-zone slots than the blocks of the budget can fill (max_num_seqs given, as the former default
+    did; the layout grants 3 of the 5): the growing batch preempts, recomputes and still completes."""
     config = _config(0)
-    m = _replay(tiny, config, _budget(config, tiny, 2, 80), _requests(5, 40, 40), time_scale=0.0)
-    assert m["preemptions"] > 0
+    budget = _budget(config, tiny, 2, 80)
+    m = _replay(tiny, config, budget, _requests(5, 40, 40), time_scale=0.0, max_num_seqs=5, mixed=mixed)
+    assert m["preemptions"] > 0 and m["max_num_seqs"] == 3
     assert m["completed"] == 5 and m["refused"] == 0
+
+
+def test_default_max_num_seqs_follows_the_budget_and_does_not_preempt(tiny):
+    """The derived max_num_seqs: as many sequences of the mean length as the budget holds (2 here), so the
+    same replay runs without a preemption; a 4-bit cache on the same budget runs more at once."""
+    budget = _budget(_config(0), tiny, 2, 80)
+    m = {bits: _replay(tiny, _config(bits), budget, _requests(5, 40, 40), time_scale=0.0) for bits in (0, 4)}
+    assert m[0]["preemptions"] == 0 and m[0]["max_num_seqs"] == 2 and m[0]["completed"] == 5
+    assert m[4]["max_num_seqs"] > m[0]["max_num_seqs"] and m[4]["peak_running"] > m[0]["peak_running"]
 
 
 @pytest.mark.parametrize(("shared", "hits"), [(True, True), (False, False)])
@@ -107,6 +129,30 @@ def test_prefix_hits_follow_repeated_hash_ids(tiny, shared, hits):
     config = _config(8)
     m = _replay(tiny, config, _budget(config, tiny, 8, 64), _requests(4, 40, 4, gap_ms=50.0, shared=shared))
     assert (m["prefix_hit_rate"] > 0) is hits
+
+
+def test_no_preemption_below_nine_tenths_of_the_budget(tiny, monkeypatch):
+    """Saturation with prompts of 40 and 240 tokens over a budget for ten mean-length sequences: with the
+    derived max_num_seqs no sequence is preempted while less than 90 % of the budget holds data. The former
+    default (256 slots, the layout then reserving half the budget for hot zones) preempted at ~83 %: slots
+    that no sequence used kept bytes the blocks needed."""
+    config = _config(8)
+    usage: list[float] = []
+    preempt = Scheduler.preempt_newest
+
+    def recording(self):
+        usage.append(self.cache.kv_bytes_in_use() / self.cache.layout.budget_bytes)
+        return preempt(self)
+
+    monkeypatch.setattr(Scheduler, "preempt_newest", recording)
+    requests = [Request(i, 0.0, 40 if i % 2 else 240, 60) for i in range(24)]
+    budget = kv_bytes_for(config, tiny.model.kv_shape, [200] * 10)
+    m = _replay(tiny, config, budget, requests, time_scale=0.0)
+    assert m["completed"] == 24 and all(u >= 0.9 for u in usage), usage
+    assert m["peak_kv_bytes"] >= 0.9 * budget
+    usage.clear()
+    m = _replay(tiny, config, budget, requests, time_scale=0.0, max_num_seqs=256)
+    assert m["preemptions"] > 0 and min(usage) < 0.9
 
 
 def test_four_bits_run_more_sequences_than_unquantized_on_one_budget(tiny):
@@ -160,7 +206,7 @@ class _StubCache:
     def fits_ever(self, n):
         return n <= self.limit
 
-    def can_allocate(self, n, token_ids=None):
+    def can_allocate(self, n, token_ids=None, reserved_blocks=0):
         return self.allocatable
 
     def add_sequence(self, seq_id, token_ids, now_ms=None):
@@ -217,7 +263,7 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps():
     """A 25-token prompt under a 10-token prefill budget: chunks of 10, 10, 5 over three iterations while a
     sequence already decoding keeps decoding; a later arrival is admitted once its prompt fits the budget
     left."""
-    scheduler = Scheduler(_StubCache(free=9), SchedulerConfig(max_prefill_tokens=10))
+    scheduler = Scheduler(_StubCache(free=9), SchedulerConfig(max_num_batched_tokens=10))
     scheduler.add(_seq(0, 0.0, input_length=4))
     scheduler.admit()
     _prefill_all(scheduler)
@@ -318,7 +364,10 @@ def test_replay_command_prints_and_writes_json(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("option", "value", "message"),
-    [("--max-prefill-tokens", "0", "`max_prefill_tokens >= 1`"), ("--max-batch", "0", "`max_batch >= 1`"),
+    [("--max-prefill-tokens", "0", "`max_num_batched_tokens >= 1`"),
+     ("--max-batch", "0", "`max_num_seqs >= 1`"),
+     ("--max-num-batched-tokens", "0", "`max_num_batched_tokens >= 1`"),
+     ("--max-num-seqs", "0", "`max_num_seqs >= 1`"),
      ("--requests", "0", "--requests 0: must be >= 1"),
      ("--time-scale", "-1", "--time-scale -1: must be >= 0"), ("--load", "0", "--load 0: must be > 0"),
      ("--budget-gb", "nan", "--budget-gb nan: must be > 0")],

@@ -82,7 +82,8 @@ def test_vllm_section_carries_only_equivalent_flags() -> None:
 # ---- content -------------------------------------------------------------------------------------------
 def test_preset_content() -> None:
     preset = ex.build_preset(CONFIG, _validation(), {"mean_kl": 1e-4}, PROVENANCE)
-    assert set(preset) == {"format", "config", "metrics", "quality", "provenance", "vllm"}
+    assert list(preset) == ["format", "recommendation", "config", "metrics", "quality", "provenance", "vllm"]
+    assert preset["recommendation"]["use"] == "best"  # a gain shown: the best config is recommended
     assert HybridConfig.from_dict(preset["config"]) == CONFIG
     tpot = preset["metrics"]["best"]["tpot_p99_ms"]
     assert (tpot["median"], tpot["min"], tpot["max"], tpot["values"]) == (

@@ -335,7 +335,7 @@ def test_no_kernel_compiles_inside_a_timed_replay_gpu(gpu_kernels, monkeypatch, 
         migration_interval=8, migration_threshold_ms=1.0,
     )  # fmt: skip
     requests = [Request(i, 5.0 * i, 96 + 37 * i, 40 + 3 * i) for i in range(12)]
-    engine = Engine(model, config, 1 << 30, torch.device("cuda"), SchedulerConfig(max_batch=8))
+    engine = Engine(model, config, 1 << 30, torch.device("cuda"), SchedulerConfig(max_num_seqs=8))
     engine.replay(requests, time_scale=1.0, warmup_requests=2)
     timed = sorted({name for when, name in compiled if when == "timed"})
     warmed = {name for when, name in compiled if when == "warm-up"}

@@ -41,8 +41,10 @@ TRIALS = 3
 SMALL = [
     "--model", "random:tiny", "--quality-model", "random:tiny", "--requests", "3", "--windows", "2",
     "--length-scale", "0.01", "--length-cap", "96", "--quality-windows", "1", "--quality-prefill", "24",
-    "--quality-decode", "4", "--kv-budget", "64MiB", "--seed", "0",
+    "--quality-decode", "4", "--kv-budget", "64MiB", "--seed", "0", "--objective", "tpot_p99",
 ]  # fmt: skip
+# SMALL names a fixed-rate objective: the capacity objective (the default) has its own study in
+# test_capacity_search.py.
 
 
 def argv(storage: str, *extra: str, gpu: str = "cpu", trace: Path = TRACE) -> list[str]:
@@ -73,7 +75,9 @@ def test_study_writes_a_preset(study_dir: tuple[Path, str]) -> None:
     assert preset["vllm"]["additional_config"]["kvtune"] == preset["config"]
     study = optuna.load_study(study_name="s", storage=storage)
     assert len(study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))) == TRIALS
-    assert study.user_attrs["kvtune.validation"]["config"] == preset["config"]
+    validation = study.user_attrs["kvtune.validation"]
+    use = preset["recommendation"]["use"]  # the baseline unless validation showed a gain
+    assert preset["config"] == validation["config" if use == "best" else "baseline_config"]
 
 
 @pytest.mark.parametrize("attr", ["kvtune.config", "kvtune.seed", "kvtune.versions", "kvtune.device"])
@@ -98,6 +102,22 @@ def test_resume_adds_trials_and_keeps_the_old(study_dir: tuple[Path, str]) -> No
     assert len(finished) == TRIALS + 1
 
 
+def test_resuming_a_finished_study_adds_a_validation_and_keeps_the_earlier(
+    study_dir: tuple[Path, str],
+) -> None:
+    """--resume of a study that already holds its trials validates again: a new record, none overwritten."""
+    _, storage = study_dir
+    before = optuna.load_study(study_name="s", storage=storage).user_attrs
+    history = before.get("kvtune.validation_history") or [before["kvtune.validation"]]
+    finished = len(snapshot(storage)[0])
+    assert cli.main(argv(storage, "--trials", str(TRIALS), "--resume", "--no-export")) == 0
+    after = optuna.load_study(study_name="s", storage=storage).user_attrs
+    assert len(snapshot(storage)[0]) == finished  # no trial ran
+    assert after["kvtune.validation_history"][: len(history)] == history
+    assert len(after["kvtune.validation_history"]) == len(history) + 1
+    assert after["kvtune.validation"] == after["kvtune.validation_history"][-1] != history[-1]
+
+
 def test_a_spent_time_budget_validates_and_exports_the_best_so_far(
     ray_cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -118,7 +138,10 @@ def test_a_spent_time_budget_validates_and_exports_the_best_so_far(
 BAD: dict[str, tuple[Callable[[str, Path], list[str]], str]] = {
     "unknown gpu": (lambda s, tmp: argv(s, gpu="b300"), "unknown GPU"),
     "missing trace": (lambda s, tmp: argv(s, trace=tmp / "nope.jsonl"), "no such trace file"),
-    "no such gpu in the cluster": (lambda s, tmp: argv(s, gpu="l4"), "no L4 GPU in the Ray cluster"),
+    "no such gpu in the cluster": (  # --resume: a new study of that name would already be refused before Ray
+        lambda s, tmp: argv(s, "--resume", gpu="l4"),
+        "no L4 GPU in the Ray cluster",
+    ),
     "exists, no resume": (lambda s, tmp: argv(s), "already exists"),
     "another space": (lambda s, tmp: argv(s, "--resume", "--length-cap", "400"), "another search space"),
     "another objective": (lambda s, tmp: argv(s, "--resume", "--objective", "throughput"), "objective"),

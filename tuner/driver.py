@@ -5,6 +5,12 @@ A trial is ``configure → run_window(0..W-1) → finish → quality`` on one wo
 After each window the driver reports that window's objective and may prune (single-objective studies;
 Pareto mode never prunes). Quality is a constraint, measured once per config and reused.
 
+With the capacity objective a trial is ``configure → probe(rate)... → finish → quality``: the driver holds
+the trial's :class:`~kvtune.tuner.capacity.CapacitySearch` (warm-started at the baseline's capacity), asks
+it for each rate, reports the capacity found so far (the highest passing rate, which only grows) after each
+probe, and prunes the trial as soon as it failed at a rate no higher than the best capacity of the study's
+feasible trials (:func:`~kvtune.tuner.capacity.should_prune`): it cannot beat that any more.
+
 Outcomes, told by the driver alone:
 
 - **COMPLETE** with the mean objective over windows and the constraints ``ran`` (0), ``ppl_increase_pct``
@@ -27,7 +33,7 @@ Trial user attributes (all prefixed ``kvtune.``): ``config`` (the resolved hybri
 (index), ``metrics`` (mean over windows), ``window_metrics`` (list), ``quality`` (QualityResult dict),
 ``error`` (one line, when the config crashed), ``lost_worker`` (one line), ``interrupted``, ``abandoned``,
 ``retry_of`` / ``resume_of`` (the trial number a re-run repeats), ``reused_from``, ``enqueued_from``
-(``defaults`` or ``presets``).
+(``defaults`` or ``presets``), ``engine`` (the engine knobs), ``probes`` (capacity: one summary per probe).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
@@ -49,11 +55,13 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.studies.names import (
     ATTR_CONFIG,
     ATTR_DEVICE,
+    ATTR_ENGINE,
     ATTR_ERROR,
     ATTR_HOST,
     ATTR_INTERRUPTED,
     ATTR_LOST,
     ATTR_METRICS,
+    ATTR_PROBES,
     ATTR_QUALITY,
     ATTR_RESUME_OF,
     ATTR_RETRY_OF,
@@ -65,11 +73,15 @@ from kvtune.studies.names import (
 )
 from kvtune.studies.records import finite
 from kvtune.studies.study import OBJECTIVES, PENALTY, StudyOptions, enqueue_rerun, finished_trials
+from kvtune.tuner.capacity import CapacitySearch, probe_summary, should_prune
 from kvtune.tuner.pool import WorkerPool, _last_line
-from kvtune.tuner.protocol import Call, TrialResult, WorkerInfo, Workload, next_call
+from kvtune.tuner.protocol import Call, EngineKnobs, TrialResult, WorkerInfo, Workload, next_call
+from kvtune.tuner.validation import feasible
 
 WAIT_S = 1.0  # the loop wakes this often (Ctrl-C, deadlines)
 Suggest = Callable[[optuna.Trial], dict[str, Any]]  # define-by-run: the trial's resolved hybrid_v2 dict
+# define-by-run, after the config: the trial's engine knobs (EngineKnobs' fields, and how they were chosen)
+SuggestKnobs = Callable[[optuna.Trial, HybridConfig], dict[str, Any] | None]
 
 
 @dataclass(frozen=True)
@@ -96,8 +108,8 @@ class Bounds:
 
 @dataclass(frozen=True)
 class Event:
-    """What happened (for progress displays): kind is one of start, window, pruned, complete, crash, lost,
-    replaced, interrupted."""
+    """What happened (for progress displays): kind is one of start, window, probe (``value`` its rate,
+    ``message`` pass or fail), pruned, complete, crash, lost, replaced, interrupted."""
 
     kind: str
     trial: int
@@ -118,6 +130,9 @@ class _Running:
     step: int = 0
     stage: Call = Call.CONFIGURE
     result: TrialResult | None = None
+    knobs: EngineKnobs | None = None
+    search: CapacitySearch | None = None  # the capacity objective's search, after the last probe
+    probes: list[dict[str, Any]] = field(default_factory=list)
 
 
 class TrialLoop:
@@ -132,8 +147,14 @@ class TrialLoop:
         suggest: Suggest,
         bounds: Bounds,
         events: Callable[[Event], None] | None = None,
+        knobs: SuggestKnobs | None = None,
+        capacity: CapacitySearch | None = None,
     ) -> None:
+        """``knobs``: asks each trial for its engine knobs (None: the workers' own). ``capacity``: the
+        capacity objective's search as every trial starts it (its warm start, granularity and probe
+        budget); None for the fixed-rate objectives."""
         self.study, self.options, self.pool, self.suggest, self.bounds = study, options, pool, suggest, bounds
+        self.knobs, self.capacity = knobs, capacity
         self.windows = len(workload.windows)
         self.workload_ref = ray.put(workload)
         self.events = events or (lambda e: None)
@@ -168,29 +189,36 @@ class TrialLoop:
     def _start(self, worker: int) -> None:
         trial = self.study.ask()
         config = HybridConfig.from_dict(self.suggest(trial))  # validated once: it crosses in this form
+        engine = self.knobs(trial, config) if self.knobs is not None else None
         info: WorkerInfo = self.pool.infos[worker]
         attrs = {ATTR_CONFIG: config.to_dict(), ATTR_SEED: self.options.seed, ATTR_VERSIONS: info.versions,
                  ATTR_DEVICE: info.device_name, ATTR_HOST: info.hostname, ATTR_WORKER: worker}  # fmt: skip
+        if engine is not None:
+            attrs[ATTR_ENGINE] = engine
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
-        earlier = self._measured(config)
+        earlier = self._measured(config, engine)
         if earlier is not None:
             self._reuse(trial, earlier, worker)
             self.idle.insert(0, worker)
             return
-        run = _Running(trial, config, worker)
-        self._submit(run, self.pool.actors[worker].configure.remote(config, self.workload_ref))
+        knobs = EngineKnobs.from_dict(engine) if engine is not None else None
+        run = _Running(trial, config, worker, knobs=knobs, search=self.capacity)
+        self._submit(run, self.pool.actors[worker].configure.remote(config, self.workload_ref, knobs))
         self.events(Event("start", trial.number, worker, message=_short_config(config)))
 
-    def _measured(self, config: HybridConfig) -> optuna.trial.FrozenTrial | None:
-        """A complete trial of the study that already ran ``config``."""
+    def _measured(
+        self, config: HybridConfig, engine: dict[str, Any] | None = None
+    ) -> optuna.trial.FrozenTrial | None:
+        """A complete trial of the study that already ran ``config`` with the same engine knobs."""
         done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         stored = config.to_dict()
-        return next((t for t in done if t.user_attrs.get(ATTR_CONFIG) == stored), None)
+        same = lambda t: t.user_attrs.get(ATTR_CONFIG) == stored and t.user_attrs.get(ATTR_ENGINE) == engine
+        return next((t for t in done if same(t)), None)
 
     def _reuse(self, trial: optuna.Trial, earlier: optuna.trial.FrozenTrial, worker: int) -> None:
         """Tell ``trial`` the result of ``earlier``, which ran the same config (proposed again)."""
-        for key in (ATTR_METRICS, ATTR_WINDOW_METRICS, ATTR_QUALITY, ATTR_ERROR):
+        for key in (ATTR_METRICS, ATTR_WINDOW_METRICS, ATTR_QUALITY, ATTR_ERROR, ATTR_PROBES):
             if key in earlier.user_attrs:
                 trial.set_user_attr(key, earlier.user_attrs[key])
         trial.set_user_attr(ATTR_REUSED, earlier.number)
@@ -216,6 +244,9 @@ class TrialLoop:
         if run.stage is Call.WINDOW:
             self._window_done(run, value)
             return
+        if run.stage is Call.PROBE:
+            self._probe_done(run, value)
+            return
         if run.stage is Call.FINISH:
             run.result = value
         elif run.stage is Call.QUALITY:
@@ -225,7 +256,7 @@ class TrialLoop:
     def _next(self, run: _Running) -> None:
         """Submit the protocol's next call of ``run``, or complete it when it has everything."""
         quality = self.memo.get(config_key(run.config))
-        following = next_call(run.stage, run.step, self.windows, quality is not None)
+        following = next_call(run.stage, run.step, self.windows, quality is not None, run.search)
         if following is None:
             assert quality is not None, f"trial {run.trial.number}: the protocol ended without a quality"
             self._complete(run, quality)
@@ -235,6 +266,10 @@ class TrialLoop:
         if run.stage is Call.WINDOW:
             run.step = window
             self._submit(run, actor.run_window.remote(window))
+        elif run.stage is Call.PROBE:
+            assert run.search is not None
+            run.step = window
+            self._submit(run, actor.probe.remote(run.search.next_rate()))
         elif run.stage is Call.FINISH:
             self._submit(run, actor.finish.remote())
         else:
@@ -254,6 +289,33 @@ class TrialLoop:
                 return
         self._next(run)
 
+    def _probe_done(self, run: _Running, probe: dict[str, Any]) -> None:
+        """Record one capacity probe, report the capacity found so far, and prune a trial that can no longer
+        beat the study's best feasible capacity."""
+        assert run.search is not None
+        run.search = run.search.record(probe["rate"], probe["passed"])
+        run.probes.append(finite(probe_summary(probe)))
+        verdict = "pass" if probe["passed"] else ("fail, stopped early" if probe["aborted"] else "fail")
+        actor = self.pool.actors[run.worker]
+        self.events(Event("probe", run.trial.number, run.worker, run.step, probe["rate"], verdict, actor))
+        if not self.options.pareto:
+            run.trial.report(run.search.capacity, run.step)
+            if should_prune(run.search, self._best_capacity()):
+                run.trial.set_user_attr(ATTR_PROBES, run.probes)
+                self.study.tell(run.trial, state=TrialState.PRUNED)
+                message = f"failed at {run.search.hi:.3g}x, not above the best capacity"
+                self.events(Event("pruned", run.trial.number, run.worker, run.step, run.search.capacity,
+                                  message))  # fmt: skip
+                self.idle.append(run.worker)
+                return
+        self._next(run)
+
+    def _best_capacity(self) -> float | None:
+        """The best capacity of the study's feasible complete trials (None before the first)."""
+        done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        values = [t.values[0] for t in done if feasible(t) and ATTR_ERROR not in t.user_attrs]
+        return max(values, default=None)
+
     # ---- outcomes ------------------------------------------------------------------------------------
     def _complete(self, run: _Running, quality: dict[str, Any]) -> None:
         assert run.result is not None, f"trial {run.trial.number} completes without a result"
@@ -265,6 +327,8 @@ class TrialLoop:
         t.set_user_attr(ATTR_METRICS, finite(run.result.mean))
         t.set_user_attr(ATTR_WINDOW_METRICS, [finite(w) for w in run.result.windows])
         t.set_user_attr(ATTR_QUALITY, finite(quality))
+        if run.probes:
+            t.set_user_attr(ATTR_PROBES, run.probes)
         for key, c in self.bounds.constraints(quality).items():
             t.set_constraint(key, c)
         self.study.tell(t, values)

@@ -68,6 +68,10 @@ SELF_BASELINE = (
     "their spread is the measurement's noise, not a gain or a loss"
 )
 SAME_CONFIG = "the same config on both sides: no gain possible"
+BASELINE_QUALITY = (
+    "the unquantized baseline keeps every K/V in model precision and attends to all of them: its quality is "
+    "the model's (the measured best's quality is under measured_best)"
+)
 
 PRESETS_DIR = Path("presets")
 PRESET_FORMAT = "kvtune-preset/1"
@@ -75,7 +79,7 @@ PRESET_FORMAT = "kvtune-preset/1"
 SUMMARY_METRICS = (
     "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
     "itl_p99_ms", "tokens_per_s", "attn_bandwidth_gbs", "bookkeeping_share", "peak_kv_bytes", "preemptions",
-    "prefix_hit_rate",
+    "prefix_hit_rate", "capacity", "capacity_tokens_per_s",
 )  # fmt: skip
 
 # ---- vLLM: only what means the same there ----------------------------------------------------------
@@ -92,17 +96,29 @@ VLLM_NOT_EQUIVALENT = (
 )
 
 
+VLLM_KNOBS = (
+    "--max-num-batched-tokens and --max-num-seqs are vLLM's own options, tuned here on kvtune's engine: "
+    "max_num_seqs was sized for this config's cache (what its KV budget holds); without a kvtune plugin "
+    "vLLM's own cache holds fewer tokens per byte and caps its batch by its free blocks anyway."
+)
+
+
 def vllm_backend(card: str) -> str:
     return "CPU_ATTN" if card == "cpu" else "TRITON_ATTN"
 
 
-def vllm_section(config: HybridConfig, card: str) -> dict[str, Any]:
-    """The flags of ``vllm serve`` that mean the same as ``config``, and what vLLM does with the rest."""
+def vllm_section(config: HybridConfig, card: str, engine: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The flags of ``vllm serve`` that mean the same as ``config`` (and as the engine knobs ``engine``,
+    ``{max_num_batched_tokens, max_num_seqs, ...}``, when the study tuned them), and what vLLM does with the
+    rest."""
     backend, block = vllm_backend(card), config.block_size
     multiple = VLLM_BLOCK_MULTIPLE[backend]
     block_ok = block % multiple == 0
     extra = {"kvtune": config.to_dict()}
     args = ["--block-size", str(block)] if block_ok else []
+    if engine is not None:
+        args += ["--max-num-batched-tokens", str(int(engine["max_num_batched_tokens"]))]
+        args += ["--max-num-seqs", str(int(engine["max_num_seqs"]))]
     args += ["--enable-prefix-caching", "--additional-config", json.dumps(extra, separators=(",", ":"))]
     rule = f"a multiple of {multiple}"
     block_note = (
@@ -120,6 +136,7 @@ def vllm_section(config: HybridConfig, card: str) -> dict[str, Any]:
         "prefix_caching": "--enable-prefix-caching: block-granular prefix reuse, as kvtune's prefix sharing",
         "note": VLLM_IGNORES,
         "not_exported": VLLM_NOT_EQUIVALENT,
+        **({"engine": VLLM_KNOBS} if engine is not None else {}),
     }
 
 
@@ -290,7 +307,32 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
         "baseline_config": validation["baseline_config"],
         "gain": gain(objective, validation["best"], validation["baseline"], same),
         **({"note": SELF_BASELINE} if same else {}),
+        **capacity_section(objective, validation),
     }
+
+
+def capacity_section(objective: str, validation: Mapping[str, Any]) -> dict[str, Any]:
+    """For the capacity objective: the latency limits (``limits``), the study's noise record (``noise``)
+    and the one-line ``claim`` ("carries N× the load of the unquantized cache within ..."); {} otherwise."""
+    if objective != "capacity" or "slo" not in validation:
+        return {}
+    slo, noise = validation["slo"], validation.get("noise") or {}
+    limits = f"P99 TTFT ≤ {float(slo['ttft_ms']):.4g} ms and P99 TPOT ≤ {float(slo['tpot_ms']):.4g} ms"
+    g = gain(objective, validation["best"], validation["baseline"])
+    if g.get("ratio") is None:
+        claim = f"no capacity ratio: {g.get('why')} (limits {limits})"
+    else:
+        lo, hi = g["interval95"] or g["range"]
+        claim = (
+            f"the best config carries {g['ratio']:.2f}x the load of the unquantized cache within {limits} "
+            f"(95 % interval {lo:.2f}-{hi:.2f}x over {len(g['per_repeat'])} repeats: {g['verdict']})"
+        )
+        threshold = noise.get("threshold")
+        if isinstance(threshold, int | float) and abs(g["ratio"] - 1.0) < threshold:
+            claim += f"; within the study's noise (±{100 * threshold:.0f} %)"
+    return {"limits": {"ttft_ms": slo["ttft_ms"], "tpot_ms": slo["tpot_ms"], "text": limits,
+                       "source": slo.get("source"), "rule": slo.get("rule")},
+            "noise": noise, "claim": claim}  # fmt: skip
 
 
 # ---- the preset --------------------------------------------------------------------------------------
@@ -300,18 +342,55 @@ def build_preset(
     quality: Mapping[str, Any] | None,
     provenance: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The preset object; ``provenance`` needs at least ``card`` and ``objective``."""
+    """The preset object; ``provenance`` needs at least ``card`` and ``objective``.
+
+    A preset never recommends a loss: its ``recommendation`` (its first key after ``format``) says which
+    config ``config`` is and why. The measured best config is recommended only when validation shows a gain
+    (its 95 % interval above 1), or when it is unquantized (its own baseline); otherwise ``config`` is the
+    unquantized baseline, and the measured best stays beside it under ``measured_best`` (its config, trial,
+    gain and quality). ``metrics`` always compare the two as measured; ``vllm`` serves ``config``."""
     for key in ("card", "objective"):
         if key not in provenance:
             raise ValueError(f"preset provenance: missing key {key!r}")
+    metrics = validated_metrics(provenance["objective"], validation)
+    advice = recommendation(metrics, validation.get("trial"))
+    chosen = config if advice["use"] == "best" else HybridConfig.from_dict(validation["baseline_config"])
+    engine = validation.get("engine") if chosen == config else validation.get("baseline_engine")
+    quality_of = dict(quality) if quality is not None else None
+    best_beside = {}
+    if chosen != config:
+        best_beside = {"measured_best": {"trial": validation.get("trial"), "config": config.to_dict(),
+                                         "gain": metrics["gain"], "quality": quality_of}}  # fmt: skip
+        quality_of = {"note": BASELINE_QUALITY}
     return {
         "format": PRESET_FORMAT,
-        "config": config.to_dict(),
-        "metrics": validated_metrics(provenance["objective"], validation),
-        "quality": dict(quality) if quality is not None else None,
+        "recommendation": advice,
+        "config": chosen.to_dict(),
+        **best_beside,
+        "metrics": metrics,
+        "quality": quality_of,
         "provenance": dict(provenance),
-        "vllm": vllm_section(config, provenance["card"]),
+        **({"engine": dict(engine)} if engine else {}),
+        "vllm": vllm_section(chosen, provenance["card"], engine),
     }
+
+
+def recommendation(metrics: Mapping[str, Any], trial: Any = None) -> dict[str, str]:
+    """``{"use": "best" | "baseline", "why": one line}`` from a preset's ``metrics`` (see
+    :func:`build_preset`): the best config only when its gain over the unquantized baseline is shown."""
+    g, best = metrics["gain"], f"the best config (trial {trial})" if trial is not None else "the best config"
+    if "note" in metrics:  # unquantized: its own baseline
+        return {"use": "best", "why": f"{best} is unquantized, its own baseline: no quantized config beat it"}
+    if g.get("ratio") is None:
+        return {"use": "baseline", "why": f"the unquantized baseline: {best} could not be compared "
+                f"({g.get('why', 'no ratio')}); it is kept under measured_best"}  # fmt: skip
+    lo, hi = g["interval95"] or g["range"]
+    measured = f"{g['ratio']:.3f}x the baseline on {g['metric']} (95 % interval {lo:.3f}-{hi:.3f})"
+    if g["verdict"].startswith("better"):
+        return {"use": "best", "why": f"{best}: {measured}: {g['verdict']}"}
+    shown = "a loss" if g["verdict"].startswith("worse") else "no gain"
+    return {"use": "baseline", "why": f"the unquantized baseline: validation showed {shown} for {best}, "
+            f"{measured}; it is kept under measured_best, not recommended"}  # fmt: skip
 
 
 def slug(name: str) -> str:
@@ -372,7 +451,12 @@ def load_study(storage: str, study_name: str) -> Any:
 
 
 def check_storage(storage: str) -> None:
-    """``FileNotFoundError`` when an SQLite storage names a missing file (no empty database is created)."""
+    """One line (:class:`~kvtune.studies.storage.StorageError`) for a URL that does not parse or whose
+    driver is missing; ``FileNotFoundError`` when an SQLite storage names a missing file (no empty database
+    is created)."""
+    from kvtune.studies.storage import check_storage as check_url
+
+    check_url(storage, flag="storage", writable=False)
     if storage.startswith("sqlite:///"):
         path = Path(storage.removeprefix("sqlite:///"))
         if str(path) not in ("", ":memory:") and not path.is_file():

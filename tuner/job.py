@@ -1,13 +1,22 @@
 """One tuning run end to end: workers, study, trials, validation on held-out requests, preset.
 
-:func:`tune` is what ``kvtune --gpu GPU --workload TRACE`` calls. In order: read the trace (a missing file
-fails
-before anything starts); check the cluster has the card and start one worker per GPU (or CPU workers); cut the
-search windows; build the card's search space for the model and workload; calibrate the time scale once (new
-studies); create the study, or load it for ``--resume`` after checking it was made with the same space and
-settings; enqueue the defaults and existing presets (new studies); run trials until the study holds ``trials``
-finished ones; re-measure the best config and its unquantized baseline on the held-out end of the trace; write
-the preset.
+:func:`tune` is what ``kvtune --gpu GPU --workload TRACE`` calls. In order: check every input that needs no
+Ray (:func:`~kvtune.tuner.preflight.preflight`: the trace read in one pass, the models found, the study not
+already there unless resumed; the CLI runs it before Ray starts); check the cluster has the card and start one
+worker per GPU (or CPU workers); cut the search windows; build the card's search space for the model and
+workload; calibrate the time scale once (new studies); create the study, or load it for ``--resume`` after
+checking it was made with the same space and settings; enqueue the defaults and existing presets (new
+studies); run trials until the study holds ``trials`` finished ones; re-measure the best config and its
+unquantized baseline on the held-out end of the trace; write the preset.
+
+The capacity objective adds two measurements when a new study starts, both of the unquantized baseline
+(hot 32, block 64) and both stored with the study: its **unloaded** latencies (the first search window at
+1/1000 of its rate: one request at a time, but for the trace's own bursts of simultaneous arrivals), from
+which the latency limits are derived unless given (``kvtune.slo``: 5 × its P99 TTFT and 10 × its median
+TPOT), and its **capacity, searched** :data:`~kvtune.studies.names.NOISE_REPEATS` **times** from the
+calibrated rate (``kvtune.noise``): their median is every trial's warm start, their spread the study's noise
+floor.
+Validation then searches the capacity of the best config and of its baseline on the held-out requests.
 """
 
 from __future__ import annotations
@@ -26,18 +35,27 @@ import ray
 import ray.exceptions
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.engine.traces import Request, Trace
+from kvtune.engine.options import WARMUP_REQUESTS
+from kvtune.engine.traces import Request, Trace, TraceFile
 from kvtune.search_spaces.cards import Card, match_card
 from kvtune.search_spaces.space import SearchSpace, WorkloadStats
 from kvtune.studies import names
 from kvtune.studies.names import (
+    ATTR_ENGINE,
     ATTR_IDENTITY,
+    ATTR_NOISE,
     ATTR_PARETO,
     ATTR_QUALITY_SETTINGS,
     ATTR_SAMPLE,
+    ATTR_SLO,
     ATTR_TIME_SCALE_SOURCE,
+    CAPACITY_GRANULARITY,
+    CAPACITY_PROBES,
+    CAPACITY_PROBES_COLD,
+    NOISE_REPEATS,
 )
 from kvtune.studies.records import file_sha256
+from kvtune.studies.storage import redact
 from kvtune.studies.study import (
     SpaceId,
     StudyOptions,
@@ -45,17 +63,22 @@ from kvtune.studies.study import (
     finished_trials,
     open_study,
     recover_abandoned,
+    store_validation,
     stored_attrs,
 )
 from kvtune.tuner import export
+from kvtune.tuner.capacity import CapacitySearch, Slo, derive_slo, noise_record
 from kvtune.tuner.driver import Bounds, Event, TrialLoop
 from kvtune.tuner.pool import WorkerPool, _last_line, plan_placement, ray_accelerator_type
-from kvtune.tuner.protocol import QualitySettings, WorkerInfo, WorkerSpec, Workload
-from kvtune.tuner.validation import best_trial, validate
+from kvtune.tuner.preflight import Preflight, preflight
+from kvtune.tuner.protocol import EngineKnobs, QualitySettings, WorkerInfo, WorkerSpec, Workload
+from kvtune.tuner.validation import SearchRun, best_trial, run_searches, validate, validate_capacity
 from kvtune.tuner.worker import TrialWorker
-from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample, load_trace
+from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample
 
 CALIBRATION_LOAD = 0.75  # the baseline runs at this share of its saturation throughput
+BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=0)  # calibration's too
+CAPACITY = "capacity"
 
 
 @dataclass(frozen=True)
@@ -77,10 +100,21 @@ class TuneJob:
     out: str | None = None  # preset path (default presets/<card>/<model>-<workload>.json)
     presets_dir: str = str(export.PRESETS_DIR)
     worker_cls: type = TrialWorker
+    trial_time_limit_s: float | None = None  # a trial (and the calibration) running longer is infeasible
+    slo_ttft_ms: float | None = None  # capacity's limits; None: derived from the unloaded baseline
+    slo_tpot_ms: float | None = None
+    granularity: float = CAPACITY_GRANULARITY  # capacity searches stop at hi / lo - 1 <= this
 
     def __post_init__(self) -> None:
         if self.trials < 1:
             raise ValueError(f"`trials >= 1` must hold, but got trials={self.trials}")
+        if self.trial_time_limit_s is not None and not self.trial_time_limit_s > 0:
+            raise ValueError(f"`trial_time_limit_s > 0` must hold, but got {self.trial_time_limit_s}")
+
+    @property
+    def capacity(self) -> bool:
+        """The objective is capacity (probes, limits, a noise record) rather than a fixed-rate metric."""
+        return self.options.objective == CAPACITY
 
 
 @dataclass(frozen=True)
@@ -100,14 +134,20 @@ class TuneReport:
     budget_spent: bool = False  # the time budget ended the search before the target
     warnings: tuple[str, ...] = ()
     rate: dict[str, Any] | None = None  # how fast the search went (:func:`kvtune.tuner.export.search_rate`)
+    lengths: dict[str, dict[str, int]] | None = None  # what fitting did to each sample (LengthCounts dicts)
+    validations: int = 0  # validation records the study holds (kvtune.validation_history), this one included
 
 
-def tune(job: TuneJob, events: Callable[[Event], None] | None = None) -> TuneReport:
+def tune(
+    job: TuneJob, events: Callable[[Event], None] | None = None, checked: Preflight | None = None
+) -> TuneReport:
     """Run the study of ``job`` (see the module docstring) on the connected Ray cluster (``ray.init`` first).
 
-    The study stays consistent on any exit, Ctrl-C included (:mod:`kvtune.tuner.driver`).
+    ``checked``: the :func:`~kvtune.tuner.preflight.preflight` of ``job`` already made (the CLI makes it
+    before starting Ray); without it the checks run here, before any worker starts. The study stays
+    consistent on any exit, Ctrl-C included (:mod:`kvtune.tuner.driver`).
     """
-    trace = load_trace(job.sample.path)
+    trace = (checked or preflight(job)).trace
     if not ray.is_initialized():
         raise ValueError("Ray is not initialized: call ray.init() (or ray.init(address=...)) before tune()")
     accelerator = ray_accelerator_type(job.card) if job.card.is_gpu else None
@@ -115,8 +155,8 @@ def tune(job: TuneJob, events: Callable[[Event], None] | None = None) -> TuneRep
     stored = stored_attrs(job.options.storage, job.options.name)
     if stored is not None and not job.options.resume:
         raise ValueError(
-            f"study {job.options.name!r} already exists in {job.options.storage}; pass --resume to continue "
-            "it, or --study NAME to start another"
+            f"study {job.options.name!r} already exists in {redact(job.options.storage)}; pass --resume to "
+            "continue it, or --study NAME to start another"
         )
     spec = _spec_for(job, stored)
     pool = WorkerPool(spec, placement, job.worker_cls)
@@ -130,7 +170,7 @@ def tune(job: TuneJob, events: Callable[[Event], None] | None = None) -> TuneRep
 
 def _run(
     job: TuneJob,
-    trace: Trace,
+    trace: TraceFile,
     stored: dict[str, Any] | None,
     pool: WorkerPool,
     infos: list[WorkerInfo],
@@ -141,32 +181,67 @@ def _run(
     space = build_space(job, info, windows)
     space_id = SpaceId(space.space_fingerprint(), space.describe())
     time_scale = _time_scale(job, stored, pool, job.sample.search_requests(trace, info.max_context))
-    study = open_study(job.options, identity(job, info), space_id, _study_attrs(job, info, time_scale))
+    attrs = _study_attrs(job, info, time_scale)
+    if job.capacity:
+        attrs |= _capacity_attrs(job, stored, pool, space, windows, time_scale)
+    study = open_study(job.options, identity(job, info), space_id, attrs)
     if stored is None:
-        enqueue_known_good(study, [space.params_for(c) for c in space.default_configs()], "defaults")
+        defaults = [space.params_for(c) | space.knob_params() for c in space.default_configs()]
+        enqueue_known_good(study, defaults, "defaults")
         enqueue_known_good(study, preset_params(space, Path(job.presets_dir) / job.card.id), "presets")
     else:
         recover_abandoned(study)
     suggest = lambda trial: space.suggest(trial).to_dict()
-    loop = TrialLoop(study, job.options, pool, Workload(windows, time_scale), suggest, job.bounds, events)
+    knobs = space.suggest_knobs if space.batched_tokens else None
+    slo, search = _capacity_plan(job, study.user_attrs)
+    workload = Workload(windows, time_scale, time_limit_s=job.trial_time_limit_s, slo=slo)
+    loop = TrialLoop(study, job.options, pool, workload, suggest, job.bounds, events, knobs, search)
     deadline = None if job.time_budget_s is None else time.monotonic() + job.time_budget_s
     loop.run(job.trials, deadline)
-    validation, preset = None, None
+    validation, preset, validations = None, None, 0
     # The target reached, or the time budget spent: the best so far is validated and exported (the preset
     # records how many trials it is the best of). Ctrl-C raises out of the loop and exports nothing.
     finished = finished_trials(study)
     rate = export.search_rate(study.get_trials(deepcopy=False))
     cut_short = deadline is not None and time.monotonic() >= deadline and finished < job.trials
     if finished >= job.trials or (cut_short and finished > 0):
-        validation = _validate(job, study, pool, trace, info, time_scale, finished)
+        validation = _validate(job, study, pool, trace, info, time_scale, finished, space)
+        validations = len(study.user_attrs.get(names.ATTR_VALIDATION_HISTORY) or [])
         if validation is not None and job.write_preset:
             preset = str(export.export_from_study(job.options.storage, job.options.name, job.out))
     best = validation["trial"] if validation else None
+    counts = job.sample.length_counts(trace, info.max_context)
     return TuneReport(
         job.options.name, job.options.storage, finished, job.trials, best, validation, preset,
-        space.describe(), time_scale, tuple(infos), cut_short, quality_coverage(space, job.spec.quality),
-        rate,
+        space.describe(), time_scale, tuple(infos), cut_short,
+        (*quality_coverage(space, job.spec.quality), *capacity_warnings(study.user_attrs)), rate,
+        {k: c.to_dict() for k, c in counts.items()}, validations,
     )  # fmt: skip
+
+
+def capacity_warnings(attrs: dict[str, Any]) -> tuple[str, ...]:
+    """What a capacity study's noise record says about its measurement: a window too small to overload the
+    engine (the baseline passed at every rate probed), and a spread above the 5 % goal."""
+    noise = attrs.get(ATTR_NOISE)
+    if not noise:
+        return ()
+    out = []
+    searches = noise.get("searches") or []
+    open_ended = [s for s in searches if s.get("hi") is None]
+    if open_ended:
+        top = max(float(s["capacity"]) for s in open_ended)
+        out.append(
+            f"the baseline passed every rate probed in {len(open_ended)} of {len(searches)} capacity "
+            f"searches (up to {top:.3g}x the trace's rate): a window this small never overloads the engine, "
+            "so capacities are lower bounds; raise --requests"
+        )
+    if noise["spread"] > CAPACITY_GRANULARITY:
+        out.append(
+            f"the baseline's capacity varied by {100 * noise['spread']:.0f} % over {noise['repeats']} "
+            f"searches (the goal is 5 %): differences below {100 * noise['threshold']:.0f} % are within "
+            "noise; more requests per window lower it"
+        )
+    return tuple(out)
 
 
 def quality_coverage(space: SearchSpace, quality: QualitySettings) -> tuple[str, ...]:
@@ -210,8 +285,11 @@ def _check_card(card: Card, infos: list[WorkerInfo]) -> None:
 
 
 def build_space(job: TuneJob, info: WorkerInfo, windows: tuple[tuple[Request, ...], ...]) -> SearchSpace:
+    """The card's space for the model and the windows. The memory rule asks the budget to hold a window's
+    requests at once (at the percentile length) for the fixed-rate objectives, but only one (of the longest)
+    for capacity, which measures how much load the budget carries rather than assuming it."""
     lengths = [r.input_length + r.output_length for w in windows for r in w]
-    stats = WorkloadStats.from_lengths(lengths, concurrency=job.sample.requests)
+    stats = WorkloadStats.from_lengths(lengths, concurrency=1 if job.capacity else job.sample.requests)
     return SearchSpace.build(
         job.card, job.spec.model, info.kv_shape, stats, info.real_weights, kv_budget_bytes=info.budget_bytes
     )
@@ -231,9 +309,76 @@ def _time_scale(
     if job.time_scale is not None:
         return job.time_scale
     try:
-        return float(ray.get(pool.actors[0].calibrate.remote(requests, CALIBRATION_LOAD)))
+        limit = job.trial_time_limit_s
+        return float(ray.get(pool.actors[0].calibrate.remote(requests, CALIBRATION_LOAD, limit)))
     except ray.exceptions.RayTaskError as e:
         raise ValueError(f"calibrating the time scale failed ({_last_line(e)}); pass --time-scale") from None
+
+
+def _capacity_attrs(
+    job: TuneJob,
+    stored: dict[str, Any] | None,
+    pool: WorkerPool,
+    space: SearchSpace,
+    windows: tuple[tuple[Request, ...], ...],
+    time_scale: float,
+) -> dict[str, Any]:
+    """``kvtune.slo`` and ``kvtune.noise``: a resumed study's (a limit given again must equal the stored
+    one), or measured now on the unquantized baseline (see the module docstring)."""
+    given = {"ttft_ms": job.slo_ttft_ms, "tpot_ms": job.slo_tpot_ms}
+    if stored is not None:  # open_study checks the objective; a capacity study has both records
+        slo = stored.get(ATTR_SLO)
+        for key, value in given.items():
+            if slo is not None and value is not None and abs(float(slo[key]) - value) > 1e-9 * value:
+                flag = "--slo-" + key.replace("_ms", "-ms")
+                name = job.options.name
+                raise ValueError(f"study {name!r} was made with {flag} {slo[key]:g}, not {value:g}")
+        return {}
+    unloaded = None
+    if job.slo_ttft_ms is None or job.slo_tpot_ms is None:
+        try:
+            ref = pool.actors[0].unloaded.remote(BASELINE, windows[0], WARMUP_REQUESTS)
+            unloaded = ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            raise ValueError(f"the unloaded baseline replay failed ({_last_line(e)})") from None
+    slo_record = derive_slo(unloaded, job.slo_ttft_ms, job.slo_tpot_ms)
+    engine = space.knobs_for(BASELINE, *_default_knobs(space)) if space.batched_tokens else None
+    knobs = EngineKnobs.from_dict(engine) if engine is not None else None
+    start = 1.0 / time_scale  # the rate at which the baseline runs at CALIBRATION_LOAD of its saturation
+    runs = [
+        SearchRun(r % len(pool.actors), BASELINE, knobs, windows,
+                  CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD))
+        for r in range(NOISE_REPEATS)
+    ]  # fmt: skip
+    try:
+        run_searches(pool, runs, Slo.from_record(slo_record))
+    except ray.exceptions.RayTaskError as e:
+        raise ValueError(f"searching the baseline's capacity failed ({_last_line(e)})") from None
+    results = [r.result() for r in runs]
+    noise = noise_record(
+        [r["capacity"] for r in results], [r["capacity_tokens_per_s"] or 0.0 for r in results],
+        BASELINE.to_dict(), granularity=job.granularity, max_probes=CAPACITY_PROBES, start=start,
+        engine=engine, searches=[r["search"] for r in results],
+    )  # fmt: skip
+    return {ATTR_SLO: slo_record, ATTR_NOISE: noise}
+
+
+def _default_knobs(space: SearchSpace) -> tuple[int, float]:
+    params = space.knob_params()
+    return int(params["max_num_batched_tokens"]), float(params["max_num_seqs_factor"])
+
+
+def _capacity_plan(job: TuneJob, attrs: dict[str, Any]) -> tuple[Slo | None, CapacitySearch | None]:
+    """The limits and the search every trial starts from (warm start: the baseline's median capacity)."""
+    if not job.capacity:
+        return None, None
+    if ATTR_SLO not in attrs or ATTR_NOISE not in attrs:
+        name = job.options.name
+        raise ValueError(f"study {name!r} has no {ATTR_SLO} or {ATTR_NOISE}: not a capacity study")
+    noise = attrs[ATTR_NOISE]
+    start = float(noise["median"]) if noise["median"] > 0 else float(noise["start"])
+    search = CapacitySearch(start, float(noise["granularity"]), int(noise["max_probes"]))
+    return Slo.from_record(attrs[ATTR_SLO]), search
 
 
 def identity(job: TuneJob, info: WorkerInfo) -> dict[str, Any]:
@@ -277,14 +422,21 @@ def _study_attrs(job: TuneJob, info: WorkerInfo, time_scale: float) -> dict[str,
 
 
 def preset_params(space: SearchSpace, folder: Path) -> list[dict[str, Any]]:
-    """Parameters of the presets in ``folder`` whose config lies in ``space`` (others are skipped)."""
+    """Parameters of the presets in ``folder`` whose config lies in ``space`` (others are skipped), with
+    their engine knobs where they carry some of this space (else the default knobs)."""
     params = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
-            config = HybridConfig.from_dict(json.loads(path.read_text(encoding="utf-8"))["config"])
-            params.append(space.params_for(config))
+            preset = json.loads(path.read_text(encoding="utf-8"))
+            config = HybridConfig.from_dict(preset["config"])
+            point = space.params_for(config)
         except (ValueError, KeyError, TypeError):
             continue  # not a preset of this space
+        try:
+            point |= space.knob_params(preset.get("engine"))
+        except (ValueError, TypeError, AttributeError):
+            point |= space.knob_params()
+        params.append(point)
     return params
 
 
@@ -292,19 +444,39 @@ def _validate(
     job: TuneJob,
     study: optuna.Study,
     pool: WorkerPool,
-    trace: Trace,
+    trace: Trace | TraceFile,
     info: WorkerInfo,
     time_scale: float,
     finished: int,
+    space: SearchSpace | None = None,
 ) -> dict[str, Any] | None:
     """Re-measure the best feasible trial and its baseline on held-out requests; stored as
-    kvtune.validation."""
+    kvtune.validation and appended to kvtune.validation_history (a re-validation keeps the earlier ones).
+    The baseline runs with the best trial's engine knobs resolved for it (the same batched tokens and
+    factor of what its budget holds), so the gain is the cache's."""
     best = best_trial(study, job.options)
     if best is None:
         return None
     requests = job.sample.validation_requests(trace, info.max_context)
     config = HybridConfig.from_dict(best.user_attrs[names.ATTR_CONFIG])
-    best_runs, base_runs = validate(pool, config, requests, time_scale, job.repeats)
+    engine = best.user_attrs.get(ATTR_ENGINE)
+    base_engine = None
+    if engine is not None and space is not None and space.batched_tokens:
+        tokens, factor = int(engine["max_num_batched_tokens"]), float(engine["max_num_seqs_factor"])
+        base_engine = space.knobs_for(config.unquantized(), tokens, factor)
+    knobs = tuple(EngineKnobs.from_dict(e) if e is not None else None for e in (engine, base_engine))
+    extra: dict[str, Any] = {"engine": engine, "baseline_engine": base_engine}
+    if job.capacity:
+        attrs = study.user_attrs
+        noise = attrs[ATTR_NOISE]
+        starts = (best.values[0] or noise["median"] or noise["start"], noise["median"] or noise["start"])
+        best_runs, base_runs = validate_capacity(
+            pool, config, (knobs[0], knobs[1]), requests, Slo.from_record(attrs[ATTR_SLO]), starts,
+            float(noise["granularity"]), job.repeats,
+        )  # fmt: skip
+        extra |= {"slo": attrs[ATTR_SLO], "noise": noise}
+    else:
+        best_runs, base_runs = validate(pool, config, requests, time_scale, job.repeats, (knobs[0], knobs[1]))
     record = {
         "trial": best.number,
         "config": config.to_dict(),
@@ -314,6 +486,7 @@ def _validate(
             "end_fraction": 1.0,
             "requests": len(requests),
             "seed": job.sample.seed,
+            "clipped": sum(1 for r in requests if r.shortened),
         },
         "repeats": job.repeats,
         "trials": {"finished": finished, "asked": job.trials},
@@ -324,8 +497,9 @@ def _validate(
         "versions": info.versions,
         "device": info.device_name,
         "time_scale": time_scale,
+        **extra,
     }
-    study.set_user_attr(names.ATTR_VALIDATION, record)
+    store_validation(study, record)
     return record
 
 

@@ -4,10 +4,17 @@ The driver wraps :class:`kvtune.tuner.worker.TrialWorker` in a Ray actor (one pe
 actors for ``--gpu cpu``) and drives each trial as this sequence of calls (:class:`Call`, ordered by
 :func:`next_call`)::
 
-    configure(config, workload)   -> None         validates nothing more: the config arrived validated
+    configure(config, workload, knobs) -> None    validates nothing more: the config arrived validated
     run_window(i), i = 0..W-1     -> dict         that window's ReplayMetrics.to_dict()
+      or, for the capacity objective,
+    probe(rate), as the search asks -> dict       every window at ``rate`` x the trace's own arrival rate
     finish()                      -> TrialResult  frozen: the per-window metrics and their mean
     quality(config)               -> dict         QualityResult.to_dict(); skipped when the driver knows it
+
+The capacity objective replaces the windows by probes: :class:`~kvtune.tuner.capacity.CapacitySearch`
+says which rate comes next and when the search is done; each probe replays the trial's windows at one rate
+and says whether they met the study's latency limits (:mod:`kvtune.tuner.capacity`). The engine knobs
+(:class:`EngineKnobs`) travel beside the config, never inside it: the hybrid_v2 contract is fixed.
 
 A config crosses as a :class:`~kvtune.cache_impl.config.HybridConfig`, built and validated once by the
 driver; the study stores ``config.to_dict()``. Workers never open the study; every result is a value. An
@@ -20,6 +27,7 @@ the engine's model runner.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -29,6 +37,7 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.options import WARMUP_REQUESTS, check_quality_args
 from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.engine.traces import Request
+from kvtune.tuner.capacity import CapacitySearch, Slo
 
 
 class Call(enum.Enum):
@@ -38,13 +47,21 @@ class Call(enum.Enum):
     WINDOW = "run_window"
     FINISH = "finish"
     QUALITY = "quality"
+    PROBE = "probe"
 
 
-def next_call(done: Call, window: int, windows: int, quality_known: bool) -> tuple[Call, int] | None:
-    """What follows ``done`` (with ``window`` the index of the window just run): the next call and the
-    window index it takes (-1 when none); None when the trial has everything (its quality already known)."""
+def next_call(
+    done: Call, window: int, windows: int, quality_known: bool, search: CapacitySearch | None = None
+) -> tuple[Call, int] | None:
+    """What follows ``done`` (with ``window`` the index of the window or probe just run): the next call and
+    the window or probe index it takes (-1 when none); None when the trial has everything (its quality
+    already known). With a capacity ``search`` (its state after the last probe) probes replace windows, as
+    many as the search asks for (:meth:`CapacitySearch.next_rate`)."""
     if done is Call.CONFIGURE:
-        return Call.WINDOW, 0
+        return (Call.WINDOW, 0) if search is None else (Call.PROBE, 0)
+    if done is Call.PROBE:
+        assert search is not None, "a probe without a capacity search"
+        return (Call.PROBE, window + 1) if search.next_rate() is not None else (Call.FINISH, -1)
     if done is Call.WINDOW:
         return (Call.WINDOW, window + 1) if window + 1 < windows else (Call.FINISH, -1)
     if done is Call.FINISH and not quality_known:
@@ -98,11 +115,47 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class Workload:
-    """The replay windows of a study (identical for every trial, so windows compare) and the time scale."""
+    """The replay windows of a study (identical for every trial, so windows compare) and the time scale;
+    ``slo``: the latency limits of the capacity objective (None for the fixed-rate objectives)."""
 
     windows: tuple[tuple[Request, ...], ...]
     time_scale: float
     warmup_requests: int = WARMUP_REQUESTS
+    slo: Slo | None = None
+    time_limit_s: float | None = None  # a trial running longer (from configure on) fails, infeasible
+
+
+@dataclass(frozen=True)
+class EngineKnobs:
+    """The engine options a trial tunes beside its config, under vLLM's names: the tokens one engine
+    iteration may batch and the sequences it may run at once."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name} >= 1` must hold, but got {name}={value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                "`max_num_batched_tokens >= max_num_seqs` must hold (vLLM's rule), but got "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}, max_num_seqs={self.max_num_seqs}"
+            )
+
+    def scheduler(self, base: SchedulerConfig) -> SchedulerConfig:
+        """``base`` (the worker's engine options) with these two limits."""
+        return dataclasses.replace(
+            base, max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        return {"max_num_batched_tokens": self.max_num_batched_tokens, "max_num_seqs": self.max_num_seqs}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineKnobs:
+        return cls(int(d["max_num_batched_tokens"]), int(d["max_num_seqs"]))
 
 
 @dataclass(frozen=True)

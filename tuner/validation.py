@@ -5,10 +5,16 @@ back on the same worker (which goes first alternates), on requests of the trace 
 repeats are spread over the workers. :func:`kvtune.tuner.export.paired_gain` compares the two runs of each
 repeat (baseline ÷ best for latencies, best ÷ baseline for throughput, so > 1 is better); the preset reports
 each side's medians with their range, and that gain (:mod:`kvtune.tuner.export`).
+
+For the capacity objective each side of a repeat is a capacity search on the held-out window
+(:func:`validate_capacity`); the two searches of a repeat share one worker, their probes interleaved.
+:func:`run_searches` drives any set of capacity searches over the workers (also the baseline's, when a study
+starts).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
@@ -18,10 +24,12 @@ from optuna.trial import FrozenTrial, TrialState
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.engine.traces import Request
-from kvtune.studies.names import MIN_REPEATS
+from kvtune.studies.names import CAPACITY_PROBES_COLD, MIN_REPEATS
 from kvtune.studies.records import finite
 from kvtune.studies.study import OBJECTIVES, StudyOptions
+from kvtune.tuner.capacity import CapacitySearch, Slo, capacity_metrics
 from kvtune.tuner.pool import WorkerPool
+from kvtune.tuner.protocol import EngineKnobs
 
 
 def feasible(trial: FrozenTrial) -> bool:
@@ -43,17 +51,21 @@ def validate(
     requests: tuple[Request, ...],
     time_scale: float,
     repeats: int = MIN_REPEATS,
+    knobs: tuple[EngineKnobs | None, EngineKnobs | None] = (None, None),
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Replay ``best`` and ``best.unquantized()`` ``repeats`` times each: the metrics of every run of each,
-    with the ``worker`` that ran it."""
+    """Replay ``best`` and ``best.unquantized()`` ``repeats`` times each (with ``knobs`` = (best's, the
+    baseline's) engine knobs): the metrics of every run of each, with the ``worker`` that ran it."""
     if repeats < MIN_REPEATS:
         raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
     baseline = best.unquantized()
     refs = []
     for r in range(repeats):
         actor = pool.actors[r % len(pool.actors)]
-        first, second = (best, baseline) if r % 2 == 0 else (baseline, best)
-        one, two = (actor.replay.remote(c, requests, time_scale, WARMUP_REQUESTS) for c in (first, second))
+        sides = [(best, knobs[0]), (baseline, knobs[1])]
+        first, second = sides if r % 2 == 0 else sides[::-1]
+        one, two = (
+            actor.replay.remote(c, requests, time_scale, WARMUP_REQUESTS, k) for c, k in (first, second)
+        )
         refs.append((one, two) if r % 2 == 0 else (two, one))
     runs = [(ray.get(b), ray.get(base)) for b, base in refs]
     where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(repeats)]
@@ -67,3 +79,81 @@ def _worker_name(info: Any) -> str:
     """``host/gpu0`` (or ``host/cpu``): where a validation repeat ran."""
     gpus = ",".join(g for g in info.gpu_ids if g)
     return f"{info.hostname}/{'gpu' + gpus if gpus else 'cpu'}"
+
+
+# ---- capacity ------------------------------------------------------------------------------------------
+@dataclass
+class SearchRun:
+    """One capacity search of ``config`` (with ``knobs``) over ``windows``, driven on worker ``worker``."""
+
+    worker: int
+    config: HybridConfig
+    knobs: EngineKnobs | None
+    windows: tuple[tuple[Request, ...], ...]
+    search: CapacitySearch
+    probes: list[dict[str, Any]] = field(default_factory=list)
+
+    def result(self) -> dict[str, Any]:
+        """The metrics at the capacity found (:func:`~kvtune.tuner.capacity.capacity_metrics`) and the
+        search's state."""
+        _, mean = capacity_metrics(self.probes)
+        return {**finite(mean), "search": self.search.to_dict()}
+
+
+def run_searches(
+    pool: WorkerPool, runs: list[SearchRun], slo: Slo, warmup: int = WARMUP_REQUESTS
+) -> list[SearchRun]:
+    """Drive every search to its end, each probe on its run's worker (a worker runs its probes in the order
+    they were sent, so the searches sharing it interleave); returns ``runs``, updated."""
+    inflight: dict[Any, SearchRun] = {}
+
+    def submit(run: SearchRun) -> None:
+        rate = run.search.next_rate()
+        if rate is not None:
+            actor = pool.actors[run.worker]
+            inflight[actor.probe_config.remote(run.config, run.knobs, run.windows, rate, slo, warmup)] = run
+
+    for run in runs:
+        submit(run)
+    while inflight:
+        ready, _ = ray.wait(list(inflight), num_returns=1)
+        run = inflight.pop(ready[0])
+        probe = ray.get(ready[0])
+        run.search = run.search.record(probe["rate"], probe["passed"])
+        run.probes.append(probe)
+        submit(run)
+    return runs
+
+
+def validate_capacity(
+    pool: WorkerPool,
+    best: HybridConfig,
+    knobs: tuple[EngineKnobs | None, EngineKnobs | None],
+    requests: tuple[Request, ...],
+    slo: Slo,
+    starts: tuple[float, float],
+    granularity: float,
+    repeats: int = MIN_REPEATS,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The capacity of ``best`` and of ``best.unquantized()`` (with ``knobs`` = (best's, the baseline's)),
+    each searched ``repeats`` times on ``requests`` from ``starts`` = (best's, baseline's) warm start: the
+    metrics at each capacity found, with the ``worker`` that ran the pair."""
+    if repeats < MIN_REPEATS:
+        raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
+    sides = ((best, knobs[0], starts[0]), (best.unquantized(), knobs[1], starts[1]))
+    runs: list[SearchRun] = []
+    for r in range(repeats):
+        worker = r % len(pool.actors)
+        pair = [
+            SearchRun(worker, c, k, (requests,), CapacitySearch(s, granularity, CAPACITY_PROBES_COLD))
+            for c, k, s in sides
+        ]
+        runs += pair if r % 2 == 0 else pair[::-1]  # which side probes first alternates
+    run_searches(pool, runs, slo)
+    where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(repeats)]
+    ordered = [runs[2 * r : 2 * r + 2] for r in range(repeats)]
+    pairs = [(one, two) if r % 2 == 0 else (two, one) for r, (one, two) in enumerate(ordered)]
+    return (
+        [{**b.result(), "worker": w} for (b, _), w in zip(pairs, where)],
+        [{**u.result(), "worker": w} for (_, u), w in zip(pairs, where)],
+    )

@@ -7,11 +7,14 @@ model are imported when a worker starts, never in the driver process.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
 import platform
 import socket
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,7 +22,28 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.options import ReplayOptions
 from kvtune.engine.traces import Request
 from kvtune.studies.records import versions
-from kvtune.tuner.protocol import TrialResult, WorkerInfo, WorkerSpec, Workload, mean_metrics
+from kvtune.tuner.capacity import ProbeStop, Slo, capacity_metrics, probe_passes, probe_record
+from kvtune.tuner.protocol import EngineKnobs, TrialResult, WorkerInfo, WorkerSpec, Workload, mean_metrics
+
+if TYPE_CHECKING:
+    from kvtune.engine.engine import Deadline
+
+# The unloaded replay: the trace's arrivals slowed this much (requests that arrive together in the trace, a
+# burst, still do: no rate spreads them; all others are served alone; idle gaps are skipped, not slept), and
+# outputs cut to this many tokens (its median TPOT is one decode step).
+UNLOADED_TIME_SCALE = 1000.0
+UNLOADED_OUTPUT_TOKENS = 32
+
+
+def trial_deadline(limit_s: float | None, what: str) -> Deadline | None:
+    """The deadline ``limit_s`` seconds from now (None: no limit); past it a replay raises
+    :class:`~kvtune.engine.engine.ReplayTimeoutError`, which the driver records as an infeasible trial."""
+    if limit_s is None:
+        return None
+    from kvtune.engine.engine import Deadline
+
+    reason = f"{what} ran past its time limit of {limit_s:g} s (--trial-timeout): infeasible here"
+    return Deadline(time.monotonic() + limit_s, reason)
 
 
 class TrialWorker:
@@ -43,6 +67,10 @@ class TrialWorker:
         self._config: HybridConfig | None = None
         self._workload: Workload | None = None
         self._windows: list[dict[str, Any]] = []
+        self._knobs: EngineKnobs | None = None
+        self._probes: list[dict[str, Any]] = []
+        self._replayers: dict[Any, Any] = {}  # scheduler config -> Replayer (the engine knobs of a trial)
+        self._deadline: Deadline | None = None  # the trial's time limit (Workload.time_limit_s)
 
     # ---- facts ---------------------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -65,16 +93,23 @@ class TrialWorker:
             kv_shape=self.loaded.model.kv_shape,
         )
 
-    def calibrate(self, requests: tuple[Request, ...], load: float) -> float:
-        """The time scale at which the unquantized baseline runs at ``load`` of its saturation throughput."""
-        return self.replayer.calibrate(requests, load)
+    def calibrate(
+        self, requests: tuple[Request, ...], load: float, time_limit_s: float | None = None
+    ) -> float:
+        """The time scale at which the unquantized baseline runs at ``load`` of its saturation throughput
+        (ended by :class:`~kvtune.engine.engine.ReplayTimeoutError` past ``time_limit_s``)."""
+        return self.replayer.calibrate(
+            requests, load, deadline=trial_deadline(time_limit_s, "the calibration")
+        )
 
     # ---- one trial -----------------------------------------------------------------------------------
-    def configure(self, config: HybridConfig, workload: Workload) -> None:
-        """Start a trial (``config`` was validated by the driver); free what the last trial left."""
-        self._config, self._workload, self._windows = None, None, []
+    def configure(self, config: HybridConfig, workload: Workload, knobs: EngineKnobs | None = None) -> None:
+        """Start a trial (``config`` was validated by the driver; ``knobs``: its engine options, None for the
+        worker's own); free what the last trial left."""
+        self._config, self._workload, self._windows, self._probes = None, None, [], []
         self._free()
-        self._config, self._workload = config, workload
+        self._config, self._workload, self._knobs = config, workload, knobs
+        self._deadline = trial_deadline(workload.time_limit_s, "the trial")
 
     def run_window(self, index: int) -> dict[str, Any]:
         """Replay window ``index`` of the workload with the configured config; that window's metrics."""
@@ -83,21 +118,104 @@ class TrialWorker:
             f"windows run in order: expected {len(self._windows)}, got {index}"
         )
         w = self._workload
-        metrics = self.replay(self._config, w.windows[index], w.time_scale, w.warmup_requests)
+        metrics = self.replay(
+            self._config, w.windows[index], w.time_scale, w.warmup_requests, self._knobs, self._deadline
+        )
         self._windows.append(metrics)
         return metrics
 
+    def probe(self, rate: float) -> dict[str, Any]:
+        """Replay the workload's windows at ``rate`` × the trace's own arrival rate under the study's limits
+        (the capacity objective): :meth:`probe_config`'s record."""
+        assert self._config is not None and self._workload is not None, "configure() first"
+        w = self._workload
+        assert w.slo is not None, "a probe needs the study's latency limits"
+        record = self.probe_config(
+            self._config, self._knobs, w.windows, rate, w.slo, w.warmup_requests, self._deadline
+        )
+        self._probes.append(record)
+        return record
+
     def finish(self) -> TrialResult:
-        assert self._config is not None and self._windows, "configure() and run_window() first"
+        assert self._config is not None and (self._windows or self._probes), "configure() and run first"
+        if self._probes:  # the capacity objective: the windows at the highest passing rate
+            at, mean = capacity_metrics(self._probes)
+            return TrialResult(self._config, tuple(at), mean)
         windows = tuple(self._windows)
         return TrialResult(self._config, windows, mean_metrics(windows))
 
     # ---- stateless calls -----------------------------------------------------------------------------
     def replay(
-        self, config: HybridConfig, requests: tuple[Request, ...], time_scale: float, warmup: int
+        self,
+        config: HybridConfig,
+        requests: tuple[Request, ...],
+        time_scale: float,
+        warmup: int,
+        knobs: EngineKnobs | None = None,
+        deadline: Deadline | None = None,
     ) -> dict[str, Any]:
         """One replay of ``requests`` under ``config`` (also used by validation): its metrics."""
-        return dict(self.replayer.replay(config, requests, time_scale, warmup=warmup).to_dict())
+        replayer = self._replayer(knobs)
+        metrics = replayer.replay(config, requests, time_scale, warmup=warmup, deadline=deadline)
+        return dict(metrics.to_dict())
+
+    def probe_config(
+        self,
+        config: HybridConfig,
+        knobs: EngineKnobs | None,
+        windows: tuple[tuple[Request, ...], ...],
+        rate: float,
+        slo: Slo,
+        warmup: int,
+        deadline: Deadline | None = None,
+    ) -> dict[str, Any]:
+        """One capacity probe (stateless; also used for the baseline and validation): replay each window
+        at ``rate`` × its own arrival rate (time scale ``1 / rate``) until one fails the limits; a window
+        stops as soon as its P99 is certain to fail (:class:`~kvtune.tuner.capacity.ProbeStop`,
+        ``probe_aborted`` in its metrics)."""
+        if not rate > 0:
+            raise ValueError(f"`rate > 0` must hold, but got rate={rate}")
+        replayer, runs, passed, aborted = self._replayer(knobs), [], True, False
+        for requests in windows:
+            stop = ProbeStop(slo, len(requests))
+            gc.collect()  # no collection pause inside a probe: one stall can decide a P99 over ~100 requests
+            gc.disable()
+            try:
+                replay = replayer.replay(
+                    config, requests, 1.0 / rate, warmup=warmup, stop=stop, deadline=deadline
+                )
+            finally:
+                gc.enable()
+            metrics = dict(replay.to_dict())
+            metrics["probe_aborted"] = stop.fired
+            runs.append(metrics)
+            if stop.fired or not probe_passes(metrics, slo):
+                passed, aborted = False, stop.fired
+                break
+        return probe_record(rate, passed, aborted, runs, mean_metrics(tuple(runs)))
+
+    def unloaded(self, config: HybridConfig, requests: tuple[Request, ...], warmup: int) -> dict[str, Any]:
+        """``requests`` at 1/1000 of their rate (outputs cut to ``UNLOADED_OUTPUT_TOKENS``): one at a time
+        except the trace's own bursts of simultaneous arrivals, which no rate spreads. The unloaded
+        latencies that the default capacity limits are derived from."""
+        cut = lambda r: dataclasses.replace(r, output_length=min(r.output_length, UNLOADED_OUTPUT_TOKENS))
+        short = tuple(cut(r) for r in requests)
+        return self.replay(config, short, UNLOADED_TIME_SCALE, warmup)
+
+    def _replayer(self, knobs: EngineKnobs | None) -> Any:
+        """The replayer of ``knobs``' scheduler (the worker's own for None); built once per distinct one."""
+        if knobs is None:
+            return self.replayer
+        scheduler = knobs.scheduler(self.spec.scheduler)
+        if scheduler == self.spec.scheduler:
+            return self.replayer
+        if scheduler not in self._replayers:
+            from kvtune.engine.replay import Replayer
+
+            options = dataclasses.replace(self.replayer.options, budget_bytes=self.budget_bytes,
+                                          scheduler=scheduler)  # fmt: skip
+            self._replayers[scheduler] = Replayer(self.loaded, self.device, options)
+        return self._replayers[scheduler]
 
     def quality(self, config: HybridConfig) -> dict[str, Any]:
         """Quality of ``config`` (teacher-forced over the text, against the unquantized cache)."""

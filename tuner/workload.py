@@ -89,9 +89,7 @@ def rebase(requests: list[Request] | tuple[Request, ...]) -> tuple[Request, ...]
     return tuple(dataclasses.replace(r, arrival_ms=r.arrival_ms - first) for r in requests)
 
 
-def length_warnings(
-    counts: dict[str, LengthCounts], cap: int | None, max_context: int
-) -> tuple[str, ...]:
+def length_warnings(counts: dict[str, LengthCounts], cap: int | None, max_context: int) -> tuple[str, ...]:
     """One warning per sample (search, validation) of which most requests were cut to fit."""
     return tuple(
         f"{name} sample: {c.describe(cap, max_context)}: most of it was cut, so the replay measures shorter "

@@ -32,10 +32,13 @@ def run(args: argparse.Namespace) -> int:
     rate = search_rate(load_study(args.storage, args.study).get_trials(deepcopy=False))
     if rate is not None:
         print(f"  search: {describe_rate(rate)}")
-    gain = json.loads(Path(path).read_text())["metrics"]["gain"]
+    preset = json.loads(Path(path).read_text())
+    gain = preset["metrics"]["gain"]
     if gain.get("ratio") is not None:
         lo, hi = gain["interval95"] or gain["range"]
         what = "95 % interval" if gain["interval95"] else "range"
         print(f"  {gain['metric']}: {gain['ratio']:.3f}x against the unquantized baseline ({what} {lo:.3f}-"
               f"{hi:.3f}; > 1 is better): {gain['verdict']}")  # fmt: skip
+    if "recommendation" in preset:
+        print(f"  recommended: {preset['recommendation']['why']}")
     return 0

@@ -9,6 +9,7 @@ import torch
 from rich.table import Table
 
 from kvtune.cache_impl.layout import ModelKVShape
+from kvtune.engine.options import CPU_BUDGET_CAP_BYTES
 from kvtune.engine.weights import SHAPES, ModelSpec, spec_from_hf_config
 from kvtune.search_spaces.cards import CARDS, Card, Present, match_card, resolve_gpu
 from kvtune.search_spaces.space import BUDGET_FRACTION, SearchSpace, WorkloadStats
@@ -93,6 +94,8 @@ def _space(card: Card, args: argparse.Namespace) -> SearchSpace:
     shape = ModelKVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.num_heads, dtype)
     weights = spec.num_params * dtype.itemsize
     budget = int(BUDGET_FRACTION * max(card.memory_bytes - weights, 0))
+    if not card.is_gpu:  # the tuner's CPU workers never take more (kvtune.engine.engine.default_budget_bytes)
+        budget = min(budget, CPU_BUDGET_CAP_BYTES)
     workload = WorkloadStats(args.length, args.length, 99.0, args.concurrency)
     return SearchSpace.build(card, args.model, shape, workload, real, budget)
 
@@ -109,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
     if args.no_spaces:
         return 0
     cards = [resolve_gpu(args.space, present, "--space")] if args.space else [resolve_gpu(c) for c in CARDS]
-    budget = f"budget: {BUDGET_FRACTION:g} x (memory - weights); the tuner measures the real one"
+    budget = (
+        f"budget: {BUDGET_FRACTION:g} x (memory - weights), on a CPU at most "
+        f"{CPU_BUDGET_CAP_BYTES / 2**30:g} GiB; the tuner measures the real one"
+    )
     console.print(f"\nsearch spaces for {args.model}, {args.concurrency} x {args.length} tokens ({budget}):")
     for card in cards:
         try:

@@ -25,7 +25,7 @@ from kvtune.engine.options import (
     length_defaults,
 )
 from kvtune.engine.replay import Replayer
-from kvtune.engine.scheduler import SchedulerConfig
+from kvtune.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import progress_bar, table_console
 
@@ -82,12 +82,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=WARMUP_REQUESTS,
         help=f"warm-up requests, not measured (default {WARMUP_REQUESTS})",
     )
-    parser.add_argument("--max-batch", type=int, default=256, help="most sequences decoded together")
     parser.add_argument(
-        "--max-prefill-tokens",
+        "--max-num-seqs",
+        "--max-batch",
+        dest="max_num_seqs",
         type=int,
-        default=8192,
-        help="prompt tokens prefilled between two decode steps; longer prompts go in chunks (default 8192)",
+        default=None,
+        help="most sequences running at once (default: as many of the workload's mean length as the KV "
+        "budget holds, at most 1024)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        "--max-prefill-tokens",
+        dest="max_num_batched_tokens",
+        type=int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="tokens of one engine iteration, decode tokens and prompt chunks together; longer prompts go in "
+        f"chunks (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+    )
+    parser.add_argument(
+        "--no-graphs",
+        dest="graphs",
+        action="store_false",
+        help="run every decode step eagerly (default: decode-only iterations replay CUDA graphs on CUDA)",
+    )
+    parser.add_argument(
+        "--no-mixed",
+        dest="mixed",
+        action="store_false",
+        help="prefill prompts in forwards of their own before each decode step (the former engine; default: "
+        "decode tokens and prompt chunks in one forward)",
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for PyTorch (default: PyTorch's choice)"
@@ -110,7 +134,9 @@ LIMITS: Limits = {
 def run(args: argparse.Namespace) -> int:
     check_numbers(args, LIMITS)
     config = HybridConfig.from_json_file(args.config)
-    scheduler = SchedulerConfig(args.max_batch, args.max_prefill_tokens)  # bad limits fail before loading
+    scheduler = SchedulerConfig(  # bad limits fail before loading
+        args.max_num_seqs, args.max_num_batched_tokens, graphs=args.graphs, mixed=args.mixed
+    )
     device = resolve_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -122,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     default_scale, default_cap = length_defaults(device)
     scale = args.length_scale if args.length_scale is not None else default_scale
     cap = args.length_cap if args.length_cap is not None else default_cap
-    requests, counts, workload = load_workload(
+    requests, _counts, workload = load_workload(
         args.workload, loaded.spec.max_context, args.requests, args.seed, scale, cap
     )
     budget = int(args.budget_gb * 1e9) if args.budget_gb is not None else None
@@ -134,9 +160,7 @@ def run(args: argparse.Namespace) -> int:
             time_scale = replayer.calibrate(requests, args.load, config)
     with progress_bar(console) as bar:
         task = bar.add_task("replay", total=len(requests))
-        metrics = replayer.replay(
-            config, requests, time_scale, lambda d, t: bar.update(task, completed=d), clipped=counts.clipped
-        )
+        metrics = replayer.replay(config, requests, time_scale, lambda d, t: bar.update(task, completed=d))
     result = metrics.to_dict()
     table_console().print(_table(result, config, args.model, time_scale, budget))
     for warning in metrics.warnings:
@@ -196,6 +220,12 @@ def _table(m: dict[str, Any], config: HybridConfig, model: str, time_scale: floa
     )
     table.add_row("peak KV memory", f"{m['peak_kv_bytes'] / 1e9:.3f} GB of {budget / 1e9:.3f} GB")
     table.add_row("peak running sequences", str(m["peak_running"]))
+    graphs = "CUDA graphs" if m.get("cuda_graphs") else "static steps" if m.get("graphs") else "eager"
+    table.add_row(
+        "engine",
+        f"max_num_seqs {m.get('max_num_seqs')}, max_num_batched_tokens {m.get('max_num_batched_tokens')}, "
+        f"{graphs}, {'mixed' if m.get('mixed') else 'separate'} iterations",
+    )
     table.add_row("completed / refused / clipped", f"{m['completed']} / {m['refused']} / {m['clipped']}")
     table.add_row("preemptions", str(m["preemptions"]))
     table.add_row("prefill chunks", str(m["prefill_chunks"]))

@@ -6,12 +6,15 @@ cores:
 shorter requests (length scale and cap), fewer requests per window, and quality measured on fewer, shorter
 text
 windows without the passkey check. What was used is printed and stored with the study.
+
+Every input is checked before Ray starts or a weight loads (:mod:`kvtune.tuner.preflight`): numbers, the
+card, the storage (:mod:`kvtune.studies.storage`), the trace, both models; a bad one is one line, exit 2.
+The local Ray it starts is private to this machine (:mod:`kvtune.tuner.local_ray`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import re
@@ -23,22 +26,33 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvtune.engine.options import CPU_BUDGET_CAP_BYTES, CPU_LENGTH_CAP, CPU_LENGTH_SCALE
 from kvtune.search_spaces.cards import Card, resolve_gpu
 from kvtune.studies.names import (
     ATTR_CONFIG,
+    ATTR_ENGINE,
     ATTR_ERROR,
     ATTR_METRICS,
+    ATTR_NOISE,
     ATTR_QUALITY,
+    ATTR_SLO,
+    CAPACITY_PROBES,
+    DEFAULT_OBJECTIVE,
     DEFAULT_STORAGE,
     MIN_REPEATS,
+    NOISE_REPEATS,
     OBJECTIVE_METRICS,
 )
-from kvtune.studies.study import OBJECTIVES, StudyOptions, resolve_storage, study_name
+from kvtune.studies.storage import check_storage, redact
+from kvtune.studies.study import OBJECTIVES, StudyOptions, study_name
+from kvtune.tuner.capacity import Slo, within_noise
 from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import table_console
 from kvtune.tuner.driver import Bounds, Event
-from kvtune.tuner.export import describe_rate, paired_gain
+from kvtune.tuner.export import describe_rate, paired_gain, recommendation, validated_metrics
 from kvtune.tuner.job import TuneJob, TuneReport, tune
+from kvtune.tuner.local_ray import init_ray
+from kvtune.tuner.preflight import Preflight, preflight
 from kvtune.tuner.protocol import QualitySettings, WorkerSpec
 from kvtune.tuner.workload import WorkloadSample
 
@@ -63,10 +77,18 @@ class Defaults:
     quality_prefill: int
     quality_decode: int
     passkey: bool
+    trial_timeout_min: float  # a trial running longer is ended and recorded infeasible (--trial-timeout)
 
 
-GPU = Defaults(30, 100, 3, 1.0, None, "bfloat16", 8, 2048, 512, True)
-CPU = Defaults(12, 4, 2, 1 / 32, 192, "float32", 2, 192, 16, False)
+GPU = Defaults(30, 100, 3, 1.0, None, "bfloat16", 8, 2048, 512, True, 30.0)
+CPU = Defaults(12, 4, 2, CPU_LENGTH_SCALE, CPU_LENGTH_CAP, "float32", 2, 192, 16, False, 5.0)
+# The capacity objective's window (requests, windows): one window of many requests, since a probe replays
+# every window at each rate. 120 fits the examples' search part (Azure 121, Mooncake 144 requests); the
+# CPU's is reduced and stated.
+CAPACITY_GPU = (120, 1)
+CAPACITY_CPU = (6, 1)
+# What one CPU worker holds: its KV budget (allocated up front, whole) plus the model, PyTorch and Ray.
+CPU_WORKER_OVERHEAD_BYTES = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,17 +99,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--quality-model", default=None, help="model for quality (default: --model, or smollm2 if random)")
     add("--trials", type=int, default=None, help=f"finished trials to reach ({GPU.trials}; CPU {CPU.trials})")
     add(
-        "--requests", type=int, default=None, help=f"requests per window ({GPU.requests}; CPU {CPU.requests})"
+        "--requests",
+        type=int,
+        default=None,
+        help=f"requests per window ({GPU.requests}; CPU {CPU.requests}; capacity: {CAPACITY_GPU[0]}; CPU "
+        f"{CAPACITY_CPU[0]})",
     )
     add(
         "--windows",
         type=int,
         default=None,
-        help=f"replay windows per trial ({GPU.windows}; CPU {CPU.windows})",
+        help=f"replay windows per trial ({GPU.windows}; CPU {CPU.windows}; capacity: {CAPACITY_GPU[1]})",
     )
     add("--time-scale", type=float, default=None, help="factor on arrival gaps (default: calibrated, stored)")
     add("--kv-budget", default=None, help="KV budget, e.g. 40GiB (default: 0.9 of free memory; CPU <= 4 GiB)")
-    add("--objective", choices=list(OBJECTIVES), default="tpot_p99", help="what to optimize (tpot_p99)")
+    add(
+        "--objective",
+        choices=list(OBJECTIVES),
+        default=DEFAULT_OBJECTIVE,
+        help=f"what to optimize ({DEFAULT_OBJECTIVE}: the highest load within the latency limits)",
+    )
+    add("--slo-ttft-ms", type=float, default=None, help="capacity: P99 TTFT limit (5x the unloaded P99)")
+    add("--slo-tpot-ms", type=float, default=None, help="capacity: P99 TPOT limit (10x the unloaded median)")
     add("--max-ppl-increase", type=float, default=2.0, help="quality bound: perplexity increase, %% (2.0)")
     add("--max-kl", type=float, default=None, help="quality bound: mean KL in nats (default: none)")
     add("--storage", default=DEFAULT_STORAGE, help=f"study database URL ({DEFAULT_STORAGE})")
@@ -119,6 +152,13 @@ def _add_more(parser: argparse.ArgumentParser) -> None:
         help="minutes after which no new trial starts; the best so far is then validated and exported",
     )
     add("--no-export", action="store_true", help="do not write a preset")
+    add(
+        "--trial-timeout",
+        type=float,
+        default=None,
+        help=f"minutes after which a trial is ended and recorded infeasible ({GPU.trial_timeout_min:g}; "
+        f"CPU {CPU.trial_timeout_min:g})",
+    )
 
 
 # Numeric options, checked before anything starts (a bad one would otherwise surface trials or minutes later).
@@ -137,6 +177,9 @@ LIMITS: Limits = {
     "--time-budget": (0, False),
     "--max-ppl-increase": (0, True),
     "--max-kl": (0, False),
+    "--slo-ttft-ms": (0, False),
+    "--slo-tpot-ms": (0, False),
+    "--trial-timeout": (0, False),
 }
 
 
@@ -150,11 +193,14 @@ def run(args: argparse.Namespace) -> int:
     card = resolve_gpu(args.gpu, _present_gpus())
     defaults = GPU if card.is_gpu else CPU
     job = build_job(args, card, defaults)
+    checked = preflight(job)  # trace, models, study: all before Ray starts or a weight loads
     console = Console(stderr=True)
-    _print_settings(console, job, defaults)
-    started_ray = _init_ray(args.address)
+    _print_settings(console, job, defaults, checked)
+    started_ray, notes = init_ray(args.address)
+    for note in notes:
+        console.print(f"  [yellow]{note}[/]")
     try:
-        report = _run_with_progress(console, job)
+        report = _run_with_progress(console, job, checked)
         study = _load(job)
     finally:
         if started_ray:
@@ -170,10 +216,13 @@ def run(args: argparse.Namespace) -> int:
 def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
     """The job of ``args``: every unset option takes the default of ``d`` (GPU or CPU)."""
     pick = lambda value, default: default if value is None else value
+    requests, windows = (d.requests, d.windows)
+    if args.objective == "capacity":  # one long window (more requests, a finer P99)
+        requests, windows = CAPACITY_GPU if d is GPU else CAPACITY_CPU
     sample = WorkloadSample(
         path=str(args.workload),
-        requests=pick(args.requests, d.requests),
-        windows=pick(args.windows, d.windows),
+        requests=pick(args.requests, requests),
+        windows=pick(args.windows, windows),
         seed=args.seed,
         length_scale=pick(args.length_scale, d.length_scale),
         length_cap=pick(args.length_cap, d.length_cap),
@@ -188,7 +237,7 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
     )
     name = args.study or study_name(card.id, args.model, args.workload)
     options = StudyOptions(
-        resolve_storage(args.storage), name, args.objective, args.pareto, args.seed, args.resume
+        check_storage(args.storage), name, args.objective, args.pareto, args.seed, args.resume
     )
     return TuneJob(
         options=options, trials=pick(args.trials, d.trials), card=card, sample=sample, spec=spec,
@@ -196,6 +245,8 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
         cpus_per_worker=float(_threads(args)), time_scale=args.time_scale,
         repeats=args.repeats, time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
         write_preset=not args.no_export, out=args.out,
+        trial_time_limit_s=60 * pick(args.trial_timeout, d.trial_timeout_min),
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
     )  # fmt: skip
 
 
@@ -255,22 +306,11 @@ def _present_gpus() -> list[tuple[str, int]]:
     return [(p.name, int(p.total_memory)) for p in props]
 
 
-def _init_ray(address: str | None) -> bool:
-    """Connect to ``address`` or start a local Ray; True when this call started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address=address, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
-    return True
-
-
 # ---- showing ---------------------------------------------------------------------------------------------
-def _print_settings(console: Console, job: TuneJob, d: Defaults) -> None:
+def _print_settings(console: Console, job: TuneJob, d: Defaults, checked: Preflight | None = None) -> None:
     s, q = job.sample, job.spec.quality
     lengths = f"lengths x{s.length_scale:g}" + (f", capped at {s.length_cap} tokens" if s.length_cap else "")
-    console.print(f"[bold]kvtune[/] study [cyan]{job.options.name}[/] in {job.options.storage}")
+    console.print(f"[bold]kvtune[/] study [cyan]{job.options.name}[/] in {redact(job.options.storage)}")
     console.print(
         f"  {job.card.id}, {job.spec.model} ({job.spec.dtype}); {s.windows} window(s) x {s.requests} "
         f"requests of {Path(s.path).name} (seed {s.seed}; {lengths}); objective {job.options.objective}"
@@ -281,9 +321,42 @@ def _print_settings(console: Console, job: TuneJob, d: Defaults) -> None:
         f"  quality on {q.model}: {q.windows} x ({q.prefill_tokens} + {q.decode_tokens}) tokens of "
         f"{Path(q.text_path).name}, passkey {'on' if q.passkey else 'off'}{reduced}"
     )
+    if job.capacity:
+        show = lambda given, rule: f"{given:g} ms (given)" if given is not None else rule
+        console.print(
+            f"  capacity: the highest rate (x the trace's) with P99 TTFT <= "
+            f"{show(job.slo_ttft_ms, '5x the unloaded baseline')} and P99 TPOT <= "
+            f"{show(job.slo_tpot_ms, '10x its decode step')}; searched to {job.granularity:.0%}, at most "
+            f"{CAPACITY_PROBES} probes a trial, from the baseline's capacity (measured {NOISE_REPEATS} "
+            "times first)"
+        )
+    limit = job.trial_time_limit_s
+    console.print(
+        "  a trial running over "
+        + (f"{limit / 60:g} min is ended and recorded infeasible (--trial-timeout)" if limit else "no limit")
+        + _cpu_memory(job)
+    )
+    if checked is not None:
+        for name, counts in checked.lengths.items():
+            console.print(f"  {name} sample: {counts.describe(s.length_cap, checked.max_context)}")
+        for warning in checked.warnings:
+            console.print(f"  [yellow]warning: {warning}[/]")
 
 
-def _run_with_progress(console: Console, job: TuneJob) -> TuneReport:
+def _cpu_memory(job: TuneJob) -> str:
+    """What a CPU study holds in RAM (each worker allocates its whole KV budget when a replay starts)."""
+    if job.card.is_gpu:
+        return ""
+    workers = job.workers or 1
+    budget = job.spec.budget_bytes or CPU_BUDGET_CAP_BYTES
+    need = workers * (budget + CPU_WORKER_OVERHEAD_BYTES)
+    return (
+        f"; RAM: about {need / 2**30:.1f} GiB ({workers} worker(s) x (KV budget {budget / 2**30:.2g} GiB "
+        "+ ~1 GiB); --kv-budget lowers it"
+    )
+
+
+def _run_with_progress(console: Console, job: TuneJob, checked: Preflight | None = None) -> TuneReport:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("trials", total=job.trials)
@@ -294,7 +367,7 @@ def _run_with_progress(console: Console, job: TuneJob) -> TuneReport:
                 bar.advance(task)
             bar.update(status, description=_describe(e))
 
-        return tune(job, on_event)
+        return tune(job, on_event, checked)
 
 
 def _interval(gain: dict[str, Any]) -> str:
@@ -303,6 +376,9 @@ def _interval(gain: dict[str, Any]) -> str:
 
 
 def _describe(e: Event) -> str:
+    if e.kind == "probe":
+        rate = f"{e.value:.4g}x the trace's rate"
+        return f"  trial {e.trial} on worker {e.worker}: probe {e.step} at {rate}: {e.message}"
     value = "" if math.isnan(e.value) else f" {e.value:.4g}"
     step = f" window {e.step}" if e.step >= 0 else ""
     return f"  trial {e.trial} on worker {e.worker}: {e.kind}{step}{value} {e.message}"[:160]
@@ -318,6 +394,8 @@ def best_table(study: Any, options: StudyOptions, rows: int = BEST_ROWS) -> Tabl
     """The best finished trials: feasible first, then by the primary objective."""
     from optuna.trial import TrialState
 
+    if options.objective == "capacity":
+        return capacity_table(study, rows)
     sign = 1.0 if OBJECTIVES[options.objective][1] == "minimize" else -1.0
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
     ranked = sorted(done, key=lambda t: (any(c > 0 for c in t.constraints.values()), sign * t.values[0]))
@@ -361,6 +439,59 @@ def _row(t: Any) -> list[str]:
     ]  # fmt: skip
 
 
+def capacity_table(study: Any, rows: int = BEST_ROWS) -> Table:
+    """The capacity objective's best trials (feasible first): the capacity (× the trace's own rate), the
+    output tokens/s at it, the engine knobs and the quality; the title states the limits, the caption the
+    noise floor, and ``≈`` marks a capacity within the noise of the best."""
+    from optuna.trial import TrialState
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    ranked = sorted(done, key=lambda t: (any(c > 0 for c in t.constraints.values()), -t.values[0]))
+    attrs = study.user_attrs
+    slo, noise = attrs.get(ATTR_SLO), attrs.get(ATTR_NOISE) or {}
+    limits = Slo.from_record(slo).describe() if slo else "limits unknown"
+    table = Table(title=f"best trials of {study.study_name} ({len(done)} complete): capacity within {limits}")
+    threshold = float(noise.get("threshold", 0.0))
+    if noise:
+        table.caption = (
+            f"unquantized baseline (hot 32, block 64): capacity {noise['median']:.3g}x, measured "
+            f"{noise['repeats']} times (spread {100 * noise['spread']:.0f} %); ≈: within the noise "
+            f"(< {100 * threshold:.0f} %) of the best"
+        )
+    columns = ("#", "bits", "hot", "block", "top-k", "seqs", "batch tok", "capacity x", "tok/s at it",
+               "vs best", "ppl +%", "KL", "ok")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="right")
+    top = next((t.values[0] for t in ranked if ATTR_ERROR not in t.user_attrs), None)
+    for t in ranked[:rows]:
+        c, m, q = (t.user_attrs.get(k) or {} for k in (ATTR_CONFIG, ATTR_METRICS, ATTR_QUALITY))
+        e = t.user_attrs.get(ATTR_ENGINE) or {}
+        fmt = lambda v, spec: "-" if not isinstance(v, int | float) else format(v, spec)
+        versus = "-"
+        if top and ATTR_ERROR not in t.user_attrs:
+            versus = f"{t.values[0] / top:.2f}" + (" ≈" if within_noise(t.values[0], top, threshold) else "")
+        feasible = all(v <= 0 for v in t.constraints.values())
+        ok = "crash" if ATTR_ERROR in t.user_attrs else ("yes" if feasible else "no")
+        table.add_row(
+            str(t.number), str(c.get("quantization_bits", "?")), str(c.get("hot_tokens", "?")),
+            str(c.get("block_size", "?")), str(c.get("sparse_top_k", "?")), fmt(e.get("max_num_seqs"), "d"),
+            fmt(e.get("max_num_batched_tokens"), "d"), fmt(t.values[0], ".3g"),
+            fmt(m.get("capacity_tokens_per_s"), ".1f"), versus, fmt(q.get("ppl_change_pct"), ".3f"),
+            fmt(q.get("mean_kl"), ".2e"), ok,
+        )  # fmt: skip
+    return table
+
+
+def _clipped(lengths: dict[str, dict[str, int]]) -> str:
+    """``clipped 3 of 8 search requests, 0 of 4 held-out ones (to the length cap or the model's context)``."""
+    parts = []
+    for name, c in lengths.items():
+        most = " (most)" if 2 * c["shortened"] > c["total"] else ""
+        what = "search requests" if name == "search" else "held-out ones"
+        parts.append(f"{c['shortened']} of {c['total']} {what}{most}")
+    return f"clipped {', '.join(parts)} (to the length cap or the model's context)"
+
+
 def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
     console.print(f"study {report.study}: {report.finished}/{report.target} trials finished")
     if report.rate is not None:
@@ -371,6 +502,8 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
         )
     elif report.finished < report.target:
         console.print("  stopped before the target: run again with --resume to continue")
+    if report.lengths:
+        console.print("  " + _clipped(report.lengths))
     for warning in report.warnings:
         console.print(f"  [yellow]{warning}[/]")
     v = report.validation
@@ -384,9 +517,10 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
     if same:
         console.print(f"{where}: trial {v['trial']} is unquantized, its own baseline (the spread is noise)")
     directions = dict(OBJECTIVE_METRICS.values())
-    for key in dict.fromkeys((metric, "tokens_per_s")):
+    tokens = "capacity_tokens_per_s" if job.capacity else "tokens_per_s"
+    for key in dict.fromkeys((metric, tokens)):
         try:
-            g = paired_gain(key, directions[key], v["best"], v["baseline"], same)
+            g = paired_gain(key, directions.get(key, "maximize"), v["best"], v["baseline"], same)
         except ValueError:
             continue
         if g["ratio"] is not None:
@@ -395,5 +529,20 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
                 f"(per repeat {g['range'][0]:.3f}-{g['range'][1]:.3f}{_interval(g)}; > 1 is better): "
                 f"{g['verdict']}"
             )
+    if report.validations > 1:
+        console.print(
+            f"  validation {report.validations} of this study: the earlier ones are kept in "
+            "kvtune.validation_history"
+        )
+    try:
+        metrics = validated_metrics(job.options.objective, v)
+        advice = recommendation(metrics, v["trial"])
+    except (ValueError, KeyError):
+        metrics, advice = {}, None
+    if metrics.get("claim"):
+        console.print(f"  capacity: {metrics['claim']}")
+    if advice is not None:
+        color = "green" if advice["use"] == "best" else "yellow"
+        console.print(f"  [{color}]recommended: {advice['why']}[/]")
     if report.preset:
         console.print(f"  preset written: [green]{report.preset}[/]")

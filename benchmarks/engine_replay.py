@@ -1,0 +1,208 @@
+"""Saturation replays of one trace sample, the engine against the engine as it was, repeated.
+
+For each config (default: unquantized, INT8, INT4) and each budget, the sample is replayed ``--repeats``
+times by the engine with its defaults (CUDA graphs for decode-only iterations, mixed iterations, derived
+``max_num_seqs``) and, with ``--baseline``, once by the engine as it was (``--no-graphs``, separate
+prefill forwards, ``max_num_seqs`` 256, ``max_num_batched_tokens`` 8192). Printed per run: output tokens/s,
+P99 TTFT and TPOT, preemptions, peak KV memory against the budget, the share of the forwards' device time
+in iterations that carry prompt tokens; per (config, budget): the mean tokens/s, the repeats' spread (max -
+min over mean) of tokens/s and P99 TPOT, the speed-up over the baseline, and tokens/s against the first
+config's.
+
+    python benchmarks/engine_replay.py --model random:llama-3.1-8b --requests 32 --kv-budget 4e9 \\
+        --kv-budget default --baseline --workload examples/traces/azure_conv_sample.csv --json out.json
+
+Each (engine, config) pair first serves a short warm-up replay (the sample's first requests cut to a few
+hundred tokens), so no kernel compiles inside a measured replay; the measured replays then run without a
+warm-up of their own (graphs a replay needs are captured outside its clock). ``--time-scale`` (default 0,
+all requests at once) replays open-loop instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.engine.engine import Engine, default_budget_bytes, load_workload, resolve_device
+from kvtune.engine.model import load_model
+from kvtune.engine.scheduler import SchedulerConfig
+from kvtune.engine.traces import Request
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+DEFAULT_CONFIGS = ("q_unquantized", "q_int8", "q_int4")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+BASELINE = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, graphs=False, mixed=False)
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("configs", nargs="*", type=Path)
+    p.add_argument("--workload", required=True)
+    p.add_argument("--model", default="random:llama-3.1-8b")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kv-budget",
+        action="append",
+        default=None,
+        help="KV budget in bytes (4e9), or 'default' (0.9 of the free device memory); repeatable",
+    )
+    p.add_argument("--length-scale", type=float, default=1.0)
+    p.add_argument("--length-cap", type=int, default=None)
+    p.add_argument("--time-scale", type=float, default=0.0, help="0: saturation (all requests at once)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--baseline", action="store_true", help="also replay once with the engine as it was")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--warmup-tokens", type=int, default=384, help="prompt tokens of each warm-up request")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args()
+
+
+def _warmup_requests(requests: list[Request], prompt: int) -> list[Request]:
+    """The first requests cut short: prompts of ``prompt`` tokens (prefix ids kept), 100 output tokens (each
+    zone seals in decode), so every kernel compiles and the small graphs are captured."""
+    out = []
+    for r in requests[:4]:
+        hashes = r.hash_ids[: max(1, -(-prompt // r.block_tokens))] if r.hash_ids else r.hash_ids
+        n = min(r.input_length, prompt)
+        out.append(dataclasses.replace(r, input_length=n, output_length=100, hash_ids=hashes, arrival_ms=0.0))
+    return out
+
+
+def _budget(text: str, loaded: Any, device: torch.device) -> int:
+    return default_budget_bytes(loaded, device) if text == "default" else int(float(text))
+
+
+def main() -> None:
+    args = _args()
+    device = resolve_device(args.device)
+    loaded = load_model(args.model, device=device, dtype=DTYPES[args.dtype])
+    requests, counts, provenance = load_workload(
+        args.workload, loaded.spec.max_context, args.requests, args.seed, args.length_scale, args.length_cap
+    )
+    configs = args.configs or [CONFIGS / f"{c}.json" for c in DEFAULT_CONFIGS]
+    budgets = [(b, _budget(b, loaded, device)) for b in (args.kv_budget or ["default"])]
+    ours = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    engines = [("engine", ours, args.repeats)] + ([("baseline", BASELINE, 1)] if args.baseline else [])
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    mean_in = statistics.mean(r.input_length for r in requests)
+    mean_out = statistics.mean(r.output_length for r in requests)
+    print(
+        f"{name} · {args.model} · {Path(args.workload).name}: {len(requests)} requests (mean {mean_in:.0f} + "
+        f"{mean_out:.0f} tokens, {counts.shortened} shortened) · time scale {args.time_scale:g}",
+        flush=True,
+    )
+    header = f"{'config':<16} {'budget':>9} {'engine':>8} {'#':>2} {'tok/s':>8} {'TTFT99':>8} {'TPOT99':>8}"
+    print(f"{header} {'preempt':>7} {'peakKV GB':>9} {'seqs':>5} {'prefill':>7} {'steps':>6} {'graphs':>6}")
+    results: list[dict[str, Any]] = []
+    warmed: set[tuple[str, str]] = set()
+    for label, budget in budgets:
+        for path in configs:
+            config = HybridConfig.from_json_file(path)
+            for engine_name, options, repeats in engines:
+                engine = Engine(loaded, config, budget, device, options)
+                if (engine_name, path.stem) not in warmed:
+                    warm = _warmup_requests(requests, args.warmup_tokens)
+                    engine.replay(warm, 0.0, warmup_requests=len(warm))
+                    warmed.add((engine_name, path.stem))
+                for i in range(repeats):
+                    t0 = time.perf_counter()
+                    m = engine.replay(requests, args.time_scale, warmup_requests=0)
+                    d = m.to_dict()
+                    d["wall_s"] = time.perf_counter() - t0
+                    results.append({"config": path.stem, "budget": label, "budget_bytes": budget,
+                                    "engine": engine_name, "repeat": i, "metrics": d})  # fmt: skip
+                    _row(path.stem, label, engine_name, i, d, budget)
+                    _write(args, ours, name, provenance, results)
+                del engine
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            _summary(results, path.stem, label)
+        _versus_first(results, label, [p.stem for p in configs])
+
+
+def _write(
+    args: argparse.Namespace, ours: SchedulerConfig, name: str, provenance: Any, results: list
+) -> None:
+    """The results so far (written after every replay: a run cut short keeps what it measured)."""
+    if args.json:
+        out = {
+            "model": args.model,
+            "device": name,
+            "workload": provenance,
+            "time_scale": args.time_scale,
+            "engine_options": ours.to_dict(),
+            "baseline_options": BASELINE.to_dict(),
+            "results": results,
+        }
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+
+
+def _row(config: str, budget: str, engine: str, i: int, d: dict[str, Any], budget_bytes: int) -> None:
+    cells = (
+        f"{config:<16} {budget:>9} {engine:>8} {i:>2} {d['tokens_per_s']:>8.1f} {d['ttft_p99_ms']:>8.1f} "
+        f"{d['tpot_p99_ms']:>8.2f} {d['preemptions']:>7} "
+        f"{d['peak_kv_bytes'] / 1e9:>5.2f}/{budget_bytes / 1e9:<5.1f}"
+    )
+    graphs = "cuda" if d.get("cuda_graphs") else "static" if d.get("graphs") else "eager"
+    share = d.get("prefill_share")
+    share_text = (
+        f"{100 * share:>6.1f}%" if isinstance(share, float) and math.isfinite(share) else f"{'n/a':>7}"
+    )
+    print(f"{cells} {d['max_num_seqs']:>5} {share_text} {d['decode_steps']:>6} {graphs:>6}", flush=True)
+
+
+def _spread(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return (max(finite) - min(finite)) / statistics.mean(finite) if len(finite) > 1 else 0.0
+
+
+def _summary(results: list[dict[str, Any]], config: str, budget: str) -> None:
+    mine = [
+        r["metrics"] for r in results if (r["config"], r["budget"], r["engine"]) == (config, budget, "engine")
+    ]
+    base = [
+        r["metrics"]
+        for r in results
+        if (r["config"], r["budget"], r["engine"]) == (config, budget, "baseline")
+    ]
+    tps = [m["tokens_per_s"] for m in mine]
+    tpot = [m["tpot_p99_ms"] for m in mine]
+    text = (
+        f"  {config} @ {budget}: {statistics.mean(tps):.1f} tok/s over {len(tps)} repeats, spread tok/s "
+        f"{100 * _spread(tps):.1f} % (<= 3 %), P99 TPOT {100 * _spread(tpot):.1f} % (<= 5 %)"
+    )
+    if base:
+        text += f"; {statistics.mean(tps) / base[0]['tokens_per_s']:.2f}× the engine as it was (>= 3×)"
+    print(text, flush=True)
+
+
+def _versus_first(results: list[dict[str, Any]], budget: str, configs: list[str]) -> None:
+    means = {}
+    for c in configs:
+        tps = [
+            r["metrics"]["tokens_per_s"]
+            for r in results
+            if (r["config"], r["budget"], r["engine"]) == (c, budget, "engine")
+        ]
+        means[c] = statistics.mean(tps) if tps else math.nan
+    first = means[configs[0]]
+    print(
+        f"  @ {budget}: tok/s vs {configs[0]}: " + ", ".join(f"{c} {means[c] / first:.2f}×" for c in configs)
+    )
+
+
+if __name__ == "__main__":
+    main()

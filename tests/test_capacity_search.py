@@ -1,0 +1,350 @@
+"""The capacity objective: the search (pure, with a synthetic monotone pass/fail), the pruning decision, the
+early stop of an overloaded probe (tiny model, CPU), and a real CPU study with ``--objective capacity`` that
+writes a preset and resumes (the Ray session of ``tests/conftest.py``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.studies.names import ATTR_NOISE, ATTR_PROBES, ATTR_SLO
+from kvtune.studies.study import StudyOptions
+from kvtune.tuner import cli
+from kvtune.tuner.capacity import (
+    CapacitySearch,
+    ProbeStop,
+    Slo,
+    capacity_metrics,
+    derive_slo,
+    noise_record,
+    probe_passes,
+    should_prune,
+    violations_to_fail,
+    within_noise,
+)
+from kvtune.tuner.protocol import Call, EngineKnobs, QualitySettings, WorkerSpec, next_call
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "examples" / "traces" / "mooncake_sample.jsonl"
+TEXT = ROOT / "examples" / "text" / "wikitext2_excerpt.txt"
+
+
+# ---- the search, on a synthetic config whose true capacity is known ----------------------------------------
+def search_to_end(search: CapacitySearch, capacity: float) -> tuple[CapacitySearch, list[float]]:
+    """Run ``search`` against a monotone pass/fail (a rate passes iff it is at most ``capacity``); the
+    capacity reported after each probe."""
+    reported = []
+    while (rate := search.next_rate()) is not None:
+        search = search.record(rate, rate <= capacity)
+        reported.append(search.capacity)
+    return search, reported
+
+
+@pytest.mark.parametrize("truth", [0.013, 0.3, 0.97, 1.0, 1.03, 1.51, 2.11, 3.9, 17.0])
+def test_search_brackets_then_bisects_to_the_granularity(truth: float) -> None:
+    search, reported = search_to_end(CapacitySearch(start=1.0, granularity=0.05, max_probes=16), truth)
+    assert search.converged
+    assert search.lo is not None and search.hi is not None
+    assert search.lo <= truth < search.hi and search.hi / search.lo - 1 <= 0.05
+    assert search.capacity == search.lo
+    assert reported == sorted(reported)  # the reported lower bound only grows
+
+
+def test_warm_start_first_probe_and_probe_count() -> None:
+    """Warm-started at the baseline's capacity, INT8's 1.51x and INT4's 2.11x each take at most 8 probes."""
+    for truth in (1.51, 2.11, 0.8):
+        search, _ = search_to_end(CapacitySearch(start=1.0), truth)
+        assert search.probes[0][0] == 1.0
+        assert search.converged and len(search.probes) <= 8
+    search, _ = search_to_end(CapacitySearch(start=1.0), 1.0)  # the baseline itself
+    assert search.probes[:2] == ((1.0, True), (2.0, False))
+
+
+def test_probe_budget_stops_an_unbracketed_search() -> None:
+    far_above, _ = search_to_end(CapacitySearch(start=1.0, max_probes=5), 1000.0)
+    assert len(far_above.probes) == 5 and not far_above.converged
+    assert far_above.capacity == 16.0 and far_above.hi is None  # a lower bound: every probe passed
+    far_below, reported = search_to_end(CapacitySearch(start=1.0, max_probes=5), 1e-6)
+    assert len(far_below.probes) == 5 and far_below.capacity == 0.0 and reported == [0.0] * 5
+    assert far_below.hi == 1.0 / 16
+
+
+def test_granularity_sets_the_probes() -> None:
+    coarse, _ = search_to_end(CapacitySearch(start=1.0, granularity=0.05, max_probes=20), 1.37)
+    fine, _ = search_to_end(CapacitySearch(start=1.0, granularity=0.025, max_probes=20), 1.37)
+    assert len(fine.probes) == len(coarse.probes) + 1
+    assert fine.hi / fine.lo - 1 <= 0.025  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("start", "granularity", "probes"), [(0.0, 0.05, 8), (math.nan, 0.05, 8), (1.0, 0.0, 8), (1.0, 0.05, 0)]
+)
+def test_a_search_refuses_what_cannot_run(start: float, granularity: float, probes: int) -> None:
+    with pytest.raises(ValueError, match="must hold"):
+        CapacitySearch(start, granularity, probes)
+
+
+def test_pruning_needs_a_failure_at_or_below_the_best_capacity() -> None:
+    search = CapacitySearch(start=1.0)
+    assert not should_prune(search, 1.5)  # nothing probed
+    failed_at_1 = search.record(1.0, False)
+    assert should_prune(failed_at_1, 1.5) and should_prune(failed_at_1, 1.0)
+    assert not should_prune(failed_at_1, 0.9)  # it may still carry more than 0.9
+    assert not should_prune(failed_at_1, None) and not should_prune(failed_at_1, 0.0)  # no best known yet
+    passed = search.record(1.0, True)
+    assert not should_prune(passed, 1.5)  # no upper bound yet
+    assert should_prune(passed.record(2.0, False), 2.0)
+
+
+def test_next_call_runs_probes_until_the_search_ends() -> None:
+    search = CapacitySearch(start=1.0, max_probes=2)
+    assert next_call(Call.CONFIGURE, -1, 1, False, search) == (Call.PROBE, 0)
+    assert next_call(Call.CONFIGURE, -1, 1, False) == (Call.WINDOW, 0)
+    one = search.record(1.0, True)
+    assert next_call(Call.PROBE, 0, 1, False, one) == (Call.PROBE, 1)
+    assert next_call(Call.PROBE, 1, 1, False, one.record(2.0, True)) == (Call.FINISH, -1)
+    assert next_call(Call.FINISH, -1, 1, False, one) == (Call.QUALITY, -1)
+
+
+# ---- one probe -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("n", "need"), [(1, 1), (2, 2), (4, 2), (100, 2), (101, 2), (102, 3), (200, 3)])
+def test_violations_that_make_the_p99_fail(n: int, need: int) -> None:
+    assert violations_to_fail(n) == need
+    rng = np.random.default_rng(n)
+    for _ in range(50):  # that many latencies above the limit: numpy's P99 is above it, whatever the rest
+        values = rng.uniform(0, 1, n)
+        values[rng.choice(n, need, replace=False)] = 1.0 + rng.uniform(0, 1, need)
+        assert np.percentile(values, 99) > 1.0
+
+
+def seq(arrival: float, tokens: list[float], out: int) -> SimpleNamespace:
+    return SimpleNamespace(arrival_ms=arrival, token_ms=tokens, request=SimpleNamespace(output_length=out))
+
+
+def test_probe_stop_fires_once_the_p99_cannot_pass() -> None:
+    slo = Slo(ttft_ms=100.0, tpot_ms=10.0)
+    stop = ProbeStop(slo, requests=4)  # two violators fail a P99 over 4
+    seqs = [seq(0, [50, 55], 8), seq(0, [], 8), seq(10, [], 8), seq(1000, [], 8)]
+    assert not stop(50.0, seqs)  # nobody has waited 100 ms yet; the last one has not arrived
+    assert not stop(105.0, seqs)  # one waited 105 ms without a first token
+    assert stop(111.0, seqs) and stop.ttft_violations == 2
+    tpot = ProbeStop(slo, requests=4)
+    slow = [seq(0, [5.0], 11), seq(0, [6.0], 11), seq(0, [7.0, 8.0], 11)]
+    assert not tpot(90.0, slow)  # (90 - 5) / 10 = 8.5 ms per token so far: may still pass
+    assert tpot(120.0, slow) and tpot.tpot_violations >= 2  # > 10 ms per token, whatever comes next
+
+
+def test_probe_passes_needs_both_limits_and_every_request() -> None:
+    slo = Slo(ttft_ms=100.0, tpot_ms=10.0)
+    good = {"ttft_p99_ms": 90.0, "tpot_p99_ms": 9.0, "completed": 8, "refused": 0}
+    assert probe_passes(good, slo)
+    assert not probe_passes(good | {"ttft_p99_ms": 101.0}, slo)
+    assert not probe_passes(good | {"tpot_p99_ms": 10.5}, slo)
+    assert not probe_passes(good | {"refused": 1}, slo)
+    assert probe_passes(good | {"tpot_p99_ms": math.nan}, slo)  # single-token outputs: no TPOT to break
+
+
+def test_limits_are_derived_from_the_unloaded_baseline_unless_given() -> None:
+    unloaded = {"ttft_p99_ms": 40.0, "tpot_p50_ms": 8.0, "step_ms": 7.0, "completed": 16}
+    record = derive_slo(unloaded)
+    assert (record["ttft_ms"], record["tpot_ms"]) == (200.0, 80.0)  # 5x the P99 TTFT, 10x the median TPOT
+    assert record["source"] == {"ttft_ms": "derived", "tpot_ms": "derived"}
+    given = derive_slo(unloaded, ttft_ms=500.0)
+    assert (given["ttft_ms"], given["tpot_ms"], given["source"]["ttft_ms"]) == (500.0, 80.0, "given")
+    assert derive_slo(None, 1.0, 2.0)["unloaded"] is None
+    with pytest.raises(ValueError, match="pass --slo-ttft-ms"):
+        derive_slo({"ttft_p99_ms": math.nan})
+
+
+def test_capacity_metrics_are_those_of_the_highest_passing_probe() -> None:
+    probe = lambda rate, ok, tps: {"rate": rate, "passed": ok, "windows": [{"tokens_per_s": tps}],
+                                   "mean": {"tokens_per_s": tps}}  # fmt: skip
+    windows, mean = capacity_metrics([probe(1.0, True, 10.0), probe(2.0, False, 5.0), probe(1.4, True, 14.0)])
+    assert (mean["capacity"], mean["capacity_tokens_per_s"], mean["capacity_probes"]) == (1.4, 14.0, 3)
+    assert mean["capacity_failed_rate"] == 2.0 and windows == [{"tokens_per_s": 14.0}]
+    _, none = capacity_metrics([probe(1.0, False, 3.0), probe(0.5, False, 2.0)])
+    assert (none["capacity"], none["capacity_tokens_per_s"]) == (0.0, 0.0)
+
+
+def test_noise_record_and_within_noise() -> None:
+    noise = noise_record([1.0, 1.02, 0.98], [100.0] * 3, {}, granularity=0.05)
+    assert noise["median"] == 1.0 and noise["spread"] == pytest.approx(0.04)
+    assert noise["threshold"] == 0.05  # the granularity, when the spread is smaller
+    assert within_noise(1.0, 1.04, noise["threshold"]) and not within_noise(1.0, 1.2, noise["threshold"])
+
+
+def test_engine_knobs_follow_vllm_rules() -> None:
+    assert EngineKnobs(4096, 256).to_dict() == {"max_num_batched_tokens": 4096, "max_num_seqs": 256}
+    with pytest.raises(ValueError, match="max_num_batched_tokens >= max_num_seqs"):
+        EngineKnobs(128, 256)
+
+
+def test_pareto_is_refused_for_capacity() -> None:
+    with pytest.raises(ValueError, match="capacity already is the throughput"):
+        StudyOptions("sqlite:///x.db", "s", "capacity", True, 0, False)
+
+
+# ---- a probe on the tiny model -------------------------------------------------------------------------
+def test_an_overloaded_probe_stops_early_and_a_light_one_passes() -> None:
+    from kvtune.engine.traces import Request
+    from kvtune.tuner.worker import TrialWorker
+
+    quality = QualitySettings(model="random:tiny", text_path=str(TEXT))
+    spec = WorkerSpec(model="random:tiny", device="cpu", quality=quality, threads=1, budget_bytes=1 << 26)
+    worker = TrialWorker(spec)
+    window = tuple(Request(i, 100.0 * i, 48, 24) for i in range(24))
+    config = HybridConfig("hybrid_v2", 16, 16, 0)
+    slo = Slo.from_record(derive_slo(worker.unloaded(config, window, 2)))
+    full = worker.replay(config, window, 0.0, 2)  # all at once, no stop: the whole queue is served
+    heavy = worker.probe_config(config, None, (window,), 1e6, slo, 2)  # as good as all at once
+    assert not heavy["passed"] and heavy["aborted"]
+    assert heavy["windows"][0]["probe_aborted"] is True
+    assert heavy["windows"][0]["completed"] < len(window) == full["completed"]
+    assert heavy["windows"][0]["duration_s"] < full["duration_s"] / 2  # engine clock: it stopped early
+    light = worker.probe_config(config, None, (window,), 1e-3, slo, 2)  # arrivals 100 s apart
+    assert light["passed"] and not light["aborted"] and light["windows"][0]["completed"] == len(window)
+
+
+# ---- a real CPU study ----------------------------------------------------------------------------------
+SMALL = [
+    "--model", "random:tiny", "--quality-model", "random:tiny", "--requests", "6", "--windows", "1",
+    "--length-scale", "0.01", "--length-cap", "96", "--quality-windows", "1", "--quality-prefill", "24",
+    "--quality-decode", "4", "--kv-budget", "64MiB", "--seed", "0", "--objective", "capacity",
+]  # fmt: skip
+TRIALS = 3
+
+
+def argv(storage: str, *extra: str) -> list[str]:
+    return ["--gpu", "cpu", "--workload", str(TRACE), "--storage", storage, "--study", "c", *SMALL, *extra]
+
+
+@pytest.fixture(scope="module")
+def capacity_study(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, float]:
+    tmp = tmp_path_factory.mktemp("capacity")
+    storage = f"sqlite:///{tmp}/c.db"
+    t0 = time.perf_counter()
+    assert cli.main(argv(storage, "--trials", str(TRIALS), "--out", str(tmp / "preset.json"))) == 0
+    return tmp, storage, time.perf_counter() - t0
+
+
+def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float]) -> None:
+    tmp, storage, seconds = capacity_study
+    print(f"CPU capacity study of {TRIALS} trials: {seconds:.1f} s")
+    study = optuna.load_study(study_name="c", storage=storage)
+    attrs = study.user_attrs
+    assert attrs["kvtune.objective"] == "capacity"
+    slo, noise = attrs[ATTR_SLO], attrs[ATTR_NOISE]
+    assert slo["ttft_ms"] > 0 and slo["tpot_ms"] > 0 and slo["source"]["ttft_ms"] == "derived"
+    assert noise["repeats"] == 3 and len(noise["capacities"]) == 3 and noise["median"] > 0
+    finished = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
+    assert len(finished) == TRIALS
+    for t in finished:
+        assert t.user_attrs[ATTR_PROBES] and t.intermediate_values
+        steps = [t.intermediate_values[k] for k in sorted(t.intermediate_values)]
+        assert steps == sorted(steps)  # each probe reports the capacity so far: it only grows
+        assert t.user_attrs[ATTR_PROBES][0]["rate"] == pytest.approx(noise["median"])  # warm start
+        assert set(t.user_attrs["kvtune.engine"]) >= {"max_num_batched_tokens", "max_num_seqs"}
+    for t in study.get_trials(states=(TrialState.COMPLETE,)):
+        assert t.values[0] == t.user_attrs["kvtune.metrics"]["capacity"]
+    preset = json.loads((tmp / "preset.json").read_text())
+    metrics = preset["metrics"]
+    assert metrics["objective"] == "capacity" and metrics["repeats"] >= 3
+    assert "capacity" in metrics["best"] and "capacity_tokens_per_s" in metrics["baseline"]
+    assert "the load of the unquantized cache within P99 TTFT ≤" in metrics["claim"]
+    assert metrics["limits"]["ttft_ms"] == slo["ttft_ms"]
+    args = preset["vllm"]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == str(preset["engine"]["max_num_seqs"])
+    assert "--max-num-batched-tokens" in args and "--additional-config" in args
+
+
+def test_capacity_study_resumes(capacity_study: tuple[Path, str, float]) -> None:
+    _, storage, _ = capacity_study
+    before = optuna.load_study(study_name="c", storage=storage)
+    old = [(t.number, t.state, t.values) for t in before.trials]
+    assert cli.main(argv(storage, "--trials", str(TRIALS + 1), "--resume", "--no-export")) == 0
+    after = optuna.load_study(study_name="c", storage=storage)
+    assert [(t.number, t.state, t.values) for t in after.trials][: len(old)] == old
+    assert len(after.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))) == TRIALS + 1
+    assert after.user_attrs[ATTR_NOISE] == before.user_attrs[ATTR_NOISE]  # measured once, when created
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(("--pareto",), "capacity already is the throughput"),
+     (("--resume", "--slo-ttft-ms", "12345"), "--slo-ttft-ms")],
+)  # fmt: skip
+def test_capacity_bad_input_is_one_line(
+    capacity_study: tuple[Path, str, float],
+    capsys: pytest.CaptureFixture[str],
+    extra: tuple[str, ...],
+    message: str,
+) -> None:
+    _, storage, _ = capacity_study
+    assert cli.main(argv(storage, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvtune: error: ") and message in err[-1], err
+
+
+# ---- the engine knobs in the space and the preset --------------------------------------------------------
+def test_engine_knobs_fit_the_budget_and_grow_with_fewer_bits() -> None:
+    import torch
+
+    from kvtune.cache_impl.layout import ModelKVShape
+    from kvtune.search_spaces.cards import resolve_gpu
+    from kvtune.search_spaces.space import SearchSpace, WorkloadStats
+
+    shape = ModelKVShape(32, 8, 128, 32, torch.bfloat16)  # Llama-3.1-8B
+    stats = WorkloadStats(4096, 2048, 99.0, 1, mean_length=1140)
+    space = SearchSpace.build(resolve_gpu("h200"), "m", shape, stats, False, kv_budget_bytes=4 << 30)
+    holds = [space.auto_seqs(HybridConfig("hybrid_v2", 32, 64, b)) for b in (0, 8, 4)]
+    assert holds[0] < holds[1] < holds[2]  # memory-bound: INT8 and INT4 run bigger batches
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(50):
+        trial = study.ask()
+        config = space.suggest(trial)
+        knobs = space.suggest_knobs(trial, config)
+        assert knobs is not None
+        engine = EngineKnobs.from_dict(knobs)  # vLLM's rule holds
+        assert engine.max_num_batched_tokens in (2048, 4096, 8192, 16384)
+        assert 1 <= engine.max_num_seqs <= min(1024, engine.max_num_batched_tokens)
+        assert space.knob_params(knobs) == {k: trial.params[k] for k in space.knob_params()}
+    assert space.knob_params() == {"max_num_batched_tokens": 8192, "max_num_seqs_factor": 1.0}
+    assert "max_num_batched_tokens" in space.distributions() and "engine knobs" in space.describe()
+
+
+def test_the_preset_exports_the_knobs_and_the_capacity_claim() -> None:
+    from kvtune.studies import records
+    from kvtune.tuner import export as ex
+
+    config = HybridConfig("hybrid_v2", 32, 64, 8)
+    engine = {"max_num_batched_tokens": 4096, "max_num_seqs": 96, "max_num_seqs_factor": 1.0}
+    run = lambda cap: {"capacity": cap, "capacity_tokens_per_s": 100 * cap, "worker": "h/gpu0"}
+    validation = {
+        "trial": 3, "config": config.to_dict(), "baseline_config": config.unquantized().to_dict(),
+        "window": {"start_fraction": 0.75, "end_fraction": 1.0, "requests": 50}, "repeats": 3,
+        "best": [run(c) for c in (1.50, 1.52, 1.49)], "baseline": [run(c) for c in (1.0, 1.01, 0.99)],
+        "date": "2026-12-01T00:00:00+00:00", "versions": records.versions(), "engine": engine,
+        "baseline_engine": engine | {"max_num_seqs": 64},
+        "slo": {"ttft_ms": 400.0, "tpot_ms": 60.0, "source": {}, "rule": "5 x"},
+        "noise": {"threshold": 0.05, "spread": 0.02, "median": 1.0},
+    }  # fmt: skip
+    preset = ex.build_preset(config, validation, None, {"card": "h200", "objective": "capacity"})
+    assert preset["recommendation"]["use"] == "best"
+    claim = preset["metrics"]["claim"]
+    assert claim.startswith("the best config carries 1.50x the load of the unquantized cache within P99 TTFT")
+    assert "≤ 400 ms" in claim and "≤ 60 ms" in claim and "within the study's noise" not in claim
+    args = preset["vllm"]["args"]
+    assert args[args.index("--max-num-batched-tokens") + 1] == "4096"
+    assert args[args.index("--max-num-seqs") + 1] == "96"
+    assert json.loads(args[-1]) == {"kvtune": config.to_dict()}  # the hybrid fields: --additional-config
+    assert preset["engine"] == engine and "sized for this config's cache" in preset["vllm"]["engine"]

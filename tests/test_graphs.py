@@ -1,0 +1,321 @@
+"""The static decode step (what CUDA graphs replay) against the eager one, and mixed iterations.
+
+On a CPU the static step runs without capture (the same functions a graph records), with and without the
+padding a replay uses (rows, table width, seal entries rounded up to the buckets): the tiny random model in
+float32 must give the eager path's logits, and leave the cache in the same state. The ``gpu`` tests capture
+the graphs on CUDA and compare them with the eager path there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.hybrid_cache import HybridCache
+from kvtune.cache_impl.layout import kv_bytes_for, sequences_for_budget
+from kvtune.engine.graphs import DecodeGraphs, row_buckets, seal_buckets, width_buckets
+from kvtune.kernels.access import update_access, update_access_ref
+from kvtune.kernels.quant import dequantize_blocks
+
+CPU = torch.device("cpu")
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _config(bits: int, block_size: int = 8, **kw) -> HybridConfig:
+    return HybridConfig("hybrid_v2", hot_tokens=16, block_size=block_size, quantization_bits=bits, **kw)
+
+
+SPARSE = dict(sparse_top_k=16, migration_interval=4, migration_threshold_ms=1.0)
+
+
+def _prefilled(
+    tiny, config: HybridConfig, lengths: list[int], device: torch.device, spare: int = 1
+) -> HybridCache:
+    """A cache holding one sequence per length (seeded tokens), prefilled through the model, ``spare`` free
+    slots."""
+    budget = 4 * kv_bytes_for(config, tiny.model.kv_shape, [n + 64 for n in [*lengths, *[64] * spare]])
+    cache = HybridCache(config, tiny.model.kv_shape, budget, device, max_seqs=len(lengths) + spare)
+    gen = torch.Generator().manual_seed(7)
+    for seq_id, n in enumerate(lengths):
+        ids = torch.randint(0, tiny.spec.vocab_size, (n,), generator=gen)
+        cache.add_sequence(seq_id, ids.tolist(), now_ms=0.0)
+        tiny.model.prefill(cache, seq_id, ids.to(device), 0, last_only=True)
+    return cache
+
+
+def _eager_step(tiny, cache: HybridCache, ids: list[int], tokens: np.ndarray, now: float) -> torch.Tensor:
+    slots = np.asarray([cache.slot_of(i) for i in ids])
+    positions = torch.as_tensor(cache.lengths(slots), device=cache.device)
+    plan = cache.begin_step(ids, now)
+    logits = tiny.model.decode(cache, plan, torch.as_tensor(tokens, device=cache.device), positions)
+    cache.end_step(plan)
+    return logits
+
+
+def _static_step(graphs: DecodeGraphs, ids: list[int], tokens: np.ndarray, now: float) -> torch.Tensor:
+    cache = graphs.cache
+    slots = np.asarray([cache.slot_of(i) for i in ids])
+    info = graphs.prepare(slots, tokens, now)
+    graphs.run(info)
+    cache.finish_step(info)
+    assert graphs.logits is not None
+    return graphs.logits[: len(ids)].clone()
+
+
+def _same_state(a: HybridCache, b: HybridCache, ids: list[int], exact: bool = True) -> None:
+    """Both caches hold the same sequences, blocks, hot tokens, block contents and statistics (``exact``:
+    bitwise; else up to float rounding in the K/V, which a quantized block may turn into one code step)."""
+    tol = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-3, "atol": 1e-3}
+    for i in ids:
+        sa, sb = a._seqs[i], b._seqs[i]
+        assert (sa.length, sa.hot_len, sa.blocks) == (sb.length, sb.hot_len, sb.blocks), i
+        za = a.hot_kv[:, :, sa.slot, :, : sa.hot_len]
+        zb = b.hot_kv[:, :, sb.slot, :, : sb.hot_len]
+        torch.testing.assert_close(za, zb, **tol)
+        blocks = torch.as_tensor(sa.blocks, dtype=torch.int64, device=a.device)
+        for pa, pb in zip(a.pools, b.pools):
+            if exact:
+                for name in ("k", "v", "k_min", "k_scale", "v_min", "v_scale", "block_bits"):
+                    torch.testing.assert_close(getattr(pa, name)[blocks], getattr(pb, name)[blocks], **tol)
+            else:
+                assert torch.equal(pa.block_bits[blocks], pb.block_bits[blocks])
+                for x, y in zip(dequantize_blocks(pa, blocks), dequantize_blocks(pb, blocks)):
+                    step = 2 * float(pa.k_scale.float().abs().max()) + 1e-4 if pa.bits else 1e-4
+                    torch.testing.assert_close(
+                        x, y, rtol=0, atol=max(step, 2 * float(pa.v_scale.float().max()))
+                    )
+        torch.testing.assert_close(a.tiers.last_access[:, blocks], b.tiers.last_access[:, blocks])
+        torch.testing.assert_close(a.tiers.ema[:, blocks], b.tiers.ema[:, blocks], equal_nan=True)
+    assert np.array_equal(a.tiers.tier_host, b.tiers.tier_host)
+    if exact:
+        assert a.attention_bytes_read == b.attention_bytes_read
+    a.check_integrity()
+    b.check_integrity()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(
+    ("bits", "extra"), [(0, {}), (8, {}), (4, {}), (8, SPARSE)], ids=["bf0", "int8", "int4", "int8-sparse"]
+)
+def test_static_step_gives_the_eager_logits(tiny, bits, extra, padded):
+    """Five sequences whose hot zones fill at different steps, 30 steps (every one seals a block once or
+    more; the sparse config moves blocks to L2 and back): the static step's logits are the eager step's
+    (bitwise without padding; padded rows and table columns only reorder float sums), and both caches
+    end in the same state."""
+    config = _config(bits, **extra)
+    lengths = [21, 30, 39, 47, 60]
+    eager, static = (_prefilled(tiny, config, lengths, CPU) for _ in range(2))
+    max_blocks = static.layout.blocks_for(max(lengths) + 40)
+    graphs = DecodeGraphs(tiny.model, static, 8, max_blocks, capture=False, keep_logits=True, padded=padded)
+    ids = list(range(len(lengths)))
+    tokens = np.arange(len(ids), dtype=np.int64) + 3
+    for t in range(30):
+        now = 10.0 * (t + 1)
+        batch = ids if t % 7 != 3 else ids[1:4]  # the batch changes now and then
+        step_tokens = tokens[: len(batch)] if t % 7 != 3 else tokens[1:4]
+        want = _eager_step(tiny, eager, batch, step_tokens, now)
+        got = _static_step(graphs, batch, step_tokens, now)
+        if padded:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+        else:
+            assert torch.equal(got, want), (t, float((got - want).abs().max()))
+        if t % 7 != 3:
+            tokens = want.argmax(-1).numpy()
+    _same_state(eager, static, ids, exact=not padded)
+    if extra:
+        assert eager.counters["plans"] > 0
+
+
+def test_static_and_eager_steps_alternate_on_one_cache(tiny):
+    """A sequence may take either step from one step to the next (an engine alternates pure-decode and
+    mixed iterations): the same logits as all-eager, on a cache whose seals happen either way."""
+    config = _config(8)
+    lengths = [23, 31]
+    eager, mixed = (_prefilled(tiny, config, lengths, CPU) for _ in range(2))
+    graphs = DecodeGraphs(tiny.model, mixed, 4, 16, capture=False, keep_logits=True)
+    tokens = np.array([5, 6], dtype=np.int64)
+    for t in range(20):
+        want = _eager_step(tiny, eager, [0, 1], tokens, float(t))
+        step = _static_step if t % 3 else lambda g, i, tok, now: _eager_step(tiny, g.cache, i, tok, now)
+        got = step(graphs, [0, 1], tokens, float(t))
+        assert torch.equal(got, want), t
+        tokens = want.argmax(-1).numpy()
+    _same_state(eager, mixed, [0, 1])
+
+
+def test_mixed_forward_gives_the_logits_of_separate_forwards(tiny):
+    """Decode rows and two prompt chunks in one forward: the logits of a decode step and of each prefill
+    run on their own (the linear layers only see a bigger batch)."""
+    config = _config(8)
+    caches = [_prefilled(tiny, config, [25, 33], CPU, spare=2) for _ in range(2)]
+    prompts = [list(range(5, 45)), list(range(100, 117))]
+    for cache in caches:
+        for j, prompt in enumerate(prompts):
+            cache.add_sequence(10 + j, prompt)
+    tokens = np.array([4, 9], dtype=np.int64)
+    want_decode = _eager_step(tiny, caches[0], [0, 1], tokens, 1.0)
+    want_chunks = [
+        tiny.model.prefill(caches[0], 10, torch.tensor(prompts[0][:24]), 0, last_only=True),
+        tiny.model.prefill(caches[0], 11, torch.tensor(prompts[1]), 0, last_only=True),
+    ]
+    cache = caches[1]
+    slots = np.asarray([cache.slot_of(0), cache.slot_of(1)])
+    positions = cache.lengths(slots)
+    plan = cache.begin_step([0, 1], 1.0)
+    ids = torch.tensor([*tokens.tolist(), *prompts[0][:24], *prompts[1]])
+    pos = torch.tensor([*positions.tolist(), *range(24), *range(len(prompts[1]))])
+    got = tiny.model.forward_mixed(cache, plan, ids, pos, 2, [(10, 24), (11, len(prompts[1]))])
+    cache.end_step(plan)
+    want = torch.cat([want_decode, *want_chunks])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cache.check_integrity()
+
+
+def test_update_access_takes_a_device_clock():
+    """The access update with the clock as a float64 tensor (what a captured step reads) equals the float."""
+    gen = torch.Generator().manual_seed(0)
+    n, b, h, m = 20, 3, 2, 5
+    table = torch.randint(0, n, (b, h, m), generator=gen, dtype=torch.int32)
+    mass = torch.rand((b, h, m), generator=gen)
+    count = torch.randint(0, m + 1, (b, h), generator=gen, dtype=torch.int32)
+    out = []
+    for now in (123.5, torch.tensor(123.5, dtype=torch.float64)):
+        last = torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 100
+        ema = torch.full((n,), float("nan"), dtype=torch.float64)
+        update_access(last, ema, mass, table, count, now)
+        ref_last, ref_ema = last.clone(), ema.clone()
+        out.append((last, ema))
+    torch.testing.assert_close(out[0][0], out[1][0])
+    torch.testing.assert_close(out[0][1], out[1][1], equal_nan=True)
+    last = torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 100
+    ema = torch.full((n,), float("nan"), dtype=torch.float64)
+    update_access_ref(last, ema, mass, table, count, torch.tensor(123.5, dtype=torch.float64))
+    torch.testing.assert_close(last, ref_last)
+    torch.testing.assert_close(ema, ref_ema, equal_nan=True)
+
+
+def test_buckets():
+    assert row_buckets(1) == [1] and row_buckets(6) == [1, 2, 4, 6] and row_buckets(8) == [1, 2, 4, 8]
+    assert row_buckets(40) == [1, 2, 4, 8, 16, 32, 48]
+    assert width_buckets(5) == [16] and width_buckets(127) == [16, 32, 48, 64, 80, 112, 128]
+    assert width_buckets(40) == [16, 32, 48] and width_buckets(300)[-3:] == [192, 240, 304]
+    assert seal_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+def test_sequences_for_budget_grows_as_bits_shrink(tiny):
+    shape = tiny.model.kv_shape
+    budget = 8 * kv_bytes_for(_config(0), shape, [300])
+    n = {bits: sequences_for_budget(_config(bits), shape, budget, 300) for bits in (0, 8, 4)}
+    assert n[0] == 8 and n[0] < n[8] < n[4]
+
+
+def test_cache_reset_keeps_tensors_and_forgets_state(tiny):
+    cache = _prefilled(tiny, _config(8), [30, 40], CPU)
+    tensors = (cache.hot_kv.data_ptr(), cache.pools[0].k.data_ptr(), cache.tiers.last_access.data_ptr())
+    cache.reset()
+    assert (
+        cache.hot_kv.data_ptr(),
+        cache.pools[0].k.data_ptr(),
+        cache.tiers.last_access.data_ptr(),
+    ) == tensors
+    assert cache.stats()["sequences"] == 0 and cache.blocks_free() == cache.layout.num_blocks
+    cache.check_integrity()
+    cache.compile_kernels()  # an emptied cache is as good as a new one
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+def test_engine_static_steps_match_eager_steps(tiny):
+    """The same saturation replay with static decode steps and with eager ones: same tokens out (the static
+    path is used, the eager path is not), same scheduling."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    config = _config(8)
+    requests = [Request(i, 0.0, 30 + 7 * i, 12 + i) for i in range(6)]
+    budget = kv_bytes_for(config, tiny.model.kv_shape, [80] * 6)
+    seen = {}
+    for graphs in (True, False):
+        engine = Engine(tiny, config, budget, CPU, SchedulerConfig(graphs=graphs))
+        run = engine._run(requests, 0.0, None)
+        seen[graphs] = sorted((t.rid, len(t.token_ms)) for t in run.timings), run.counters
+    assert seen[True][0] == seen[False][0]
+    assert seen[True][1]["graph_steps"] > 0 and "graph_steps" not in seen[False][1]
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: captures CUDA graphs")
+@pytest.mark.parametrize(
+    ("model", "dtype"),
+    [("random:tiny", torch.float32), ("random:smollm2-135m", torch.bfloat16)],
+    ids=["tiny-fp32", "smollm2-bf16"],
+)
+@pytest.mark.parametrize(
+    ("bits", "extra"), [(0, {}), (8, {}), (4, {}), (8, SPARSE)], ids=["bf0", "int8", "int4", "int8-sparse"]
+)
+def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
+    """On CUDA: graph replays (rows, widths and seals padded to buckets, attention timed inside every third
+    replay) give the uncaptured static step's logits and cache state, and the eager step's logits (tiny,
+    float32: 1e-4; SmolLM2's shape in bfloat16, where the Triton/Gluon attention, seal and sparse-table
+    kernels run inside the graphs: bf16 rounding of differently batched projections)."""
+    from kvtune.engine.model import load_model
+
+    cuda = torch.device("cuda")
+    loaded = load_model(model, cuda, dtype=dtype)
+    config = _config(bits, block_size=8 if dtype == torch.float32 else 16, **extra)  # 16: the Gluon kernel
+    lengths = [21, 30, 39, 47, 60]
+    eager, direct, static = (_prefilled(loaded, config, lengths, cuda) for _ in range(3))
+    max_blocks = static.layout.blocks_for(max(lengths) + 40)
+    graphs = DecodeGraphs(loaded.model, static, 8, max_blocks, capture=True, keep_logits=True, timing_every=3)
+    plain = DecodeGraphs(loaded.model, direct, 8, max_blocks, capture=False, keep_logits=True, padded=True)
+    ids = list(range(len(lengths)))
+    tokens = np.arange(len(ids), dtype=np.int64) + 3
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
+    for t in range(30):
+        now = 10.0 * (t + 1)
+        want = _eager_step(loaded, eager, ids, tokens, now)
+        timed = graphs.timing_next()
+        got = _static_step(graphs, ids, tokens, now)
+        same = _static_step(plain, ids, tokens, now)
+        torch.testing.assert_close(got, same, rtol=1e-5, atol=1e-5, msg=f"step {t}: replay vs uncaptured")
+        torch.testing.assert_close(got, want, **tol, msg=f"step {t}: replay vs eager")
+        if graphs.timing_supported and timed:
+            assert graphs.attention_ms() > 0
+        tokens = got.argmax(-1).cpu().numpy()
+    assert graphs.captures > 0 and graphs.timing_supported, "graphs captured, attention timed inside them"
+    _same_state(direct, static, ids, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: replays with CUDA graphs")
+def test_engine_replays_with_cuda_graphs_gpu():
+    """A small replay on CUDA with graphs: decode steps are replays, captures stay out of the clock, every
+    request completes, and the result records the engine's options."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.model import load_model
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    cuda = torch.device("cuda")
+    model = load_model("random:smollm2-135m", cuda, dtype=torch.bfloat16)
+    config = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=8)
+    requests = [Request(i, 3.0 * i, 200 + 50 * i, 60 + 5 * i) for i in range(24)]
+    m = {}
+    for graphs in (True, False):
+        engine = Engine(model, config, 1 << 30, cuda, SchedulerConfig(graphs=graphs))
+        m[graphs] = engine.replay(requests, time_scale=1.0, warmup_requests=2).to_dict()
+    assert m[True]["completed"] == m[False]["completed"] == len(requests)
+    assert m[True]["cuda_graphs"] and m[True]["graph_steps"] > 0 and m[True]["graph_captures"] > 0
+    assert m[True]["attn_bandwidth_gbs"] > 0 and not m[False]["graphs"]
+    assert m[True]["max_num_seqs"] == len(requests) and m[True]["max_num_batched_tokens"] == 8192
+    assert dataclasses.asdict(SchedulerConfig()) == SchedulerConfig().to_dict()

@@ -1,0 +1,326 @@
+"""The capacity objective: the highest arrival rate a config carries within latency limits.
+
+A trial's **capacity** is the highest arrival rate, as a multiple of the trace's own rate (a replay at rate
+``r`` scales the trace's inter-arrival times by ``1 / r``), at which a replay of the trial's windows meets
+both limits of :class:`Slo`: P99 TTFT ≤ ``ttft_ms`` and P99 TPOT ≤ ``tpot_ms``, every request served.
+The driver finds it with :class:`CapacitySearch`, one probe (one replay at one rate) per protocol call
+(:data:`kvtune.tuner.protocol.Call.PROBE`):
+
+- **warm start** at the unquantized baseline's capacity (measured when the study starts);
+- **bracket**: double the rate after a pass, halve it after a failure, until a passing rate ``lo`` and a
+  failing rate ``hi`` are known;
+- **bisect** at the geometric midpoint ``sqrt(lo * hi)`` until ``hi / lo - 1 <= granularity`` (5 %);
+- at most ``max_probes`` probes (8; the baseline's own, not warm-started, search gets 12).
+
+The capacity is ``lo``, the highest rate that passed (0 when none did): every probe lies strictly between
+``lo`` and ``hi``, so ``lo`` only grows; it is what the driver reports to Optuna after each probe. A config
+whose ``hi`` is at most the best capacity of the study's feasible trials cannot beat it and is pruned
+(:func:`should_prune`).
+
+A probe **fails early**: the engine asks :class:`ProbeStop` once per iteration and stops the replay as soon
+as the P99 is certain to break a limit, i.e. when as many requests as the P99 tolerates no more of have
+violated it (a request violates TTFT once it has waited longer than the limit without a first token, TPOT
+once its tokens so far already average more than the limit over its whole output). Over ≤ 101 requests the
+P99 is nearly the maximum (numpy's interpolation lands between the two slowest), so two violators end a
+probe; over ``n`` requests it takes ``n - floor(0.99 (n - 1))``.
+
+This module is pure Python (no engine, no Ray): the driver, the workers and the tests share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtune.studies.names import (
+    CAPACITY_GRANULARITY,
+    CAPACITY_PROBES,
+    SLO_TPOT_FACTOR,
+    SLO_TTFT_FACTOR,
+)
+
+EXPAND = 2.0  # the rate's factor per bracketing step
+
+
+# ---- the limits ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Slo:
+    """The latency limits of a capacity probe, in milliseconds."""
+
+    ttft_ms: float
+    tpot_ms: float
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"`{name} > 0` must hold, but got {name}={value}")
+
+    def describe(self) -> str:
+        return f"P99 TTFT ≤ {self.ttft_ms:.4g} ms and P99 TPOT ≤ {self.tpot_ms:.4g} ms"
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Slo:
+        return cls(float(record["ttft_ms"]), float(record["tpot_ms"]))
+
+
+def derive_slo(
+    unloaded: Mapping[str, Any] | None,
+    ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
+    ttft_factor: float = SLO_TTFT_FACTOR,
+    tpot_factor: float = SLO_TPOT_FACTOR,
+) -> dict[str, Any]:
+    """The study's ``kvtune.slo`` record: the limits given, else ``factor ×`` the unloaded baseline's P99
+    TTFT and median TPOT (its decode step; the mean decode step when no request has two output tokens)."""
+    rule = f"{ttft_factor:g} x the unloaded baseline's P99 TTFT, {tpot_factor:g} x its median TPOT"
+    record: dict[str, Any] = {"rule": rule, "unloaded": None}
+    if unloaded is not None:
+        keys = ("ttft_p99_ms", "tpot_p50_ms", "step_ms", "completed")
+        record["unloaded"] = {k: unloaded.get(k) for k in keys}
+    derived: dict[str, float] = {}
+    if unloaded is not None:
+        ttft = _positive(unloaded.get("ttft_p99_ms"))
+        step = _positive(unloaded.get("tpot_p50_ms")) or _positive(unloaded.get("step_ms")) or ttft
+        if ttft is None or step is None:
+            raise ValueError(
+                "the unloaded baseline replay measured no TTFT: pass --slo-ttft-ms and --slo-tpot-ms"
+            )
+        derived = {"ttft_ms": ttft_factor * ttft, "tpot_ms": tpot_factor * step}
+    given = {k: v for k, v in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms)) if v is not None}
+    record.update(derived | given)
+    record["source"] = {k: ("given" if k in given else "derived") for k in ("ttft_ms", "tpot_ms")}
+    Slo.from_record(record)  # both limits present and positive
+    return record
+
+
+def _positive(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and math.isfinite(value) and value > 0
+    return float(value) if ok else None
+
+
+# ---- the search ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CapacitySearch:
+    """A bracketed search for the highest passing rate (see the module docstring); a value: :meth:`record`
+    returns the next state."""
+
+    start: float
+    granularity: float = CAPACITY_GRANULARITY
+    max_probes: int = CAPACITY_PROBES
+    probes: tuple[tuple[float, bool], ...] = ()  # (rate, passed), in order
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.start) and self.start > 0):
+            raise ValueError(f"`start > 0` must hold, but got start={self.start}")
+        if not self.granularity > 0:
+            raise ValueError(f"`granularity > 0` must hold, but got granularity={self.granularity}")
+        if self.max_probes < 1:
+            raise ValueError(f"`max_probes >= 1` must hold, but got max_probes={self.max_probes}")
+
+    @property
+    def lo(self) -> float | None:
+        """The highest rate that passed."""
+        return max((r for r, ok in self.probes if ok), default=None)
+
+    @property
+    def hi(self) -> float | None:
+        """The lowest rate that failed."""
+        return min((r for r, ok in self.probes if not ok), default=None)
+
+    @property
+    def capacity(self) -> float:
+        """The capacity found so far: the highest passing rate, 0 when none passed (a lower bound)."""
+        return self.lo or 0.0
+
+    @property
+    def converged(self) -> bool:
+        lo, hi = self.lo, self.hi
+        return lo is not None and hi is not None and hi / lo - 1.0 <= self.granularity
+
+    def next_rate(self) -> float | None:
+        """The next rate to probe; None when the search is done (converged, or out of probes)."""
+        lo, hi = self.lo, self.hi
+        if len(self.probes) >= self.max_probes or self.converged:
+            return None
+        if lo is None and hi is None:
+            return self.start
+        if lo is None:
+            assert hi is not None
+            return hi / EXPAND
+        if hi is None:
+            return lo * EXPAND
+        if lo >= hi:  # a pass above a failure: cannot happen while probes stay inside (lo, hi)
+            return None
+        return math.sqrt(lo * hi)
+
+    def record(self, rate: float, passed: bool) -> CapacitySearch:
+        return dataclasses.replace(self, probes=(*self.probes, (float(rate), bool(passed))))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "lo": self.lo,
+            "hi": self.hi,
+            "converged": self.converged,
+            "probes": len(self.probes),
+            "start": self.start,
+            "granularity": self.granularity,
+            "max_probes": self.max_probes,
+        }
+
+
+def should_prune(search: CapacitySearch, best_known: float | None) -> bool:
+    """Whether the trial of ``search`` can stop: it already failed at a rate no higher than the best
+    capacity of the study's feasible trials, so its capacity (below that rate) cannot beat it."""
+    hi = search.hi
+    return best_known is not None and best_known > 0 and hi is not None and hi <= best_known
+
+
+# ---- one probe -----------------------------------------------------------------------------------------
+def violations_to_fail(requests: int) -> int:
+    """How many of ``requests`` latencies above a limit make their P99 (numpy's linear interpolation)
+    certainly exceed it: 2 for up to 101 requests, about 1 % + 1 beyond."""
+    if requests < 1:
+        raise ValueError(f"`requests >= 1` must hold, but got requests={requests}")
+    return requests - math.floor(0.99 * (requests - 1))
+
+
+class ProbeStop:
+    """The engine's stop predicate for one probe window (see the module docstring): ``fired`` once the P99
+    TTFT or the P99 TPOT of the window is certain to break its limit.
+
+    Called with the engine clock (ms) and every sequence of the replay in arrival order (objects with
+    ``arrival_ms``, ``token_ms`` and ``request.output_length``); each call looks only at sequences that have
+    arrived and are not yet decided.
+    """
+
+    def __init__(self, slo: Slo, requests: int) -> None:
+        self.slo = slo
+        self.allowed = violations_to_fail(requests)
+        self.ttft_violations = 0
+        self.tpot_violations = 0
+        self.fired = False
+        self._seen = 0
+        self._open: list[Any] = []
+
+    def __call__(self, now_ms: float, seqs: Sequence[Any]) -> bool:
+        if self.fired:
+            return True
+        while self._seen < len(seqs) and seqs[self._seen].arrival_ms <= now_ms:
+            self._open.append(seqs[self._seen])
+            self._seen += 1
+        self._open = [s for s in self._open if not self._decided(s, now_ms)]
+        self.fired = max(self.ttft_violations, self.tpot_violations) >= self.allowed
+        return self.fired
+
+    def _decided(self, seq: Any, now_ms: float) -> bool:
+        """Count ``seq``'s violations once they are certain; True when nothing more can change about it."""
+        tokens, out = seq.token_ms, seq.request.output_length
+        if not tokens:
+            if now_ms - seq.arrival_ms > self.slo.ttft_ms:
+                self.ttft_violations += 1
+                return True  # counted for TTFT only (its TPOT may never be known): the count stays safe
+            return False
+        if tokens[0] - seq.arrival_ms > self.slo.ttft_ms:
+            self.ttft_violations += 1
+            return True
+        done = len(tokens) >= out
+        if out < 2:
+            return done
+        last = tokens[-1] if done else max(tokens[-1], now_ms)
+        if (last - tokens[0]) / (out - 1) > self.slo.tpot_ms:  # a lower bound until it is done
+            self.tpot_violations += 1
+            return True
+        return done
+
+
+def probe_passes(metrics: Mapping[str, Any], slo: Slo) -> bool:
+    """One window at one rate meets both limits, every request served (a refused one never does)."""
+    ttft, tpot = metrics.get("ttft_p99_ms"), metrics.get("tpot_p99_ms")
+    if metrics.get("refused", 0) or not metrics.get("completed", 0):
+        return False
+    if not isinstance(ttft, int | float) or not math.isfinite(ttft) or ttft > slo.ttft_ms:
+        return False
+    # no request with two output tokens has no TPOT: nothing to violate
+    return not (isinstance(tpot, int | float) and math.isfinite(tpot) and tpot > slo.tpot_ms)
+
+
+def probe_record(
+    rate: float, passed: bool, aborted: bool, windows: Sequence[Mapping[str, Any]], mean: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What a probe returns: its verdict, the windows it replayed (it stops at the first that fails) and
+    their mean, and the worst window's P99s."""
+    worst = lambda key: max((float(w[key]) for w in windows if _finite(w.get(key))), default=math.nan)
+    return {
+        "rate": float(rate),
+        "passed": bool(passed),
+        "aborted": bool(aborted),
+        "ttft_p99_ms": worst("ttft_p99_ms"),
+        "tpot_p99_ms": worst("tpot_p99_ms"),
+        "tokens_per_s": float(mean.get("tokens_per_s", math.nan)),
+        "windows": [dict(w) for w in windows],
+        "mean": dict(mean),
+    }
+
+
+def probe_summary(probe: Mapping[str, Any]) -> dict[str, Any]:
+    """The probe as a trial stores it (``kvtune.probes``): no per-window metrics."""
+    return {k: probe[k] for k in ("rate", "passed", "aborted", "ttft_p99_ms", "tpot_p99_ms", "tokens_per_s")}
+
+
+def capacity_metrics(probes: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The windows and mean metrics of a capacity search: those of its highest passing probe (of its
+    lowest-rate probe when none passed), with ``capacity`` (that rate, or 0), ``capacity_tokens_per_s``
+    (output tokens/s there, or 0), ``capacity_probes`` and ``capacity_failed_rate`` (the lowest failing
+    rate)."""
+    if not probes:
+        raise ValueError("a capacity search without a probe")
+    passing = [p for p in probes if p["passed"]]
+    failed = [float(p["rate"]) for p in probes if not p["passed"]]
+    at = max(passing, key=lambda p: p["rate"]) if passing else min(probes, key=lambda p: p["rate"])
+    tokens = float(at["mean"].get("tokens_per_s", math.nan)) if passing else 0.0
+    mean = {
+        **at["mean"],
+        "capacity": float(at["rate"]) if passing else 0.0,
+        "capacity_tokens_per_s": tokens,
+        "capacity_probes": len(probes),
+        "capacity_failed_rate": min(failed, default=math.nan),
+    }
+    return [dict(w) for w in at["windows"]], mean
+
+
+# ---- noise -----------------------------------------------------------------------------------------------
+def noise_record(
+    capacities: Sequence[float], tokens_per_s: Sequence[float], config: Mapping[str, Any], **extra: Any
+) -> dict[str, Any]:
+    """The study's ``kvtune.noise``: the baseline's capacity measured ``len(capacities)`` times; ``spread``
+    is (max − min) / median, and ``threshold`` (the larger of the spread and the search granularity) is the
+    relative difference below which two capacities are called equal ("within noise")."""
+    median = statistics.median(capacities)
+    spread = (max(capacities) - min(capacities)) / median if median > 0 else math.inf
+    granularity = float(extra.get("granularity", CAPACITY_GRANULARITY))
+    return {
+        "capacities": [float(c) for c in capacities],
+        "tokens_per_s": [float(t) for t in tokens_per_s],
+        "median": median,
+        "spread": spread,
+        "threshold": max(spread, granularity),
+        "repeats": len(capacities),
+        "config": dict(config),
+        **extra,
+    }
+
+
+def within_noise(a: float, b: float, threshold: float) -> bool:
+    """Whether two capacities differ by less than ``threshold`` of the larger (noise's ``threshold``)."""
+    top = max(abs(a), abs(b))
+    return top == 0 or abs(a - b) / top < threshold
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
