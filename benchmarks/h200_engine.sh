@@ -14,7 +14,9 @@
 #   azure     benchmarks/engine_replay.py, Llama-3.1-8B shape: Azure conv sample, saturation (time scale 0),
 #             the default budget and 4 GB, 3 repeats + once the engine as it was (--baseline)
 #   mooncake  the same on the Mooncake sample (prompts capped at 8K tokens), 8 GB budget
-# Sizes can be changed from the environment: AZURE_REQUESTS (24), MOONCAKE_REQUESTS (12), REPEATS (3).
+# Sizes can be changed from the environment: AZURE_REQUESTS (32; sample seed 1: outputs up to 428 tokens),
+# MOONCAKE_REQUESTS (12; seed 0), REPEATS (3). Rough budget on an H200: tests 100 s, decode steps 100 s, Azure
+# 170 s, Mooncake 100 s; a stage cut by the call's limit keeps the replays it finished (JSON after each).
 set -u
 OUT=${1:?usage: bash benchmarks/h200_engine.sh OUTDIR [tests|step|azure|mooncake ...]}
 shift
@@ -37,7 +39,7 @@ run() {
 }
 C=examples/configs
 CONFIGS="$C/q_unquantized.json $C/q_int8.json $C/q_int4.json"
-AZURE_REQUESTS=${AZURE_REQUESTS:-24}
+AZURE_REQUESTS=${AZURE_REQUESTS:-32}
 MOONCAKE_REQUESTS=${MOONCAKE_REQUESTS:-12}
 REPEATS=${REPEATS:-3}
 
@@ -66,13 +68,13 @@ for stage in $STAGES; do
   azure)
     log "replays: Azure conv, $AZURE_REQUESTS requests, saturation, default and 4 GB budgets"
     run 200 python3 benchmarks/engine_replay.py --model random:llama-3.1-8b \
-      --workload examples/traces/azure_conv_sample.csv --requests "$AZURE_REQUESTS" --kv-budget 4e9 \
+      --workload examples/traces/azure_conv_sample.csv --requests "$AZURE_REQUESTS" --seed 1 --kv-budget 4e9 \
       --kv-budget default --repeats "$REPEATS" --baseline --json "$OUT/replay_azure.json" $CONFIGS 2>&1 \
       | tee "$OUT/replay_azure.log" | tee -a "$OUT/summary.log" ;;
   mooncake)
     log "replays: Mooncake, $MOONCAKE_REQUESTS requests capped at 8K tokens, saturation, 8 GB budget"
     run 170 python3 benchmarks/engine_replay.py --model random:llama-3.1-8b \
-      --workload examples/traces/mooncake_sample.jsonl --requests "$MOONCAKE_REQUESTS" --length-cap 8192 \
+      --workload examples/traces/mooncake_sample.jsonl --requests "$MOONCAKE_REQUESTS" --seed 0 --length-cap 8192 \
       --kv-budget 8e9 --repeats "$REPEATS" --baseline --json "$OUT/replay_mooncake.json" $CONFIGS 2>&1 \
       | tee "$OUT/replay_mooncake.log" | tee -a "$OUT/summary.log" ;;
   *) log "unknown stage $stage (tests, step, azure, mooncake)" ;;

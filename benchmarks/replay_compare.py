@@ -49,7 +49,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--budget-gb", type=float, required=True)
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--length-cap", type=int, default=None)
-    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument(
+        "--max-num-seqs", "--max-batch", type=int, default=None, help="default: what the budget holds"
+    )
     p.add_argument("--load", type=float, default=0.75)
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None)
@@ -67,7 +69,9 @@ def main() -> None:
     budget = int(args.budget_gb * 1e9)
     configs = [HybridConfig.from_json_file(p) for p in args.configs]
     t0 = time.perf_counter()
-    replayer = Replayer(loaded, device, ReplayOptions(budget, scheduler=SchedulerConfig(args.max_batch)))
+    replayer = Replayer(
+        loaded, device, ReplayOptions(budget, scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+    )
     scale = replayer.calibrate(requests, args.load, configs[0])
     print(
         f"model {args.model} on {device} ({_device_name(device)}), {len(requests)} requests, budget "

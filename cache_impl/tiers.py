@@ -104,9 +104,13 @@ class TierState:
     def reset_device(self, idx: torch.Tensor, now_ms: float | torch.Tensor) -> None:
         """The device half of :meth:`reset` for block ids ``idx`` (int64 on the device; repeats allowed) at
         ``now_ms`` (a float, or a float64 device scalar: capturable in a CUDA graph, no host read)."""
-        self.tier[:, idx] = L1
-        self.last_access[:, idx] = now_ms
-        self.ema[:, idx] = math.nan
+        # index_fill_ with a Python number, never ``t[idx] = number`` (a host tensor: no copy under capture)
+        self.tier.index_fill_(1, idx, L1)
+        if isinstance(now_ms, torch.Tensor):
+            self.last_access[:, idx] = now_ms.to(self.last_access.dtype)
+        else:
+            self.last_access.index_fill_(1, idx, now_ms)
+        self.ema.index_fill_(1, idx, math.nan)
 
     def clear(self) -> None:
         """Every block back to L1 with no statistics, in place (the tensors keep their addresses)."""

@@ -111,14 +111,14 @@ def seal_blocks_ref(
         pool.k[block_ids] = kt.to(pool.k.dtype)
         pool.v[block_ids] = vt.to(pool.v.dtype)
         pool.k_min[block_ids], pool.k_scale[block_ids] = lo, scale
-        pool.block_bits[block_ids] = 0
+        pool.block_bits.index_fill_(0, block_ids.long(), 0)  # capture-safe: no host tensor
         return
     kc, vc, k_min, k_scale, v_min, v_scale = _quantize_block(kt.float(), vt.float(), bits)
     pool.k[block_ids] = _to_row(pool, kc, bits)
     pool.v[block_ids] = _to_row(pool, vc, bits)
     pool.k_min[block_ids], pool.k_scale[block_ids] = k_min, k_scale
     pool.v_min[block_ids], pool.v_scale[block_ids] = v_min, v_scale
-    pool.block_bits[block_ids] = bits
+    pool.block_bits.index_fill_(0, block_ids.long(), bits)
 
 
 def seal_blocks(

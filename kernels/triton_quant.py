@@ -209,7 +209,7 @@ def seal_blocks_triton(
         BS=bs, T=next_pow2(bs), D=D, BITS=bits, POOL_BITS=pool.bits, HAS_ROWS=rows is not None,
         enable_fp_fusion=False,
     )  # fmt: skip
-    pool.block_bits[block_ids] = bits
+    pool.block_bits.index_fill_(0, block_ids.long(), bits)  # capture-safe: no host tensor
 
 
 def requantize_int4_triton(pool: ColdPool, block_ids: torch.Tensor) -> None:
@@ -232,4 +232,4 @@ def requantize_int4_triton(pool: ColdPool, block_ids: torch.Tensor) -> None:
         pool.v_min.stride(0), pool.v_min.stride(1),
         BS=bs, T=next_pow2(bs), D=D, enable_fp_fusion=False,
     )  # fmt: skip
-    pool.block_bits[ids] = 4
+    pool.block_bits.index_fill_(0, ids.long(), 4)

@@ -86,7 +86,7 @@ CPU = Defaults(12, 4, 2, CPU_LENGTH_SCALE, CPU_LENGTH_CAP, "float32", 2, 192, 16
 # every window at each rate. 120 fits the examples' search part (Azure 121, Mooncake 144 requests); the
 # CPU's is reduced and stated.
 CAPACITY_GPU = (120, 1)
-CAPACITY_CPU = (6, 1)
+CAPACITY_CPU = (16, 1)
 # What one CPU worker holds: its KV budget (allocated up front, whole) plus the model, PyTorch and Ray.
 CPU_WORKER_OVERHEAD_BYTES = 1 << 30
 
@@ -379,6 +379,8 @@ def _describe(e: Event) -> str:
     if e.kind == "probe":
         rate = f"{e.value:.4g}x the trace's rate"
         return f"  trial {e.trial} on worker {e.worker}: probe {e.step} at {rate}: {e.message}"
+    if e.kind == "pruned" and e.message:  # the capacity rule (a probe failed at or below the best)
+        return f"  trial {e.trial} on worker {e.worker}: pruned after probe {e.step}: {e.message}"
     value = "" if math.isnan(e.value) else f" {e.value:.4g}"
     step = f" window {e.step}" if e.step >= 0 else ""
     return f"  trial {e.trial} on worker {e.worker}: {e.kind}{step}{value} {e.message}"[:160]
