@@ -32,14 +32,15 @@ from typing import Any
 import torch
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.engine.engine import Engine, default_budget_bytes, load_workload, resolve_device
+from kvtune.engine.engine import default_budget_bytes, load_workload, resolve_device
 from kvtune.engine.model import load_model
+from kvtune.engine.options import DTYPES, ReplayOptions
+from kvtune.engine.replay import Replayer
 from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.engine.traces import Request
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 DEFAULT_CONFIGS = ("q_unquantized", "q_int8", "q_int4")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BASELINE = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, graphs=False, mixed=False)
 
 
@@ -112,7 +113,7 @@ def main() -> None:
         for path in configs:
             config = HybridConfig.from_json_file(path)
             for engine_name, options, repeats in engines:
-                engine = Engine(loaded, config, budget, device, options)
+                engine = Replayer(loaded, device, ReplayOptions(budget, 0, options)).engine(config)
                 if (engine_name, path.stem) not in warmed:
                     warm = _warmup_requests(requests, args.warmup_tokens)
                     engine.replay(warm, 0.0, warmup_requests=len(warm))

@@ -1,22 +1,7 @@
 """The Optuna study of a tuning run: storage, identity, objectives, known-good points, leftovers.
 
-Study user attributes (the names :mod:`kvtune.tuner.export` reads, plus the tuner's own), set when the study
-is
-created; ``kvtune.identity`` and ``kvtune.space`` are compared on ``--resume``::
-
-    kvtune.card, kvtune.model, kvtune.objective, kvtune.seed, kvtune.pareto
-    kvtune.workload           {name, path, sha256, requests}
-    kvtune.sample             how the windows were cut (requests, windows, seed, length scale and cap)
-    kvtune.space              the search space fingerprint; kvtune.space_description its text
-    kvtune.kv_budget_bytes    the workers' KV budget
-    kvtune.time_scale         the replay time scale; kvtune.time_scale_source "calibrated" or "given"
-    kvtune.quality_limits     {max_ppl_increase, max_kl}; kvtune.quality_settings how quality is measured
-    kvtune.identity           what a resumed run must repeat (all of the above that shape results)
-    kvtune.version, kvtune.created
-    kvtune.validation         the re-measurement of the best config and its baseline, when done
-                              (docs/DESIGN.md §3)
-
-Trial user attributes: see :mod:`kvtune.tuner.driver`.
+Every study and trial attribute it sets is named, with what it holds, in :mod:`kvtune.studies.names`;
+``kvtune.identity`` and ``kvtune.space`` are compared on ``--resume``.
 """
 
 from __future__ import annotations

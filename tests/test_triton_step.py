@@ -189,9 +189,9 @@ def test_sparse_block_table_gpu(gpu_kernels, b: int, m: int, k_blocks: int, bits
 DISPATCHERS = ("elementwise", "decode_attention", "access", "quant", "requant", "quest", "sparse_table")
 
 
-def _run_cache(seed: int, steps: int) -> tuple[list[torch.Tensor], dict, torch.Tensor]:
-    """Two sequences prefilled and decoded ``steps`` steps (seals, demotions to L2, Quest selection); the
-    outputs of every step, the cache's stats and its tiers."""
+def _prefilled_cache(seed: int, steps: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two sequences (60 and 75 tokens) prefilled into a 2-layer INT8 cache with a sparse tier, and the q/k/v
+    of their next ``steps`` tokens."""
     from kvtune.cache_impl.config import HybridConfig
     from kvtune.cache_impl.hybrid_cache import HybridCache, ModelKVShape
 
@@ -207,6 +207,13 @@ def _run_cache(seed: int, steps: int) -> tuple[list[torch.Tensor], dict, torch.T
         cache.add_sequence(sid, list(range(sid * 100, sid * 100 + length)))
         for layer in range(2):
             cache.prefill(layer, sid, q[layer, :length], k[layer, :length], v[layer, :length])
+    return cache, q, k, v
+
+
+def _run_cache(seed: int, steps: int) -> tuple[list[torch.Tensor], dict, torch.Tensor]:
+    """Two sequences prefilled and decoded ``steps`` steps (seals, demotions to L2, Quest selection); the
+    outputs of every step, the cache's stats and its tiers."""
+    cache, q, k, v = _prefilled_cache(seed, steps)
     outs = []
     for t in range(steps):
         plan = cache.begin_step([0, 1], 10.0 * t)
@@ -250,22 +257,9 @@ class _Padded:
 def _run_static(seed: int, steps: int) -> tuple[list[torch.Tensor], dict, torch.Tensor]:
     """``_run_cache`` through the static step (what a CUDA graph replays): seals before the step, padded
     rows, a fixed table width, the clock in the step buffers."""
-    from kvtune.cache_impl.config import HybridConfig
-    from kvtune.cache_impl.hybrid_cache import HybridCache, ModelKVShape
     from kvtune.cache_impl.plan import StepBuffers
 
-    shape = ModelKVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4, dtype=torch.float32)
-    cfg = HybridConfig("hybrid_v2", hot_tokens=16, block_size=8, quantization_bits=8, sparse_top_k=16,
-                       migration_interval=4, migration_threshold_ms=5.0)  # fmt: skip
-    cache = HybridCache(cfg, shape, 1 << 22, "cpu", max_seqs=2)
-    g = torch.Generator().manual_seed(seed)
-    n = 75 + steps
-    q = torch.randn(2, n, 4, 32, generator=g)
-    k, v = torch.randn(2, n, 2, 32, generator=g), torch.randn(2, n, 2, 32, generator=g)
-    for sid, length in ((0, 60), (1, 75)):
-        cache.add_sequence(sid, list(range(sid * 100, sid * 100 + length)))
-        for layer in range(2):
-            cache.prefill(layer, sid, q[layer, :length], k[layer, :length], v[layer, :length])
+    cache, q, k, v = _prefilled_cache(seed, steps)
     buffers, policy = StepBuffers(4, 16, "cpu"), _Padded()
     slots = np.asarray([cache.slot_of(0), cache.slot_of(1)])
     outs = []
