@@ -262,10 +262,6 @@ class HybridCache:
         """Tokens cached per slot (a copy)."""
         return self._st.length[slots].copy()
 
-    def ready_slots(self) -> np.ndarray:
-        """Slots whose sequence is fully prefilled (can decode)."""
-        return np.flatnonzero(self._ready)
-
     # ---- sequences ------------------------------------------------------------------------------------
     def _seq(self, seq_id: int) -> _Seq:
         if seq_id not in self._seqs:

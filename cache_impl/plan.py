@@ -89,19 +89,6 @@ class StepShape(Protocol):
     def seals_for(self, seals: int) -> int: ...
 
 
-class ExactShape:
-    """Rows, width and seal entries exactly as needed (a static step run without capture, e.g. on a CPU)."""
-
-    def rows_for(self, batch: int) -> int:
-        return batch
-
-    def width_for(self, blocks: int) -> int:
-        return max(1, blocks)
-
-    def seals_for(self, seals: int) -> int:
-        return seals
-
-
 @dataclass(frozen=True)
 class StepInfo:
     """What ``HybridCache.prepare_step`` staged: the real batch, its padded shape, the seals, the host side

@@ -77,14 +77,6 @@ def _bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-@dataclass
-class StepTiming:
-    """Device time of one step's forward (ms) and of its attention (ms; None when not timed)."""
-
-    forward_ms: float
-    attention_ms: float | None
-
-
 class _Marked:
     """The cache as the captured forward sees it: marks around each ``decode`` call (attention)."""
 

@@ -55,7 +55,6 @@ class SchedulerConfig:
     mixed: decode tokens and prompt chunks share one forward per iteration; False: prompts are prefilled in
     forwards of their own before each decode step (the engine as it was).
 
-    ``max_batch`` and ``max_prefill_tokens`` are the former names of the first two (read-only aliases).
     """
 
     max_num_seqs: int | None = None
@@ -77,14 +76,6 @@ class SchedulerConfig:
                 f"token fits one iteration), but got max_num_batched_tokens={self.max_num_batched_tokens}, "
                 f"max_num_seqs={self.max_num_seqs}"
             )
-
-    @property
-    def max_batch(self) -> int | None:
-        return self.max_num_seqs
-
-    @property
-    def max_prefill_tokens(self) -> int:
-        return self.max_num_batched_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return {

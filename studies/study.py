@@ -103,18 +103,6 @@ def study_name(card: str, model: str, workload: str | Path) -> str:
     return f"{card}-{model_part.replace(':', '-')}-{Path(workload).stem}"
 
 
-def resolve_storage(url: str, workdir: Path | None = None) -> str:
-    """A SQLAlchemy URL; a relative SQLite file lives under ``workdir`` (default: cwd), its folder created."""
-    prefix = "sqlite:///"
-    if not url.startswith(prefix) or url == prefix + ":memory:":
-        return url
-    path = Path(url.removeprefix(prefix))
-    if not path.is_absolute():
-        path = (workdir or Path.cwd()) / path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return prefix + str(path)
-
-
 def _sampler(options: StudyOptions, existing: int) -> optuna.samplers.BaseSampler:
     """TPE seeded by ``seed + trials already in the study``: a resumed study does not replay its first
     points."""

@@ -38,7 +38,6 @@ Trial user attributes (all prefixed ``kvtune.``): ``config`` (the resolved hybri
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -388,7 +387,3 @@ def quality_memo(study: optuna.Study) -> dict[str, dict[str, Any]]:
 def _short_config(config: HybridConfig) -> str:
     keys = ("hot_tokens", "block_size", "quantization_bits", "sparse_top_k", "migration_throttling")
     return " ".join(f"{k}={getattr(config, k)}" for k in keys)
-
-
-def result_dict(result: TrialResult) -> dict[str, Any]:
-    return dataclasses.asdict(result)
