@@ -27,19 +27,16 @@ from optuna.trial import TrialState
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.traces import MAX_REQUEST_TOKENS, LengthPolicy, Request, TraceError, TraceFile, read_trace
-from kvtune.search_spaces.cards import resolve_gpu
 from kvtune.studies import names
-from kvtune.studies.study import StudyOptions, store_validation
+from kvtune.studies.study import store_validation
+from kvtune.tests.tuner_fakes import tiny_job
 from kvtune.tuner import cli, local_ray
 from kvtune.tuner import export as ex
 from kvtune.tuner.commands import tune as tune_command
-from kvtune.tuner.driver import Bounds
 from kvtune.tuner.job import TuneJob, TuneReport, tune
 from kvtune.tuner.pool import WorkerPool, plan_placement
 from kvtune.tuner.preflight import preflight
 from kvtune.tuner.protocol import QualitySettings, WorkerSpec
-from kvtune.tuner.worker import TrialWorker
-from kvtune.tuner.workload import WorkloadSample
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,21 +81,7 @@ def mooncake_lines(n: int, input_length: int = 700, output_length: int = 30) -> 
 
 
 def job(tmp: Path, trace: Path = TRACE, **changes: Any) -> TuneJob:
-    quality = QualitySettings(model="random:tiny", text_path=str(TEXT), windows=1, prefill_tokens=24,
-                              decode_tokens=4, passkey=False)  # fmt: skip
-    base = TuneJob(
-        options=StudyOptions(f"sqlite:///{tmp}/h.db", "h", "tpot_p99", False, seed=0, resume=False),
-        trials=2,
-        card=resolve_gpu("cpu"),
-        sample=WorkloadSample(str(trace), requests=3, windows=1, seed=0, length_scale=0.01, length_cap=96),
-        spec=WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26, threads=1),
-        bounds=Bounds(max_ppl_increase=2.0),
-        time_scale=1.0,
-        write_preset=False,
-        presets_dir=str(tmp / "presets"),
-        worker_cls=TrialWorker,
-    )
-    return dataclasses.replace(base, **changes)
+    return tiny_job(tmp, trace=trace, **changes)
 
 
 # ---- a study's local Ray is private ------------------------------------------------------------------------
@@ -323,7 +306,7 @@ def test_a_sample_mostly_clipped_is_counted_and_warned_about_before_ray(tmp_path
 
 def test_a_trial_past_its_time_limit_is_infeasible_with_the_reason(ray_cluster: Any, tmp_path: Path) -> None:
     report = tune(job(tmp_path, trials=2, trial_time_limit_s=1e-3))
-    study = optuna.load_study(study_name="h", storage=f"sqlite:///{tmp_path}/h.db")
+    study = optuna.load_study(study_name="j", storage=f"sqlite:///{tmp_path}/j.db")
     done = study.get_trials(states=(TrialState.COMPLETE,))
     assert len(done) == 2 and report.validation is None  # nothing feasible, nothing validated
     assert all(t.constraints["ran"] == 1.0 for t in done)

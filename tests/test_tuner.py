@@ -25,14 +25,13 @@ from kvtune.search_spaces.cards import resolve_gpu
 from kvtune.search_spaces.space import SearchSpace, WorkloadStats
 from kvtune.studies.names import ATTR_RESUME_OF
 from kvtune.studies.study import SpaceId, StudyOptions, open_study
-from kvtune.tests.tuner_fakes import CRASH_BITS, BrokenWorker, CrashingWorker
+from kvtune.tests.tuner_fakes import CRASH_BITS, BrokenWorker, CrashingWorker, tiny_job
 from kvtune.tuner import cli
-from kvtune.tuner.driver import Bounds, Event
+from kvtune.tuner.driver import Event
 from kvtune.tuner.job import TuneJob, quality_coverage, tune
 from kvtune.tuner.pool import WorkerStartError
 from kvtune.tuner.protocol import QualitySettings, WorkerSpec
 from kvtune.tuner.worker import TrialWorker
-from kvtune.tuner.workload import WorkloadSample
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "examples" / "traces" / "mooncake_sample.jsonl"
@@ -171,21 +170,7 @@ def test_bad_input_is_one_clear_line_and_the_study_is_intact(
 
 # ---- jobs without the CLI ----------------------------------------------------------------------------------
 def job(tmp: Path, worker_cls: type, trials: int = 2, resume: bool = False, **changes: Any) -> TuneJob:
-    quality = QualitySettings(model="random:tiny", text_path=str(TEXT), windows=1, prefill_tokens=24,
-                              decode_tokens=4, passkey=False)  # fmt: skip
-    base = TuneJob(
-        options=StudyOptions(f"sqlite:///{tmp}/j.db", "j", "tpot_p99", False, seed=0, resume=resume),
-        trials=trials,
-        card=resolve_gpu("cpu"),
-        sample=WorkloadSample(str(TRACE), requests=3, windows=1, seed=0, length_scale=0.01, length_cap=96),
-        spec=WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26, threads=1),
-        bounds=Bounds(max_ppl_increase=2.0),
-        time_scale=1.0,
-        write_preset=False,
-        presets_dir=str(tmp / "presets"),
-        worker_cls=worker_cls,
-    )
-    return dataclasses.replace(base, **changes)
+    return tiny_job(tmp, worker_cls, trials=trials, resume=resume, **changes)
 
 
 def test_a_config_that_crashes_is_an_infeasible_trial(ray_cluster: Any, tmp_path: Path) -> None:
