@@ -5,15 +5,23 @@ timed on it, path after path (each continues the same sequences; a few hundred t
 
 * ``eager``: ``begin_step`` → ``model.decode`` → ``end_step`` → argmax to the host, every kernel launched
   from Python (the engine with ``--no-graphs``);
-* ``graph``: the static step (:mod:`kvtune.engine.graphs`): ``prepare_step`` (host bookkeeping, one upload)
-  → the seal graph when a zone fills → the forward's CUDA graph → ``finish_step`` → argmax to the host (the
-  engine's decode-only iterations); captured during the warm-up;
+* ``graph``: the static step (:mod:`kvtune.engine.graphs`) as the engine runs it: ``prepare_step`` (host
+  bookkeeping, one upload) → the seal graph when a zone fills → the forward's CUDA graph → ``finish_step`` →
+  tokens copied to the host, read one step later: each step feeds its tokens on the device, so the host
+  stages step t + 1 while the GPU runs step t; captured during the warm-up;
+* ``graph_sync``: the same, but each step waits for its own tokens before the next is staged (the host's
+  work then adds to the GPU's);
 * ``torch`` (optional): eager with the PyTorch references for every operation but attention.
 
-Each step ends with its tokens on the host (as in the engine), so the wall time per step includes the
-host's work; GPU time is the sum of the step's kernel times (profiler, 3 steps), launches are the host's
-kernel and graph launch calls per step. Ratios: wall / GPU per path, and each config's wall time against the
-first config's (unquantized) for the same path.
+Every step's tokens reach the host (as in the engine), so the wall time per step includes the host's work
+wherever it does not overlap the GPU's; a graph first needed inside the timed steps (a table-width bucket
+reached there) is captured there, and its capture time is left out of the wall time, as the engine leaves it
+out of a replay's clock. GPU ms: for the graph paths, CUDA events around each step's seal and
+forward replays (the device time of the step, idle gaps before it excluded), averaged over the timed steps;
+for eager, the sum of the step's kernel times (profiler, 3 steps). Kernel ms: that profiler sum for every
+path (the profiler's view of a graph replay is approximate); launches are the host's kernel and graph
+launch calls per step. Ratios: wall / GPU per path, and each config's wall time against the first config's
+(unquantized) for the same path.
 
     python benchmarks/decode_step.py --shape llama-3.1-8b --batch 32 --context 8192
     python benchmarks/decode_step.py --shape smollm2-135m --batch 64 --context 2048 --json step.json
@@ -34,6 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,18 +111,34 @@ class Stepper:
         self.loaded, self.cache, self.batch, self.path = loaded, cache, batch, path
         self.slots = np.asarray([cache.slot_of(s) for s in range(batch)], dtype=np.int64)
         self.graphs: DecodeGraphs | None = None
-        if path == "graph":
+        self.cuda = cache.device.type == "cuda"
+        self.events: list[tuple[Any, Any]] = []  # (start, end) of each graph step's device work
+        self._pending: tuple[torch.Tensor, Any] | None = None
+        if path in ("graph", "graph_sync"):
             blocks = min(cache.layout.num_blocks, cache.layout.blocks_for(max_len))
-            cuda = cache.device.type == "cuda"
-            self.graphs = DecodeGraphs(loaded.model, cache, batch, blocks, capture=cuda, padded=True)
+            self.graphs = DecodeGraphs(loaded.model, cache, batch, blocks, capture=self.cuda, padded=True)
 
     def step(self, t: int) -> None:
         now, dev = 50.0 * t, self.loaded.model.device
         if self.graphs is not None:
-            info = self.graphs.prepare(self.slots, np.full(self.batch, 7, dtype=np.int64), now)
+            # after the first step, every row feeds the token its previous step left on the device
+            fed = -1 if self._pending is not None else 7
+            info = self.graphs.prepare(self.slots, np.full(self.batch, fed, dtype=np.int64), now)
+            start = torch.cuda.Event(enable_timing=True) if self.cuda else None
+            if start is not None:
+                start.record()
             self.graphs.run(info)
+            if start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.events.append((start, end))
             self.cache.finish_step(info)
-            self.graphs.next_tokens(info).tolist()
+            tokens = self.graphs.tokens_to_host(info)
+            self.land()
+            self._pending = tokens
+            if self.path == "graph_sync":
+                self.land()
+                self._pending = tokens
             return
         positions = torch.as_tensor(self.cache.lengths(self.slots), device=dev)
         plan = self.cache.begin_step(list(range(self.batch)), now_ms=now)
@@ -121,6 +146,22 @@ class Stepper:
         logits = self.loaded.model.decode(self.cache, plan, tokens, positions)
         self.cache.end_step(plan)
         logits.argmax(-1).tolist()
+
+    def land(self) -> None:
+        """The tokens of the step in flight reach the host (the engine's ``_land``)."""
+        if self._pending is not None:
+            host, ready = self._pending
+            if ready is not None:
+                ready.synchronize()
+            host.tolist()
+
+    def device_ms(self) -> float | None:
+        """Mean device time of the graph steps timed since the last call (all completed)."""
+        if not self.events:
+            return None
+        ms = sum(a.elapsed_time(b) for a, b in self.events) / len(self.events)
+        self.events.clear()
+        return float(ms)
 
 
 def config_name(config: HybridConfig) -> str:
@@ -148,18 +189,31 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
     warmup = config.hot_tokens + config.block_size if args.warmup is None else args.warmup
     for t in range(warmup):
         stepper.step(t0 + t)
+    stepper.land()
     sync()
+    stepper.events.clear()
     t0 += warmup
+    graphs = stepper.graphs
+    if graphs is not None:
+        graphs.take_capture_ms()
+    captures = graphs.captures if graphs is not None else 0
     start = time.perf_counter()
     for t in range(args.steps):
         stepper.step(t0 + t)
+    stepper.land()
     sync()
-    wall = (time.perf_counter() - start) * 1000 / args.steps
+    # a table-width bucket first reached inside the timed steps is captured there: its capture is left
+    # out of the wall time, as the engine leaves it out of a replay's clock
+    captured_ms = graphs.take_capture_ms() if graphs is not None else 0.0
+    wall = ((time.perf_counter() - start) * 1000 - captured_ms) / args.steps
+    device_ms = stepper.device_ms()
     t0 += args.steps
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         for t in range(3):
             stepper.step(t0 + t)
+        stepper.land()
         sync()
+    stepper.events.clear()
     t0 += 3
     if args.host_profile is not None:
         name = f"{config_name(config)}-{stepper.path}.txt"
@@ -168,19 +222,22 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
     events = prof.events()
     if cuda:
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        gpu_ms = sum(e.device_time for e in kernels) / 3000
+        kernel_ms = sum(e.device_time for e in kernels) / 3000
     else:  # a CPU run counts the top-level operators instead of kernels
         kernels = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
-        gpu_ms = 0.0
+        kernel_ms = 0.0
     launches = sum(1 for e in events if any(c in e.name for c in LAUNCH_CALLS))
-    graphs = stepper.graphs
+    gpu_ms = device_ms if device_ms is not None else kernel_ms
     return {
         "wall_ms": wall,
         "gpu_ms": gpu_ms,
+        "kernel_ms": kernel_ms,
         "wall_over_gpu": wall / gpu_ms if gpu_ms > 0 else None,
         "kernels": len(kernels) / 3,
         "launches": launches / 3,
         "captures": graphs.captures if graphs is not None else 0,
+        "captures_timed": (graphs.captures if graphs is not None else 0) - captures,  # left out of wall_ms
+        "captured_ms_timed": captured_ms,
         "next_t": t0,
     }
 
@@ -198,23 +255,23 @@ def main() -> None:
     p.add_argument("--context", "--length", dest="length", type=int, default=2048, help="prompt tokens")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default hot_tokens + block_size)")
-    p.add_argument("--paths", default="eager,graph", help="comma-separated: eager, graph, torch")
+    p.add_argument("--paths", default="eager,graph", help="comma-separated: eager, graph, graph_sync, torch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--host-profile", type=Path, default=None, help="folder for cProfile reports of the host")
     args = p.parse_args()
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    if not set(paths) <= {"eager", "graph", "torch"}:
-        p.error(f"--paths: expected eager, graph or torch, got {paths}")
+    if not set(paths) <= {"eager", "graph", "graph_sync", "torch"}:
+        p.error(f"--paths: expected eager, graph, graph_sync or torch, got {paths}")
     configs = args.configs or [CONFIGS / f"{c}.json" for c in DEFAULT_CONFIGS]
     model = args.model or f"random:{args.shape}"
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     loaded = load_model(model, args.device, dtype, args.seed)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{name} · {model} {dtype} · {args.batch} sequences × {args.length} tokens · paths {paths}")
-    header = f"{'config':<26} {'path':>6} {'ms/step':>8} {'GPU ms':>7} {'wall/GPU':>8} {'kernels':>8}"
-    print(header + f" {'launches':>8} {'vs first':>8}")
+    header = f"{'config':<26} {'path':>10} {'ms/step':>8} {'GPU ms':>7} {'wall/GPU':>8} {'kernel ms':>9}"
+    print(header + f" {'kernels':>8} {'launches':>8} {'vs first':>8}")
     rows: list[dict] = []
     first: dict[str, float] = {}
     max_len = args.length + 2048  # room for every path's steps
@@ -234,9 +291,10 @@ def main() -> None:
             res[choice] = r
             rows.append({"config": path.stem, "path": choice, **r})
             ratio = f"{r['wall_over_gpu']:.2f}" if r["wall_over_gpu"] else "n/a"
-            cells = f"{r['wall_ms']:>8.2f} {r['gpu_ms']:>7.2f} {ratio:>8} {r['kernels']:>8.0f}"
+            cells = f"{r['wall_ms']:>8.2f} {r['gpu_ms']:>7.2f} {ratio:>8} {r['kernel_ms']:>9.2f}"
             print(
-                f"{path.stem:<26} {choice:>6} {cells} {r['launches']:>8.0f} {r['vs_first']:>7.2f}×",
+                f"{path.stem:<26} {choice:>10} {cells} {r['kernels']:>8.0f} {r['launches']:>8.0f} "
+                f"{r['vs_first']:>7.2f}×",
                 flush=True,
             )
         if "eager" in res and "graph" in res:

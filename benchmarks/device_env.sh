@@ -2,7 +2,8 @@
 # Source this at the start of a run on a GPU machine that has torch + triton but not kvtune, ray or optuna:
 #   . benchmarks/device_env.sh
 # It installs the carried wheels in .whl/ (see README: device wheels) into /tmp/site and reassembles
-# the SmolLM2 GGUF from parts carried in .weights/{a,b,c}/ or left in /tmp/weights by earlier runs.
+# the SmolLM2 GGUF (98 MB) from two halves carried in .weights/a/part1 and .weights/b/part2 (one call each:
+# a call carries at most 64 MiB) or left in /tmp/weights by earlier calls on the same machine.
 # The checkout itself goes on PYTHONPATH: kvtune/ links the top-level folders into the namespace.
 set -u
 repo=$(pwd)
@@ -12,11 +13,11 @@ if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once per machine: a run
 fi
 export PYTHONPATH="$repo:/tmp/site" RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 mkdir -p /tmp/weights
-for p in a/part1 b/part2 c/part3; do
+for p in a/part1 b/part2; do
   [ -f ".weights/$p" ] && cp ".weights/$p" "/tmp/weights/$(basename $p)"
 done
-if [ -f /tmp/weights/part1 ] && [ -f /tmp/weights/part2 ] && [ -f /tmp/weights/part3 ]; then
-  cat /tmp/weights/part1 /tmp/weights/part2 /tmp/weights/part3 > /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ -f /tmp/weights/part1 ] && [ -f /tmp/weights/part2 ]; then
+  cat /tmp/weights/part1 /tmp/weights/part2 > /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "gguf sha256: $(sha256sum /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-16)"
   export KVTUNE_SMOLLM2_GGUF=/tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf
 fi

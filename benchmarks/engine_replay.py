@@ -5,23 +5,23 @@ times by the engine with its defaults (CUDA graphs for decode-only iterations, m
 ``max_num_seqs``) and, with ``--baseline``, once by the engine as it was (``--no-graphs``, separate
 prefill forwards, ``max_num_seqs`` 256, ``max_num_batched_tokens`` 8192). Printed per run: output tokens/s,
 P99 TTFT and TPOT, preemptions, peak KV memory against the budget, the share of the forwards' device time
-in iterations that carry prompt tokens; per (config, budget): the mean tokens/s, the repeats' spread (max -
-min over mean) of tokens/s and P99 TPOT, the speed-up over the baseline, and tokens/s against the first
-config's.
+in iterations that carry prompt tokens; per (config, budget): the mean tokens/s, the repeats' spread (the
+largest distance of a repeat from their median, over the median) of tokens/s and P99 TPOT, the speed-up over
+the baseline, and tokens/s against the first config's.
 
     python benchmarks/engine_replay.py --model random:llama-3.1-8b --requests 32 --kv-budget 4e9 \\
         --kv-budget default --baseline --workload examples/traces/azure_conv_sample.csv --json out.json
 
-Each (engine, config) pair first serves a short warm-up replay (the sample's first requests cut to a few
-hundred tokens), so no kernel compiles inside a measured replay; the measured replays then run without a
-warm-up of their own (graphs a replay needs are captured outside its clock). ``--time-scale`` (default 0,
-all requests at once) replays open-loop instead.
+Each (engine, config) pair first serves the sample once unmeasured (``--prime``, on by default): its
+warm-up compiles every kernel and that replay captures every CUDA graph the sample reaches, so the measured
+repeats that follow reuse the same cache and graphs (the engine keeps them between replays of one config)
+and capture nothing. ``--no-prime`` measures from the first replay on, whose captures are taken off its
+clock. ``--time-scale`` (default 0, all requests at once) replays open-loop instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import statistics
@@ -34,10 +34,9 @@ import torch
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.engine import default_budget_bytes, load_workload, resolve_device
 from kvtune.engine.model import load_model
-from kvtune.engine.options import DTYPES, ReplayOptions
+from kvtune.engine.options import DTYPES, WARMUP_REQUESTS, ReplayOptions
 from kvtune.engine.replay import Replayer
 from kvtune.engine.scheduler import SchedulerConfig
-from kvtune.engine.traces import Request
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 DEFAULT_CONFIGS = ("q_unquantized", "q_int8", "q_int4")
@@ -64,22 +63,16 @@ def _args() -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true", help="also replay once with the engine as it was")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--warmup-tokens", type=int, default=384, help="prompt tokens of each warm-up request")
+    p.add_argument(
+        "--prime",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve the sample once unmeasured before the repeats (default on; repeat -1 in the JSON)",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args()
-
-
-def _warmup_requests(requests: list[Request], prompt: int) -> list[Request]:
-    """The first requests cut short: prompts of ``prompt`` tokens (prefix ids kept), 100 output tokens (each
-    zone seals in decode), so every kernel compiles and the small graphs are captured."""
-    out = []
-    for r in requests[:4]:
-        hashes = r.hash_ids[: max(1, -(-prompt // r.block_tokens))] if r.hash_ids else r.hash_ids
-        n = min(r.input_length, prompt)
-        out.append(dataclasses.replace(r, input_length=n, output_length=100, hash_ids=hashes, arrival_ms=0.0))
-    return out
 
 
 def _budget(text: str, loaded: Any, device: torch.device) -> int:
@@ -108,25 +101,28 @@ def main() -> None:
     header = f"{'config':<16} {'budget':>9} {'engine':>8} {'#':>2} {'tok/s':>8} {'TTFT99':>8} {'TPOT99':>8}"
     print(f"{header} {'preempt':>7} {'peakKV GB':>9} {'seqs':>5} {'prefill':>7} {'steps':>6} {'graphs':>6}")
     results: list[dict[str, Any]] = []
-    warmed: set[tuple[str, str]] = set()
     for label, budget in budgets:
         for path in configs:
             config = HybridConfig.from_json_file(path)
             for engine_name, options, repeats in engines:
                 engine = Replayer(loaded, device, ReplayOptions(budget, 0, options)).engine(config)
-                if (engine_name, path.stem) not in warmed:
-                    warm = _warmup_requests(requests, args.warmup_tokens)
-                    engine.replay(warm, 0.0, warmup_requests=len(warm))
-                    warmed.add((engine_name, path.stem))
+                if args.prime and engine_name == "engine":  # the engine as it was captures nothing
+                    t0 = time.perf_counter()
+                    d = engine.replay(requests, args.time_scale, warmup_requests=WARMUP_REQUESTS).to_dict()
+                    d["wall_s"] = time.perf_counter() - t0
+                    results.append({"config": path.stem, "budget": label, "budget_bytes": budget,
+                                    "engine": engine_name, "repeat": -1, "metrics": d})  # fmt: skip
+                    _row(path.stem, label, engine_name, -1, d, budget)
                 for i in range(repeats):
                     t0 = time.perf_counter()
-                    m = engine.replay(requests, args.time_scale, warmup_requests=0)
+                    m = engine.replay(requests, args.time_scale, warmup_requests=WARMUP_REQUESTS)
                     d = m.to_dict()
                     d["wall_s"] = time.perf_counter() - t0
                     results.append({"config": path.stem, "budget": label, "budget_bytes": budget,
                                     "engine": engine_name, "repeat": i, "metrics": d})  # fmt: skip
                     _row(path.stem, label, engine_name, i, d, budget)
                     _write(args, ours, name, provenance, results)
+                engine.release()
                 del engine
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -166,13 +162,19 @@ def _row(config: str, budget: str, engine: str, i: int, d: dict[str, Any], budge
 
 
 def _spread(values: list[float]) -> float:
+    """The largest distance of a repeat from the repeats' median, relative to the median."""
     finite = [v for v in values if math.isfinite(v)]
-    return (max(finite) - min(finite)) / statistics.mean(finite) if len(finite) > 1 else 0.0
+    if len(finite) < 2:
+        return 0.0
+    mid = statistics.median(finite)
+    return max(abs(v - mid) for v in finite) / mid
 
 
 def _summary(results: list[dict[str, Any]], config: str, budget: str) -> None:
     mine = [
-        r["metrics"] for r in results if (r["config"], r["budget"], r["engine"]) == (config, budget, "engine")
+        r["metrics"]
+        for r in results
+        if (r["config"], r["budget"], r["engine"]) == (config, budget, "engine") and r["repeat"] >= 0
     ]
     base = [
         r["metrics"]
@@ -182,8 +184,9 @@ def _summary(results: list[dict[str, Any]], config: str, budget: str) -> None:
     tps = [m["tokens_per_s"] for m in mine]
     tpot = [m["tpot_p99_ms"] for m in mine]
     text = (
-        f"  {config} @ {budget}: {statistics.mean(tps):.1f} tok/s over {len(tps)} repeats, spread tok/s "
-        f"{100 * _spread(tps):.1f} % (<= 3 %), P99 TPOT {100 * _spread(tpot):.1f} % (<= 5 %)"
+        f"  {config} @ {budget}: {statistics.mean(tps):.1f} tok/s over {len(tps)} repeats, largest "
+        f"distance from the median: tok/s {100 * _spread(tps):.1f} % (<= 3 %), "
+        f"P99 TPOT {100 * _spread(tpot):.1f} % (<= 5 %)"
     )
     if base:
         text += f"; {statistics.mean(tps) / base[0]['tokens_per_s']:.2f}× the engine as it was (>= 3×)"
@@ -196,7 +199,7 @@ def _versus_first(results: list[dict[str, Any]], budget: str, configs: list[str]
         tps = [
             r["metrics"]["tokens_per_s"]
             for r in results
-            if (r["config"], r["budget"], r["engine"]) == (c, budget, "engine")
+            if (r["config"], r["budget"], r["engine"]) == (c, budget, "engine") and r["repeat"] >= 0
         ]
         means[c] = statistics.mean(tps) if tps else math.nan
     first = means[configs[0]]

@@ -477,9 +477,11 @@ class HybridCache:
     ) -> StepInfo:
         """Host half of a static decode step of the sequences in ``slots`` (distinct, ready), feeding
         ``tokens``: allocate the blocks that seal, advance lengths, count the bytes attention will read, and
-        stage everything in ``buffers`` (one upload). The caller then runs :meth:`seal_static` (``seal_rows``
-        entries, when ``num_seals``), the forward on ``buffers.plan(rows, width)``, then :meth:`finish_step`.
-        Vectorized: no per-sequence Python work besides one block per sealing sequence."""
+        stage everything in ``buffers`` (one upload). A token of -1 is read from the device where the
+        previous static step left it (:class:`~kvtune.engine.graphs.DecodeGraphs`). The caller then runs
+        :meth:`seal_static` (``seal_rows`` entries, when ``num_seals``), the forward on
+        ``buffers.plan(rows, width)``, then :meth:`finish_step`. Vectorized: no per-sequence Python work
+        besides one block per sealing sequence."""
         st, bs, b = self._st, self.config.block_size, len(slots)
         rows = shape.rows_for(b)
         if not (b <= rows <= buffers.rows) or len(tokens) != b or b == 0:
@@ -525,7 +527,7 @@ class HybridCache:
         table = buffers.table(rows, width)
         table[:b] = st.table[slots, :width]
         table[pad] = -1
-        buffers.set_now(now_ms)
+        buffers.set_now(now_ms, b)
         buffers.upload(rows, width)
         self._count_bytes_host(int(st.hot_len[slots].sum()), int(num_blocks.sum()))
         return StepInfo(b, rows, width, n_seal, seal_rows, slots, sealing, float(now_ms))

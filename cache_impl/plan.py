@@ -108,8 +108,10 @@ class StepBuffers:
     """The static inputs and outputs of a decode step (device), and their pinned host staging.
 
     One int64 device buffer holds, for up to ``rows`` rows: hot-zone slots, write positions, hot lengths
-    after the append, token positions, sealed-block counts, input tokens, the seal entries (slots, fresh
-    blocks), the clock (float64 bits), then the block table ``[rows, width]`` of this step's shape. The host
+    after the append, token positions, sealed-block counts, input tokens (-1: the token the previous step
+    left on the device, see :class:`~kvtune.engine.graphs.DecodeGraphs`), the seal entries (slots, fresh
+    blocks), the clock (float64 bits) and the batch (rows in use before padding), then the block table
+    ``[rows, width]`` of this step's shape. The host
     fills the staging array and copies the prefix in use once (:meth:`upload`); the plan of a (rows, width)
     shape is a set of views of that buffer (:meth:`plan`), the same tensors on every replay. Padding rows
     (beyond the batch) are harmless: slot 0, write position ``hot_capacity - 1`` (a position no hot zone ever
@@ -154,8 +156,10 @@ class StepBuffers:
         """The staging block table of a (rows, width) shape, [rows, width]."""
         return self.host[self.table_offset : self.table_offset + rows * width].reshape(rows, width)
 
-    def set_now(self, now_ms: float) -> None:
+    def set_now(self, now_ms: float, batch: int) -> None:
+        """Stage the clock and the batch (the rows before padding)."""
         self.host[self.now_offset] = np.float64(now_ms).view(np.int64)
+        self.host[self.now_offset + 1] = batch
 
     def wait_staging(self) -> None:
         """Block until the last upload has left the staging array (normally long done)."""
@@ -176,6 +180,10 @@ class StepBuffers:
     def now_tensor(self) -> torch.Tensor:
         """The clock as a float64 device scalar (a view of the buffer)."""
         return self.dev[self.now_offset : self.now_offset + 1].view(torch.float64)[0]
+
+    def batch_tensor(self) -> torch.Tensor:
+        """The batch of the staged step as an int64 device scalar (a view of the buffer)."""
+        return self.dev[self.now_offset + 1]
 
     def view(self, name: str, rows: int) -> torch.Tensor:
         start = self.offset[name]

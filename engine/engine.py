@@ -41,6 +41,7 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
 from kvtune.cache_impl.layout import sequences_for_budget
 from kvtune.engine.graphs import DecodeGraphs
+from kvtune.engine.graphs import attention_ms as graphs_attention_ms
 from kvtune.engine.metrics import (
     EngineCounters,
     ReplayMetrics,
@@ -170,6 +171,30 @@ class EngineSettings:
 
 
 @dataclass
+class _InFlight:
+    """A static decode step launched whose tokens have not reached the host yet (at most one: the engine
+    stages and launches the next step while the GPU runs this one, then lands this one)."""
+
+    slots: np.ndarray
+    done: np.ndarray  # the slots this step completes (they no longer decode)
+    tokens: torch.Tensor  # the host copy of the step's tokens (arriving)
+    ready: Any  # a CUDA event after that copy (None: already there)
+    marks: tuple[Any, Any, Any, Any]  # iteration start, forward start, forward end, iteration end
+    captured_ms: float
+    attention: list[tuple[Any, Any]] | None  # the attention marks of a timed step
+    bytes_before: int
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A cache and its decode graphs kept between replays of one config with one set of options."""
+
+    key: tuple[Any, ...]
+    cache: HybridCache
+    graphs: DecodeGraphs | None
+
+
+@dataclass
 class _Run:
     """Mutable state of one replay (one cache, one scheduler, the counters so far)."""
 
@@ -181,6 +206,9 @@ class _Run:
     settings: EngineSettings
     outputs: SlotOutputs
     graphs: DecodeGraphs | None = None
+    seqs: list[Seq] = field(default_factory=list)  # every sequence of the replay, in arrival order
+    in_flight: _InFlight | None = None
+    captures_before: int = 0  # graphs captured by earlier replays on the same cache
     timings: list[RequestTiming] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
 
@@ -213,6 +241,8 @@ class Engine:
         self.scheduler_config = scheduler or SchedulerConfig()
         self.timer = DeviceTimer(self.device)
         self.copy_bandwidth_gbs = copy_bandwidth_gbs(self.device)
+        # the cache and graphs of the last replay, shared with every with_config() copy: one at a time
+        self._kept: list[_Kept | None] = [None]
 
     # -------------------------------------------------------------------------------------------- public
 
@@ -238,6 +268,10 @@ class Engine:
         CUDA graphs they use, so that no compilation falls inside the measured replay; the cache is then
         emptied (:meth:`HybridCache.reset`, its tensors and the graphs over them kept) and serves every
         request. A graph first needed by the measured replay is captured then, outside its clock.
+
+        The cache and its graphs outlive the replay: the next replay with the same config and the same
+        resolved options (a repeat, another arrival rate of a capacity search) empties and reuses them,
+        with no warm-up and no capture of a shape already seen; another config frees them first.
         """
         if not (math.isfinite(time_scale) and time_scale >= 0):
             raise ValueError(f"`time_scale >= 0` must hold, but got time_scale={time_scale}")
@@ -247,19 +281,22 @@ class Engine:
             raise ValueError("request ids (rid) must be unique within a replay")
         fitted, counts = LengthPolicy(self.spec.max_context).apply(requests)
         settings = self.settings_for(fitted)
-        cache = self.new_cache(settings.max_num_seqs)
+        cache, graphs, fresh = self._cache_for(settings)
         settings = replace(settings, max_num_seqs=cache.layout.num_slots)  # the layout may give fewer
-        graphs = self._decode_graphs(cache, settings)
-        if warmup_requests > 0:
-            self._run(
-                fitted[:warmup_requests], 0.0, None, compile_kernels=True, deadline=deadline,
-                cache=cache, graphs=graphs, settings=settings,
-            )  # fmt: skip
+        try:
+            if warmup_requests > 0 and fresh:
+                self._run(
+                    fitted[:warmup_requests], 0.0, None, compile_kernels=True, deadline=deadline,
+                    cache=cache, graphs=graphs, settings=settings,
+                )  # fmt: skip
             cache.reset()
-        run = self._run(
-            fitted, time_scale, progress, deadline=deadline, stop=stop, cache=cache, graphs=graphs,
-            settings=settings,
-        )  # fmt: skip
+            run = self._run(
+                fitted, time_scale, progress, deadline=deadline, stop=stop, cache=cache, graphs=graphs,
+                settings=settings,
+            )  # fmt: skip
+        except BaseException:
+            self.release()  # a replay cut short leaves no state behind
+            raise
         return summarize(run.timings, self._counters(run, clipped=clipped + counts.shortened))
 
     def with_config(self, config: HybridConfig) -> Engine:
@@ -301,6 +338,28 @@ class Engine:
         ``max_num_seqs``, else :data:`~kvtune.cache_impl.layout.DEFAULT_MAX_SEQS`)."""
         slots = self.scheduler_config.max_num_seqs if max_seqs is None else max_seqs
         return HybridCache(self.config, self.model.kv_shape, self.budget_bytes, self.device, max_seqs=slots)
+
+    def _cache_for(self, settings: EngineSettings) -> tuple[HybridCache, DecodeGraphs | None, bool]:
+        """The cache (and graphs) of a replay with ``settings``: the kept ones when config, budget and
+        settings match, else new ones (the kept ones freed first). The flag says whether they are new."""
+        key = (self.config.to_json(None), self.budget_bytes, self.device, settings)
+        kept = self._kept[0]
+        if kept is not None and kept.key == key:
+            return kept.cache, kept.graphs, False
+        self.release()
+        cache = self.new_cache(settings.max_num_seqs)
+        graphs = self._decode_graphs(cache, replace(settings, max_num_seqs=cache.layout.num_slots))
+        self._kept[0] = _Kept(key, cache, graphs)
+        return cache, graphs, True
+
+    def release(self) -> None:
+        """Free the cache and graphs kept from the last replay (of this engine and its copies)."""
+        if self._kept[0] is None:
+            return
+        self._kept[0] = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _decode_graphs(self, cache: HybridCache, settings: EngineSettings) -> DecodeGraphs | None:
         if not settings.graphs:
@@ -350,6 +409,8 @@ class Engine:
             settings,
             outputs,
             graphs,
+            seqs,
+            captures_before=graphs.captures if graphs is not None else 0,
         )
         scheduler.on_preempt = outputs.detach
         with torch.inference_mode():
@@ -366,6 +427,7 @@ class Engine:
                     self._mixed_iteration(run, progress)
                 else:
                     self._separate_iteration(run, progress)
+            self._land(run, progress)
         run.add("duration_ms", run.clock.now_ms())
         return run
 
@@ -386,7 +448,7 @@ class Engine:
         """The decode token of every running sequence whose prompt is done, then prompt chunks filling the
         rest of ``max_num_batched_tokens``: one forward (a static/graph step when there is no chunk)."""
         start = self.timer.mark()
-        slots = self._decode_slots(run)
+        slots = self._decode_slots(run, progress)
         reserved = run.cache.blocks_needed_for_slots(slots) if slots.size else 0
         budget = run.scheduler.config.max_num_batched_tokens - len(slots)
         self._admit(run, progress, budget=budget, reserved_blocks=reserved, partial=True)
@@ -395,6 +457,8 @@ class Engine:
             self._forward(run, slots, chunks, start, progress)
         elif slots.size:
             self._decode(run, slots, start, progress)
+        else:
+            self._land(run, progress)
         self._track_memory(run)
 
     def _separate_iteration(self, run: _Run, progress: Progress | None) -> None:
@@ -405,10 +469,12 @@ class Engine:
             self._forward(run, np.zeros(0, dtype=np.int64), [(seq, n)], self.timer.mark(), progress)
         self._track_memory(run)
         start = self.timer.mark()
-        slots = self._decode_slots(run)
+        slots = self._decode_slots(run, progress)
         if slots.size:
             self._decode(run, slots, start, progress)
             self._track_memory(run)
+        else:
+            self._land(run, progress)
 
     def _admit(self, run: _Run, progress: Progress | None, **kwargs: Any) -> None:
         refused_before = len(run.scheduler.refused)
@@ -418,56 +484,97 @@ class Engine:
         if len(run.scheduler.refused) > refused_before and progress is not None:
             progress(len(run.timings) + len(run.scheduler.refused), run.total)
 
-    def _decode_slots(self, run: _Run) -> np.ndarray:
+    def _decode_slots(self, run: _Run, progress: Progress | None) -> np.ndarray:
         """Slots of the sequences that decode this iteration, after preempting the newest running ones until
         the blocks their step seals are free."""
         slots = run.outputs.decoding_slots()
         while slots.size and run.cache.blocks_needed_for_slots(slots) > run.cache.blocks_free():
-            run.scheduler.preempt_newest()  # saves the victim's outputs (on_preempt) before freeing it
+            if run.in_flight is not None:  # what the step in flight finishes frees blocks; then preempt
+                self._land(run, progress)
+            else:
+                run.scheduler.preempt_newest()  # saves the victim's outputs (on_preempt) before freeing it
             slots = run.outputs.decoding_slots()
         return slots
 
     def _decode(self, run: _Run, slots: np.ndarray, start: Any, progress: Progress | None) -> None:
         """One decode-only iteration: the static step (graph replay on CUDA) or the eager one."""
+        if run.graphs is not None:
+            self._static_decode(run, run.graphs, slots, start, progress)
+            return
         cache, now = run.cache, run.clock.now_ms()
         tokens = run.outputs.last_tokens(slots)
-        graphs, captured_ms, timed = run.graphs, 0.0, True
-        bytes_before = self._attention_bytes(run, timed=graphs is None or graphs.timing_next())
-        if graphs is not None:
-            info = graphs.prepare(slots, tokens, now)
-            captured_ms = graphs.take_capture_ms()  # left out of the clock and of this step's time
-            run.clock.exclude(captured_ms)
-            run.add("graph_capture_ms", captured_ms)
-            model_start = self.timer.mark()
-            timed = graphs.run(info)
-            model_end = self.timer.mark()
-            next_tokens = graphs.next_tokens(info)
-            cache.finish_step(info)
-        else:
-            positions = cache.lengths(slots)
-            plan = cache.begin_step_slots(slots, now)
-            inputs = torch.from_numpy(np.stack([tokens, positions])).to(self.device)
-            model_start = self.timer.mark()
-            logits = self.model.decode(run.timed, plan, inputs[0], inputs[1])
-            model_end = self.timer.mark()
-            next_tokens = logits.argmax(dim=-1)
-            cache.end_step(plan)
+        positions = cache.lengths(slots)
+        plan = cache.begin_step_slots(slots, now)
+        inputs = torch.from_numpy(np.stack([tokens, positions])).to(self.device)
+        model_start = self.timer.mark()
+        logits = self.model.decode(run.timed, plan, inputs[0], inputs[1])
+        model_end = self.timer.mark()
+        next_tokens = logits.argmax(dim=-1)
+        cache.end_step(plan)
         end = self.timer.mark()
         next_np = next_tokens.cpu().numpy()  # synchronizes
         self.timer.synchronize()
         model_ms = self.timer.elapsed_ms(model_start, model_end)
         run.add("decode_steps", 1)
-        run.add("decode_ms", max(0.0, self.timer.elapsed_ms(start, end) - captured_ms))
+        run.add("decode_ms", self.timer.elapsed_ms(start, end))
         run.add("model_ms", model_ms)
         run.add("forward_ms", model_ms)
-        if graphs is not None:
-            run.add("graph_steps", 1)
-            if timed:
-                self._add_attention(run, graphs.attention_ms(), bytes_before)
-        else:
-            self._add_attention(run, run.timed.take_attention_ms(), bytes_before)
+        self._add_attention(run, run.timed.take_attention_ms(), 0)
         run.peak("peak_running", len(slots))
         self._emit(run, slots, next_np, progress)
+
+    def _static_decode(
+        self, run: _Run, graphs: DecodeGraphs, slots: np.ndarray, start: Any, progress: Progress | None
+    ) -> None:
+        """The static step, kept in flight: stage it (a row whose last token is still on the device feeds
+        it from there), launch it, then land the step launched before it, so the host's bookkeeping of this
+        step ran while the GPU worked on that one. A step whose attention is timed runs alone (the step
+        before it lands first, it lands at once): the byte count read around it must be its own."""
+        cache = run.cache
+        timed = graphs.timing_next()
+        if timed:
+            self._land(run, progress)
+        bytes_before = self._attention_bytes(run, timed=timed)
+        info = graphs.prepare(slots, run.outputs.last_tokens(slots), run.clock.now_ms())
+        captured_ms = graphs.take_capture_ms()  # left out of the clock and of this step's time
+        run.clock.exclude(captured_ms)
+        run.add("graph_capture_ms", captured_ms)
+        model_start = self.timer.mark()
+        timed = graphs.run(info)
+        model_end = self.timer.mark()
+        cache.finish_step(info)
+        end = self.timer.mark()
+        tokens, ready = graphs.tokens_to_host(info)
+        flight = _InFlight(
+            slots, run.outputs.launch(slots), tokens, ready, (start, model_start, model_end, end),
+            captured_ms, graphs.attention_marks() if timed else None, bytes_before,
+        )  # fmt: skip
+        run.peak("peak_running", len(slots))
+        self._land(run, progress)
+        run.in_flight = flight
+        if timed:
+            self._land(run, progress)
+
+    def _land(self, run: _Run, progress: Progress | None) -> None:
+        """The step in flight, if any, completes: its tokens and their time (now, once they are on the
+        host), its counters, and the sequences it finished leave."""
+        flight, run.in_flight = run.in_flight, None
+        if flight is None:
+            return
+        if flight.ready is not None:
+            flight.ready.synchronize()
+        now = run.clock.now_ms()
+        run.outputs.fill(flight.slots, flight.tokens.numpy()[: len(flight.slots)], now)
+        start, model_start, model_end, end = flight.marks
+        model_ms = self.timer.elapsed_ms(model_start, model_end)
+        run.add("decode_steps", 1)
+        run.add("graph_steps", 1)
+        run.add("decode_ms", max(0.0, self.timer.elapsed_ms(start, end) - flight.captured_ms))
+        run.add("model_ms", model_ms)
+        run.add("forward_ms", model_ms)
+        if flight.attention is not None:
+            self._add_attention(run, graphs_attention_ms(flight.attention), flight.bytes_before)
+        self._finish(run, flight.done, progress)
 
     def _forward(
         self,
@@ -478,6 +585,7 @@ class Engine:
         progress: Progress | None,
     ) -> None:
         """One eager forward of the decode rows ``slots`` (may be none) and prompt ``chunks``."""
+        self._land(run, progress)  # an eager forward feeds tokens from the host
         cache, b = run.cache, len(slots)
         bytes_before = self._attention_bytes(run, timed=b > 0)
         ids, positions = [run.outputs.last_tokens(slots)], [cache.lengths(slots)]
@@ -527,6 +635,11 @@ class Engine:
         finished = outputs.record(slots, tokens, run.clock.now_ms())
         if start_decoding:
             outputs.decoding[slots] = True
+        self._finish(run, finished, progress)
+
+    def _finish(self, run: _Run, finished: np.ndarray, progress: Progress | None) -> None:
+        """The sequences in slots ``finished`` produced their last token: they leave."""
+        outputs = run.outputs
         for slot in finished.tolist():
             seq = outputs.seqs[slot]
             assert seq is not None
@@ -581,7 +694,7 @@ class Engine:
             forward_ms=c.get("forward_ms", 0.0),
             graph_steps=int(c.get("graph_steps", 0)),
             mixed_iterations=int(c.get("mixed_iterations", 0)),
-            graph_captures=graphs.captures if graphs is not None else 0,
+            graph_captures=graphs.captures - run.captures_before if graphs is not None else 0,
             graph_capture_ms=c.get("graph_capture_ms", 0.0),
             max_num_seqs=st.max_num_seqs,
             max_num_batched_tokens=s.config.max_num_batched_tokens,

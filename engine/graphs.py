@@ -7,11 +7,17 @@ A static decode step (:meth:`HybridCache.prepare_step`, :mod:`kvtune.cache_impl.
     in one copy;
 (b) the seals of the zones that would fill (``HybridCache.seal_static``: every layer's seal, one shift of all
     zones, the fresh blocks' statistics): its own graph per seal-count bucket;
-(c) the forward: embeddings → layers (RMSNorm, QKV, RoPE, hot-zone append at the staged slots, decode
-    attention over the staged block table with per-row lengths, o-proj, MLP) → logits → argmax into a static
-    output: one graph per (rows, width) bucket;
+(c) the forward: the input tokens (staged, or where the previous step left them on the device) →
+    embeddings → layers (RMSNorm, QKV, RoPE, hot-zone append at the staged slots, decode attention over the
+    staged block table with per-row lengths, o-proj, MLP) → logits → argmax into a static output and into
+    :attr:`DecodeGraphs.slot_tokens`: one graph per (rows, width) bucket;
 (d) after the replay, ``HybridCache.finish_step`` (prefix registration, tier planning, migrations: they
     change tensors in place, so no graph is captured again).
+
+Tokens on the device: every step writes its argmax into ``slot_tokens[slot]`` (padding rows into a spare
+entry), and a row staged with token -1 reads its input there. So the engine can stage step t + 1 and replay
+it before step t's tokens reach the host (:class:`~kvtune.engine.engine.Engine` keeps one step in flight):
+the host's bookkeeping of one step overlaps the GPU's work on the one before.
 
 Buckets: rows 1, 2, 4, 8, then multiples of 16 up to the most sequences (as vLLM and nano-vllm); table widths
 multiples of 16 about 25 % apart up to the longest sequence's blocks, the attention planning its splits for
@@ -139,6 +145,12 @@ class DecodeGraphs:
         self.logits = (
             torch.zeros((rows, vocab), dtype=torch.float32, device=cache.device) if keep_logits else None
         )
+        slots = cache.layout.num_slots
+        self.slot_tokens = torch.zeros(slots + 1, dtype=torch.int64, device=cache.device)
+        self._spare = torch.full((rows,), slots, dtype=torch.int64, device=cache.device)
+        self._row_ids = torch.arange(rows, device=cache.device)
+        self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=capture) for _ in range(2)]
+        self._flip = 0
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}
         self._seal_graphs: dict[int, Any] = {}
         self._pool: Any = None
@@ -187,17 +199,37 @@ class DecodeGraphs:
         self._replays += 1
         return timed
 
-    def attention_ms(self) -> float:
-        """Attention time of the last step run with timing (its end must have completed)."""
+    def attention_marks(self) -> list[tuple[Any, Any]]:
+        """The (start, end) marks around each layer's attention in the last step run with timing: read them
+        with :func:`attention_ms` once the step has completed (a captured graph records them again only at
+        its next replay)."""
         if not self.capture:
-            return sum(_elapsed_ms(a, b) for a, b in self._marks)
+            return list(self._marks)
         assert self._graph is not None
         ev = self._graph.events
-        return sum(float(ev[i].elapsed_time(ev[i + 1])) for i in range(0, len(ev), 2))
+        return [(ev[i], ev[i + 1]) for i in range(0, len(ev), 2)]
+
+    def attention_ms(self) -> float:
+        """Attention time of the last step run with timing (its end must have completed)."""
+        return attention_ms(self.attention_marks())
 
     def next_tokens(self, info: StepInfo) -> torch.Tensor:
         """The step's argmax tokens [batch] (device)."""
         return self.buffers.tokens_out[: info.batch]
+
+    def tokens_to_host(self, info: StepInfo) -> tuple[torch.Tensor, Any]:
+        """Start copying the step's tokens to the host: (host tensor, CUDA event after the copy; None on a
+        CPU, where they are there already). Two pinned buffers take turns, so the copy of the next step
+        never overwrites tokens the host has not read yet (one step is in flight at most)."""
+        out = self.buffers.tokens_out[: info.batch]
+        if not self.capture:
+            return out.clone(), None
+        self._flip ^= 1
+        host = self._host_tokens[self._flip][: info.batch]
+        host.copy_(out, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     def timing_next(self) -> bool:
         """Whether the next step's attention will be timed (every step without capture)."""
@@ -212,8 +244,13 @@ class DecodeGraphs:
         buf = self.buffers
         plan = buf.plan(rows, width, self.cache.shape.num_kv_heads)
         cache = self.cache if marks is None else _Marked(self.cache, marks, mark)
-        logits = self.model.decode(cache, plan, buf.view("tokens", rows), buf.view("positions", rows))
-        buf.tokens_out[:rows].copy_(logits.argmax(-1))
+        slots, staged = buf.view("slots", rows), buf.view("tokens", rows)
+        tokens = torch.where(staged >= 0, staged, self.slot_tokens[slots])
+        logits = self.model.decode(cache, plan, tokens, buf.view("positions", rows))
+        out = logits.argmax(-1)
+        buf.tokens_out[:rows].copy_(out)
+        real = self._row_ids[:rows] < buf.batch_tensor()
+        self.slot_tokens[torch.where(real, slots, self._spare[:rows])] = out
         if self.logits is not None:
             self.logits[:rows].copy_(logits)
 
@@ -254,9 +291,15 @@ class DecodeGraphs:
 
         buf = self.buffers
         saved = self.cache.save_step_effects(buf.view("slots", rows), buf.view("write_pos", rows))
-        # the warm-up run appended to the hot zones (before this step's seals ran) and updated the access
-        # statistics and byte counts: the replay will do all of it again, on the zones as they should be
-        return self._capture(fn, lambda: self.cache.restore_step_effects(saved))
+        tokens = self.slot_tokens.clone()
+
+        def restore() -> None:
+            # the warm-up run appended to the hot zones (before this step's seals ran), updated the access
+            # statistics and byte counts and overwrote the tokens it reads: the replay does it all again
+            self.cache.restore_step_effects(saved)
+            self.slot_tokens.copy_(tokens)
+
+        return self._capture(fn, restore)
 
     def _capture_seal(self, info: StepInfo) -> Any:
         n = info.seal_rows
@@ -289,8 +332,13 @@ class DecodeGraphs:
         return graph
 
 
+def attention_ms(marks: list[tuple[Any, Any]]) -> float:
+    """Milliseconds between each (start, end) pair of :meth:`DecodeGraphs.attention_marks`, summed (the
+    step they time must have completed)."""
+    return sum(_elapsed_ms(a, b) for a, b in marks)
+
+
 def _elapsed_ms(start: Any, end: Any) -> float:
     if isinstance(start, float):
         return (end - start) * 1000.0
-    end.synchronize()
     return float(start.elapsed_time(end))

@@ -2,7 +2,10 @@
 
 A decode step's emission is a few array operations whatever the batch (:meth:`SlotOutputs.record`): the
 tokens and the clock go into each row's next column, the counts advance, and the rows that reached their
-output length come back. While a sequence is admitted, its ``output`` and ``token_ms`` are
+output length come back. A step whose tokens are still on the device is counted when it is launched
+(:meth:`SlotOutputs.launch`: the rows it completes stop decoding) and filled in when they arrive
+(:meth:`SlotOutputs.fill`); meanwhile its rows are ``pending`` and their last token reads as -1 (the next
+step takes it from the device). While a sequence is admitted, its ``output`` and ``token_ms`` are
 :class:`RowView`\\ s of its row (they read like lists, so a stop predicate or a test can look at them at any
 time); when it leaves (finished, preempted) they become lists again and the row is free.
 """
@@ -19,13 +22,13 @@ from kvtune.engine.scheduler import Sequence
 
 
 class RowView(AbcSequence[Any]):
-    """The first ``count[slot]`` entries of ``data[slot]``, read-only, as Python numbers."""
+    """The first ``count[slot]`` entries of ``data[slot]`` but a pending one, read-only, as Python numbers."""
 
-    def __init__(self, data: np.ndarray, slot: int, count: np.ndarray) -> None:
-        self._data, self._slot, self._count = data, slot, count
+    def __init__(self, data: np.ndarray, slot: int, count: np.ndarray, pending: np.ndarray) -> None:
+        self._data, self._slot, self._count, self._pending = data, slot, count, pending
 
     def __len__(self) -> int:
-        return int(self._count[self._slot])
+        return int(self._count[self._slot]) - int(self._pending[self._slot])
 
     @overload
     def __getitem__(self, i: int) -> Any: ...
@@ -55,6 +58,7 @@ class SlotOutputs:
         self.count = np.zeros(num_slots, dtype=np.int64)
         self.target = np.zeros(num_slots, dtype=np.int64)
         self.decoding = np.zeros(num_slots, dtype=bool)  # prefilled, not finished: a decode row
+        self.pending = np.zeros(num_slots, dtype=bool)  # the newest token is still on the device
         self.tokens = np.zeros((num_slots, width), dtype=np.int64)
         self.ms = np.zeros((num_slots, width), dtype=np.float64)
         self.seqs: list[Sequence | None] = [None] * num_slots
@@ -67,10 +71,11 @@ class SlotOutputs:
         self.count[slot] = n
         self.target[slot] = seq.request.output_length
         self.decoding[slot] = False
+        self.pending[slot] = False
         self.seqs[slot] = seq
         seq.slot = slot
-        seq.output = RowView(self.tokens, slot, self.count)
-        seq.token_ms = RowView(self.ms, slot, self.count)
+        seq.output = RowView(self.tokens, slot, self.count, self.pending)
+        seq.token_ms = RowView(self.ms, slot, self.count, self.pending)
 
     def detach(self, seq: Sequence) -> None:
         """``seq`` leaves its slot (finished or preempted): its outputs become lists again."""
@@ -82,6 +87,7 @@ class SlotOutputs:
         seq.token_ms = self.ms[slot, :n].tolist()
         self.count[slot] = 0
         self.decoding[slot] = False
+        self.pending[slot] = False
         self.seqs[slot] = None
         seq.slot = -1
 
@@ -89,8 +95,25 @@ class SlotOutputs:
         return np.flatnonzero(self.decoding)
 
     def last_tokens(self, slots: np.ndarray) -> np.ndarray:
-        """The newest output token of each slot (what its next decode step feeds)."""
-        return self.tokens[slots, self.count[slots] - 1]
+        """The newest output token of each slot (what its next decode step feeds); -1 where it is pending."""
+        return np.where(self.pending[slots], -1, self.tokens[slots, self.count[slots] - 1])
+
+    def launch(self, slots: np.ndarray) -> np.ndarray:
+        """A step that gives each slot one token was launched: count it (pending until :meth:`fill`); returns
+        the slots it completes, which stop decoding."""
+        n = self.count[slots] + 1
+        self.count[slots] = n
+        self.pending[slots] = True
+        done = slots[n >= self.target[slots]]
+        self.decoding[done] = False
+        return done
+
+    def fill(self, slots: np.ndarray, tokens: np.ndarray, now_ms: float) -> None:
+        """The tokens of a launched step arrived at ``now_ms``."""
+        n = self.count[slots] - 1
+        self.tokens[slots, n] = tokens
+        self.ms[slots, n] = now_ms
+        self.pending[slots] = False
 
     def record(self, slots: np.ndarray, tokens: np.ndarray, now_ms: float) -> np.ndarray:
         """One new token per slot at ``now_ms``; returns the slots whose sequence is now complete."""

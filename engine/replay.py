@@ -2,7 +2,9 @@
 
 A :class:`Replayer` holds one loaded model on one device, the KV budget and the engine's options; it builds
 the :class:`~kvtune.engine.engine.Engine` once (that probes the device's copy bandwidth) and replays any
-config on it. Its options and the CPU length defaults are :mod:`kvtune.engine.options`, so every entry point
+config on it; the last replay's cache and CUDA graphs stay for the next replay of the same config and
+options (a repeat, a capacity probe at another rate) until another config or :meth:`Replayer.release`
+frees them. Its options and the CPU length defaults are :mod:`kvtune.engine.options`, so every entry point
 scales a trace and warms up the same way.
 """
 
@@ -44,6 +46,11 @@ class Replayer:
             self._engine = Engine(self.loaded, config, self.budget_bytes, self.device, options.scheduler)
         return self._engine.with_config(config)
 
+    def release(self) -> None:
+        """Free the cache and graphs the last replay kept (:meth:`Engine.replay` keeps them for a repeat)."""
+        if self._engine is not None:
+            self._engine.release()
+
     def replay(
         self,
         config: HybridConfig,
@@ -77,6 +84,7 @@ class Replayer:
         deadline: Deadline | None = None,
     ) -> float:
         """The time scale at which the unquantized baseline of ``config`` runs at ``load`` of saturation."""
+        self.release()  # the calibration builds its own cache over the whole budget
         return float(
             calibrate_time_scale(
                 self.loaded,

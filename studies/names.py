@@ -95,7 +95,7 @@ OBJECTIVE_METRICS: dict[str, tuple[str, str]] = {
 }
 DEFAULT_OBJECTIVE = "capacity"
 # ---- the capacity objective (docs/DESIGN.md §3.7; README "The objective") ------------------------------
-CAPACITY_GRANULARITY = 0.05  # a search stops once hi / lo - 1 <= this (Vidur: 2.5 %; 5 % = the noise goal)
+CAPACITY_GRANULARITY = 0.025  # a search stops once hi / lo - 1 <= this (Vidur's 2.5 %: half the noise goal)
 CAPACITY_PROBES = 8  # probes per trial at most (warm-started: bracket, then about 4 bisections)
 CAPACITY_PROBES_COLD = 12  # probes of a search that is not warm-started (the baseline's own)
 NOISE_REPEATS = 3  # the baseline's capacity is searched this often when a study starts

@@ -245,9 +245,50 @@ def test_engine_static_steps_match_eager_steps(tiny):
     for graphs in (True, False):
         engine = Engine(tiny, config, budget, CPU, SchedulerConfig(graphs=graphs))
         run = engine._run(requests, 0.0, None)
-        seen[graphs] = sorted((t.rid, len(t.token_ms)) for t in run.timings), run.counters
-    assert seen[True][0] == seen[False][0]
-    assert seen[True][1]["graph_steps"] > 0 and "graph_steps" not in seen[False][1]
+        outputs = [(s.seq_id, list(s.output)) for s in run.seqs]
+        seen[graphs] = sorted((t.rid, len(t.token_ms)) for t in run.timings), outputs, run.counters
+    assert seen[True][:2] == seen[False][:2]
+    assert seen[True][2]["graph_steps"] > 0 and "graph_steps" not in seen[False][2]
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate"])
+def test_steps_in_flight_give_the_eager_tokens_under_preemption(tiny, mixed):
+    """A budget that forces preemptions, arrivals spread out: static steps kept in flight (their tokens fed
+    on the device, landed one step later) give every sequence the tokens and the token count of the eager
+    engine, and every output time is set and ordered."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    config = _config(0, block_size=16)
+    requests = [Request(i, 0.5 * i, 40, 40) for i in range(5)]
+    budget = kv_bytes_for(config, tiny.model.kv_shape, [80] * 2)
+    seen = {}
+    for graphs in (True, False):
+        options = SchedulerConfig(max_num_seqs=5, graphs=graphs, mixed=mixed)
+        run = Engine(tiny, config, budget, CPU, options)._run(requests, 1.0, None)
+        assert all(np.all(np.diff(t.token_ms) >= 0) and t.token_ms[0] > 0 for t in run.timings)
+        seen[graphs] = [(s.seq_id, list(s.output)) for s in run.seqs], run.scheduler.preemptions
+    assert seen[True] == seen[False] and seen[True][1] > 0
+
+
+def test_engine_keeps_its_cache_between_replays_of_one_config(tiny):
+    """A second replay of the same requests and config reuses the cache and graphs (no warm-up, same
+    results); another config frees them and builds its own."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.traces import Request
+
+    requests = [Request(i, 0.0, 30 + 7 * i, 12 + i) for i in range(5)]
+    engine = Engine(tiny, _config(8), kv_bytes_for(_config(8), tiny.model.kv_shape, [80] * 5), CPU)
+    first = engine.replay(requests, 0.0, warmup_requests=2).to_dict()
+    kept = engine._kept[0]
+    second = engine.replay(requests, 0.0, warmup_requests=2).to_dict()
+    assert engine._kept[0] is kept and kept is not None
+    for key in ("completed", "decode_steps", "graph_steps", "preemptions", "peak_running"):
+        assert first[key] == second[key], key
+    other = engine.with_config(_config(4))
+    other.replay(requests, 0.0, warmup_requests=2)
+    assert engine._kept[0] is not kept and engine._kept[0] is other._kept[0]
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -318,4 +359,10 @@ def test_engine_replays_with_cuda_graphs_gpu():
     assert m[True]["cuda_graphs"] and m[True]["graph_steps"] > 0 and m[True]["graph_captures"] > 0
     assert m[True]["attn_bandwidth_gbs"] > 0 and not m[False]["graphs"]
     assert m[True]["max_num_seqs"] == len(requests) and m[True]["max_num_batched_tokens"] == 8192
+    # all at once, twice on one engine: the second replay reuses the cache and every graph of the first
+    engine = Engine(model, config, 1 << 30, cuda, SchedulerConfig())
+    first, second = (engine.replay(requests, 0.0, warmup_requests=2).to_dict() for _ in range(2))
+    assert first["graph_captures"] > 0 and second["graph_captures"] == 0
+    assert first["completed"] == second["completed"] == len(requests)
+    assert first["decode_steps"] == second["decode_steps"]
     assert dataclasses.asdict(SchedulerConfig()) == SchedulerConfig().to_dict()

@@ -9,7 +9,7 @@ The driver finds it with :class:`CapacitySearch`, one probe (one replay at one r
 - **warm start** at the unquantized baseline's capacity (measured when the study starts);
 - **bracket**: double the rate after a pass, halve it after a failure, until a passing rate ``lo`` and a
   failing rate ``hi`` are known;
-- **bisect** at the geometric midpoint ``sqrt(lo * hi)`` until ``hi / lo - 1 <= granularity`` (5 %);
+- **bisect** at the geometric midpoint ``sqrt(lo * hi)`` until ``hi / lo - 1 <= granularity`` (2.5 %);
 - at most ``max_probes`` probes (8; the baseline's own, not warm-started, search gets 12).
 
 The capacity is ``lo``, the highest rate that passed (0 when none did): every probe lies strictly between
