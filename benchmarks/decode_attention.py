@@ -28,6 +28,7 @@ import triton.testing
 
 from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import dequantize_blocks_ref
+from kvtune.kernels.sparse_table import L1, L2, ByteCount
 from kvtune.kernels.triton_decode import (
     PURE_INT8,
     DecodeKernelOptions,
@@ -35,7 +36,7 @@ from kvtune.kernels.triton_decode import (
     hybrid_decode_attention_triton,
     launch_plan,
 )
-from kvtune.kernels.triton_quest import quest_topk_triton
+from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 
 HQ, H, D = 32, 8, 128
 HOT, BS = 64, 64
@@ -200,23 +201,30 @@ def hybrid_case(case: Case, options: DecodeKernelOptions) -> dict:
 
 
 def sparse_case(case: Case, options: DecodeKernelOptions) -> dict:
-    """L1 = the newest `l1_blocks` cold blocks, the rest in L2 (4-bit in an 8-bit pool); attend L1 + top-k."""
+    """L1 = the newest `l1_blocks` cold blocks, the rest in L2 (4-bit in an 8-bit pool); attend L1 + top-k.
+
+    The selection is the cache's per-layer one (``sparse_block_table_triton``: each sequence's whole row of
+    cold blocks split by tier, Quest's bound and top-k of the L2 ones, the table, its byte count), and the
+    attention reads that table (L1 blocks, then the selected ones, -1 padded to the row's width + k)."""
     inp = make_inputs(case)
     B, nc, l1 = case.batch, case.cold, case.l1_blocks or 0
     k_blocks = SPARSE_TOKENS // BS
     pool = inp["pool"]
-    table_all = inp["block_table"][:, 0, :]
-    l2_table = table_all[:, : nc - l1].contiguous()
-    l1_table = inp["block_table"][:, :, nc - l1 :]
+    blocks = inp["block_table"][:, 0, :].long().contiguous()  # [B, nc], oldest first
+    l2_blocks = blocks[:, : nc - l1].flatten()
+    tier = torch.full((pool.num_blocks,), L1, device=DEVICE, dtype=torch.int8)
+    tier[l2_blocks] = L2
     if case.bits == 8:
-        pool.block_bits[l2_table.flatten().long()] = 4
-    l2_count = torch.full((B,), nc - l1, device=DEVICE, dtype=torch.int32)
-    num_cold = torch.full((B, H), l1 + k_blocks, device=DEVICE, dtype=torch.int32)
+        pool.block_bits[l2_blocks] = 4
+    count = ByteCount(torch.zeros(9, device=DEVICE, dtype=torch.int64), H * 2 * 2 * D,
+                      torch.zeros((), device=DEVICE, dtype=torch.int64))  # fmt: skip
 
     def select():
-        return torch.cat([l1_table, quest_topk_triton(inp["q"], pool, l2_table, l2_count, k_blocks)], 2)
+        table, num_cold, _ = sparse_block_table_triton(inp["q"], pool, blocks, tier, k_blocks, count)
+        return table, num_cold
 
-    def attend(table):
+    def attend(selected):
+        table, num_cold = selected
         return hybrid_decode_attention_triton(
             inp["q"], inp["hot_k"], inp["hot_v"], inp["hot_slot"], inp["hot_len"], pool, table, num_cold,
             1 / math.sqrt(D), options=options,
@@ -226,9 +234,9 @@ def sparse_case(case: Case, options: DecodeKernelOptions) -> dict:
     # over a fixed table. A step slower than its parts' sum waits on the host between launches.
     ms = bench(lambda: attend(select()))
     selection_ms = bench(select)
-    table = select()
-    attention_ms = bench(lambda: attend(table))
-    splits = launch_plan(inp["q"], inp["hot_k"], pool, table, options).splits
+    selected = select()
+    attention_ms = bench(lambda: attend(selected))
+    splits = launch_plan(inp["q"], inp["hot_k"], pool, selected[0], options).splits
     attn = hybrid_bytes(case, 0, splits, False) + B * H * (
         l1 * cold_block_bytes(case.bits, case.bits == 8)
         + k_blocks * cold_block_bytes(4 if case.bits == 8 else case.bits, case.bits == 8)

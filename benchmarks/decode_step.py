@@ -16,12 +16,13 @@ timed on it, path after path (each continues the same sequences; a few hundred t
 Every step's tokens reach the host (as in the engine), so the wall time per step includes the host's work
 wherever it does not overlap the GPU's; a graph first needed inside the timed steps (a table-width bucket
 reached there) is captured there, and its capture time is left out of the wall time, as the engine leaves it
-out of a replay's clock. GPU ms: for the graph paths, CUDA events around each step's seal and
-forward replays (the device time of the step, idle gaps before it excluded), averaged over the timed steps;
-for eager, the sum of the step's kernel times (profiler, 3 steps). Kernel ms: that profiler sum for every
-path (the profiler's view of a graph replay is approximate); launches are the host's kernel and graph
-launch calls per step. Ratios: wall / GPU per path, and each config's wall time against the first config's
-(unquantized) for the same path.
+out of a replay's clock. The first config is measured once, unreported, before the reported runs
+(``--prime``): a process's first measured steps run slower whatever the config (NOTES run 12e). GPU ms: for
+the graph paths, CUDA events around each step's seal and forward replays (the device time of the step, idle
+gaps before it excluded), averaged over the timed steps; for eager, the sum of the step's kernel times
+(profiler, 3 steps). Kernel ms: that profiler sum for every path (the profiler's view of a graph replay is
+approximate); launches are the host's kernel and graph launch calls per step. Ratios: wall / GPU per path, and
+each config's wall time against the first config's (unquantized) for the same path.
 
     python benchmarks/decode_step.py --shape llama-3.1-8b --batch 32 --context 8192
     python benchmarks/decode_step.py --shape smollm2-135m --batch 64 --context 2048 --json step.json
@@ -260,6 +261,12 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--host-profile", type=Path, default=None, help="folder for cProfile reports of the host")
+    p.add_argument(
+        "--prime",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the first config once, unreported, before the reported runs (default on)",
+    )
     args = p.parse_args()
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
     if not set(paths) <= {"eager", "graph", "graph_sync", "torch"}:
@@ -275,6 +282,17 @@ def main() -> None:
     rows: list[dict] = []
     first: dict[str, float] = {}
     max_len = args.length + 2048  # room for every path's steps
+    if args.prime:  # the process's first measured steps run slower (NOTES run 12e): spend them unmeasured
+        config = HybridConfig.from_json_file(configs[0])
+        cache = prefilled(loaded, config, args.batch, args.length, args.seed, model.startswith("random:"))
+        for choice in paths:
+            with kernels_choice("torch" if choice == "torch" else "triton"):
+                kind = "eager" if choice == "torch" else choice
+                stepper = Stepper(loaded, cache, args.batch, kind, max_len)
+                measure(stepper, config, argparse.Namespace(**{**vars(args), "host_profile": None}), 0)
+        del cache
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     for path in configs:
         config = HybridConfig.from_json_file(path)
         cache = prefilled(loaded, config, args.batch, args.length, args.seed, model.startswith("random:"))

@@ -20,5 +20,6 @@ if [ -f /tmp/weights/part1 ] && [ -f /tmp/weights/part2 ]; then
   cat /tmp/weights/part1 /tmp/weights/part2 > /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "gguf sha256: $(sha256sum /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-16)"
   export KVTUNE_SMOLLM2_GGUF=/tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf
+  python3 -c "import gguf" 2>/dev/null || echo "warning: no gguf package: add its wheel to .whl/ (README)" >&2
 fi
 kvtune() { python3 -m kvtune "$@"; }

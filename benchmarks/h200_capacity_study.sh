@@ -13,7 +13,8 @@
 # Each study writes OUTDIR/<name>.db (the Optuna study), OUTDIR/preset_<name>.json and OUTDIR/<name>.log, then
 # prints its trials per hour.
 # Environment: MINUTES (search time budget, 6; validation and the preset follow), TRIALS (20), REQUESTS (96
-# per window: the sample's first 75 % holds 121), RESUME=1, LLAMA_BUDGET (1GiB), SMOL_BUDGET (256MiB).
+# per window: the sample's first 75 % holds 121), RESUME=1, LLAMA_BUDGET (1GiB), SMOL_BUDGET (256MiB), the
+# quality measurement QWINDOWS (4) x (QPREFILL 1024 + QDECODE 128 tokens).
 set -u
 out=${1:?usage: benchmarks/h200_capacity_study.sh OUTDIR [llama|smol|both]}
 which=${2:-both}
@@ -51,8 +52,8 @@ study() {  # name model budget length-scale [extra options]
   local start=$SECONDS
   timeout $(( MINUTES * 60 + 420 )) python3 -m kvtune --gpu h200 --model "$model" --workload $TRACE \
     --objective capacity --kv-budget "$budget" --length-scale "$scale" --requests "$REQUESTS" --windows 1 \
-    --trials "$TRIALS" --time-budget "$MINUTES" --quality-windows 4 --quality-prefill 1024 \
-    --quality-decode 128 --no-passkey ${RESUME:+--resume} "$@" \
+    --trials "$TRIALS" --time-budget "$MINUTES" --quality-windows "${QWINDOWS:-4}" \
+    --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey ${RESUME:+--resume} "$@" \
     --study "$name" --storage "sqlite:///$out/$name.db" --out "$out/preset_$name.json" 2>&1 \
     | tee -a "$out/$name.log" | tail -40
   log "study $name: wall $(( SECONDS - start )) s"

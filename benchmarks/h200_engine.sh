@@ -20,7 +20,7 @@
 #   capacity  benchmarks/capacity_compare.py: capacity under the study's derived limits, Azure at 4 GB,
 #             CAPACITY_REQUESTS requests, CAPACITY_REPEATS searches per config
 # Sizes come from the environment: AZURE_REQUESTS (96), AZURE_BUDGETS ("4e9 default"), MOONCAKE_REQUESTS (24),
-# REPEATS (3),
+# REPEATS (3), MOONCAKE_REPEATS (REPEATS),
 # CAPACITY_REQUESTS (64), CAPACITY_REPEATS (2), LIMIT (540).
 set -u
 OUT=${1:?usage: bash benchmarks/h200_engine.sh OUTDIR [tests|step|azure|mooncake ...]}
@@ -91,7 +91,8 @@ for stage in $STAGES; do
     log "replays: Mooncake, $MOONCAKE_REQUESTS requests capped at 8K tokens, saturation, 8 GB and default"
     run 200 python3 benchmarks/engine_replay.py --model random:llama-3.1-8b \
       --workload examples/traces/mooncake_sample.jsonl --requests "$MOONCAKE_REQUESTS" --seed 0 --length-cap 8192 \
-      --kv-budget 8e9 --kv-budget default --repeats "$REPEATS" --json "$OUT/replay_mooncake.json" $CONFIGS 2>&1 \
+      --kv-budget 8e9 --kv-budget default --repeats "${MOONCAKE_REPEATS:-$REPEATS}" \
+      --json "$OUT/replay_mooncake.json" $CONFIGS 2>&1 \
       | tee "$OUT/replay_mooncake.log" | tee -a "$OUT/summary.log" ;;
   capacity)
     log "capacity: Azure conv, $CAPACITY_REQUESTS requests, 4 GB, $CAPACITY_REPEATS searches per config"

@@ -495,9 +495,10 @@ def _cold_kernel(
     ckm = gl.arange(0, C, layout=gl.SliceLayout(1, LKM))
     kmz = gl.zeros([C, NP], gl.float16, layout=LKM)
 
-    nc = gl.load(num_cold_ptr + bh)
-    j0 = pid_s * blocks_per_split
-    j1 = gl.minimum(j0 + blocks_per_split, nc)
+    nc = gl.load(num_cold_ptr + bh)  # the row's own count split evenly (see triton_decode._split_kernel)
+    per = gl.minimum((nc + num_splits - 1) // num_splits, blocks_per_split)
+    j0 = pid_s * per
+    j1 = gl.minimum(j0 + per, nc)
     row = bh.to(gl.int64) * M
     one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     if STAGES > 0:

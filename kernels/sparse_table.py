@@ -9,8 +9,8 @@ Per sequence ``b`` with sealed blocks ``blocks[b]`` (oldest first, -1 padded) an
 It also adds what attention and Quest will read to a :class:`ByteCount` on the device: per table entry
 ``cost[block_bits[entry]]``, per L2 block ``quest_cost`` (its key mins and scales, every KV head).
 
-On CUDA this is two small Triton kernels around the Quest score kernel and ``torch.topk``, instead of ~60
-PyTorch operations per layer.
+On CUDA this is one Triton kernel (:mod:`kvtune.kernels.triton_sparse_table`), instead of ~60 PyTorch
+operations per layer.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 One program of ``_split_kernel`` owns one (sequence ``b``, KV head ``h``, split ``s``) and all ``G`` query
 heads of that KV head's group (padded to ``GP >= 16`` rows for ``tl.dot``). It walks its share of the cold
-blocks listed in ``block_table[b, h, :num_cold[b, h]]`` (the last split also walks the hot zone) with an
-online softmax in base 2. Quantized blocks are never dequantized element by element (``x = min + code *
-scale``):
+blocks listed in ``block_table[b, h, :num_cold[b, h]]`` -- the row's own count split evenly over the splits,
+not the table's width, so the short rows of a sparse table (``M + k`` columns, ``n1 + k`` listed) keep every
+split busy (the last split also walks the hot zone) -- with an online softmax in base 2. Quantized blocks are
+never dequantized element by element (``x = min + code * scale``):
 
 * keys, per channel: ``q . k = sum_d (q_d scale_d) code_d + sum_d q_d min_d`` -- the scale and min fold into
   ``q`` once per block, and the matrix unit multiplies ``q * scale`` (fp16) by the raw codes (fp16, exact);
@@ -413,10 +414,13 @@ def _split_kernel(
         hot_k_ptr + hot_off, hot_v_ptr + hot_off, s_ht, n_hot, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi,
         DH, HOT_T, PREC, VPAIR)  # fmt: skip
     tl.store(hot_lse_ptr + bh * G + g, lse_hot, mask=gmask & is_last)
-    # This split's share of the cold blocks (L1, then selected L2).
+    # This split's share of the row's own cold blocks (L1, then selected L2): the row's count split evenly,
+    # so a row shorter than the table's width (a sparse table: M + k columns, n1 + k listed) keeps every
+    # split busy instead of leaving the splits past its count idle.
     nc = tl.load(num_cold_ptr + bh)
-    j0 = pid_s * blocks_per_split
-    j1 = tl.minimum(j0 + blocks_per_split, nc)
+    per = tl.minimum((nc + num_splits - 1) // num_splits, blocks_per_split)
+    j0 = pid_s * per
+    j1 = tl.minimum(j0 + per, nc)
     row = bh.to(tl.int64) * M
     for j in range(j0, j1):
         bid = tl.load(table_ptr + row + j).to(tl.int64)

@@ -1,10 +1,38 @@
-"""Triton kernels of :mod:`kvtune.kernels.sparse_table`: split blocks by tier, merge L1 + selected L2.
+"""Triton kernel of :mod:`kvtune.kernels.sparse_table`: a layer's attention table in one launch.
 
-``_split_kernel``: one program per sequence walks its blocks in chunks and scatters each L1 (L2) block to the
-next free position of its output row (a running count + ``tl.cumsum`` within the chunk), so order is kept.
-``_merge_kernel``: one program per (sequence, KV head) writes position ``j`` of the table as ``l1[j]`` for
-``j < n1``, else the ``(j - n1)``-th best L2 block of the head (``torch.topk``'s sorted output, finite scores
-first), else -1; and adds the bytes attention will read to the step's counter.
+One program per (sequence ``b``, KV head ``h``), 8 warps, in three steps; no host synchronisation, no size
+that depends on the data, one compiled kernel for every batch and table width:
+
+1. split: row ``b`` of ``blocks``, ``SPLIT`` ids at a time, with their tiers: the L1 blocks go to the next
+   free positions of the table row (a running count + ``tl.cumsum``, so in order), the L2 blocks to the
+   program's list in a scratch row, in order. The tiers of the next step and the ids of the one after are
+   in flight while a step is split.
+2. select: the L2 list, ``CHUNK`` = 64 blocks at a time: ``[64, D]`` tiles of ``k_min`` and ``k_scale`` of
+   head ``h`` (fp16, 32 KB at ``D`` 128), the Quest bound of each block, and its key. Two chunks (a, b) live
+   in registers: while one is scored the other's bounds load (~32 KB per program in flight; at 16 sequences
+   x 8 KV heads, 128 programs, one per SM).
+3. the selected blocks (best first) after the L1 ones, -1 after them, the counts, and the bytes attention
+   and Quest read added to the step's counter (one atomic per program; Quest's bytes by ``h == 0``).
+
+The bound. With ``s = scale · levels`` (``hi = lo + s``; ``scale >= 0`` in every pool, see
+:func:`kvtune.kernels.quant.min_scale`), ``max(q·lo, q·hi) = q·lo + max(q, 0)·s``, so a KV head's bound is
+``Σ_d S_d·lo_d + P_d·s_d`` with ``S = Σ_g q_g`` and ``P = Σ_g max(q_g, 0)`` summed once per program: two FMAs
+per key channel instead of ``G`` times that, which keeps the scoring under the loads' time. It equals
+:func:`kvtune.kernels.quest.quest_scores_ref` up to float rounding (the same sums in another order).
+
+The top-k. A block's key is an int64: its bound's float bits made order-preserving as a signed int in the
+high half, its position in the list and its bits in the low half (-2^63: no block). Keys are distinct, so a
+key's rank in a set is the number of keys above it. ``best`` holds the ``k_blocks`` largest keys merged so
+far, descending; a chunk's keys above the ``k_blocks``-th best ("candidates") are appended to a scratch
+buffer (``tl.cumsum`` again) and merged 64 at a time: each key's rank in ``best`` + the 64 comes from
+``[TOPK, 64]`` and ``[64, 64]`` comparisons, and each key of rank below ``k_blocks`` is stored at that rank in
+scratch and read back after a barrier. Why this and not the alternatives, from the sm_90 SASS of each:
+``tl.sort``/``tl.topk`` of every chunk's keys into ``best`` (bitonic) spread their compare-swap rounds over
+the 8 warps (~45 barriers and ~900 instructions per warp per chunk, more than the scoring); selecting from
+all the scores at the end needs them in one register tensor (a static size: a recompilation per table
+width) or serial rounds of cross-warp reductions (radix select, ``k_blocks`` arg-maxes) after the last load.
+With random bounds ``~k·ln(n/k)`` of ``n`` keys are candidates: 3 merges of ~300 instructions per warp at
+448 L2 blocks and ``k_blocks`` 32 instead of 7.
 """
 
 from __future__ import annotations
@@ -17,82 +45,204 @@ import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.sparse_table import L1, L2, ByteCount, sparse_block_table_ref
-from kvtune.kernels.triton_common import cdiv, tileable_head_dim
-from kvtune.kernels.triton_quest import quest_scores_triton
+from kvtune.kernels.triton_common import cdiv, next_pow2, tileable_head_dim
 
-CHUNK = 64
-
-
-@triton.jit(do_not_specialize=["M"])  # sizes follow the batch and lengths: one compiled kernel
-def _split_kernel(blocks_ptr, tier_ptr, l1_ptr, l2_ptr, n1_ptr, n2_ptr, bytes_ptr, M, quest_cost,
-                  T1: tl.constexpr, T2: tl.constexpr, MB: tl.constexpr):  # fmt: skip
-    """Row b: L1 and L2 blocks in order to l1[b], l2[b] (pre-filled with -1); counts; Quest's bytes."""
-    b = tl.program_id(0)
-    row = b.to(tl.int64) * M
-    c1 = tl.zeros([], tl.int32)
-    c2 = tl.zeros([], tl.int32)
-    for j0 in range(0, M, MB):
-        j = j0 + tl.arange(0, MB)
-        blk = tl.load(blocks_ptr + row + j, mask=j < M, other=-1)
-        valid = blk >= 0
-        t = tl.load(tier_ptr + tl.where(valid, blk, 0), mask=valid, other=0)
-        is1 = valid & (t == T1)
-        is2 = valid & (t == T2)
-        tl.store(l1_ptr + row + c1 + tl.cumsum(is1.to(tl.int32), 0) - 1, blk.to(tl.int32), mask=is1)
-        tl.store(l2_ptr + row + c2 + tl.cumsum(is2.to(tl.int32), 0) - 1, blk.to(tl.int32), mask=is2)
-        c1 += tl.sum(is1.to(tl.int32), 0)
-        c2 += tl.sum(is2.to(tl.int32), 0)
-    tl.store(n1_ptr + b, c1)
-    tl.store(n2_ptr + b, c2)
-    tl.atomic_add(bytes_ptr, c2.to(tl.int64) * quest_cost)
+SPLIT = 512  # blocks per step of the split (2 ids and tiers per thread)
+CHUNK = 64  # L2 blocks per step of the selection: [64, D] tiles of key mins and scales (32 KB at D 128)
+FILL = 256  # -1 entries written per store of the table's padding
+NUM_WARPS = 8  # 256 threads: 32 fp16 per thread per tile; 2 chunks of 2 tiles in registers (~210 in all)
+NONE = tl.constexpr(-(2**63))  # the key of a position that is not an L2 block
 
 
-@triton.jit(do_not_specialize=["M", "K", "W"])
-def _merge_kernel(l1_ptr, n1_ptr, l2_ptr, val_ptr, idx_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, bytes_ptr,
-                  M, K, W, H: tl.constexpr, MB: tl.constexpr):  # fmt: skip
-    """Row (b, h): table = l1[:n1] ++ the finite top-K L2 blocks, -1 after; its count and byte cost."""
+@triton.jit
+def _bounds(kmin_ptr, kscale_ptr, bits_ptr, blk, s_kn, D: tl.constexpr, POOL_BITS: tl.constexpr,
+            MIXED: tl.constexpr):  # fmt: skip
+    """Key min and scale tiles [MB, D] (fp16 as stored; pointers at the program's head) of blocks blk
+    (undefined where blk < 0), and the blocks' bits (the pool's unless MIXED)."""
+    valid = blk >= 0
+    offs = blk[:, None] * s_kn + tl.arange(0, D)[None, :]
+    lo = tl.load(kmin_ptr + offs, mask=valid[:, None])
+    sc = tl.load(kscale_ptr + offs, mask=valid[:, None])
+    if MIXED:
+        bits = tl.load(bits_ptr + blk, mask=valid, other=POOL_BITS).to(tl.int32)
+    else:
+        bits = tl.full(blk.shape, POOL_BITS, tl.int32)
+    return lo, sc, bits
+
+
+@triton.jit
+def _merge_top(best, keys, K, best_buf, TOPK: tl.constexpr):
+    """The K largest of ``best`` (descending, NONE after) and ``keys``, descending, NONE after.
+
+    Keys are distinct, so a key's rank in the union is the number of keys above it: a best key's is its
+    index plus the new keys above it, a new key's the new keys above it plus the best keys above it. Ranks
+    below TOPK are a permutation (NONE keys of ``best`` included, those of ``keys`` rank past TOPK): each key
+    of rank r < K is stored to ``best_buf[r]``, read back after a barrier."""
+    i = tl.arange(0, TOPK)
+    above = keys[None, :] > best[:, None]  # [TOPK, MB]: new key j above best key i
+    rank_best = i + tl.sum(above.to(tl.int32), 1)
+    rank_keys = tl.sum((keys[:, None] > keys[None, :]).to(tl.int32), 0) + TOPK - tl.sum(above.to(tl.int32), 0)
+    tl.store(best_buf + rank_best, best, mask=rank_best < K)
+    tl.store(best_buf + rank_keys, keys, mask=rank_keys < K)
+    tl.debug_barrier()
+    return tl.load(best_buf + i, mask=i < K, other=NONE)
+
+
+@triton.jit
+def _scan_chunk(lo, sc, bits, blk, c0, qs, qp, best, floor, wp, rp, cands, best_buf, K, TOPK: tl.constexpr,
+                MB: tl.constexpr, MIXED: tl.constexpr):  # fmt: skip
+    """Quest's bound of the blocks ``blk`` at positions c0... of the L2 list; their keys above ``floor`` (the
+    K-th best so far) appended to ``cands[wp:]``, merged into ``best`` MB at a time (``cands[rp:rp + MB]``).
+    Returns (best, floor, wp, rp)."""
+    jj = tl.arange(0, MB)
+    s = sc.to(tl.float32)
+    if MIXED:
+        s = s * tl.where(bits > 0, (1 << bits) - 1, 1).to(tl.float32)[:, None]
+    score = tl.sum(lo.to(tl.float32) * qs[None, :] + s * qp[None, :], 1)
+    score = score.to(tl.int32, bitcast=True)
+    score = score ^ ((score >> 31) & 0x7FFFFFFF)  # the float's order as a signed int
+    keys = tl.where(blk >= 0, (score.to(tl.int64) << 32) | ((c0 + jj).to(tl.int64) << 4) | bits, NONE)
+    up = keys > floor
+    tl.store(cands + wp + tl.cumsum(up.to(tl.int32), 0) - 1, keys, mask=up)
+    wp += tl.sum(up.to(tl.int32), 0)
+    if wp - rp >= MB:
+        tl.debug_barrier()  # the candidates are written by every thread of the program
+        best = _merge_top(best, tl.load(cands + rp + jj), K, best_buf, TOPK)
+        rp += MB
+        floor = tl.load(best_buf + K - 1)
+    return best, floor, wp, rp
+
+
+@triton.jit(do_not_specialize=["M", "W", "K"])  # sizes follow the batch and lengths: one compiled kernel
+def _sparse_table_kernel(
+    q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr,
+    bytes_ptr, scratch_ptr, M, W, K, quest_cost, s_qb, s_qh, s_kn, s_kh,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, MB: tl.constexpr, SPLIT: tl.constexpr,
+    TOPK: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr, MIXED: tl.constexpr,
+    SELECT: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    """Row (b, h): table = its L1 blocks in order ++ its K best L2 blocks for head h, -1 after; the count,
+    the L1 count, and the bytes attention and Quest read (Quest's once per sequence, by h == 0)."""
     bh = tl.program_id(0)
     b = bh // H
-    n1 = tl.load(n1_ptr + b)
-    l1_row = b.to(tl.int64) * M
-    sel_row = bh.to(tl.int64) * K
-    count = tl.zeros([MB], tl.int32)
-    read = tl.zeros([MB], tl.int64)
-    for j0 in range(0, W, MB):
-        j = j0 + tl.arange(0, MB)
-        from_l1 = j < n1
-        e1 = tl.load(l1_ptr + l1_row + j, mask=from_l1, other=-1)
-        s = j - n1
-        in_sel = (s >= 0) & (s < K)
-        v = tl.load(val_ptr + sel_row + s, mask=in_sel, other=float("-inf"))
-        picked = in_sel & (v > float("-inf"))
-        i = tl.load(idx_ptr + sel_row + s, mask=picked, other=0)
-        e2 = tl.load(l2_ptr + l1_row + i, mask=picked, other=-1)
-        e = tl.where(from_l1, e1, tl.where(picked, e2, -1))
-        tl.store(table_ptr + bh.to(tl.int64) * W + j, e, mask=j < W)
-        ok = e >= 0
-        bits = tl.load(bits_ptr + tl.where(ok, e, 0), mask=ok, other=0)
-        read += tl.where(ok, tl.load(cost_ptr + bits.to(tl.int32), mask=ok, other=0), 0)
-        count += ok.to(tl.int32)
-    tl.store(num_ptr + bh, tl.sum(count, 0))
-    tl.atomic_add(bytes_ptr, tl.sum(read, 0))
+    h = bh % H
+    row = b.to(tl.int64) * M
+    out = table_ptr + bh.to(tl.int64) * W
+    l2_list = scratch_ptr + bh.to(tl.int64) * (2 * M + TOPK)  # the row's L2 blocks, in order
+    cands = l2_list + M  # keys above the K-th best when they were scored, merged or not yet
+    best_buf = cands + M  # the best keys after the last merge, descending
+    if SELECT:  # the group's query sums, loaded while the split runs
+        d = tl.arange(0, D)
+        q_row = q_ptr + b.to(tl.int64) * s_qb + (h * G) * s_qh + d
+        qs = tl.zeros([D], tl.float32)
+        qp = tl.zeros([D], tl.float32)
+        for g in tl.static_range(G):
+            qg = tl.load(q_row + g * s_qh).to(tl.float32)
+            qs += qg
+            qp += tl.maximum(qg, 0.0)
+        if not MIXED:  # every block has the pool's levels: fold them into P
+            qp = qp * (1.0 if POOL_BITS == 0 else (1 << POOL_BITS) - 1.0)
+
+    # 1. split: L1 blocks in order to the table, L2 blocks in order to the list (the tiers of the next chunk
+    # and the ids of the one after in flight while a chunk is split)
+    c1 = tl.zeros([], tl.int32)
+    c2 = tl.zeros([], tl.int32)
+    read = tl.zeros([SPLIT], tl.int64)
+    pending = tl.full([SPLIT], 255, tl.int32)  # bits of the previous chunk's L1 blocks, costed a chunk late
+    js = tl.arange(0, SPLIT)
+    blk_a = tl.load(blocks_ptr + row + js, mask=js < M, other=-1)
+    blk_b = tl.load(blocks_ptr + row + SPLIT + js, mask=SPLIT + js < M, other=-1)
+    t_a = tl.load(tier_ptr + tl.where(blk_a >= 0, blk_a, 0), mask=blk_a >= 0, other=0)
+    for j0 in range(0, M, SPLIT):
+        t_b = tl.load(tier_ptr + tl.where(blk_b >= 0, blk_b, 0), mask=blk_b >= 0, other=0)
+        j = j0 + 2 * SPLIT + js
+        blk_c = tl.load(blocks_ptr + row + j, mask=j < M, other=-1)
+        valid = blk_a >= 0
+        is1 = valid & (t_a == T1)
+        is2 = valid & (t_a == T2)
+        tl.store(out + c1 + tl.cumsum(is1.to(tl.int32), 0) - 1, blk_a.to(tl.int32), mask=is1)
+        if SELECT:
+            tl.store(l2_list + c2 + tl.cumsum(is2.to(tl.int32), 0) - 1, blk_a, mask=is2)
+        if MIXED:
+            read += tl.load(cost_ptr + pending, mask=pending != 255, other=0)
+            pending = tl.load(bits_ptr + tl.where(is1, blk_a, 0), mask=is1, other=255).to(tl.int32)
+        c1 += tl.sum(is1.to(tl.int32), 0)
+        c2 += tl.sum(is2.to(tl.int32), 0)
+        blk_a, t_a, blk_b = blk_b, t_b, blk_c
+
+    # 2. select: Quest's bound of the L2 blocks, MB at a time; candidates merged MB at a time
+    ns = tl.zeros([], tl.int32)
+    total = tl.where(h == 0, c2.to(tl.int64) * quest_cost, 0)
+    if SELECT:
+        tl.debug_barrier()  # the list is written by every thread of the program
+        jj = tl.arange(0, MB)
+        best = tl.full([TOPK], NONE, tl.int64)
+        floor = tl.full([], NONE, tl.int64)  # the K-th best key merged so far
+        wp = tl.zeros([], tl.int32)  # candidates written
+        rp = tl.zeros([], tl.int32)  # candidates merged
+        kmin_h = kmin_ptr + h * s_kh
+        kscale_h = kscale_ptr + h * s_kh
+        blk_a = tl.load(l2_list + jj, mask=jj < c2, other=-1)
+        blk_b = tl.load(l2_list + MB + jj, mask=MB + jj < c2, other=-1)
+        lo_a, sc_a, bits_a = _bounds(kmin_h, kscale_h, bits_ptr, blk_a, s_kn, D, POOL_BITS, MIXED)
+        for c0 in range(0, c2, 2 * MB):  # chunks a and b of a step each load while the other is scored
+            lo_b, sc_b, bits_b = _bounds(kmin_h, kscale_h, bits_ptr, blk_b, s_kn, D, POOL_BITS, MIXED)
+            p = c0 + 2 * MB + jj
+            blk_n = tl.load(l2_list + p, mask=p < c2, other=-1)
+            best, floor, wp, rp = _scan_chunk(lo_a, sc_a, bits_a, blk_a, c0, qs, qp, best, floor, wp, rp,
+                                              cands, best_buf, K, TOPK, MB, MIXED)  # fmt: skip
+            lo_a, sc_a, bits_a = _bounds(kmin_h, kscale_h, bits_ptr, blk_n, s_kn, D, POOL_BITS, MIXED)
+            blk_a = blk_n
+            p = c0 + 3 * MB + jj
+            blk_n = tl.load(l2_list + p, mask=p < c2, other=-1)
+            if c0 + MB < c2:
+                best, floor, wp, rp = _scan_chunk(lo_b, sc_b, bits_b, blk_b, c0 + MB, qs, qp, best, floor, wp,
+                                                  rp, cands, best_buf, K, TOPK, MB, MIXED)  # fmt: skip
+            blk_b = blk_n
+        if wp > rp:  # the last candidates
+            tl.debug_barrier()
+            last = tl.load(cands + rp + jj, mask=rp + jj < wp, other=NONE)
+            best = _merge_top(best, last, K, best_buf, TOPK)
+        i = tl.arange(0, TOPK)
+        keep = best != NONE  # best first; NONE past the K-th and past the L2 blocks
+        ids = tl.load(l2_list + ((best >> 4) & 0xFFFFFFF), mask=keep, other=-1).to(tl.int32)
+        tl.store(out + c1 + i, ids, mask=i < K)
+        ns = tl.sum(keep.to(tl.int32), 0)
+        total += tl.sum(tl.load(cost_ptr + (best & 15), mask=keep, other=0), 0)
+
+    # 3. counts, padding and bytes
+    for p0 in range(c1 + K, W, FILL):
+        pad = p0 + tl.arange(0, FILL)
+        tl.store(out + pad, tl.full([FILL], -1, tl.int32), mask=pad < W)
+    tl.store(num_ptr + bh, c1 + ns)
+    tl.store(n1_ptr + bh, c1)
+    if MIXED:
+        read += tl.load(cost_ptr + pending, mask=pending != 255, other=0)
+        total += tl.sum(read, 0)
+    else:
+        total += c1.to(tl.int64) * tl.load(cost_ptr + POOL_BITS)
+    tl.atomic_add(bytes_ptr, total)
 
 
-def _pair(shape: tuple[int, ...], device: torch.device, fill: int | None = None) -> tuple[torch.Tensor, ...]:
+def _pair(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Two int32 tensors of ``shape`` in one allocation, each 16-byte aligned (an unaligned second half
-    would be another specialization of the kernels, compiled again whenever the batch changes)."""
+    would be another specialization of the kernel, compiled again whenever the batch changes)."""
     n = math.prod(shape)
     stride = cdiv(n, 4) * 4
     buf = torch.empty(2 * stride, dtype=torch.int32, device=device)
-    if fill is not None:
-        buf.fill_(fill)
     return buf[:n].view(shape), buf[stride : stride + n].view(shape)
 
 
 def sparse_block_table_triton(
     q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract of :func:`kvtune.kernels.sparse_table.sparse_block_table_ref`."""
+    """The contract of :func:`kvtune.kernels.sparse_table.sparse_block_table_ref`, in one launch.
+
+    The selected L2 blocks of a (sequence, KV head) are the reference's top-k as a set, best first; blocks
+    of equal bound may be chosen differently. In an 8-bit pool that may hold demoted blocks each block's own
+    bits give its levels and byte cost; in any other pool every block has the pool's bits
+    (:mod:`kvtune.kernels.layout`), which the kernel uses without reading ``block_bits``.
+    """
     if not tileable_head_dim(q.shape[2]):
         return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)
     B, M = blocks.shape
@@ -102,26 +252,28 @@ def sparse_block_table_triton(
         "tier int8 [N] contiguous": tier.dtype == torch.int8 and tier.is_contiguous(),
         "count: cost int64 [9], total int64 scalar": count.cost.dtype == count.total.dtype == torch.int64
         and count.cost.shape == (9,),
-        "q is [B, Hq, D]": q.dim() == 3 and q.shape[0] == B,
+        "q is [B, Hq, D]": q.dim() == 3 and q.shape[0] == B and q.shape[1] % H == 0,
+        "k_blocks >= 0": k_blocks >= 0,
+        "blocks per row < 2^28 (a key holds the position)": M < 1 << 28,
     }
     broken = [rule for rule, ok in rules.items() if not ok]
     if broken:
         raise ValueError(f"sparse_block_table: `{broken[0]}` must hold (blocks {tuple(blocks.shape)})")
     dev = q.device
-    split = _pair((B, M), dev, fill=-1)
-    counts = _pair((B,), dev)
-    table = torch.empty((B, H, M + k_blocks), dtype=torch.int32, device=dev)
-    num = torch.empty((B, H), dtype=torch.int32, device=dev)
+    W = M + k_blocks
+    table = torch.empty((B, H, W), dtype=torch.int32, device=dev)
+    num, n1 = _pair((B, H), dev)
     if B == 0:
-        return table, num, num
-    _split_kernel[(B,)](blocks, tier, split[0], split[1], counts[0], counts[1], count.total, M,
-                        count.quest_cost, T1=L1, T2=L2, MB=CHUNK, num_warps=2)  # fmt: skip
-    k = min(k_blocks, M)
-    if k:
-        vals, idx = torch.topk(quest_scores_triton(q, pool, split[1], counts[1]), k, dim=-1)
-    else:
-        vals = torch.empty((B, H, 0), dtype=torch.float32, device=dev)
-        idx = torch.empty((B, H, 0), dtype=torch.int64, device=dev)
-    _merge_kernel[(B * H,)](split[0], counts[0], split[1], vals, idx, pool.block_bits, count.cost, table, num,
-                            count.total, M, k, M + k_blocks, H=H, MB=CHUNK, num_warps=2)  # fmt: skip
-    return table, num, counts[0][:, None].expand(B, H)
+        return table, num, n1
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    topk = next_pow2(k_blocks)
+    scratch = torch.empty((B * H, 2 * M + topk if k_blocks else 0), dtype=torch.int64, device=dev)
+    _sparse_table_kernel[(B * H,)](
+        q, pool.k_min, pool.k_scale, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total,
+        scratch, M, W, k_blocks, count.quest_cost, q.stride(0), q.stride(1), pool.k_min.stride(0),
+        pool.k_min.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=CHUNK, SPLIT=SPLIT, TOPK=topk, T1=L1,
+        T2=L2, POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote, SELECT=k_blocks > 0, FILL=FILL,
+        num_warps=NUM_WARPS, num_stages=1,
+    )  # fmt: skip
+    return table, num, n1

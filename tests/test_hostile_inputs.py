@@ -267,6 +267,20 @@ def test_inputs_are_checked_before_ray_starts(
         assert time.monotonic() - start < 10
 
 
+def test_a_gguf_model_without_the_gguf_package_is_refused_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_ray: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real weights found but the package that reads them missing: one line before Ray starts, not a
+    crash of every trial after its probes."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
+    assert cli.main(argv(f"sqlite:///{tmp_path}/s.db", "--quality-model", "smollm2")) == 2
+    line = one_error_line(capsys)
+    assert "--quality-model smollm2" in line and "pip install gguf" in line, line
+
+
 # ---- absurd lengths: refused, or clipped and counted; a trial cannot run unbounded -------------------------
 @pytest.mark.parametrize("key", ["input_length", "output_length"])
 def test_a_length_beyond_any_context_is_refused_at_its_line(tmp_path: Path, key: str) -> None:

@@ -122,15 +122,17 @@ def _access(b: int = 3, m: int = 9, now_ms: float = 1234.5) -> Callable[[], Any]
     )  # fmt: skip
 
 
-def _sparse_table(b: int = 2, m: int = 9) -> Callable[[], Any]:
+def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True, k_blocks: int = 4,
+                  heads: int = 8, group: int = 4, d: int = 128) -> Callable[[], Any]:  # fmt: skip
     from kvtune.kernels.sparse_table import ByteCount
     from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 
     count = ByteCount(torch.zeros(9, dtype=torch.int64), 4096, torch.zeros((), dtype=torch.int64))
     blocks = (torch.arange(b * m) % 40).view(b, m)
     tier = torch.ones(40, dtype=torch.int8)
-    q = torch.zeros(b, 32, 128, dtype=torch.bfloat16)
-    return lambda: sparse_block_table_triton(q, _pool(8), blocks, tier, 4, count)
+    q = torch.zeros(b, heads * group, d, dtype=torch.bfloat16)
+    pool = _pool(bits, heads, d, demotable=demotable)
+    return lambda: sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
 
 
 CASES: dict[str, Callable[[], Callable[[], Any]]] = {
@@ -156,6 +158,14 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     **{n: (lambda n=n: _elementwise(n)) for n in ("add_rms_norm", "rms_norm", "rope_qkv", "silu_mul")},
     "access update": _access,
     "sparse table": _sparse_table,
+    "sparse table int8 pure": lambda: _sparse_table(bits=8, demotable=False),
+    "sparse table int4": lambda: _sparse_table(bits=4, demotable=False),
+    "sparse table unquantized": lambda: _sparse_table(bits=0, demotable=False),
+    "sparse table 16 x 512, top 32": lambda: _sparse_table(b=16, m=512, k_blocks=32),
+    "sparse table top 100": lambda: _sparse_table(k_blocks=100),
+    "sparse table top 1": lambda: _sparse_table(k_blocks=1),
+    "sparse table without selection": lambda: _sparse_table(k_blocks=0),
+    "sparse table smollm2 heads": lambda: _sparse_table(bits=4, demotable=False, heads=3, group=3, d=64),
 }  # fmt: skip
 
 
@@ -294,7 +304,7 @@ def test_warm_up_compiles_every_kernel_of_a_sparse_replay(monkeypatch: pytest.Mo
 
     timed_keys = _keys_of(replay)
     names = {name for name, _, _ in timed_keys}
-    assert {"_quest_score_kernel", "_requant_kernel", "_merge_kernel"} <= names, names
+    assert {"_sparse_table_kernel", "_requant_kernel", "_merge_kernel"} <= names, names
     missing = timed_keys - warm_keys
     assert not missing, "compiled only when timed: " + "; ".join(
         f"{name}: {[a for a in key if a not in next((k for n, k, _ in warm_keys if n == name), ())]}"

@@ -10,6 +10,7 @@ allocator on the GPU.
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 from typing import Any
 
@@ -145,44 +146,103 @@ def test_update_access_gpu(gpu_kernels, n_blocks: int, b: int, h: int, m: int, s
 
 
 # ---- the sparse tier's table
-def check_sparse_table(k, b: int, m: int, k_blocks: int, bits: int, device: str, seed: int) -> None:
-    """Random tiers over scattered blocks (a shared prefix, padding); table, counts and bytes equal."""
+# pool kinds: (pool bits, blocks demoted to 4 bits, may_demote)
+POOLS = {"int8 mixed": (8, True, True), "int8": (8, False, False), "int4": (4, False, False),
+         "unquantized": (0, False, False)}  # fmt: skip
+
+
+def _assert_selected(got: list[int], want: list[int], bound: dict[int, float], where: str) -> None:
+    """The selected L2 blocks of one row: the reference's as a set, or (blocks of equal bound may be chosen
+    differently) blocks of the same bounds; distinct, best first."""
+    assert len(got) == len(want) and len(set(got)) == len(got), where
+    scores = [bound[i] for i in got]  # only L2 blocks of the row have a bound
+    if sorted(got) != sorted(want):
+        torch.testing.assert_close(sorted(scores), sorted(bound[i] for i in want), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{where}: {m}")  # fmt: skip
+    descending = all(a >= b - 1e-5 * (1 + abs(a)) for a, b in itertools.pairwise(scores))
+    assert descending, f"{where}: not best first"
+
+
+def check_sparse_table(k, b: int, h: int, g: int, d: int, m: int, k_blocks: int, pool_kind: str, device: str,
+                       seed: int) -> None:  # fmt: skip
+    """Random tiers over scattered blocks (a shared prefix, -1 padding, a row without L2 blocks, a row with
+    one, blocks of equal bounds): the L1 blocks in order, the reference's selection (as sets), counts and
+    bytes equal, -1 after the count."""
     from kvtune.kernels.layout import ColdLayout
     from kvtune.kernels.quant import seal_blocks_ref
-    from kvtune.kernels.sparse_table import ByteCount, sparse_block_table_ref
+    from kvtune.kernels.quest import quest_scores_ref
+    from kvtune.kernels.requant import requantize_int4_ref
+    from kvtune.kernels.sparse_table import L1, L2, ByteCount, sparse_block_table_ref
 
+    bits, demote, may_demote = POOLS[pool_kind]
     gen = torch.Generator(device=device).manual_seed(seed)
-    h, g, d, bs = 2, 3, 32, 8
+    bs = 8
     n = b * m + 3
     pool = ColdLayout(bs, h, d, bits, torch.float32).allocate(n, device)
+    pool.may_demote = may_demote
     kv = torch.randn(2, n, bs, h, d, generator=gen, device=device)
     seal_blocks_ref(pool, torch.arange(n, device=device), kv[0], kv[1], bits)
+    if demote:
+        requantize_int4_ref(pool, torch.randperm(n, generator=gen, device=device)[: n // 3])
+    src, dst = torch.randperm(n, generator=gen, device=device)[: 2 * (n // 8)].view(2, -1)
+    for name in ("k_min", "k_scale", "block_bits"):  # equal bounds: ties
+        getattr(pool, name)[dst] = getattr(pool, name)[src]
     blocks = torch.randperm(n, generator=gen, device=device)[: b * m].view(b, m)
     blocks[:, : m // 4] = blocks[:1, : m // 4]
     lengths = torch.randint(0, m + 1, (b,), generator=gen, device=device)
+    lengths[0] = m
     blocks = torch.where(torch.arange(m, device=device) < lengths[:, None], blocks, -1)
-    tier = torch.randint(1, 3, (n,), generator=gen, device=device).to(torch.int8)
+    tier = torch.randint(L1, L2 + 1, (n,), generator=gen, device=device).to(torch.int8)
+    if b > 1:  # a row of L1 blocks only, then one with a single L2 block (the shared prefix turns L1 too)
+        tier[blocks[1][blocks[1] >= 0]] = L1
+        if b > 2 and lengths[2] > m // 4:
+            tier[blocks[2][blocks[2] >= 0]] = L1
+            tier[blocks[2, lengths[2] - 1]] = L2
     q = torch.randn(b, h * g, d, generator=gen, device=device)
     cost = torch.arange(9, device=device, dtype=torch.int64) * 1000 + 7
     got_n, want_n = (ByteCount(cost, 11, torch.zeros((), dtype=torch.int64, device=device)) for _ in range(2))
-    got = k.triton_sparse_table.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, got_n)
-    want = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, want_n)
-    for name, x, y in zip(("table", "num_cold", "num_l1"), got, want):
-        assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y), name
+    table, num, n1 = k.triton_sparse_table.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, got_n)
+    want_table, want_num, want_n1 = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, want_n)
+    for name, x, y in (("table", table, want_table), ("num_cold", num, want_num), ("num_l1", n1, want_n1)):
+        assert x.dtype == y.dtype == torch.int32 and x.shape == y.shape, name
+    assert torch.equal(num, want_num) and torch.equal(n1, want_n1)
     assert int(got_n.total) == int(want_n.total) > 0
+    positions = torch.arange(table.shape[2], device=device)
+    assert (table[positions >= num[..., None]] == -1).all()
+    l2 = [blocks[i][(blocks[i] >= 0) & (tier[blocks[i].clamp(min=0)] == L2)] for i in range(b)]
+    for i in range(b):
+        bound = quest_scores_ref(q[i : i + 1], pool, l2[i][None].to(torch.int32),
+                                 torch.tensor([len(l2[i])], dtype=torch.int32, device=device))[0]  # fmt: skip
+        for j in range(h):
+            a, c = int(n1[i, j]), int(num[i, j])
+            assert torch.equal(table[i, j, :a], want_table[i, j, :a]), f"L1 blocks of row ({i}, {j})"
+            _assert_selected(table[i, j, a:c].tolist(), want_table[i, j, a:c].tolist(),
+                             dict(zip(l2[i].tolist(), bound[j].tolist())), f"row ({i}, {j})")  # fmt: skip
 
 
-@pytest.mark.parametrize(("b", "m", "k_blocks"), [(1, 1, 8), (3, 9, 2), (2, 70, 16), (2, 5, 0)])
-@pytest.mark.parametrize("bits", [8, 4, 0])
-def test_sparse_block_table_interpreted(kernels, b: int, m: int, k_blocks: int, bits: int) -> None:
-    check_sparse_table(kernels, b, m, k_blocks, bits, "cpu", seed=b * 100 + m)
+# (sequences, KV heads, group, head dim, blocks per row, k_blocks): k_blocks 0, 1, above the 64-block chunk
+# and not a power of two; many chunks for a few blocks (the k-th best filters most); rows longer than one
+# step of the split (512)
+CPU_TABLES = [(1, 1, 1, 32, 1, 8), (3, 2, 3, 32, 9, 2), (3, 2, 3, 32, 70, 16), (2, 2, 2, 32, 5, 0),
+              (4, 1, 1, 32, 40, 1), (3, 3, 2, 64, 150, 100), (3, 2, 2, 32, 400, 3),
+              (2, 2, 4, 32, 600, 24)]  # fmt: skip
+GPU_TABLES = [(16, 8, 4, 128, 512, 32), (64, 8, 4, 128, 130, 32), (5, 3, 7, 64, 300, 8), (3, 2, 3, 32, 9, 16),
+              (4, 8, 4, 128, 2000, 100)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("b", "h", "g", "d", "m", "k_blocks"), CPU_TABLES)
+@pytest.mark.parametrize("pool_kind", list(POOLS))
+def test_sparse_block_table_interpreted(kernels, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
+                                        pool_kind: str) -> None:  # fmt: skip
+    check_sparse_table(kernels, b, h, g, d, m, k_blocks, pool_kind, "cpu", seed=b * 100 + m)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("b", "m", "k_blocks"), [(64, 130, 32), (5, 300, 8), (3, 9, 16)])
-@pytest.mark.parametrize("bits", [8, 4, 0])
-def test_sparse_block_table_gpu(gpu_kernels, b: int, m: int, k_blocks: int, bits: int) -> None:
-    check_sparse_table(gpu_kernels, b, m, k_blocks, bits, "cuda", seed=b + m)
+@pytest.mark.parametrize(("b", "h", "g", "d", "m", "k_blocks"), GPU_TABLES)
+@pytest.mark.parametrize("pool_kind", list(POOLS))
+def test_sparse_block_table_gpu(gpu_kernels, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
+                                pool_kind: str) -> None:  # fmt: skip
+    check_sparse_table(gpu_kernels, b, h, g, d, m, k_blocks, pool_kind, "cuda", seed=b + m)
 
 
 # ---- the whole cache on the Triton kernels

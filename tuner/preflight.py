@@ -10,6 +10,7 @@ of a sample is cut). The storage URL and the card are checked when the job is bu
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +64,7 @@ def check_model(name: str, flag: str = "--model") -> int:
     try:
         if name == "smollm2":
             smollm2_gguf_path()
+            _needs_gguf_reader()
             return SHAPES["smollm2-135m"].max_context
         if name.startswith("random:"):
             shape = name.removeprefix("random:")
@@ -76,6 +78,7 @@ def check_model(name: str, flag: str = "--model") -> int:
                 raise ValueError(f"{path}: no *.safetensors file (expected the weights next to config.json)")
             return spec.max_context
         if path.suffix == ".gguf" and path.is_file():
+            _needs_gguf_reader()
             return _gguf_context(path)
     except (ValueError, NotImplementedError, OSError) as e:
         raise ValueError(f"{flag} {name}: {e}") from None
@@ -83,6 +86,12 @@ def check_model(name: str, flag: str = "--model") -> int:
         f"{flag} {name}: not found; expected smollm2, random:<{'|'.join(SHAPES)}>, a Hugging Face model "
         "directory (config.json + *.safetensors) or a .gguf file"
     )
+
+
+def _needs_gguf_reader() -> None:
+    """A GGUF model loads through the ``gguf`` package: missing, every trial would fail at its first load."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError("reading a GGUF needs the package gguf: pip install gguf")
 
 
 def _gguf_context(path: Path) -> int:
