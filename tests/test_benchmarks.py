@@ -68,3 +68,28 @@ def test_replay_compare_smoke(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     assert "time scale" in run.stdout and "q_int8 TPOT p50=" in run.stdout
     assert out.exists()
+
+
+def test_engine_replay_and_capacity_compare_smoke(tmp_path: Path) -> None:
+    """The replay benchmark (unmeasured first replay, repeats on the kept cache) and the capacity comparison
+    (the worker's probes without Ray) on the tiny model."""
+    configs = ROOT / "examples" / "configs"
+    trace = str(ROOT / "examples" / "traces" / "azure_conv_sample.csv")
+    pair = [str(configs / "q_unquantized.json"), str(configs / "q_int4.json")]
+    common = ["--model", "random:tiny", "--workload", trace, "--requests", "8", "--length-scale", "0.03",
+              "--length-cap", "96", "--kv-budget", "2e8"]  # fmt: skip
+    replay = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "engine_replay.py"), *common, "--repeats", "2",
+         "--json", str(tmp_path / "replay.json"), *pair],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert replay.returncode == 0, replay.stderr[-2000:]
+    assert "largest distance from the median" in replay.stdout and "q_int4 @ 2e8" in replay.stdout
+    capacity = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "capacity_compare.py"), *common, "--repeats", "1",
+         "--slo-ttft-ms", "5000", "--slo-tpot-ms", "500", "--json", str(tmp_path / "capacity.json"), *pair],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert capacity.returncode == 0, capacity.stderr[-2000:]
+    assert "median capacity" in capacity.stdout and "q_int4" in capacity.stdout
+    assert (tmp_path / "capacity.json").exists()

@@ -94,6 +94,22 @@ def test_a_search_refuses_what_cannot_run(start: float, granularity: float, prob
         CapacitySearch(start, granularity, probes)
 
 
+def test_a_trial_starts_at_the_best_capacity_once_it_beats_the_baseline() -> None:
+    """Warm start at the baseline's capacity until a feasible trial carries more; then a config below the best
+    fails its first probe and is pruned after one probe, and one above it goes up from the best."""
+    from kvtune.tuner.capacity import warm_start
+
+    base = CapacitySearch(2.0, granularity=0.025)
+    assert warm_start(base, None) is base and warm_start(base, 1.5) is base
+    started = warm_start(base, 5.0)
+    assert started.start == 5.0 and started.next_rate() == 5.0
+    assert started.granularity == base.granularity and started.max_probes == base.max_probes
+    worse = started.record(5.0, False)
+    assert should_prune(worse, 5.0)
+    better = started.record(5.0, True)
+    assert better.next_rate() == 10.0 and not should_prune(better, 5.0)
+
+
 def test_pruning_needs_a_failure_at_or_below_the_best_capacity() -> None:
     search = CapacitySearch(start=1.0)
     assert not should_prune(search, 1.5)  # nothing probed

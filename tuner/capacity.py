@@ -6,7 +6,8 @@ both limits of :class:`Slo`: P99 TTFT ≤ ``ttft_ms`` and P99 TPOT ≤ ``tpot_ms
 The driver finds it with :class:`CapacitySearch`, one probe (one replay at one rate) per protocol call
 (:data:`kvtune.tuner.protocol.Call.PROBE`):
 
-- **warm start** at the unquantized baseline's capacity (measured when the study starts);
+- **warm start** at the unquantized baseline's capacity (measured when the study starts), or at the best
+  capacity of the study's feasible trials once that is higher (:func:`warm_start`);
 - **bracket**: double the rate after a pass, halve it after a failure, until a passing rate ``lo`` and a
   failing rate ``hi`` are known;
 - **bisect** at the geometric midpoint ``sqrt(lo * hi)`` until ``hi / lo - 1 <= granularity`` (2.5 %);
@@ -172,6 +173,16 @@ class CapacitySearch:
             "granularity": self.granularity,
             "max_probes": self.max_probes,
         }
+
+
+def warm_start(search: CapacitySearch, best_known: float | None) -> CapacitySearch:
+    """The search a new trial starts: ``search`` (warm-started at the baseline's capacity), started at the
+    best capacity of the study's feasible trials instead when that is higher. A config that cannot beat the
+    best then fails its first probe and is pruned at once (one probe where a start at the baseline's
+    capacity spends two or three); one that can goes up from there."""
+    if best_known is None or not math.isfinite(best_known) or best_known <= search.start:
+        return search
+    return dataclasses.replace(search, start=float(best_known))
 
 
 def should_prune(search: CapacitySearch, best_known: float | None) -> bool:

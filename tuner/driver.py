@@ -6,7 +6,8 @@ After each window the driver reports that window's objective and may prune (sing
 Pareto mode never prunes). Quality is a constraint, measured once per config and reused.
 
 With the capacity objective a trial is ``configure → probe(rate)... → finish → quality``: the driver holds
-the trial's :class:`~kvtune.tuner.capacity.CapacitySearch` (warm-started at the baseline's capacity), asks
+the trial's :class:`~kvtune.tuner.capacity.CapacitySearch` (warm-started at the baseline's capacity, or at
+the best feasible capacity so far when higher: :func:`~kvtune.tuner.capacity.warm_start`), asks
 it for each rate, reports the capacity found so far (the highest passing rate, which only grows) after each
 probe, and prunes the trial as soon as it failed at a rate no higher than the best capacity of the study's
 feasible trials (:func:`~kvtune.tuner.capacity.should_prune`): it cannot beat that any more.
@@ -72,7 +73,7 @@ from kvtune.studies.names import (
 )
 from kvtune.studies.records import finite
 from kvtune.studies.study import OBJECTIVES, PENALTY, StudyOptions, enqueue_rerun, finished_trials
-from kvtune.tuner.capacity import CapacitySearch, probe_summary, should_prune
+from kvtune.tuner.capacity import CapacitySearch, probe_summary, should_prune, warm_start
 from kvtune.tuner.pool import WorkerPool, _last_line
 from kvtune.tuner.protocol import Call, EngineKnobs, TrialResult, WorkerInfo, Workload, next_call
 from kvtune.tuner.validation import feasible
@@ -202,7 +203,8 @@ class TrialLoop:
             self.idle.insert(0, worker)
             return
         knobs = EngineKnobs.from_dict(engine) if engine is not None else None
-        run = _Running(trial, config, worker, knobs=knobs, search=self.capacity)
+        search = warm_start(self.capacity, self._best_capacity()) if self.capacity is not None else None
+        run = _Running(trial, config, worker, knobs=knobs, search=search)
         self._submit(run, self.pool.actors[worker].configure.remote(config, self.workload_ref, knobs))
         self.events(Event("start", trial.number, worker, message=_short_config(config)))
 
