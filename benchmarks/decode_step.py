@@ -139,7 +139,6 @@ class Stepper:
             self._pending = tokens
             if self.path == "graph_sync":
                 self.land()
-                self._pending = tokens
             return
         positions = torch.as_tensor(self.cache.lengths(self.slots), device=dev)
         plan = self.cache.begin_step(list(range(self.batch)), now_ms=now)

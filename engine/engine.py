@@ -514,11 +514,7 @@ class Engine:
         end = self.timer.mark()
         next_np = next_tokens.cpu().numpy()  # synchronizes
         self.timer.synchronize()
-        model_ms = self.timer.elapsed_ms(model_start, model_end)
-        run.add("decode_steps", 1)
-        run.add("decode_ms", self.timer.elapsed_ms(start, end))
-        run.add("model_ms", model_ms)
-        run.add("forward_ms", model_ms)
+        self._count_step(run, (start, model_start, model_end, end))
         self._add_attention(run, run.timed.take_attention_ms(), 0)
         run.peak("peak_running", len(slots))
         self._emit(run, slots, next_np, progress)
@@ -565,16 +561,21 @@ class Engine:
             flight.ready.synchronize()
         now = run.clock.now_ms()
         run.outputs.fill(flight.slots, flight.tokens.numpy()[: len(flight.slots)], now)
-        start, model_start, model_end, end = flight.marks
-        model_ms = self.timer.elapsed_ms(model_start, model_end)
-        run.add("decode_steps", 1)
+        self._count_step(run, flight.marks, flight.captured_ms)
         run.add("graph_steps", 1)
-        run.add("decode_ms", max(0.0, self.timer.elapsed_ms(start, end) - flight.captured_ms))
-        run.add("model_ms", model_ms)
-        run.add("forward_ms", model_ms)
         if flight.attention is not None:
             self._add_attention(run, graphs_attention_ms(flight.attention), flight.bytes_before)
         self._finish(run, flight.done, progress)
+
+    def _count_step(self, run: _Run, marks: tuple[Any, Any, Any, Any], captured_ms: float = 0.0) -> None:
+        """A decode step's counters from its marks (iteration start, forward start and end, iteration end;
+        completed), less the capture time spent inside it."""
+        start, model_start, model_end, end = marks
+        model_ms = self.timer.elapsed_ms(model_start, model_end)
+        run.add("decode_steps", 1)
+        run.add("decode_ms", max(0.0, self.timer.elapsed_ms(start, end) - captured_ms))
+        run.add("model_ms", model_ms)
+        run.add("forward_ms", model_ms)
 
     def _forward(
         self,

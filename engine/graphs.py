@@ -213,10 +213,6 @@ class DecodeGraphs:
         """Attention time of the last step run with timing (its end must have completed)."""
         return attention_ms(self.attention_marks())
 
-    def next_tokens(self, info: StepInfo) -> torch.Tensor:
-        """The step's argmax tokens [batch] (device)."""
-        return self.buffers.tokens_out[: info.batch]
-
     def tokens_to_host(self, info: StepInfo) -> tuple[torch.Tensor, Any]:
         """Start copying the step's tokens to the host: (host tensor, CUDA event after the copy; None on a
         CPU, where they are there already). Two pinned buffers take turns, so the copy of the next step

@@ -116,9 +116,8 @@ class SlotOutputs:
         self.pending[slots] = False
 
     def record(self, slots: np.ndarray, tokens: np.ndarray, now_ms: float) -> np.ndarray:
-        """One new token per slot at ``now_ms``; returns the slots whose sequence is now complete."""
-        n = self.count[slots]
-        self.tokens[slots, n] = tokens
-        self.ms[slots, n] = now_ms
-        self.count[slots] = n + 1
-        return slots[n + 1 >= self.target[slots]]
+        """One new token per slot at ``now_ms`` (:meth:`launch` and :meth:`fill` at once); returns the slots
+        whose sequence is now complete."""
+        done = self.launch(slots)
+        self.fill(slots, tokens, now_ms)
+        return done

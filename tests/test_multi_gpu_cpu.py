@@ -9,6 +9,7 @@ once, the worker replaced, no trial lost or run twice, validation repeats spread
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,33 +21,26 @@ from optuna.trial import TrialState
 from kvtune.search_spaces.cards import resolve_gpu
 from kvtune.studies.names import ATTR_RETRY_OF
 from kvtune.studies.study import StudyOptions
-from kvtune.tuner.driver import Bounds, Event
+from kvtune.tests.tuner_fakes import tiny_job
+from kvtune.tuner.driver import Event
 from kvtune.tuner.job import TuneJob, TuneReport, tune
-from kvtune.tuner.protocol import QualitySettings, WorkerSpec
-from kvtune.tuner.worker import TrialWorker
 from kvtune.tuner.workload import WorkloadSample
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "examples" / "traces" / "mooncake_sample.jsonl"
-TEXT = ROOT / "examples" / "text" / "wikitext2_excerpt.txt"
 TRIALS = 10
 FIRST_KILLABLE = 4  # the first trial from this one that reaches its last window gets its worker killed
 
 
 def fake_job(tmp_path: Path, trials: int, card: str = "h200", name: str = "multi") -> TuneJob:
-    quality = QualitySettings(model="random:tiny", text_path=str(TEXT), windows=1, prefill_tokens=8,
-                              decode_tokens=2, passkey=False)  # fmt: skip
-    return TuneJob(
+    """:func:`tuner_fakes.tiny_job` on a card of several GPUs: 2 windows of 4 requests, seed 3."""
+    job = tiny_job(tmp_path, trials=trials, card=resolve_gpu(card))
+    quality = dataclasses.replace(job.spec.quality, prefill_tokens=8, decode_tokens=2)
+    return dataclasses.replace(
+        job,
         options=StudyOptions(f"sqlite:///{tmp_path}/s.db", name, "tpot_p99", False, seed=3, resume=False),
-        trials=trials,
-        card=resolve_gpu(card),
         sample=WorkloadSample(str(TRACE), requests=4, windows=2, seed=0, length_scale=0.01, length_cap=64),
-        spec=WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26, threads=1),
-        bounds=Bounds(max_ppl_increase=2.0),
-        time_scale=1.0,
-        write_preset=False,
-        presets_dir=str(tmp_path / "presets"),
-        worker_cls=TrialWorker,
+        spec=dataclasses.replace(job.spec, quality=quality),
     )
 
 
