@@ -83,8 +83,8 @@ SUMMARY_METRICS = (
 )  # fmt: skip
 
 # ---- vLLM: only what means the same there ----------------------------------------------------------
-# backend -> the multiple --block-size must be (VLLM.md); GPU presets name TRITON_ATTN, the one GPU
-# backend whose rule is recorded; FlashAttention / FlashInfer keep their own lists.
+# backend -> the multiple --block-size must be (per vLLM's attention backends); GPU presets name
+# TRITON_ATTN, the one GPU backend whose rule is recorded; FlashAttention / FlashInfer keep their own lists.
 VLLM_BLOCK_MULTIPLE = {"TRITON_ATTN": 16, "CPU_ATTN": 32}
 VLLM_IGNORES = (
     "vLLM has no hybrid_v2 cache: it parses --additional-config and includes it in its config hash, but "
