@@ -133,21 +133,37 @@ class TimedCache:
 
 
 class EngineClock:
-    """Engine time in ms since the replay started; idle gaps are skipped, not slept."""
+    """Engine time in ms since the replay started; idle gaps are skipped, not slept.
 
-    def __init__(self) -> None:
+    The wall clock (the default) is host time. The device clock (``device=True``) is the sum of the times of
+    the iterations completed so far on the device timeline (:meth:`advance`, from :class:`DeviceTimer`
+    marks): the host's time between iterations, and its jitter, do not count, so a replay repeated takes the
+    same requests into the same iterations unless the device's own times differ."""
+
+    def __init__(self, device: bool = False) -> None:
+        self.device = device
         self._t0 = time.perf_counter()
+        self._device_ms = 0.0
         self._skipped_ms = 0.0
 
     def now_ms(self) -> float:
+        if self.device:
+            return self._device_ms + self._skipped_ms
         return (time.perf_counter() - self._t0) * 1000.0 + self._skipped_ms
 
     def skip_to(self, ms: float) -> None:
         self._skipped_ms += max(0.0, ms - self.now_ms())
 
+    def advance(self, ms: float) -> None:
+        """An iteration that took ``ms`` on the device completed (moves the device clock only)."""
+        if self.device:
+            self._device_ms += max(0.0, ms)
+
     def exclude(self, ms: float) -> None:
-        """Leave ``ms`` just spent (capturing a CUDA graph) out of the clock: it stood still meanwhile."""
-        self._skipped_ms -= max(0.0, ms)
+        """Leave ``ms`` just spent (capturing a CUDA graph) out of the clock: it stood still meanwhile (the
+        device clock never counted it)."""
+        if not self.device:
+            self._skipped_ms -= max(0.0, ms)
 
 
 # ------------------------------------------------------------------------------------------------ a run
@@ -255,8 +271,10 @@ class Engine:
         clipped: int = 0,
         deadline: Deadline | None = None,
         stop: Stop | None = None,
+        timings: list[RequestTiming] | None = None,
     ) -> ReplayMetrics:
-        """Replay ``requests`` open-loop (arrivals × ``time_scale``) and measure them.
+        """Replay ``requests`` open-loop (arrivals × ``time_scale``) and measure them; ``timings``, when
+        given, receives every finished request's arrival and token times (what the metrics summarize).
 
         Requests longer than the model's context are clipped to it; ``clipped`` in the result counts the
         requests a length policy shortened (here, or before: :class:`~kvtune.engine.traces.Request`'s
@@ -297,6 +315,8 @@ class Engine:
         except BaseException:
             self.release()  # a replay cut short leaves no state behind
             raise
+        if timings is not None:
+            timings.extend(run.timings)
         return summarize(run.timings, self._counters(run, clipped=clipped + counts.shortened))
 
     def with_config(self, config: HybridConfig) -> Engine:
@@ -404,7 +424,7 @@ class Engine:
             cache,
             TimedCache(cache, self.timer),
             scheduler,
-            EngineClock(),
+            EngineClock(device=self.scheduler_config.clock == "device"),
             len(requests),
             settings,
             outputs,
@@ -514,7 +534,7 @@ class Engine:
         end = self.timer.mark()
         next_np = next_tokens.cpu().numpy()  # synchronizes
         self.timer.synchronize()
-        self._count_step(run, (start, model_start, model_end, end))
+        run.clock.advance(self._count_step(run, (start, model_start, model_end, end)))
         self._add_attention(run, run.timed.take_attention_ms(), 0)
         run.peak("peak_running", len(slots))
         self._emit(run, slots, next_np, progress)
@@ -559,23 +579,24 @@ class Engine:
             return
         if flight.ready is not None:
             flight.ready.synchronize()
-        now = run.clock.now_ms()
-        run.outputs.fill(flight.slots, flight.tokens.numpy()[: len(flight.slots)], now)
-        self._count_step(run, flight.marks, flight.captured_ms)
+        run.clock.advance(self._count_step(run, flight.marks, flight.captured_ms))
+        run.outputs.fill(flight.slots, flight.tokens.numpy()[: len(flight.slots)], run.clock.now_ms())
         run.add("graph_steps", 1)
         if flight.attention is not None:
             self._add_attention(run, graphs_attention_ms(flight.attention), flight.bytes_before)
         self._finish(run, flight.done, progress)
 
-    def _count_step(self, run: _Run, marks: tuple[Any, Any, Any, Any], captured_ms: float = 0.0) -> None:
+    def _count_step(self, run: _Run, marks: tuple[Any, Any, Any, Any], captured_ms: float = 0.0) -> float:
         """A decode step's counters from its marks (iteration start, forward start and end, iteration end;
-        completed), less the capture time spent inside it."""
+        completed), less the capture time spent inside it; returns the step's time."""
         start, model_start, model_end, end = marks
         model_ms = self.timer.elapsed_ms(model_start, model_end)
+        step_ms = max(0.0, self.timer.elapsed_ms(start, end) - captured_ms)
         run.add("decode_steps", 1)
-        run.add("decode_ms", max(0.0, self.timer.elapsed_ms(start, end) - captured_ms))
+        run.add("decode_ms", step_ms)
         run.add("model_ms", model_ms)
         run.add("forward_ms", model_ms)
+        return step_ms
 
     def _forward(
         self,
@@ -608,6 +629,8 @@ class Engine:
             cache.end_step(plan)
         end = self.timer.mark()
         next_np = next_tokens.cpu().numpy()  # synchronizes
+        iteration_ms = self.timer.elapsed_ms(start, end)
+        run.clock.advance(iteration_ms)
         model_ms = self.timer.elapsed_ms(model_start, model_end)
         run.add("prefill_ms", model_ms)
         run.add("forward_ms", model_ms)
@@ -615,7 +638,7 @@ class Engine:
         if b:
             run.add("decode_steps", 1)
             run.add("mixed_iterations", 1)
-            run.add("decode_ms", self.timer.elapsed_ms(start, end))
+            run.add("decode_ms", iteration_ms)
             run.add("model_ms", model_ms)
             self._add_attention(run, run.timed.take_attention_ms(), bytes_before)
             run.peak("peak_running", b)
@@ -702,6 +725,7 @@ class Engine:
             graphs=st.graphs,
             cuda_graphs=st.cuda_graphs,
             mixed=st.mixed,
+            clock=self.scheduler_config.clock,
         )
 
 

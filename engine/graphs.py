@@ -29,10 +29,11 @@ back), into one memory pool shared by all graphs of the runner. :attr:`capture_m
 took, so a replay can leave them out of its clock.
 
 Without capture (a CPU, or ``capture=False``) the same functions run directly on exactly sized buffers: that
-is the path the CPU tests compare with the eager one. Attention time: an uncaptured step times every layer's
-``cache.decode`` (``perf_counter`` on a CPU, events on a GPU); a captured step cannot time inside itself, so
-every ``timing_every``-th replay takes a variant of its graph with external timing events around each
-layer's attention (``torch.cuda.Event(external=True)``), and only those steps count in the attention time.
+is the path the CPU tests compare with the eager one. Attention time: every ``timing_every``-th step is timed
+and only those steps count in the attention time (so that the steps between run in flight, on a CPU as on a
+GPU). An uncaptured step times each layer's ``cache.decode`` (``perf_counter`` on a CPU, events on a GPU); a
+captured step cannot time inside itself, so it replays a variant of its graph with external timing events
+around each layer's attention (``torch.cuda.Event(external=True)``).
 """
 
 from __future__ import annotations
@@ -189,10 +190,12 @@ class DecodeGraphs:
                 self._seal_graphs[info.seal_rows].replay()
             else:
                 self.cache.seal_static(self.buffers, info.seal_rows)
-        if not self.capture:
+        if not self.capture:  # timed as the captured path is, so a CPU runs the same steps in flight
+            timed = self._timed_now()
             self._marks = []
-            self._forward(info.rows, info.width, self._marks, self._mark_direct)
-            return True
+            self._forward(info.rows, info.width, self._marks if timed else None, self._mark_direct)
+            self._replays += 1
+            return timed
         timed = self._timed_now() and (info.rows, info.width, True) in self._graphs
         self._graph = self._graphs[(info.rows, info.width, timed)]
         self._graph.graph.replay()
@@ -228,8 +231,8 @@ class DecodeGraphs:
         return host, ready
 
     def timing_next(self) -> bool:
-        """Whether the next step's attention will be timed (every step without capture)."""
-        return not self.capture or self._timed_now()
+        """Whether the next step's attention will be timed (every ``timing_every``-th step)."""
+        return self._timed_now()
 
     def take_capture_ms(self) -> float:
         ms, self.capture_ms = self.capture_ms, 0.0

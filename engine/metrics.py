@@ -100,6 +100,7 @@ class EngineCounters:
     graphs: bool = False  # static decode steps
     cuda_graphs: bool = False  # ... captured and replayed as CUDA graphs
     mixed: bool = False
+    clock: str = "wall"  # what the replay's clock counted (SchedulerConfig.clock)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ class ReplayMetrics:
     graphs: bool = False
     cuda_graphs: bool = False
     mixed: bool = False
+    clock: str = "wall"
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {}
@@ -204,6 +206,7 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         graphs=c.graphs,
         cuda_graphs=c.cuda_graphs,
         mixed=c.mixed,
+        clock=c.clock,
     )
 
 

@@ -5,9 +5,11 @@ tokens and the clock go into each row's next column, the counts advance, and the
 output length come back. A step whose tokens are still on the device is counted when it is launched
 (:meth:`SlotOutputs.launch`: the rows it completes stop decoding) and filled in when they arrive
 (:meth:`SlotOutputs.fill`); meanwhile its rows are ``pending`` and their last token reads as -1 (the next
-step takes it from the device). While a sequence is admitted, its ``output`` and ``token_ms`` are
-:class:`RowView`\\ s of its row (they read like lists, so a stop predicate or a test can look at them at any
-time); when it leaves (finished, preempted) they become lists again and the row is free.
+step takes it from the device). The next step may be launched before this one lands, so a row can have two
+steps pending: ``pending`` counts them, and a step that lands fills the oldest pending column of each row.
+While a sequence is admitted, its ``output`` and ``token_ms`` are :class:`RowView`\\ s of its row (they read
+like lists, so a stop predicate or a test can look at them at any time); when it leaves (finished,
+preempted) they become lists again and the row is free.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from kvtune.engine.scheduler import Sequence
 
 
 class RowView(AbcSequence[Any]):
-    """The first ``count[slot]`` entries of ``data[slot]`` but a pending one, read-only, as Python numbers."""
+    """The first ``count[slot]`` entries of ``data[slot]`` less the pending ones, read-only, as Python
+    numbers."""
 
     def __init__(self, data: np.ndarray, slot: int, count: np.ndarray, pending: np.ndarray) -> None:
         self._data, self._slot, self._count, self._pending = data, slot, count, pending
@@ -58,7 +61,7 @@ class SlotOutputs:
         self.count = np.zeros(num_slots, dtype=np.int64)
         self.target = np.zeros(num_slots, dtype=np.int64)
         self.decoding = np.zeros(num_slots, dtype=bool)  # prefilled, not finished: a decode row
-        self.pending = np.zeros(num_slots, dtype=bool)  # the newest token is still on the device
+        self.pending = np.zeros(num_slots, dtype=np.int64)  # launched steps whose tokens are not yet here
         self.tokens = np.zeros((num_slots, width), dtype=np.int64)
         self.ms = np.zeros((num_slots, width), dtype=np.float64)
         self.seqs: list[Sequence | None] = [None] * num_slots
@@ -71,7 +74,7 @@ class SlotOutputs:
         self.count[slot] = n
         self.target[slot] = seq.request.output_length
         self.decoding[slot] = False
-        self.pending[slot] = False
+        self.pending[slot] = 0
         self.seqs[slot] = seq
         seq.slot = slot
         seq.output = RowView(self.tokens, slot, self.count, self.pending)
@@ -87,7 +90,7 @@ class SlotOutputs:
         seq.token_ms = self.ms[slot, :n].tolist()
         self.count[slot] = 0
         self.decoding[slot] = False
-        self.pending[slot] = False
+        self.pending[slot] = 0
         self.seqs[slot] = None
         seq.slot = -1
 
@@ -96,24 +99,25 @@ class SlotOutputs:
 
     def last_tokens(self, slots: np.ndarray) -> np.ndarray:
         """The newest output token of each slot (what its next decode step feeds); -1 where it is pending."""
-        return np.where(self.pending[slots], -1, self.tokens[slots, self.count[slots] - 1])
+        return np.where(self.pending[slots] > 0, -1, self.tokens[slots, self.count[slots] - 1])
 
     def launch(self, slots: np.ndarray) -> np.ndarray:
         """A step that gives each slot one token was launched: count it (pending until :meth:`fill`); returns
         the slots it completes, which stop decoding."""
         n = self.count[slots] + 1
         self.count[slots] = n
-        self.pending[slots] = True
+        self.pending[slots] += 1
         done = slots[n >= self.target[slots]]
         self.decoding[done] = False
         return done
 
     def fill(self, slots: np.ndarray, tokens: np.ndarray, now_ms: float) -> None:
-        """The tokens of a launched step arrived at ``now_ms``."""
-        n = self.count[slots] - 1
+        """The tokens of the oldest launched step of ``slots`` arrived at ``now_ms``: they fill each row's
+        oldest pending column (a later step may already be launched)."""
+        n = self.count[slots] - self.pending[slots]
         self.tokens[slots, n] = tokens
         self.ms[slots, n] = now_ms
-        self.pending[slots] = False
+        self.pending[slots] -= 1
 
     def record(self, slots: np.ndarray, tokens: np.ndarray, now_ms: float) -> np.ndarray:
         """One new token per slot at ``now_ms`` (:meth:`launch` and :meth:`fill` at once); returns the slots

@@ -24,7 +24,7 @@ from kvtune.engine.engine import (
     calibrate_time_scale,
     default_budget_bytes,
 )
-from kvtune.engine.metrics import ReplayMetrics
+from kvtune.engine.metrics import ReplayMetrics, RequestTiming
 from kvtune.engine.options import ReplayOptions
 from kvtune.engine.traces import Request
 
@@ -61,16 +61,18 @@ class Replayer:
         warmup: int | None = None,
         stop: Stop | None = None,
         deadline: Deadline | None = None,
+        timings: list[RequestTiming] | None = None,
     ) -> ReplayMetrics:
         """Replay ``requests`` under ``config`` (arrivals × ``time_scale``; 0 = all at once), after ``warmup``
-        requests (default: the options') served on a throw-away cache; ``stop`` may end it early
-        (:meth:`Engine.replay`)."""
+        requests (default: the options') served on a throw-away cache; ``stop`` may end it early and
+        ``timings`` receives the per-request times (:meth:`Engine.replay`)."""
         engine = self.engine(config)
         warmup = self.options.warmup_requests if warmup is None else warmup
         try:
             return engine.replay(
-                list(requests), time_scale, warmup, progress, clipped, stop=stop, deadline=deadline
-            )
+                list(requests), time_scale, warmup, progress, clipped, stop=stop, deadline=deadline,
+                timings=timings,
+            )  # fmt: skip
         finally:
             del engine
             if self.device.type == "cuda":

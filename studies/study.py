@@ -159,6 +159,10 @@ def open_study(
     return study
 
 
+# Identity keys added after studies were stored, and the value a study made before them had.
+IDENTITY_BEFORE: dict[str, Any] = {"clock": "wall"}
+
+
 def check_identity(study: optuna.Study, identity: Mapping[str, Any], space: SpaceId) -> None:
     """Raise :class:`StudyMismatchError` when ``study`` was made with another space or other settings."""
     stored_space = study.user_attrs.get(ATTR_SPACE)
@@ -170,7 +174,7 @@ def check_identity(study: optuna.Study, identity: Mapping[str, Any], space: Spac
         )
     stored = study.user_attrs.get(ATTR_IDENTITY, {})
     for key, value in _jsonable(dict(identity)).items():
-        if stored.get(key) != value:
+        if stored.get(key, IDENTITY_BEFORE.get(key)) != value:
             raise StudyMismatchError(
                 f"study {study.study_name!r} was made with {key}={_short(stored.get(key))}, not "
                 f"{_short(value)}; use the same settings with --resume, or --study NAME for a new study"

@@ -93,3 +93,23 @@ def test_engine_replay_and_capacity_compare_smoke(tmp_path: Path) -> None:
     assert capacity.returncode == 0, capacity.stderr[-2000:]
     assert "median capacity" in capacity.stdout and "q_int4" in capacity.stdout
     assert (tmp_path / "capacity.json").exists()
+
+
+def test_probe_drift_smoke(tmp_path: Path) -> None:
+    """The repeated probe (the worker's replayer, whole replays) on the tiny model, on the device clock: every
+    replay's statistics and per-request times kept, each statistic's spread over the repeats printed."""
+    import json
+
+    trace = str(ROOT / "examples" / "traces" / "azure_conv_sample.csv")
+    out = tmp_path / "drift.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "probe_drift.py"), "--model", "random:tiny", "--workload",
+         trace, "--requests", "8", "--length-scale", "0.03", "--kv-budget", "2e8", "--rates", "20",
+         "--order", "q_unquantized*2", "--clock", "device", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    assert all(len(r["requests"]) == 8 and r["statistics"]["ttft_p99_ms"] > 0 for r in rows)
+    assert "q_unquantized ×20 (2): ttft_p90_ms" in run.stdout

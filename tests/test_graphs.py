@@ -251,6 +251,28 @@ def test_engine_static_steps_match_eager_steps(tiny):
     assert seen[True][2]["graph_steps"] > 0 and "graph_steps" not in seen[False][2]
 
 
+def test_slot_outputs_land_each_step_in_its_own_column():
+    """Step t + 1 is launched before step t lands: each landing fills its own step's column (the oldest
+    pending one), the row hides what has not landed, and the next input reads from the device (-1)."""
+    from kvtune.engine.outputs import SlotOutputs
+    from kvtune.engine.scheduler import Sequence
+    from kvtune.engine.traces import Request
+
+    out = SlotOutputs(2, 4)
+    seq = Sequence(Request(0, 0.0, 3, 3), [1, 2, 3], 0.0)
+    out.attach(seq, 1)
+    slots = np.array([1])
+    assert out.record(slots, np.array([7]), 1.0).size == 0  # the prompt's token, from an eager forward
+    assert out.launch(slots).size == 0  # step A
+    assert out.last_tokens(slots).tolist() == [-1] and list(seq.token_ms) == [1.0]
+    assert out.launch(slots).tolist() == [1]  # step B, launched before A lands, completes the sequence
+    out.fill(slots, np.array([8]), 2.0)  # A lands
+    assert list(seq.output) == [7, 8] and list(seq.token_ms) == [1.0, 2.0]
+    out.fill(slots, np.array([9]), 3.0)  # B lands
+    assert list(seq.output) == [7, 8, 9] and list(seq.token_ms) == [1.0, 2.0, 3.0]
+    assert out.last_tokens(slots).tolist() == [9]
+
+
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate"])
 def test_steps_in_flight_give_the_eager_tokens_under_preemption(tiny, mixed):
     """A budget that forces preemptions, arrivals spread out: static steps kept in flight (their tokens fed
@@ -269,7 +291,48 @@ def test_steps_in_flight_give_the_eager_tokens_under_preemption(tiny, mixed):
         run = Engine(tiny, config, budget, CPU, options)._run(requests, 1.0, None)
         assert all(np.all(np.diff(t.token_ms) >= 0) and t.token_ms[0] > 0 for t in run.timings)
         seen[graphs] = [(s.seq_id, list(s.output)) for s in run.seqs], run.scheduler.preemptions
-    assert seen[True] == seen[False] and seen[True][1] > 0
+    # the tokens agree; when a preemption falls is a matter of the clock, which differs between the paths
+    assert seen[True][0] == seen[False][0] and seen[True][1] > 0 and seen[False][1] > 0
+
+
+def test_device_clock_counts_only_the_iterations():
+    """The device clock stands still until an iteration completes, then moves by its time; idle gaps are
+    skipped on it as on the wall clock, and a capture (never counted) is not taken off it."""
+    from kvtune.engine.engine import EngineClock
+
+    clock = EngineClock(device=True)
+    assert clock.now_ms() == 0.0
+    clock.advance(2.5)
+    clock.exclude(1.0)
+    assert clock.now_ms() == 2.5
+    clock.skip_to(10.0)
+    clock.advance(1.5)
+    assert clock.now_ms() == 11.5
+    wall = EngineClock()
+    wall.advance(1e6)  # the wall clock reads the host's time only
+    assert wall.now_ms() < 1e3
+
+
+def test_replay_on_the_device_clock_lasts_its_iterations(tiny):
+    """On the device clock a replay lasts what its iterations took (its decode steps and prefill forwards:
+    no host time between them), every token time is ordered, and the option is recorded."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    config = _config(8)
+    requests = [Request(i, 3.0 * i, 30 + 7 * i, 12 + i) for i in range(5)]
+    budget = kv_bytes_for(config, tiny.model.kv_shape, [80] * 5)
+    engine = Engine(tiny, config, budget, CPU, SchedulerConfig(clock="device"))
+    run = engine._run(requests, 1.0, None)
+    assert all(np.all(np.diff(t.token_ms) >= 0) and t.ttft_ms >= 0 for t in run.timings)
+    c = run.counters
+    assert c["duration_ms"] >= max(t.token_ms[-1] for t in run.timings) > 0
+    # every decode-bearing iteration moved the clock by its time; the prefill forwards and the arrival gaps
+    # skipped (at most the last arrival, 12 ms) are all it holds besides
+    assert c["decode_ms"] - 1e-6 <= c["duration_ms"] <= c["decode_ms"] + c["prefill_ms"] + 12.0 + 1e-6
+    metrics = engine.replay(requests, 1.0, warmup_requests=0).to_dict()
+    assert metrics["clock"] == "device" and metrics["completed"] == 5
 
 
 def test_engine_keeps_its_cache_between_replays_of_one_config(tiny):

@@ -101,6 +101,31 @@ def test_resume_adds_trials_and_keeps_the_old(study_dir: tuple[Path, str]) -> No
     assert len(finished) == TRIALS + 1
 
 
+def test_resume_on_another_clock_is_refused(
+    study_dir: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine's clock is part of a study's identity: resuming a wall-clock study on the device clock is a
+    one-line error naming it, and the study is untouched."""
+    _, storage = study_dir
+    before, _ = snapshot(storage)
+    assert cli.main(argv(storage, "--trials", str(TRIALS + 5), "--resume", "--clock", "device")) == 2
+    assert "clock" in capsys.readouterr().err
+    assert snapshot(storage)[0] == before
+
+
+def test_a_study_stored_before_the_clock_option_resumes_on_the_wall_clock() -> None:
+    """An identity stored without ``clock`` (made before the option existed) matches the wall clock only."""
+    from kvtune.studies.study import StudyMismatchError, check_identity
+
+    study = optuna.create_study()
+    space = SpaceId("f", "space")
+    study.set_user_attr("kvtune.space", "f")
+    study.set_user_attr("kvtune.identity", {"card": "cpu"})
+    check_identity(study, {"card": "cpu", "clock": "wall"}, space)
+    with pytest.raises(StudyMismatchError, match="clock"):
+        check_identity(study, {"card": "cpu", "clock": "device"}, space)
+
+
 def test_resuming_a_finished_study_adds_a_validation_and_keeps_the_earlier(
     study_dir: tuple[Path, str],
 ) -> None:

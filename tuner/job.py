@@ -394,6 +394,7 @@ def identity(job: TuneJob, info: WorkerInfo) -> dict[str, Any]:
         "quality_settings": job.spec.quality.to_dict() | {"text_path": Path(job.spec.quality.text_path).name},
         "dtype": job.spec.dtype,
         "max_context": info.max_context,
+        "clock": job.spec.scheduler.clock,
     }
 
 

@@ -25,7 +25,7 @@ from kvtune.engine.options import (
     length_defaults,
 )
 from kvtune.engine.replay import Replayer
-from kvtune.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
+from kvtune.engine.scheduler import CLOCKS, DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import progress_bar, table_console
 
@@ -114,6 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "decode tokens and prompt chunks in one forward)",
     )
     parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="wall",
+        help="what the replay's clock counts: host time (wall, the default) or each iteration's time on the "
+        "device (device: the host's jitter between iterations does not move arrivals or token times)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for PyTorch (default: PyTorch's choice)"
     )
     parser.add_argument("--json", default=None, help="write the metrics and their provenance to this file")
@@ -135,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     check_numbers(args, LIMITS)
     config = HybridConfig.from_json_file(args.config)
     scheduler = SchedulerConfig(  # bad limits fail before loading
-        args.max_num_seqs, args.max_num_batched_tokens, graphs=args.graphs, mixed=args.mixed
+        args.max_num_seqs, args.max_num_batched_tokens, graphs=args.graphs, mixed=args.mixed, clock=args.clock
     )
     device = resolve_device(args.device)
     if args.threads is not None:

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtune.engine.options import CPU_BUDGET_CAP_BYTES, CPU_LENGTH_CAP, CPU_LENGTH_SCALE
+from kvtune.engine.scheduler import CLOCKS, SchedulerConfig
 from kvtune.search_spaces.cards import Card, resolve_gpu
 from kvtune.studies.names import (
     ATTR_CONFIG,
@@ -121,6 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--slo-ttft-ms", type=float, default=None, help="capacity: P99 TTFT limit (5x the unloaded P99)")
     add("--slo-tpot-ms", type=float, default=None, help="capacity: P99 TPOT limit (10x the unloaded median)")
+    add(
+        "--clock",
+        choices=CLOCKS,
+        default="wall",
+        help="what a replay's clock counts: host time (wall) or each iteration's device time (device: host "
+        "jitter between iterations moves no arrival); stored, a resumed study keeps it (wall)",
+    )
     add("--max-ppl-increase", type=float, default=2.0, help="quality bound: perplexity increase, %% (2.0)")
     add("--max-kl", type=float, default=None, help="quality bound: mean KL in nats (default: none)")
     add("--storage", default=DEFAULT_STORAGE, help=f"study database URL ({DEFAULT_STORAGE})")
@@ -234,6 +242,7 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
         dtype=pick(args.dtype, d.dtype),
         budget_bytes=parse_bytes(args.kv_budget) if args.kv_budget else None,
         threads=None if card.is_gpu else _threads(args),
+        scheduler=SchedulerConfig(clock=args.clock),
     )
     name = args.study or study_name(card.id, args.model, args.workload)
     options = StudyOptions(
@@ -315,6 +324,7 @@ def _print_settings(console: Console, job: TuneJob, d: Defaults, checked: Prefli
         f"  {job.card.id}, {job.spec.model} ({job.spec.dtype}); {s.windows} window(s) x {s.requests} "
         f"requests of {Path(s.path).name} (seed {s.seed}; {lengths}); objective {job.options.objective}"
         + (" + Pareto" if job.options.pareto else "")
+        + f"; {job.spec.scheduler.clock} clock"
     )
     reduced = " [yellow](reduced for CPU; docs/DESIGN.md asks >= 8 x (2048 + 512))[/]" if d is CPU else ""
     console.print(
@@ -326,7 +336,7 @@ def _print_settings(console: Console, job: TuneJob, d: Defaults, checked: Prefli
         console.print(
             f"  capacity: the highest rate (x the trace's) with P99 TTFT <= "
             f"{show(job.slo_ttft_ms, '5x the unloaded baseline')} and P99 TPOT <= "
-            f"{show(job.slo_tpot_ms, '10x its decode step')}; searched to {job.granularity:.0%}, at most "
+            f"{show(job.slo_tpot_ms, '10x its decode step')}; searched to {job.granularity:.1%}, at most "
             f"{CAPACITY_PROBES} probes a trial, from the baseline's capacity (measured {NOISE_REPEATS} "
             "times first)"
         )
