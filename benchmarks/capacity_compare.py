@@ -29,8 +29,7 @@ from kvtune.engine.engine import DEFAULT_BASELINE, load_workload, resolve_device
 from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.studies.names import CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD
 from kvtune.tuner.capacity import CapacitySearch, Slo, capacity_metrics, derive_slo
-from kvtune.tuner.protocol import QualitySettings, WorkerSpec
-from kvtune.tuner.worker import TrialWorker
+from kvtune.tuner.worker import TrialWorker, local_worker
 from kvtune.tuner.workload import rebase
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
@@ -87,11 +86,9 @@ def search(worker: TrialWorker, config: HybridConfig, window: tuple, slo: Slo, g
 def main() -> None:
     args = _args()
     device = resolve_device(args.device)
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    quality = QualitySettings("smollm2", str(TEXT), windows=1, prefill_tokens=192, decode_tokens=16)
     budget = None if args.kv_budget is None else int(args.kv_budget)
-    spec = WorkerSpec(args.model, device.type, quality, dtype=dtype, budget_bytes=budget)
-    worker = TrialWorker(spec)
+    worker = local_worker(args.model, device, str(TEXT), args.dtype, budget)
+    dtype = worker.spec.dtype
     requests, counts, provenance = load_workload(
         args.workload, worker.loaded.spec.max_context, args.requests, args.seed, args.length_scale,
         args.length_cap,

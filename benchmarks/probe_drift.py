@@ -37,8 +37,7 @@ from kvtune.engine.metrics import RequestTiming
 from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.engine.scheduler import CLOCKS, SchedulerConfig
 from kvtune.engine.traces import read_trace
-from kvtune.tuner.protocol import QualitySettings, WorkerSpec
-from kvtune.tuner.worker import TrialWorker
+from kvtune.tuner.worker import local_worker
 from kvtune.tuner.workload import WorkloadSample
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
@@ -111,13 +110,11 @@ def _statistics(timings: list[RequestTiming]) -> dict[str, float]:
 def main() -> None:
     args = _args()
     device = resolve_device(args.device)
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    quality = QualitySettings("smollm2", str(TEXT), windows=1, prefill_tokens=192, decode_tokens=16)
     budget = None if args.kv_budget is None else int(args.kv_budget)
-    scheduler = SchedulerConfig(clock=args.clock)
-    worker = TrialWorker(
-        WorkerSpec(args.model, device.type, quality, dtype=dtype, budget_bytes=budget, scheduler=scheduler)
+    worker = local_worker(
+        args.model, device, str(TEXT), args.dtype, budget, SchedulerConfig(clock=args.clock)
     )
+    dtype = worker.spec.dtype
     sample = WorkloadSample(args.workload, args.requests, windows=1, seed=0, length_scale=args.length_scale)
     window = sample.search_windows(read_trace(args.workload), worker.loaded.spec.max_context)[0]
     rates = [float(r) for r in args.rates.split(",")]

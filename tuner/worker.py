@@ -20,10 +20,19 @@ import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.options import ReplayOptions
+from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.engine.traces import Request
 from kvtune.studies.records import versions
 from kvtune.tuner.capacity import ProbeStop, Slo, capacity_metrics, probe_passes, probe_record
-from kvtune.tuner.protocol import EngineKnobs, TrialResult, WorkerInfo, WorkerSpec, Workload, mean_metrics
+from kvtune.tuner.protocol import (
+    EngineKnobs,
+    QualitySettings,
+    TrialResult,
+    WorkerInfo,
+    WorkerSpec,
+    Workload,
+    mean_metrics,
+)
 
 if TYPE_CHECKING:
     from kvtune.engine.engine import Deadline
@@ -278,3 +287,22 @@ class TrialWorker:
 
     def ping(self) -> bool:
         return True
+
+
+def local_worker(
+    model: str,
+    device: torch.device,
+    text_path: str,
+    dtype: str | None = None,
+    budget_bytes: int | None = None,
+    scheduler: SchedulerConfig | None = None,
+) -> TrialWorker:
+    """A worker in this process, without Ray: how a benchmark probes and replays as a study's worker does.
+    ``dtype`` None is bfloat16 on a GPU and float32 on a CPU; its quality settings are the smallest (one
+    window of 192 + 16 tokens of ``text_path``), since a benchmark measures no quality."""
+    quality = QualitySettings("smollm2", text_path, windows=1, prefill_tokens=192, decode_tokens=16)
+    spec = WorkerSpec(
+        model, device.type, quality, dtype=dtype or ("bfloat16" if device.type == "cuda" else "float32"),
+        budget_bytes=budget_bytes, scheduler=scheduler or SchedulerConfig(),
+    )  # fmt: skip
+    return TrialWorker(spec)
