@@ -8,8 +8,11 @@ of ``--rates``, for each config of ``--order`` in turn (default: the baseline fo
 on the engine's wall or device clock (``--clock``). Printed per replay: P90 and P99 of the TTFT and of the
 per-request TPOT over the requests, P99 of the time between tokens over every gap, the decode step, the
 iterations, the share of prefill, tokens/s and, on a GPU, the SM clock and power (``nvidia-smi``); then,
-per (config, rate), the spread of each statistic over its repeats. The JSON keeps every request's TTFT,
-TPOT and token count, so any other statistic's noise can be computed from it afterwards.
+per (config, rate), the spread of each statistic over its repeats and, given limits (``--slo-ttft-ms``,
+``--slo-tpot-ms``), how many repeats each candidate rule passes: a rule whose verdict flips between repeats of
+one probe makes a capacity search a random walk. ``--max-num-batched-tokens`` sets the engine's iteration
+budget (a prefill chunk's length bounds the stall a short request's TPOT can take). The JSON keeps every
+request's TTFT, TPOT and token count, so any other statistic can be judged from it afterwards.
 
     python benchmarks/probe_drift.py --model random:llama-3.1-8b --kv-budget 1073741824 --length-scale 0.25 \\
         --workload examples/traces/azure_conv_sample.csv --requests 96 --rates 2,3,4 --json drift.json
@@ -35,7 +38,7 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.engine import resolve_device
 from kvtune.engine.metrics import RequestTiming
 from kvtune.engine.options import WARMUP_REQUESTS
-from kvtune.engine.scheduler import CLOCKS, SchedulerConfig
+from kvtune.engine.scheduler import CLOCKS, DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from kvtune.engine.traces import read_trace
 from kvtune.tuner.worker import local_worker
 from kvtune.tuner.workload import WorkloadSample
@@ -62,6 +65,12 @@ def _args() -> argparse.Namespace:
         help="configs (examples/configs names) and how many probes each, in order",
     )  # fmt: skip
     p.add_argument("--clock", choices=CLOCKS, default="wall", help="the engine's clock (default wall)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help=f"tokens of one engine iteration ({DEFAULT_MAX_NUM_BATCHED_TOKENS}, a study's baseline's)",
+    )  # fmt: skip
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="with --slo-tpot-ms: each rule's verdicts")
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args()
@@ -94,14 +103,24 @@ def _spread(values: list[float]) -> float:
     return max(abs(v - mid) for v in values) / mid if mid > 0 else math.nan
 
 
+MIN_TOKENS = 8  # the per-request TPOT of "tpot8": requests with at least this many output tokens
+RULES = {  # a probe's verdict: (TTFT statistic, TPOT statistic) each at most its limit
+    "P99": ("ttft_p99_ms", "tpot_p99_ms"),
+    f"P99, TPOT of >= {MIN_TOKENS} tokens": ("ttft_p99_ms", "tpot8_p99_ms"),
+    "P90": ("ttft_p90_ms", "tpot_p90_ms"),
+}
+
+
 def _statistics(timings: list[RequestTiming]) -> dict[str, float]:
-    """Candidate statistics of one replay for a capacity limit: TTFT and per-request TPOT at P90 and P99
-    over the requests, the time between tokens at P99 over every gap."""
+    """Candidate statistics of one replay for a capacity limit: TTFT and per-request TPOT (of every request
+    with two tokens or more, and of those with ``MIN_TOKENS`` or more) at P90 and P99 over the requests, the
+    time between tokens at P90 and P99 over every gap."""
     ttft = [t.ttft_ms for t in timings]
     tpot = [t.tpot_ms for t in timings if t.tpot_ms is not None]
+    tpot8 = [t.tpot_ms for t in timings if t.tpot_ms is not None and len(t.token_ms) >= MIN_TOKENS]
     gaps = [g for t in timings for g in t.itl_ms]
     out = {}
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("tbt", gaps)):
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("tpot8", tpot8), ("tbt", gaps)):
         for q in (90, 99):
             out[f"{name}_p{q}_ms"] = float(np.percentile(values, q)) if values else math.nan
     return out
@@ -111,9 +130,8 @@ def main() -> None:
     args = _args()
     device = resolve_device(args.device)
     budget = None if args.kv_budget is None else int(args.kv_budget)
-    worker = local_worker(
-        args.model, device, str(TEXT), args.dtype, budget, SchedulerConfig(clock=args.clock)
-    )
+    scheduler = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, clock=args.clock)
+    worker = local_worker(args.model, device, str(TEXT), args.dtype, budget, scheduler)
     dtype = worker.spec.dtype
     sample = WorkloadSample(args.workload, args.requests, windows=1, seed=0, length_scale=args.length_scale)
     window = sample.search_windows(read_trace(args.workload), worker.loaded.spec.max_context)[0]
@@ -171,6 +189,16 @@ def main() -> None:
         if len(stats) > 1:
             line = " · ".join(f"{k} {100 * _spread([s[k] for s in stats]):.0f} %" for k in stats[0])
             print(f"  {name} ×{rate:g} ({len(stats)}): {line}", flush=True)
+    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        return
+    print(f"repeats that pass TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms, by rule:")
+    for (name, rate), group in itertools.groupby(rows, key=lambda r: (r["config"], r["rate"])):
+        stats = [r["statistics"] for r in group]
+        verdicts = []
+        for rule, (ttft, tpot) in RULES.items():
+            passed = sum(s[ttft] <= args.slo_ttft_ms and s[tpot] <= args.slo_tpot_ms for s in stats)
+            verdicts.append(f"{rule} {passed}/{len(stats)}")
+        print(f"  {name} ×{rate:g}: " + " · ".join(verdicts), flush=True)
 
 
 if __name__ == "__main__":

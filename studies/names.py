@@ -17,7 +17,8 @@ Study attributes (set when the study is created; ``kvtune.identity`` and ``kvtun
     kvtune.validation         the re-measurement of the best config and its baseline (docs/DESIGN.md §3)
     kvtune.slo                capacity's latency limits {ttft_ms, tpot_ms, source, rule, unloaded}
     kvtune.noise              the baseline's capacity searched NOISE_REPEATS times: {capacities, median,
-                              spread, threshold, granularity, max_probes, ...} (warm start and noise floor)
+                              spread, threshold, granularity, max_probes, searches (each with its
+                              probes), ...} (warm start and noise floor)
     kvtune.validation_history every validation record, oldest first (re-validating appends one)
 
 Trial attributes::
@@ -28,7 +29,8 @@ Trial attributes::
     kvtune.worker, kvtune.host  who ran it                    kvtune.reused_from, kvtune.retry_of,
     kvtune.lost_worker, kvtune.interrupted, kvtune.enqueued_from, kvtune.abandoned, kvtune.resume_of
     kvtune.engine             the engine knobs {max_num_batched_tokens, max_num_seqs, max_num_seqs_factor}
-    kvtune.probes             capacity objective: each probe {rate, passed, aborted, ttft_p99_ms, ...}
+    kvtune.probes             capacity objective: each probe {rate, passed, aborted, ttft_p99_ms, ...,
+                              step_ms, mixed_iterations, peak_running, ...} (tuner.capacity.probe_summary)
 """
 
 from __future__ import annotations

@@ -279,9 +279,19 @@ def probe_record(
     }
 
 
+PROBE_DETAILS = ("completed", "duration_s", "step_ms", "decode_steps", "mixed_iterations", "peak_running",
+                 "preemptions")  # fmt: skip
+
+
 def probe_summary(probe: Mapping[str, Any]) -> dict[str, Any]:
-    """The probe as a trial stores it (``kvtune.probes``): no per-window metrics."""
-    return {k: probe[k] for k in ("rate", "passed", "aborted", "ttft_p99_ms", "tpot_p99_ms", "tokens_per_s")}
+    """The probe as a study stores it (a trial's ``kvtune.probes``, the baseline's searches in
+    ``kvtune.noise``): its verdict and P99s, and from its windows' mean what explains them (requests
+    finished, replay time, decode step, iterations, peak batch, preemptions); no per-window metrics."""
+    summary = {
+        k: probe[k] for k in ("rate", "passed", "aborted", "ttft_p99_ms", "tpot_p99_ms", "tokens_per_s")
+    }
+    mean = probe.get("mean", {})
+    return summary | {k: mean[k] for k in PROBE_DETAILS if _finite(mean.get(k))}
 
 
 def capacity_metrics(probes: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:

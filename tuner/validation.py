@@ -27,7 +27,7 @@ from kvtune.engine.traces import Request
 from kvtune.studies.names import CAPACITY_PROBES_COLD, MIN_REPEATS
 from kvtune.studies.records import finite
 from kvtune.studies.study import OBJECTIVES, StudyOptions
-from kvtune.tuner.capacity import CapacitySearch, Slo, capacity_metrics
+from kvtune.tuner.capacity import CapacitySearch, Slo, capacity_metrics, probe_summary
 from kvtune.tuner.pool import WorkerPool
 from kvtune.tuner.protocol import EngineKnobs
 
@@ -94,10 +94,11 @@ class SearchRun:
     probes: list[dict[str, Any]] = field(default_factory=list)
 
     def result(self) -> dict[str, Any]:
-        """The metrics at the capacity found (:func:`~kvtune.tuner.capacity.capacity_metrics`) and the
-        search's state."""
+        """The metrics at the capacity found (:func:`~kvtune.tuner.capacity.capacity_metrics`), the
+        search's state and its probes (:func:`~kvtune.tuner.capacity.probe_summary`)."""
         _, mean = capacity_metrics(self.probes)
-        return {**finite(mean), "search": self.search.to_dict()}
+        search = self.search.to_dict() | {"probes": [probe_summary(p) for p in self.probes]}
+        return {**finite(mean), "search": search}
 
 
 def run_searches(
