@@ -28,7 +28,7 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.engine import DEFAULT_BASELINE, load_workload, resolve_device
 from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.studies.names import CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD
-from kvtune.tuner.capacity import CapacitySearch, Slo, capacity_metrics, derive_slo
+from kvtune.tuner.capacity import SLO_PERCENTILES, CapacitySearch, Slo, capacity_metrics, derive_slo
 from kvtune.tuner.worker import TrialWorker, local_worker
 from kvtune.tuner.workload import rebase
 
@@ -54,6 +54,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--granularity", type=float, default=CAPACITY_GRANULARITY)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-percentile", type=float, choices=SLO_PERCENTILES, default=99.0)
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args()
@@ -95,7 +96,7 @@ def main() -> None:
     )  # fmt: skip
     window = rebase(requests)
     unloaded = worker.unloaded(DEFAULT_BASELINE, window, WARMUP_REQUESTS)
-    slo_record = derive_slo(unloaded, args.slo_ttft_ms, args.slo_tpot_ms)
+    slo_record = derive_slo(unloaded, args.slo_ttft_ms, args.slo_tpot_ms, percentile=args.slo_percentile)
     slo = Slo.from_record(slo_record)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(

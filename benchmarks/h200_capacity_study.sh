@@ -16,7 +16,7 @@
 # Environment: MINUTES (search time budget, 6; validation and the preset follow), TRIALS (20), REQUESTS (96
 # per window: the sample's first 75 % holds 121), RESUME=1, LLAMA_BUDGET (1GiB), SMOL_BUDGET (256MiB), the
 # quality measurement QWINDOWS (4) x (QPREFILL 1024 + QDECODE 128 tokens), CLOCK (wall or device: the engine's
-# clock, kvtune --clock).
+# clock, kvtune --clock), SLO_PERCENTILE (99 or 90: kvtune --slo-percentile).
 set -u
 out=${1:?usage: benchmarks/h200_capacity_study.sh OUTDIR [llama|smol|both]}
 which=${2:-both}
@@ -55,7 +55,8 @@ study() {  # name model budget length-scale [extra options]
   timeout $(( MINUTES * 60 + 420 )) python3 -m kvtune --gpu h200 --model "$model" --workload $TRACE \
     --objective capacity --kv-budget "$budget" --length-scale "$scale" --requests "$REQUESTS" --windows 1 \
     --trials "$TRIALS" --time-budget "$MINUTES" --quality-windows "${QWINDOWS:-4}" \
-    --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey --clock "${CLOCK:-wall}" ${RESUME:+--resume} "$@" \
+    --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey --clock "${CLOCK:-wall}" ${SLO_PERCENTILE:+--slo-percentile $SLO_PERCENTILE} \
+    ${RESUME:+--resume} "$@" \
     --study "$name" --storage "sqlite:///$out/$name.db" --out "$out/preset_$name.json" 2>&1 \
     | tee -a "$out/$name.log" | tail -40
   log "study $name: wall $(( SECONDS - start )) s"

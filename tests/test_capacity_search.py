@@ -143,6 +143,34 @@ def test_violations_that_make_the_p99_fail(n: int, need: int) -> None:
         assert np.percentile(values, 99) > 1.0
 
 
+@pytest.mark.parametrize(("n", "need"), [(10, 2), (11, 2), (96, 11), (100, 11)])
+def test_violations_that_make_the_p90_fail(n: int, need: int) -> None:
+    assert violations_to_fail(n, 90.0) == need
+    rng = np.random.default_rng(n)
+    for _ in range(50):
+        values = rng.uniform(0, 1, n)
+        values[rng.choice(n, need, replace=False)] = 1.0 + rng.uniform(0, 1, need)
+        assert np.percentile(values, 90) > 1.0
+    values = np.concatenate([np.zeros(n - need + 1), np.full(need - 1, 1.001)])  # one fewer: it may pass
+    assert np.percentile(values, 90) <= 1.0
+
+
+def test_limits_on_the_p90() -> None:
+    """A P90 rule reads the metrics' P90s, tolerates ~10 % of violators before it stops a probe, and is
+    recorded; a record without a percentile is a P99 one; other percentiles are refused."""
+    slo = Slo(ttft_ms=100.0, tpot_ms=10.0, percentile=90.0)
+    assert slo.describe() == "P90 TTFT ≤ 100 ms and P90 TPOT ≤ 10 ms"
+    metrics = {"ttft_p90_ms": 90.0, "tpot_p90_ms": 9.0, "ttft_p99_ms": 500.0, "tpot_p99_ms": 50.0,
+               "completed": 20, "refused": 0}  # fmt: skip
+    assert probe_passes(metrics, slo) and not probe_passes(metrics, Slo(100.0, 10.0))
+    assert ProbeStop(slo, requests=96).allowed == 11 and ProbeStop(Slo(100.0, 10.0), 96).allowed == 2
+    record = derive_slo(None, 100.0, 10.0, percentile=90.0)
+    assert Slo.from_record(record) == slo
+    assert Slo.from_record({"ttft_ms": 1.0, "tpot_ms": 1.0}).percentile == 99.0
+    with pytest.raises(ValueError, match="percentile must be one of"):
+        Slo(1.0, 1.0, percentile=95.0)
+
+
 def seq(arrival: float, tokens: list[float], out: int) -> SimpleNamespace:
     return SimpleNamespace(arrival_ms=arrival, token_ms=tokens, request=SimpleNamespace(output_length=out))
 
@@ -305,7 +333,8 @@ def test_capacity_study_resumes(capacity_study: tuple[Path, str, float]) -> None
 @pytest.mark.parametrize(
     ("extra", "message"),
     [(("--pareto",), "capacity already is the throughput"),
-     (("--resume", "--slo-ttft-ms", "12345"), "--slo-ttft-ms")],
+     (("--resume", "--slo-ttft-ms", "12345"), "--slo-ttft-ms"),
+     (("--resume", "--slo-percentile", "90"), "--slo-percentile 99, not 90")],
 )  # fmt: skip
 def test_capacity_bad_input_is_one_line(
     capacity_study: tuple[Path, str, float],

@@ -2,7 +2,8 @@
 
 A trial's **capacity** is the highest arrival rate, as a multiple of the trace's own rate (a replay at rate
 ``r`` scales the trace's inter-arrival times by ``1 / r``), at which a replay of the trial's windows meets
-both limits of :class:`Slo`: P99 TTFT ≤ ``ttft_ms`` and P99 TPOT ≤ ``tpot_ms``, every request served.
+both limits of :class:`Slo`: P99 TTFT ≤ ``ttft_ms`` and P99 TPOT ≤ ``tpot_ms``, every request served (the
+percentile is the limits' ``percentile``: 99 by default, 90 on request, as DistServe's 90 % attainment).
 The driver finds it with :class:`CapacitySearch`, one probe (one replay at one rate) per protocol call
 (:data:`kvtune.tuner.protocol.Call.PROBE`):
 
@@ -23,7 +24,8 @@ as the P99 is certain to break a limit, i.e. when as many requests as the P99 to
 violated it (a request violates TTFT once it has waited longer than the limit without a first token, TPOT
 once its tokens so far already average more than the limit over its whole output). Over ≤ 101 requests the
 P99 is nearly the maximum (numpy's interpolation lands between the two slowest), so two violators end a
-probe; over ``n`` requests it takes ``n - floor(0.99 (n - 1))``.
+probe; over ``n`` requests it takes ``n - floor(0.99 (n - 1))`` (for the P90, ``n - floor(0.9 (n - 1))``: 11
+of 96).
 
 This module is pure Python (no engine, no Ray): the driver, the workers and the tests share it.
 """
@@ -48,25 +50,42 @@ EXPAND = 2.0  # the rate's factor per bracketing step
 
 
 # ---- the limits ----------------------------------------------------------------------------------------
+SLO_PERCENTILES = (99.0, 90.0)  # the percentiles a replay's metrics carry that a limit may apply to
+
+
 @dataclass(frozen=True)
 class Slo:
-    """The latency limits of a capacity probe, in milliseconds."""
+    """The latency limits of a capacity probe, in milliseconds, on the ``percentile`` (over a window's
+    requests) of TTFT and of per-request TPOT."""
 
     ttft_ms: float
     tpot_ms: float
+    percentile: float = 99.0
 
     def __post_init__(self) -> None:
         for name in ("ttft_ms", "tpot_ms"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"`{name} > 0` must hold, but got {name}={value}")
+        if self.percentile not in SLO_PERCENTILES:
+            raise ValueError(
+                f"percentile must be one of {[f'{p:g}' for p in SLO_PERCENTILES]}, but got "
+                f"percentile={self.percentile:g}"
+            )
+
+    @property
+    def keys(self) -> tuple[str, str]:
+        """The replay metrics the limits apply to (``ttft_p99_ms``, ``tpot_p99_ms`` for the P99)."""
+        return f"ttft_p{self.percentile:g}_ms", f"tpot_p{self.percentile:g}_ms"
 
     def describe(self) -> str:
-        return f"P99 TTFT ≤ {self.ttft_ms:.4g} ms and P99 TPOT ≤ {self.tpot_ms:.4g} ms"
+        p = f"P{self.percentile:g}"
+        return f"{p} TTFT ≤ {self.ttft_ms:.4g} ms and {p} TPOT ≤ {self.tpot_ms:.4g} ms"
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Slo:
-        return cls(float(record["ttft_ms"]), float(record["tpot_ms"]))
+        """From a study's ``kvtune.slo`` (one stored before the percentile was recorded is a P99 one)."""
+        return cls(float(record["ttft_ms"]), float(record["tpot_ms"]), float(record.get("percentile", 99.0)))
 
 
 def derive_slo(
@@ -75,11 +94,13 @@ def derive_slo(
     tpot_ms: float | None = None,
     ttft_factor: float = SLO_TTFT_FACTOR,
     tpot_factor: float = SLO_TPOT_FACTOR,
+    percentile: float = 99.0,
 ) -> dict[str, Any]:
     """The study's ``kvtune.slo`` record: the limits given, else ``factor ×`` the unloaded baseline's P99
-    TTFT and median TPOT (its decode step; the mean decode step when no request has two output tokens)."""
+    TTFT and median TPOT (its decode step; the mean decode step when no request has two output tokens),
+    applied to the ``percentile`` of a probe's requests (the derivation is the same for every percentile)."""
     rule = f"{ttft_factor:g} x the unloaded baseline's P99 TTFT, {tpot_factor:g} x its median TPOT"
-    record: dict[str, Any] = {"rule": rule, "unloaded": None}
+    record: dict[str, Any] = {"rule": rule, "unloaded": None, "percentile": float(percentile)}
     if unloaded is not None:
         keys = ("ttft_p99_ms", "tpot_p50_ms", "step_ms", "completed")
         record["unloaded"] = {k: unloaded.get(k) for k in keys}
@@ -193,12 +214,12 @@ def should_prune(search: CapacitySearch, best_known: float | None) -> bool:
 
 
 # ---- one probe -----------------------------------------------------------------------------------------
-def violations_to_fail(requests: int) -> int:
-    """How many of ``requests`` latencies above a limit make their P99 (numpy's linear interpolation)
-    certainly exceed it: 2 for up to 101 requests, about 1 % + 1 beyond."""
+def violations_to_fail(requests: int, percentile: float = 99.0) -> int:
+    """How many of ``requests`` latencies above a limit make their ``percentile`` (numpy's linear
+    interpolation) certainly exceed it: for the P99, 2 for up to 101 requests, about 1 % + 1 beyond."""
     if requests < 1:
         raise ValueError(f"`requests >= 1` must hold, but got requests={requests}")
-    return requests - math.floor(0.99 * (requests - 1))
+    return requests - math.floor(percentile / 100.0 * (requests - 1))
 
 
 class ProbeStop:
@@ -212,7 +233,7 @@ class ProbeStop:
 
     def __init__(self, slo: Slo, requests: int) -> None:
         self.slo = slo
-        self.allowed = violations_to_fail(requests)
+        self.allowed = violations_to_fail(requests, slo.percentile)
         self.ttft_violations = 0
         self.tpot_violations = 0
         self.fired = False
@@ -252,7 +273,7 @@ class ProbeStop:
 
 def probe_passes(metrics: Mapping[str, Any], slo: Slo) -> bool:
     """One window at one rate meets both limits, every request served (a refused one never does)."""
-    ttft, tpot = metrics.get("ttft_p99_ms"), metrics.get("tpot_p99_ms")
+    ttft, tpot = (metrics.get(key) for key in slo.keys)
     if metrics.get("refused", 0) or not metrics.get("completed", 0):
         return False
     if not isinstance(ttft, int | float) or not math.isfinite(ttft) or ttft > slo.ttft_ms:
@@ -265,7 +286,7 @@ def probe_record(
     rate: float, passed: bool, aborted: bool, windows: Sequence[Mapping[str, Any]], mean: Mapping[str, Any]
 ) -> dict[str, Any]:
     """What a probe returns: its verdict, the windows it replayed (it stops at the first that fails) and
-    their mean, and the worst window's P99s."""
+    their mean, and the worst window's P99s and P90s."""
     worst = lambda key: max((float(w[key]) for w in windows if _finite(w.get(key))), default=math.nan)
     return {
         "rate": float(rate),
@@ -273,6 +294,8 @@ def probe_record(
         "aborted": bool(aborted),
         "ttft_p99_ms": worst("ttft_p99_ms"),
         "tpot_p99_ms": worst("tpot_p99_ms"),
+        "ttft_p90_ms": worst("ttft_p90_ms"),
+        "tpot_p90_ms": worst("tpot_p90_ms"),
         "tokens_per_s": float(mean.get("tokens_per_s", math.nan)),
         "windows": [dict(w) for w in windows],
         "mean": dict(mean),
@@ -285,11 +308,11 @@ PROBE_DETAILS = ("completed", "duration_s", "step_ms", "decode_steps", "mixed_it
 
 def probe_summary(probe: Mapping[str, Any]) -> dict[str, Any]:
     """The probe as a study stores it (a trial's ``kvtune.probes``, the baseline's searches in
-    ``kvtune.noise``): its verdict and P99s, and from its windows' mean what explains them (requests
+    ``kvtune.noise``): its verdict, P99s and P90s, and from its windows' mean what explains them (requests
     finished, replay time, decode step, iterations, peak batch, preemptions); no per-window metrics."""
-    summary = {
-        k: probe[k] for k in ("rate", "passed", "aborted", "ttft_p99_ms", "tpot_p99_ms", "tokens_per_s")
-    }
+    verdict = ("rate", "passed", "aborted", "ttft_p99_ms", "tpot_p99_ms", "ttft_p90_ms", "tpot_p90_ms",
+               "tokens_per_s")  # fmt: skip
+    summary = {k: probe[k] for k in verdict if k in probe}
     mean = probe.get("mean", {})
     return summary | {k: mean[k] for k in PROBE_DETAILS if _finite(mean.get(k))}
 

@@ -57,6 +57,7 @@ from kvtune.studies.names import (
     STUDY_ATTRS_REQUIRED,
     VALIDATION_KEYS,
 )
+from kvtune.tuner.capacity import Slo
 
 # ---- the attribute names the driver and the exporter share ------------------------------------------
 # ``kvtune.validation``: trial (best trial number), config and baseline_config (config dicts), window
@@ -317,7 +318,7 @@ def capacity_section(objective: str, validation: Mapping[str, Any]) -> dict[str,
     if objective != "capacity" or "slo" not in validation:
         return {}
     slo, noise = validation["slo"], validation.get("noise") or {}
-    limits = f"P99 TTFT ≤ {float(slo['ttft_ms']):.4g} ms and P99 TPOT ≤ {float(slo['tpot_ms']):.4g} ms"
+    limits = Slo.from_record(slo).describe()
     g = gain(objective, validation["best"], validation["baseline"])
     if g.get("ratio") is None:
         claim = f"no capacity ratio: {g.get('why')} (limits {limits})"

@@ -103,6 +103,7 @@ class TuneJob:
     trial_time_limit_s: float | None = None  # a trial (and the calibration) running longer is infeasible
     slo_ttft_ms: float | None = None  # capacity's limits; None: derived from the unloaded baseline
     slo_tpot_ms: float | None = None
+    slo_percentile: float | None = None  # the percentile the limits apply to; None: the stored one, or 99
     granularity: float = CAPACITY_GRANULARITY  # capacity searches stop at hi / lo - 1 <= this
 
     def __post_init__(self) -> None:
@@ -325,14 +326,15 @@ def _capacity_attrs(
 ) -> dict[str, Any]:
     """``kvtune.slo`` and ``kvtune.noise``: a resumed study's (a limit given again must equal the stored
     one), or measured now on the unquantized baseline (see the module docstring)."""
-    given = {"ttft_ms": job.slo_ttft_ms, "tpot_ms": job.slo_tpot_ms}
+    given = {"ttft_ms": job.slo_ttft_ms, "tpot_ms": job.slo_tpot_ms, "percentile": job.slo_percentile}
     if stored is not None:  # open_study checks the objective; a capacity study has both records
         slo = stored.get(ATTR_SLO)
         for key, value in given.items():
-            if slo is not None and value is not None and abs(float(slo[key]) - value) > 1e-9 * value:
+            was = None if slo is None else float(slo.get(key, 99.0))  # one stored without a percentile: P99
+            if was is not None and value is not None and abs(was - value) > 1e-9 * value:
                 flag = "--slo-" + key.replace("_ms", "-ms")
                 name = job.options.name
-                raise ValueError(f"study {name!r} was made with {flag} {slo[key]:g}, not {value:g}")
+                raise ValueError(f"study {name!r} was made with {flag} {was:g}, not {value:g}")
         return {}
     unloaded = None
     if job.slo_ttft_ms is None or job.slo_tpot_ms is None:
@@ -341,7 +343,8 @@ def _capacity_attrs(
             unloaded = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             raise ValueError(f"the unloaded baseline replay failed ({_last_line(e)})") from None
-    slo_record = derive_slo(unloaded, job.slo_ttft_ms, job.slo_tpot_ms)
+    percentile = 99.0 if job.slo_percentile is None else job.slo_percentile
+    slo_record = derive_slo(unloaded, job.slo_ttft_ms, job.slo_tpot_ms, percentile=percentile)
     engine = space.knobs_for(BASELINE, *_default_knobs(space)) if space.batched_tokens else None
     knobs = EngineKnobs.from_dict(engine) if engine is not None else None
     start = 1.0 / time_scale  # the rate at which the baseline runs at CALIBRATION_LOAD of its saturation
