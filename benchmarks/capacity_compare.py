@@ -26,6 +26,7 @@ import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.engine import DEFAULT_BASELINE, load_workload, resolve_device
+from kvtune.engine.metrics import median_spread
 from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.studies.names import CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD
 from kvtune.tuner.capacity import SLO_PERCENTILES, CapacitySearch, Slo, capacity_metrics, derive_slo
@@ -128,7 +129,7 @@ def main() -> None:
             _write(args, results)
         caps = [r["capacity"] for r in runs]
         mid = statistics.median(caps)
-        noise = max(abs(c - mid) for c in caps) / mid if mid > 0 else float("nan")
+        noise = median_spread(caps) if mid > 0 else float("nan")
         first = mid if first is None else first
         print(
             f"  {path.stem}: median capacity {mid:.3f}× the trace's rate, largest distance from it "

@@ -33,6 +33,7 @@ import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.engine import default_budget_bytes, load_workload, resolve_device
+from kvtune.engine.metrics import median_spread
 from kvtune.engine.model import load_model
 from kvtune.engine.options import DTYPES, WARMUP_REQUESTS, ReplayOptions
 from kvtune.engine.replay import Replayer
@@ -161,15 +162,6 @@ def _row(config: str, budget: str, engine: str, i: int, d: dict[str, Any], budge
     print(f"{cells} {d['max_num_seqs']:>5} {share_text} {d['decode_steps']:>6} {graphs:>6}", flush=True)
 
 
-def _spread(values: list[float]) -> float:
-    """The largest distance of a repeat from the repeats' median, relative to the median."""
-    finite = [v for v in values if math.isfinite(v)]
-    if len(finite) < 2:
-        return 0.0
-    mid = statistics.median(finite)
-    return max(abs(v - mid) for v in finite) / mid
-
-
 def _summary(results: list[dict[str, Any]], config: str, budget: str) -> None:
     mine = [
         r["metrics"]
@@ -185,8 +177,8 @@ def _summary(results: list[dict[str, Any]], config: str, budget: str) -> None:
     tpot = [m["tpot_p99_ms"] for m in mine]
     text = (
         f"  {config} @ {budget}: {statistics.mean(tps):.1f} tok/s over {len(tps)} repeats, largest "
-        f"distance from the median: tok/s {100 * _spread(tps):.1f} % (<= 3 %), "
-        f"P99 TPOT {100 * _spread(tpot):.1f} % (<= 5 %)"
+        f"distance from the median: tok/s {100 * median_spread(tps):.1f} % (<= 3 %), "
+        f"P99 TPOT {100 * median_spread(tpot):.1f} % (<= 5 %)"
     )
     if base:
         text += f"; {statistics.mean(tps) / base[0]['tokens_per_s']:.2f}× the engine as it was (>= 3×)"

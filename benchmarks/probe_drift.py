@@ -21,12 +21,10 @@ request's TTFT, TPOT and token count, so any other statistic can be judged from 
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import math
 import shutil
-import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -36,11 +34,11 @@ import numpy as np
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.engine import resolve_device
-from kvtune.engine.metrics import RequestTiming
+from kvtune.engine.metrics import RequestTiming, median_spread
 from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.engine.scheduler import CLOCKS, DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from kvtune.engine.traces import read_trace
-from kvtune.tuner.worker import local_worker
+from kvtune.tuner.worker import gc_paused, local_worker
 from kvtune.tuner.workload import WorkloadSample
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
@@ -97,12 +95,6 @@ def _order(text: str) -> list[tuple[str, int]]:
     return steps
 
 
-def _spread(values: list[float]) -> float:
-    """The largest distance of a value from the values' median, over the median."""
-    mid = statistics.median(values)
-    return max(abs(v - mid) for v in values) / mid if mid > 0 else math.nan
-
-
 MIN_TOKENS = 8  # the per-request TPOT of "tpot8": requests with at least this many output tokens
 RULES = {  # a probe's verdict: (TTFT statistic, TPOT statistic) each at most its limit
     "P99": ("ttft_p99_ms", "tpot_p99_ms"),
@@ -141,27 +133,17 @@ def main() -> None:
         f"{args.clock} clock",
         flush=True,
     )
-    replayer = worker.replayer
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
-    primed = False
     for rate in rates:
         for name, count in _order(args.order):
             config = HybridConfig.from_json_file(CONFIGS / f"{name}.json")
-            if not primed:  # a process's first replay pays what no later one does (TrialWorker._prime)
-                replayer.replay(config, window, 0.0, warmup=WARMUP_REQUESTS)
-                primed = True
-            for _ in range(count):
+            for _ in range(count):  # the worker primes its process before its first replay
                 before = _gpu_state()
                 timings: list[RequestTiming] = []
-                gc.collect()  # as a probe: no collection pause inside the replay
-                gc.disable()
-                try:
-                    m = replayer.replay(config, window, 1.0 / rate, warmup=WARMUP_REQUESTS, timings=timings)
-                finally:
-                    gc.enable()
+                with gc_paused():
+                    metrics = worker.replay(config, window, 1.0 / rate, WARMUP_REQUESTS, timings=timings)
                 after = _gpu_state()
-                metrics = m.to_dict()
                 row = {
                     "config": name, "rate": rate, "at_s": time.perf_counter() - start,
                     **{k: metrics.get(k) for k in FIELDS}, "statistics": _statistics(timings),
@@ -182,12 +164,12 @@ def main() -> None:
                 )
                 if args.json:
                     args.json.write_text(json.dumps({"args": vars(args), "rows": rows}, default=str))
-            replayer.release()
+            worker.release()
     print("spread (largest distance from the median) of each statistic over a (config, rate)'s repeats:")
     for (name, rate), group in itertools.groupby(rows, key=lambda r: (r["config"], r["rate"])):
         stats = [r["statistics"] for r in group]
         if len(stats) > 1:
-            line = " · ".join(f"{k} {100 * _spread([s[k] for s in stats]):.0f} %" for k in stats[0])
+            line = " · ".join(f"{k} {100 * median_spread([s[k] for s in stats]):.0f} %" for k in stats[0])
             print(f"  {name} ×{rate:g} ({len(stats)}): {line}", flush=True)
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
         return

@@ -190,15 +190,14 @@ class DecodeGraphs:
                 self._seal_graphs[info.seal_rows].replay()
             else:
                 self.cache.seal_static(self.buffers, info.seal_rows)
-        if not self.capture:  # timed as the captured path is, so a CPU runs the same steps in flight
-            timed = self._timed_now()
+        timed = self._timed_now()  # uncaptured steps too, so a CPU runs the same steps in flight
+        if not self.capture:
             self._marks = []
             self._forward(info.rows, info.width, self._marks if timed else None, self._mark_direct)
-            self._replays += 1
-            return timed
-        timed = self._timed_now() and (info.rows, info.width, True) in self._graphs
-        self._graph = self._graphs[(info.rows, info.width, timed)]
-        self._graph.graph.replay()
+        else:
+            timed = timed and (info.rows, info.width, True) in self._graphs
+            self._graph = self._graphs[(info.rows, info.width, timed)]
+            self._graph.graph.replay()
         self._replays += 1
         return timed
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -156,6 +157,16 @@ class ReplayMetrics:
         if self.debug:
             d["debug"] = dict(self.debug)
         return d
+
+
+def median_spread(values: Sequence[float]) -> float:
+    """How far repeats of one measurement scatter: the largest distance of a finite value from their median,
+    over the median (0 for fewer than two finite values, NaN for a median that is not positive)."""
+    finite = [float(v) for v in values if math.isfinite(v)]
+    if len(finite) < 2:
+        return 0.0
+    mid = statistics.median(finite)
+    return max(abs(v - mid) for v in finite) / mid if mid > 0 else math.nan
 
 
 def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetrics:

@@ -174,9 +174,10 @@ def check_identity(study: optuna.Study, identity: Mapping[str, Any], space: Spac
         )
     stored = study.user_attrs.get(ATTR_IDENTITY, {})
     for key, value in _jsonable(dict(identity)).items():
-        if stored.get(key, IDENTITY_BEFORE.get(key)) != value:
+        was = stored.get(key, IDENTITY_BEFORE.get(key))
+        if was != value:
             raise StudyMismatchError(
-                f"study {study.study_name!r} was made with {key}={_short(stored.get(key))}, not "
+                f"study {study.study_name!r} was made with {key}={_short(was)}, not "
                 f"{_short(value)}; use the same settings with --resume, or --study NAME for a new study"
             )
 

@@ -329,8 +329,9 @@ def _capacity_attrs(
     given = {"ttft_ms": job.slo_ttft_ms, "tpot_ms": job.slo_tpot_ms, "percentile": job.slo_percentile}
     if stored is not None:  # open_study checks the objective; a capacity study has both records
         slo = stored.get(ATTR_SLO)
+        limits = dataclasses.asdict(Slo.from_record(slo)) if slo is not None else {}
         for key, value in given.items():
-            was = None if slo is None else float(slo.get(key, 99.0))  # one stored without a percentile: P99
+            was = limits.get(key)
             if was is not None and value is not None and abs(was - value) > 1e-9 * value:
                 flag = "--slo-" + key.replace("_ms", "-ms")
                 name = job.options.name

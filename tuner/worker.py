@@ -7,12 +7,14 @@ model are imported when a worker starts, never in the driver process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
 import platform
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,7 @@ from kvtune.tuner.protocol import (
 
 if TYPE_CHECKING:
     from kvtune.engine.engine import Deadline
+    from kvtune.engine.metrics import RequestTiming
 
 # The unloaded replay: the trace's arrivals slowed this much (requests that arrive together in the trace, a
 # burst, still do: no rate spreads them; all others are served alone; idle gaps are skipped, not slept), and
@@ -53,6 +56,18 @@ def trial_deadline(limit_s: float | None, what: str) -> Deadline | None:
 
     reason = f"{what} ran past its time limit of {limit_s:g} s (--trial-timeout): infeasible here"
     return Deadline(time.monotonic() + limit_s, reason)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect, then keep Python's garbage collector off for the block: no collection pause inside a probe
+    (one stall can decide a P99 over ~100 requests)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class TrialWorker:
@@ -163,11 +178,15 @@ class TrialWorker:
         warmup: int,
         knobs: EngineKnobs | None = None,
         deadline: Deadline | None = None,
+        timings: list[RequestTiming] | None = None,
     ) -> dict[str, Any]:
-        """One replay of ``requests`` under ``config`` (also used by validation): its metrics."""
+        """One replay of ``requests`` under ``config`` (also used by validation): its metrics; ``timings``
+        receives the per-request times."""
         replayer = self._replayer(knobs)
         self._prime(replayer, config, requests, warmup, deadline)
-        metrics = replayer.replay(config, requests, time_scale, warmup=warmup, deadline=deadline)
+        metrics = replayer.replay(
+            config, requests, time_scale, warmup=warmup, deadline=deadline, timings=timings
+        )
         return dict(metrics.to_dict())
 
     def _prime(
@@ -204,14 +223,10 @@ class TrialWorker:
         self._prime(replayer, config, windows[0], warmup, deadline)
         for requests in windows:
             stop = ProbeStop(slo, len(requests))
-            gc.collect()  # no collection pause inside a probe: one stall can decide a P99 over ~100 requests
-            gc.disable()
-            try:
+            with gc_paused():
                 replay = replayer.replay(
                     config, requests, 1.0 / rate, warmup=warmup, stop=stop, deadline=deadline
                 )
-            finally:
-                gc.enable()
             metrics = dict(replay.to_dict())
             metrics["probe_aborted"] = stop.fired
             runs.append(metrics)
