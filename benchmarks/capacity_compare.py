@@ -28,7 +28,8 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.engine import DEFAULT_BASELINE, load_workload, resolve_device
 from kvtune.engine.metrics import median_spread
 from kvtune.engine.options import WARMUP_REQUESTS
-from kvtune.studies.names import CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD
+from kvtune.engine.scheduler import CLOCKS, SchedulerConfig
+from kvtune.studies.names import CAPACITY_CLOCK, CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD, SLO_PERCENTILE
 from kvtune.tuner.capacity import SLO_PERCENTILES, CapacitySearch, Slo, capacity_metrics, derive_slo
 from kvtune.tuner.worker import TrialWorker, local_worker
 from kvtune.tuner.workload import rebase
@@ -55,7 +56,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--granularity", type=float, default=CAPACITY_GRANULARITY)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--slo-percentile", type=float, choices=SLO_PERCENTILES, default=99.0)
+    p.add_argument("--slo-percentile", type=float, choices=SLO_PERCENTILES, default=SLO_PERCENTILE)
+    p.add_argument(
+        "--clock", choices=CLOCKS, default=CAPACITY_CLOCK, help="the engine's clock (a study's default)"
+    )
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args()
@@ -89,7 +93,9 @@ def main() -> None:
     args = _args()
     device = resolve_device(args.device)
     budget = None if args.kv_budget is None else int(args.kv_budget)
-    worker = local_worker(args.model, device, str(TEXT), args.dtype, budget)
+    worker = local_worker(
+        args.model, device, str(TEXT), args.dtype, budget, SchedulerConfig(clock=args.clock)
+    )
     dtype = worker.spec.dtype
     requests, counts, provenance = load_workload(
         args.workload, worker.loaded.spec.max_context, args.requests, args.seed, args.length_scale,

@@ -7,7 +7,12 @@ prefill forwards, ``max_num_seqs`` 256, ``max_num_batched_tokens`` 8192). Printe
 P99 TTFT and TPOT, preemptions, peak KV memory against the budget, the share of the forwards' device time
 in iterations that carry prompt tokens; per (config, budget): the mean tokens/s, the repeats' spread (the
 largest distance of a repeat from their median, over the median) of tokens/s and P99 TPOT, the speed-up over
-the baseline, and tokens/s against the first config's.
+the baseline, and tokens/s against the first config's. ``--clock wall,device`` runs the repeats once on each
+clock (``SchedulerConfig.clock``: the device clock adds each iteration's CUDA-event time and leaves the host
+between iterations out), on the same kept cache and graphs, and reports each clock apart. ``--profile DIR``
+replays each (config, budget) once more under the PyTorch profiler after its repeats and writes where the
+device time went (DIR/<config>_<budget>.txt: the kernels with the most device time, their share of the
+replay's wall time).
 
     python benchmarks/engine_replay.py --model random:llama-3.1-8b --requests 32 --kv-budget 4e9 \\
         --kv-budget default --baseline --workload examples/traces/azure_conv_sample.csv --json out.json
@@ -30,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_state import GpuSampler
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.engine import default_budget_bytes, load_workload, resolve_device
@@ -37,7 +43,7 @@ from kvtune.engine.metrics import median_spread
 from kvtune.engine.model import load_model
 from kvtune.engine.options import DTYPES, WARMUP_REQUESTS, ReplayOptions
 from kvtune.engine.replay import Replayer
-from kvtune.engine.scheduler import SchedulerConfig
+from kvtune.engine.scheduler import CLOCKS, SchedulerConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 DEFAULT_CONFIGS = ("q_unquantized", "q_int8", "q_int4")
@@ -70,10 +76,20 @@ def _args() -> argparse.Namespace:
         default=True,
         help="serve the sample once unmeasured before the repeats (default on; repeat -1 in the JSON)",
     )
+    p.add_argument(
+        "--clock",
+        default="wall",
+        help="the repeats' clock: wall, device, or both comma-separated (each gets --repeats)",
+    )
+    p.add_argument("--profile", type=Path, default=None, help="folder: one more replay profiled per config")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
-    return p.parse_args()
+    args = p.parse_args()
+    args.clocks = [c.strip() for c in args.clock.split(",") if c.strip()]
+    if not args.clocks or not set(args.clocks) <= set(CLOCKS):
+        p.error(f"--clock: expected {' or '.join(CLOCKS)} (comma-separated), got {args.clock!r}")
+    return args
 
 
 def _budget(text: str, loaded: Any, device: torch.device) -> int:
@@ -99,7 +115,8 @@ def main() -> None:
         f"{mean_out:.0f} tokens, {counts.shortened} shortened) · time scale {args.time_scale:g}",
         flush=True,
     )
-    header = f"{'config':<16} {'budget':>9} {'engine':>8} {'#':>2} {'tok/s':>8} {'TTFT99':>8} {'TPOT99':>8}"
+    header = f"{'config':<16} {'budget':>9} {'engine':>8} {'clock':>6} {'#':>2} {'tok/s':>8} {'TTFT99':>8}"
+    header += f" {'TPOT99':>8}"
     print(f"{header} {'preempt':>7} {'peakKV GB':>9} {'seqs':>5} {'prefill':>7} {'steps':>6} {'graphs':>6}")
     results: list[dict[str, Any]] = []
     for label, budget in budgets:
@@ -107,28 +124,65 @@ def main() -> None:
             config = HybridConfig.from_json_file(path)
             for engine_name, options, repeats in engines:
                 engine = Replayer(loaded, device, ReplayOptions(budget, 0, options)).engine(config)
+                runs = [(c, i) for c in args.clocks for i in range(repeats)]
                 if args.prime and engine_name == "engine":  # the engine as it was captures nothing
+                    runs.insert(0, (args.clocks[0], -1))
+                for clock, i in runs:
                     t0 = time.perf_counter()
-                    d = engine.replay(requests, args.time_scale, warmup_requests=WARMUP_REQUESTS).to_dict()
-                    d["wall_s"] = time.perf_counter() - t0
-                    results.append({"config": path.stem, "budget": label, "budget_bytes": budget,
-                                    "engine": engine_name, "repeat": -1, "metrics": d})  # fmt: skip
-                    _row(path.stem, label, engine_name, -1, d, budget)
-                for i in range(repeats):
-                    t0 = time.perf_counter()
-                    m = engine.replay(requests, args.time_scale, warmup_requests=WARMUP_REQUESTS)
+                    with GpuSampler() as sampler:
+                        m = engine.with_clock(clock).replay(
+                            requests, args.time_scale, warmup_requests=WARMUP_REQUESTS
+                        )
                     d = m.to_dict()
                     d["wall_s"] = time.perf_counter() - t0
+                    d["gpu"] = sampler.summary()
                     results.append({"config": path.stem, "budget": label, "budget_bytes": budget,
-                                    "engine": engine_name, "repeat": i, "metrics": d})  # fmt: skip
-                    _row(path.stem, label, engine_name, i, d, budget)
+                                    "engine": engine_name, "clock": clock, "repeat": i,
+                                    "metrics": d})  # fmt: skip
+                    _row(path.stem, label, engine_name, clock, i, d, budget)
                     _write(args, ours, name, provenance, results)
+                if args.profile is not None and engine_name == "engine":
+                    _profile(
+                        engine.with_clock(args.clocks[0]),
+                        requests,
+                        args,
+                        args.profile / f"{path.stem}_{label}.txt",
+                    )
                 engine.release()
                 del engine
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            _summary(results, path.stem, label)
-        _versus_first(results, label, [p.stem for p in configs])
+            for clock in args.clocks:
+                _summary(results, path.stem, label, clock)
+        for clock in args.clocks:
+            _versus_first(results, label, [p.stem for p in configs], clock)
+
+
+def _profile(engine: Any, requests: Any, args: argparse.Namespace, out: Path) -> None:
+    """One replay under the PyTorch profiler: the 30 kernels with the most device time, and the sum of all
+    kernels against the replay's wall time (the rest is the device waiting for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        m = engine.replay(requests, args.time_scale, warmup_requests=WARMUP_REQUESTS)
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+    wall_s = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_s = sum(e.device_time for e in kernels) / 1e6
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
+    head = (
+        f"{engine.config.to_json(None)}\nprofiled replay: {wall_s:.2f} s wall, {m.tokens_per_s:.1f} tok/s, "
+        f"kernels {busy_s:.2f} s of device time ({100 * busy_s / wall_s:.1f} % of the wall), "
+        f"{len(kernels)} kernels, prefill share {m.prefill_share:.3f}\n"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(head + table)
+    print(f"  profile: {head.splitlines()[1]} -> {out}", flush=True)
 
 
 def _write(
@@ -148,9 +202,12 @@ def _write(
         args.json.write_text(json.dumps(out, indent=1, default=str))
 
 
-def _row(config: str, budget: str, engine: str, i: int, d: dict[str, Any], budget_bytes: int) -> None:
+def _row(
+    config: str, budget: str, engine: str, clock: str, i: int, d: dict[str, Any], budget_bytes: int
+) -> None:
     cells = (
-        f"{config:<16} {budget:>9} {engine:>8} {i:>2} {d['tokens_per_s']:>8.1f} {d['ttft_p99_ms']:>8.1f} "
+        f"{config:<16} {budget:>9} {engine:>8} {clock:>6} {i:>2} {d['tokens_per_s']:>8.1f} "
+        f"{d['ttft_p99_ms']:>8.1f} "
         f"{d['tpot_p99_ms']:>8.2f} {d['preemptions']:>7} "
         f"{d['peak_kv_bytes'] / 1e9:>5.2f}/{budget_bytes / 1e9:<5.1f}"
     )
@@ -159,25 +216,27 @@ def _row(config: str, budget: str, engine: str, i: int, d: dict[str, Any], budge
     share_text = (
         f"{100 * share:>6.1f}%" if isinstance(share, float) and math.isfinite(share) else f"{'n/a':>7}"
     )
-    print(f"{cells} {d['max_num_seqs']:>5} {share_text} {d['decode_steps']:>6} {graphs:>6}", flush=True)
+    gpu = GpuSampler.describe(d.get("gpu") or {})
+    print(f"{cells} {d['max_num_seqs']:>5} {share_text} {d['decode_steps']:>6} {graphs:>6} {gpu}", flush=True)
 
 
-def _summary(results: list[dict[str, Any]], config: str, budget: str) -> None:
+def _summary(results: list[dict[str, Any]], config: str, budget: str, clock: str) -> None:
     mine = [
         r["metrics"]
         for r in results
-        if (r["config"], r["budget"], r["engine"]) == (config, budget, "engine") and r["repeat"] >= 0
+        if (r["config"], r["budget"], r["engine"], r["clock"]) == (config, budget, "engine", clock)
+        and r["repeat"] >= 0
     ]
     base = [
         r["metrics"]
         for r in results
-        if (r["config"], r["budget"], r["engine"]) == (config, budget, "baseline")
+        if (r["config"], r["budget"], r["engine"], r["clock"]) == (config, budget, "baseline", clock)
     ]
     tps = [m["tokens_per_s"] for m in mine]
     tpot = [m["tpot_p99_ms"] for m in mine]
     text = (
-        f"  {config} @ {budget}: {statistics.mean(tps):.1f} tok/s over {len(tps)} repeats, largest "
-        f"distance from the median: tok/s {100 * median_spread(tps):.1f} % (<= 3 %), "
+        f"  {config} @ {budget}, {clock} clock: {statistics.mean(tps):.1f} tok/s over {len(tps)} repeats, "
+        f"largest distance from the median: tok/s {100 * median_spread(tps):.1f} % (<= 3 %), "
         f"P99 TPOT {100 * median_spread(tpot):.1f} % (<= 5 %)"
     )
     if base:
@@ -185,18 +244,20 @@ def _summary(results: list[dict[str, Any]], config: str, budget: str) -> None:
     print(text, flush=True)
 
 
-def _versus_first(results: list[dict[str, Any]], budget: str, configs: list[str]) -> None:
+def _versus_first(results: list[dict[str, Any]], budget: str, configs: list[str], clock: str) -> None:
     means = {}
     for c in configs:
         tps = [
             r["metrics"]["tokens_per_s"]
             for r in results
-            if (r["config"], r["budget"], r["engine"]) == (c, budget, "engine") and r["repeat"] >= 0
+            if (r["config"], r["budget"], r["engine"], r["clock"]) == (c, budget, "engine", clock)
+            and r["repeat"] >= 0
         ]
         means[c] = statistics.mean(tps) if tps else math.nan
     first = means[configs[0]]
     print(
-        f"  @ {budget}: tok/s vs {configs[0]}: " + ", ".join(f"{c} {means[c] / first:.2f}×" for c in configs)
+        f"  @ {budget}, {clock} clock: tok/s vs {configs[0]}: "
+        + ", ".join(f"{c} {means[c] / first:.2f}×" for c in configs)
     )
 
 

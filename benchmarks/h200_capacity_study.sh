@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The capacity studies of the H200 (README "The objective: capacity"): at least 20 trials each, on the GPUs in
 # CUDA_VISIBLE_DEVICES (one worker per GPU). On one H200 a study spent 5-6 minutes before its first trial (the
-# baseline searched 3 times; NOTES runs 13a, 13c), so it takes two or three 10-minute pieces: RESUME=1
-# continues a study kept in OUTDIR.
+# baseline searched 3 times; NOTES runs 13a, 13c; about 3 minutes on the device clock, runs 14c, 14d), then 20
+# trials took about 3 minutes and the validation 3: RESUME=1 continues a study kept in OUTDIR.
 #
 #   . benchmarks/device_env.sh && benchmarks/h200_capacity_study.sh OUTDIR [llama|smol|both]
 #
@@ -15,8 +15,8 @@
 # prints its trials per hour.
 # Environment: MINUTES (search time budget, 6; validation and the preset follow), TRIALS (20), REQUESTS (96
 # per window: the sample's first 75 % holds 121), RESUME=1, LLAMA_BUDGET (1GiB), SMOL_BUDGET (256MiB), the
-# quality measurement QWINDOWS (4) x (QPREFILL 1024 + QDECODE 128 tokens), CLOCK (wall or device: the engine's
-# clock, kvtune --clock), SLO_PERCENTILE (99 or 90: kvtune --slo-percentile).
+# quality measurement QWINDOWS (4) x (QPREFILL 1024 + QDECODE 128 tokens), CLOCK (kvtune --clock; unset: device,
+# kvtune's default for capacity), SLO_PERCENTILE (kvtune --slo-percentile; unset: 90).
 set -u
 out=${1:?usage: benchmarks/h200_capacity_study.sh OUTDIR [llama|smol|both]}
 which=${2:-both}
@@ -55,7 +55,7 @@ study() {  # name model budget length-scale [extra options]
   timeout $(( MINUTES * 60 + 420 )) python3 -m kvtune --gpu h200 --model "$model" --workload $TRACE \
     --objective capacity --kv-budget "$budget" --length-scale "$scale" --requests "$REQUESTS" --windows 1 \
     --trials "$TRIALS" --time-budget "$MINUTES" --quality-windows "${QWINDOWS:-4}" \
-    --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey --clock "${CLOCK:-wall}" ${SLO_PERCENTILE:+--slo-percentile $SLO_PERCENTILE} \
+    --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey ${CLOCK:+--clock $CLOCK} ${SLO_PERCENTILE:+--slo-percentile $SLO_PERCENTILE} \
     ${RESUME:+--resume} "$@" \
     --study "$name" --storage "sqlite:///$out/$name.db" --out "$out/preset_$name.json" 2>&1 \
     | tee -a "$out/$name.log" | tail -40

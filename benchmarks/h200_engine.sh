@@ -15,12 +15,16 @@
 #   azure     benchmarks/engine_replay.py, Llama-3.1-8B shape, Azure conv sample (AZURE_REQUESTS, seed 1),
 #             saturation, each of AZURE_BUDGETS (4 GB, memory-bound, and the default budget): one unmeasured
 #             replay, then REPEATS
-#   baseline  the unquantized cache at the default budget, 32 requests: the engine and the engine as it was
+#   baseline  the unquantized cache at the default budget, BASELINE_REQUESTS requests: the engine and the engine
+#             as it was
 #   mooncake  the Azure stage's replays on the Mooncake sample (prompts capped at 8K tokens), 8 GB and default
+#   profile   where a saturation replay's device time goes (Azure, AZURE_REQUESTS, default budget, unquantized
+#             and INT4, one profiled replay each after one repeat): OUTDIR/profile/<config>_default.txt
 #   capacity  benchmarks/capacity_compare.py: capacity under the study's derived limits, Azure at 4 GB,
 #             CAPACITY_REQUESTS requests, CAPACITY_REPEATS searches per config
 # Sizes come from the environment: AZURE_REQUESTS (96), AZURE_BUDGETS ("4e9 default"), MOONCAKE_REQUESTS (24),
-# REPEATS (3), MOONCAKE_REPEATS (REPEATS),
+# REPEATS (3), MOONCAKE_REPEATS (REPEATS), BASELINE_REQUESTS (32), CLOCKS (the replays' clocks, "wall"; "wall,device"
+# runs the repeats on each),
 # CAPACITY_REQUESTS (64), CAPACITY_REPEATS (2), LIMIT (540).
 set -u
 OUT=${1:?usage: bash benchmarks/h200_engine.sh OUTDIR [tests|step|azure|mooncake ...]}
@@ -50,6 +54,8 @@ REPEATS=${REPEATS:-3}
 AZURE_BUDGETS=${AZURE_BUDGETS:-4e9 default}
 CAPACITY_REQUESTS=${CAPACITY_REQUESTS:-64}
 CAPACITY_REPEATS=${CAPACITY_REPEATS:-2}
+BASELINE_REQUESTS=${BASELINE_REQUESTS:-32}
+CLOCKS=${CLOCKS:-wall}
 
 for stage in $STAGES; do
   case "$stage" in
@@ -78,29 +84,35 @@ for stage in $STAGES; do
       log "replays: Azure conv, $AZURE_REQUESTS requests, saturation, budget $b"
       run 240 python3 benchmarks/engine_replay.py --model random:llama-3.1-8b \
         --workload examples/traces/azure_conv_sample.csv --requests "$AZURE_REQUESTS" --seed 1 --kv-budget "$b" \
-        --repeats "$REPEATS" --json "$OUT/replay_azure_$b.json" $CONFIGS 2>&1 \
+        --repeats "$REPEATS" --clock "$CLOCKS" --json "$OUT/replay_azure_$b.json" $CONFIGS 2>&1 \
         | tee "$OUT/replay_azure_$b.log" | tee -a "$OUT/summary.log"
     done ;;
   baseline)
-    log "replays: Azure conv, 32 requests, default budget, unquantized: the engine and the engine as it was"
-    run 120 python3 benchmarks/engine_replay.py --model random:llama-3.1-8b \
-      --workload examples/traces/azure_conv_sample.csv --requests 32 --seed 1 --kv-budget default \
-      --repeats 1 --baseline --json "$OUT/replay_azure_baseline.json" "$C/q_unquantized.json" 2>&1 \
+    log "replays: Azure conv, $BASELINE_REQUESTS requests, default budget, unquantized: the engine and the engine as it was"
+    run 180 python3 benchmarks/engine_replay.py --model random:llama-3.1-8b \
+      --workload examples/traces/azure_conv_sample.csv --requests "$BASELINE_REQUESTS" --seed 1 --kv-budget default \
+      --repeats 1 --baseline --clock "$CLOCKS" --json "$OUT/replay_azure_baseline.json" "$C/q_unquantized.json" 2>&1 \
       | tee "$OUT/replay_azure_baseline.log" | tee -a "$OUT/summary.log" ;;
   mooncake)
     log "replays: Mooncake, $MOONCAKE_REQUESTS requests capped at 8K tokens, saturation, 8 GB and default"
     run 200 python3 benchmarks/engine_replay.py --model random:llama-3.1-8b \
       --workload examples/traces/mooncake_sample.jsonl --requests "$MOONCAKE_REQUESTS" --seed 0 --length-cap 8192 \
-      --kv-budget 8e9 --kv-budget default --repeats "${MOONCAKE_REPEATS:-$REPEATS}" \
+      --kv-budget 8e9 --kv-budget default --repeats "${MOONCAKE_REPEATS:-$REPEATS}" --clock "$CLOCKS" \
       --json "$OUT/replay_mooncake.json" $CONFIGS 2>&1 \
       | tee "$OUT/replay_mooncake.log" | tee -a "$OUT/summary.log" ;;
+  profile)
+    log "profile: Azure conv, $AZURE_REQUESTS requests, saturation, default budget"
+    run 240 python3 benchmarks/engine_replay.py --model random:llama-3.1-8b \
+      --workload examples/traces/azure_conv_sample.csv --requests "$AZURE_REQUESTS" --seed 1 --kv-budget default \
+      --repeats 1 --profile "$OUT/profile" "$C/q_unquantized.json" "$C/q_int4.json" 2>&1 | grep -v USDT \
+      | tee "$OUT/profile.log" | tee -a "$OUT/summary.log" ;;
   capacity)
     log "capacity: Azure conv, $CAPACITY_REQUESTS requests, 4 GB, $CAPACITY_REPEATS searches per config"
     run 300 python3 benchmarks/capacity_compare.py --model random:llama-3.1-8b \
       --workload examples/traces/azure_conv_sample.csv --requests "$CAPACITY_REQUESTS" --seed 1 --kv-budget 4e9 \
       --repeats "$CAPACITY_REPEATS" --json "$OUT/capacity_azure_4gb.json" $CONFIGS 2>&1 \
       | tee "$OUT/capacity_azure_4gb.log" | tee -a "$OUT/summary.log" ;;
-  *) log "unknown stage $stage (tests, step, azure, baseline, mooncake, capacity)" ;;
+  *) log "unknown stage $stage (tests, step, azure, baseline, mooncake, profile, capacity)" ;;
   esac
 done
 log "done"

@@ -24,13 +24,12 @@ import argparse
 import itertools
 import json
 import math
-import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gpu_state import GpuSampler
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.engine import resolve_device
@@ -72,19 +71,6 @@ def _args() -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args()
-
-
-def _gpu_state() -> dict[str, str]:
-    """SM clock, power draw, temperature and active throttle reasons of GPU 0 (empty without nvidia-smi)."""
-    if shutil.which("nvidia-smi") is None:
-        return {}
-    keys = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
-    out = subprocess.run(
-        ["nvidia-smi", f"--query-gpu={','.join(keys)}", "--format=csv,noheader,nounits", "-i", "0"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    values = [v.strip() for v in out.stdout.strip().split(",")]
-    return dict(zip(keys, values, strict=False)) if out.returncode == 0 else {}
 
 
 def _order(text: str) -> list[tuple[str, int]]:
@@ -139,27 +125,26 @@ def main() -> None:
         for name, count in _order(args.order):
             config = HybridConfig.from_json_file(CONFIGS / f"{name}.json")
             for _ in range(count):  # the worker primes its process before its first replay
-                before = _gpu_state()
                 timings: list[RequestTiming] = []
-                with gc_paused():
+                with gc_paused(), GpuSampler() as sampler:
                     metrics = worker.replay(config, window, 1.0 / rate, WARMUP_REQUESTS, timings=timings)
-                after = _gpu_state()
+                gpu = sampler.summary()
                 row = {
                     "config": name, "rate": rate, "at_s": time.perf_counter() - start,
                     **{k: metrics.get(k) for k in FIELDS}, "statistics": _statistics(timings),
                     "requests": [[t.rid, t.ttft_ms, t.tpot_ms, len(t.token_ms)] for t in timings],
-                    "gpu_before": before, "gpu_after": after,
+                    "gpu": gpu,
                 }  # fmt: skip
                 rows.append(row)
                 st = row["statistics"]
-                gpu = f" · SM {after.get('clocks.sm')} MHz, {after.get('power.draw')} W" if after else ""
                 print(
                     f"{row['at_s']:7.1f} s {name:<14} ×{rate:<5g} TTFT90/99 {st['ttft_p90_ms']:6.1f}/"
                     f"{st['ttft_p99_ms']:6.1f} · TPOT90/99 {st['tpot_p90_ms']:6.2f}/"
                     f"{st['tpot_p99_ms']:6.2f} · "
                     f"TBT99 {st['tbt_p99_ms']:6.1f} · step {metrics['step_ms']:5.2f} ms × "
                     f"{metrics['decode_steps']} · mixed {metrics['mixed_iterations']} · prefill "
-                    f"{100 * metrics['prefill_share']:4.1f} % · {metrics['tokens_per_s']:7.1f} tok/s{gpu}",
+                    f"{100 * metrics['prefill_share']:4.1f} % · {metrics['tokens_per_s']:7.1f} tok/s"
+                    + (f" · {GpuSampler.describe(gpu)}" if gpu else ""),
                     flush=True,
                 )
                 if args.json:

@@ -326,6 +326,14 @@ class Engine:
         clone.config = config
         return clone
 
+    def with_clock(self, clock: str) -> Engine:
+        """The same engine on another clock (:class:`SchedulerConfig`'s ``clock``); it shares the kept cache
+        and graphs, which do not depend on the clock, so a replay on one clock after one on the other
+        captures nothing."""
+        clone = self.with_config(self.config)
+        clone.scheduler_config = replace(self.scheduler_config, clock=clock)
+        return clone
+
     def settings_for(self, requests: Sequence[Request]) -> EngineSettings:
         """The options of a replay of ``requests`` (already fitted to the context): ``max_num_seqs`` given, or
         derived from the budget and the layout (:func:`~kvtune.cache_impl.layout.sequences_for_budget` at

@@ -106,3 +106,12 @@ SLO_TTFT_FACTOR = 5.0  # default TTFT limit: this x the unloaded baseline's P99 
 # limit is 5x, its relaxed one 25x; 10x because a short output's TPOT includes whole prompt chunks of a mixed
 # iteration (up to max_num_batched_tokens), and at 5x one 2K-token chunk fails a P99 whatever the KV cache.
 SLO_TPOT_FACTOR = 10.0
+# the percentile of a probe's requests the limits apply to in a new study: DistServe's 90 % attainment.
+# Over ~100 requests a P99 is the second-slowest request, and a probe's verdict turned on one or two short
+# outputs that a prompt chunk happened to stall (benchmarks/NOTES.md runs 13c-13e: the baseline's capacity
+# searched three times spread 111 %); the P90 needs 11 of 96 requests over a limit (runs 14c, 14d: 4.4 %,
+# 8.9 %).
+SLO_PERCENTILE = 90.0
+# the engine's clock for a new capacity study (kvtune.engine.scheduler.SchedulerConfig.clock): each
+# iteration's device time, so the host's jitter between iterations moves no arrival and no verdict
+CAPACITY_CLOCK = "device"

@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +74,10 @@ def test_replay_compare_smoke(tmp_path: Path) -> None:
 
 
 def test_engine_replay_and_capacity_compare_smoke(tmp_path: Path) -> None:
-    """The replay benchmark (unmeasured first replay, repeats on the kept cache) and the capacity comparison
-    (the worker's probes without Ray) on the tiny model."""
+    """The replay benchmark (unmeasured first replay, repeats on the kept cache, on each clock) and the
+    capacity comparison (the worker's probes without Ray) on the tiny model."""
+    import json
+
     configs = ROOT / "examples" / "configs"
     trace = str(ROOT / "examples" / "traces" / "azure_conv_sample.csv")
     pair = [str(configs / "q_unquantized.json"), str(configs / "q_int4.json")]
@@ -80,11 +85,20 @@ def test_engine_replay_and_capacity_compare_smoke(tmp_path: Path) -> None:
               "--length-cap", "96", "--kv-budget", "2e8"]  # fmt: skip
     replay = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "engine_replay.py"), *common, "--repeats", "2",
-         "--json", str(tmp_path / "replay.json"), *pair],
+         "--clock", "wall,device", "--profile", str(tmp_path / "prof"), "--json",
+         str(tmp_path / "replay.json"), *pair],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert replay.returncode == 0, replay.stderr[-2000:]
-    assert "largest distance from the median" in replay.stdout and "q_int4 @ 2e8" in replay.stdout
+    assert "largest distance from the median" in replay.stdout
+    assert "q_int4 @ 2e8, wall clock" in replay.stdout and "q_int4 @ 2e8, device clock" in replay.stdout
+    rows = json.loads((tmp_path / "replay.json").read_text())["results"]
+    clocks = [(r["config"], r["clock"], r["repeat"], r["metrics"]["clock"]) for r in rows]
+    assert clocks[:5] == [("q_unquantized", "wall", -1, "wall"), ("q_unquantized", "wall", 0, "wall"),
+                          ("q_unquantized", "wall", 1, "wall"), ("q_unquantized", "device", 0, "device"),
+                          ("q_unquantized", "device", 1, "device")]  # fmt: skip
+    assert len(rows) == 10
+    assert "profiled replay" in (tmp_path / "prof" / "q_int4_2e8.txt").read_text()
     capacity = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "capacity_compare.py"), *common, "--repeats", "1",
          "--slo-ttft-ms", "5000", "--slo-tpot-ms", "500", "--json", str(tmp_path / "capacity.json"), *pair],
@@ -115,3 +129,34 @@ def test_probe_drift_smoke(tmp_path: Path) -> None:
     assert all(len(r["requests"]) == 8 and r["statistics"]["ttft_p99_ms"] > 0 for r in rows)
     assert "q_unquantized ×20 (2): ttft_p90_ms" in run.stdout
     assert "q_unquantized ×20: P99 2/2" in run.stdout  # limits no replay of the tiny model comes near
+
+
+def test_gpu_sampler_summarizes_what_nvidia_smi_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sampler reads nvidia-smi's lines while its block runs (an N/A line skipped) and reports the lowest
+    and median SM clock, the highest power and the throttle reasons other than none; nothing without it."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo '1980, 350.5, 41, 0x0000000000000000'\n"
+        "echo '1755, 690.1, 55, 0x0000000000000004'\n"
+        "echo '[N/A], [N/A], [N/A], [N/A]'\n"
+        "echo '1980, 400.0, 44, 0x0000000000000000'\n"
+        "exec sleep 30\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_state import GpuSampler
+
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with GpuSampler(period_ms=50) as sampler:
+        time.sleep(0.5)
+    summary = sampler.summary()
+    assert summary == {"samples": 3, "sm_mhz_min": 1755.0, "sm_mhz_median": 1980.0, "power_w_max": 690.1,
+                       "temperature_c_max": 55.0, "throttle_reasons": ["0x0000000000000004"]}  # fmt: skip
+    assert "SM 1755-1980 MHz" in GpuSampler.describe(summary)
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    with GpuSampler() as sampler:
+        pass
+    assert sampler.summary() == {} and GpuSampler.describe({}) == ""

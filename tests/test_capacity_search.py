@@ -262,6 +262,48 @@ def test_an_overloaded_probe_stops_early_and_a_light_one_passes() -> None:
     assert light["passed"] and not light["aborted"] and light["windows"][0]["completed"] == len(window)
 
 
+def test_validation_searches_the_baseline_at_its_other_knobs_and_keeps_the_better(ray_cluster: Any) -> None:
+    """On capacity the unquantized baseline of a validation repeat is searched with the best trial's knobs
+    resolved for it and with the defaults; its side of the repeat is the higher capacity of the two, both
+    kept, and the knobs with the higher median are the baseline's."""
+    from kvtune.engine.traces import Request
+    from kvtune.tuner.job import _baseline_engines
+    from kvtune.tuner.pool import WorkerPool, plan_placement
+    from kvtune.tuner.validation import validate_capacity
+
+    quality = QualitySettings(model="random:tiny", text_path=str(TEXT), windows=1, prefill_tokens=24,
+                              decode_tokens=4, passkey=False)  # fmt: skip
+    spec = WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26, threads=1)
+    pool = WorkerPool(spec, plan_placement(None, 1, 1.0))
+    pool.start()
+    try:
+        window = tuple(Request(i, 200.0 * i, 32, 32) for i in range(6))
+        knobs = (EngineKnobs(64, 8), EngineKnobs(64, 1))  # the baseline one at a time: a poor choice
+        best, base = validate_capacity(
+            pool, HybridConfig("hybrid_v2", 16, 16, 8), knobs, window, Slo(5.0, 400.0), (512.0, 512.0),
+            3.0, 3, alternative=EngineKnobs(128, 8),
+        )  # fmt: skip
+    finally:
+        pool.stop()
+    assert len(best) == len(base) == 3
+    assert all(b["engine"] == knobs[0].to_dict() and "alternatives" not in b for b in best)
+    for run in base:
+        caps = [a["capacity"] for a in run["alternatives"]]
+        assert [a["engine"] for a in run["alternatives"]] == [
+            knobs[1].to_dict(),
+            EngineKnobs(128, 8).to_dict(),
+        ]
+        assert (
+            run["capacity"] == max(caps)
+            and run["engine"] == run["alternatives"][caps.index(max(caps))]["engine"]
+        )
+    engines = [{"max_num_seqs": 1}, {"max_num_seqs": 8}]
+    chosen = _baseline_engines(
+        [{"alternatives": [{"capacity": 1.0}, {"capacity": c}]} for c in (2, 3, 0.5)], engines
+    )
+    assert chosen["baseline_engine"] == engines[1] and chosen["baseline_engines"][1]["median_capacity"] == 2
+
+
 # ---- a real CPU study ----------------------------------------------------------------------------------
 SMALL = [
     "--model", "random:tiny", "--quality-model", "random:tiny", "--requests", "6", "--windows", "1",
@@ -292,6 +334,7 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
     assert attrs["kvtune.objective"] == "capacity"
     slo, noise = attrs[ATTR_SLO], attrs[ATTR_NOISE]
     assert slo["ttft_ms"] > 0 and slo["tpot_ms"] > 0 and slo["source"]["ttft_ms"] == "derived"
+    assert slo["percentile"] == 90.0 and attrs["kvtune.identity"]["clock"] == "device"  # the defaults
     assert noise["repeats"] == 3 and len(noise["capacities"]) == 3 and noise["median"] > 0
     finished = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
     complete = study.get_trials(states=(TrialState.COMPLETE,))
@@ -312,7 +355,7 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
     metrics = preset["metrics"]
     assert metrics["objective"] == "capacity" and metrics["repeats"] >= 3
     assert "capacity" in metrics["best"] and "capacity_tokens_per_s" in metrics["baseline"]
-    assert "the load of the unquantized cache within P99 TTFT ≤" in metrics["claim"]
+    assert "the load of the unquantized cache within P90 TTFT ≤" in metrics["claim"]
     assert metrics["limits"]["ttft_ms"] == slo["ttft_ms"]
     args = preset["vllm"]["args"]
     assert args[args.index("--max-num-seqs") + 1] == str(preset["engine"]["max_num_seqs"])
@@ -334,7 +377,8 @@ def test_capacity_study_resumes(capacity_study: tuple[Path, str, float]) -> None
     ("extra", "message"),
     [(("--pareto",), "capacity already is the throughput"),
      (("--resume", "--slo-ttft-ms", "12345"), "--slo-ttft-ms"),
-     (("--resume", "--slo-percentile", "90"), "--slo-percentile 99, not 90")],
+     (("--resume", "--slo-percentile", "99"), "--slo-percentile 90, not 99"),
+     (("--resume", "--clock", "wall"), 'clock="device", not "wall"')],
 )  # fmt: skip
 def test_capacity_bad_input_is_one_line(
     capacity_study: tuple[Path, str, float],

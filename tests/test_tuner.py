@@ -126,6 +126,24 @@ def test_a_study_stored_before_the_clock_option_resumes_on_the_wall_clock() -> N
         check_identity(study, {"card": "cpu", "clock": "device"}, space)
 
 
+def test_a_resumed_study_keeps_its_clock_unless_one_is_given(tmp_path: Path) -> None:
+    """Without --clock a resumed study runs on the clock it was made with (one stored before the option: the
+    wall's); a clock given is kept, for the identity check to refuse when it differs; a new study takes the
+    job's."""
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.studies.names import ATTR_IDENTITY
+    from kvtune.tuner.job import _spec_for
+
+    job = tiny_job(tmp_path, resume=True)
+    spec = dataclasses.replace(job.spec, scheduler=SchedulerConfig(clock="device"))
+    job = dataclasses.replace(job, spec=spec)
+    clock = lambda j, stored: _spec_for(j, stored).scheduler.clock
+    assert clock(job, {ATTR_IDENTITY: {"clock": "wall"}}) == "wall"
+    assert clock(job, {ATTR_IDENTITY: {"card": "cpu"}}) == "wall"  # stored before the option existed
+    assert clock(dataclasses.replace(job, clock="device"), {ATTR_IDENTITY: {"clock": "wall"}}) == "device"
+    assert clock(job, None) == "device"
+
+
 def test_resuming_a_finished_study_adds_a_validation_and_keeps_the_earlier(
     study_dir: tuple[Path, str],
 ) -> None:

@@ -2,8 +2,9 @@
 
 A trial's **capacity** is the highest arrival rate, as a multiple of the trace's own rate (a replay at rate
 ``r`` scales the trace's inter-arrival times by ``1 / r``), at which a replay of the trial's windows meets
-both limits of :class:`Slo`: P99 TTFT ≤ ``ttft_ms`` and P99 TPOT ≤ ``tpot_ms``, every request served (the
-percentile is the limits' ``percentile``: 99 by default, 90 on request, as DistServe's 90 % attainment).
+both limits of :class:`Slo`: TTFT ≤ ``ttft_ms`` and TPOT ≤ ``tpot_ms`` on the limits' ``percentile`` of its
+requests, every request served (a new study's percentile is 90, DistServe's 90 % attainment:
+:data:`kvtune.studies.names.SLO_PERCENTILE`; 99 on request; a limit record without one is a P99 one).
 The driver finds it with :class:`CapacitySearch`, one probe (one replay at one rate) per protocol call
 (:data:`kvtune.tuner.protocol.Call.PROBE`):
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,10 +54,12 @@ from kvtune.studies.names import (
     CAPACITY_PROBES,
     CAPACITY_PROBES_COLD,
     NOISE_REPEATS,
+    SLO_PERCENTILE,
 )
 from kvtune.studies.records import file_sha256
 from kvtune.studies.storage import redact
 from kvtune.studies.study import (
+    IDENTITY_BEFORE,
     SpaceId,
     StudyOptions,
     enqueue_known_good,
@@ -103,7 +106,8 @@ class TuneJob:
     trial_time_limit_s: float | None = None  # a trial (and the calibration) running longer is infeasible
     slo_ttft_ms: float | None = None  # capacity's limits; None: derived from the unloaded baseline
     slo_tpot_ms: float | None = None
-    slo_percentile: float | None = None  # the percentile the limits apply to; None: the stored one, or 99
+    slo_percentile: float | None = None  # the percentile the limits apply to; None: the stored one, or 90
+    clock: str | None = None  # the clock asked for; None: the stored one, else spec.scheduler.clock
     granularity: float = CAPACITY_GRANULARITY  # capacity searches stop at hi / lo - 1 <= this
 
     def __post_init__(self) -> None:
@@ -159,8 +163,8 @@ def tune(
             f"study {job.options.name!r} already exists in {redact(job.options.storage)}; pass --resume to "
             "continue it, or --study NAME to start another"
         )
-    spec = _spec_for(job, stored)
-    pool = WorkerPool(spec, placement, job.worker_cls)
+    job = dataclasses.replace(job, spec=_spec_for(job, stored))
+    pool = WorkerPool(job.spec, placement, job.worker_cls)
     infos = pool.start()
     try:
         _check_card(job.card, infos)
@@ -261,7 +265,12 @@ def quality_coverage(space: SearchSpace, quality: QualitySettings) -> tuple[str,
 
 # ---- pieces ----------------------------------------------------------------------------------------------
 def _spec_for(job: TuneJob, stored: dict[str, Any] | None) -> WorkerSpec:
-    """The worker spec, with a resumed study's KV budget unless one is given (it must then match)."""
+    """The worker spec, with a resumed study's KV budget unless one is given (it must then match), and its
+    clock unless one is given (:func:`identity` then checks it)."""
+    if stored is not None and job.clock is None:
+        was = (stored.get(ATTR_IDENTITY) or {}).get("clock", IDENTITY_BEFORE["clock"])
+        scheduler = dataclasses.replace(job.spec.scheduler, clock=was)
+        job = dataclasses.replace(job, spec=dataclasses.replace(job.spec, scheduler=scheduler))
     budget = None if stored is None else stored.get(names.ATTR_BUDGET)
     if budget is None or job.spec.budget_bytes == budget:
         return job.spec if budget is None else dataclasses.replace(job.spec, budget_bytes=int(budget))
@@ -344,7 +353,7 @@ def _capacity_attrs(
             unloaded = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             raise ValueError(f"the unloaded baseline replay failed ({_last_line(e)})") from None
-    percentile = 99.0 if job.slo_percentile is None else job.slo_percentile
+    percentile = SLO_PERCENTILE if job.slo_percentile is None else job.slo_percentile
     slo_record = derive_slo(unloaded, job.slo_ttft_ms, job.slo_tpot_ms, percentile=percentile)
     engine = space.knobs_for(BASELINE, *_default_knobs(space)) if space.batched_tokens else None
     knobs = EngineKnobs.from_dict(engine) if engine is not None else None
@@ -365,6 +374,18 @@ def _capacity_attrs(
         engine=engine, searches=[r["search"] for r in results],
     )  # fmt: skip
     return {ATTR_SLO: slo_record, ATTR_NOISE: noise}
+
+
+def _baseline_engines(runs: list[dict[str, Any]], engines: list[dict[str, Any]]) -> dict[str, Any]:
+    """``baseline_engine``: of the baseline's knobs searched in every repeat (the best trial's resolved for
+    it, the defaults), those with the higher median capacity; ``baseline_engines``: both, with it."""
+    medians = [
+        statistics.median((r["alternatives"][i].get("capacity") or 0.0) for r in runs)
+        for i in range(len(engines))
+    ]
+    chosen = max(range(len(engines)), key=lambda i: (medians[i], -i))
+    listed = [{**e, "median_capacity": m} for e, m in zip(engines, medians)]
+    return {"baseline_engine": engines[chosen], "baseline_engines": listed}
 
 
 def _default_knobs(space: SearchSpace) -> tuple[int, float]:
@@ -458,7 +479,8 @@ def _validate(
     """Re-measure the best feasible trial and its baseline on held-out requests; stored as
     kvtune.validation and appended to kvtune.validation_history (a re-validation keeps the earlier ones).
     The baseline runs with the best trial's engine knobs resolved for it (the same batched tokens and
-    factor of what its budget holds), so the gain is the cache's."""
+    factor of what its budget holds), so the gain is the cache's; on capacity it also runs with the space's
+    default knobs, and each repeat takes the better of its two capacities."""
     best = best_trial(study, job.options)
     if best is None:
         return None
@@ -475,11 +497,17 @@ def _validate(
         attrs = study.user_attrs
         noise = attrs[ATTR_NOISE]
         starts = (best.values[0] or noise["median"] or noise["start"], noise["median"] or noise["start"])
+        default = None
+        if base_engine is not None and space is not None:  # the baseline at the default knobs too
+            default = space.knobs_for(config.unquantized(), *_default_knobs(space))
+        alternative = None if default is None else EngineKnobs.from_dict(default)
         best_runs, base_runs = validate_capacity(
             pool, config, (knobs[0], knobs[1]), requests, Slo.from_record(attrs[ATTR_SLO]), starts,
-            float(noise["granularity"]), job.repeats,
+            float(noise["granularity"]), job.repeats, alternative,
         )  # fmt: skip
         extra |= {"slo": attrs[ATTR_SLO], "noise": noise}
+        if base_engine is not None and default is not None and alternative != knobs[1]:
+            extra |= _baseline_engines(base_runs, [base_engine, default])
     else:
         best_runs, base_runs = validate(pool, config, requests, time_scale, job.repeats, (knobs[0], knobs[1]))
     record = {

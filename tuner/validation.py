@@ -7,7 +7,8 @@ repeat (baseline ÷ best for latencies, best ÷ baseline for throughput, so > 1 
 each side's medians with their range, and that gain (:mod:`kvtune.tuner.export`).
 
 For the capacity objective each side of a repeat is a capacity search on the held-out window
-(:func:`validate_capacity`); the two searches of a repeat share one worker, their probes interleaved.
+(:func:`validate_capacity`); the searches of a repeat share one worker and run one after another (a worker
+keeps one config's cache and CUDA graphs, so probes that alternated configs would rebuild them each time).
 :func:`run_searches` drives any set of capacity searches over the workers (also the baseline's, when a study
 starts).
 """
@@ -102,27 +103,51 @@ class SearchRun:
 
 
 def run_searches(
-    pool: WorkerPool, runs: list[SearchRun], slo: Slo, warmup: int = WARMUP_REQUESTS
+    pool: WorkerPool,
+    runs: list[SearchRun],
+    slo: Slo,
+    warmup: int = WARMUP_REQUESTS,
+    interleave: bool = True,
 ) -> list[SearchRun]:
-    """Drive every search to its end, each probe on its run's worker (a worker runs its probes in the order
-    they were sent, so the searches sharing it interleave); returns ``runs``, updated."""
+    """Drive every search to its end, each probe on its run's worker; returns ``runs``, updated.
+
+    ``interleave``: the searches sharing a worker send their probes together (the worker runs them in the
+    order sent, so they alternate); else a worker runs its searches one whole search after another, in the
+    order of ``runs``, so a config's cache and CUDA graphs serve all its probes (the worker rebuilds them
+    whenever the config changes)."""
     inflight: dict[Any, SearchRun] = {}
-
-    def submit(run: SearchRun) -> None:
-        rate = run.search.next_rate()
-        if rate is not None:
-            actor = pool.actors[run.worker]
-            inflight[actor.probe_config.remote(run.config, run.knobs, run.windows, rate, slo, warmup)] = run
-
+    queues: dict[int, list[SearchRun]] = {}
     for run in runs:
-        submit(run)
+        queues.setdefault(run.worker, []).append(run)
+
+    def submit(run: SearchRun) -> bool:
+        rate = run.search.next_rate()
+        if rate is None:
+            return False
+        actor = pool.actors[run.worker]
+        inflight[actor.probe_config.remote(run.config, run.knobs, run.windows, rate, slo, warmup)] = run
+        return True
+
+    def start_next(worker: int) -> None:
+        queue = queues[worker]
+        while queue and not submit(queue.pop(0)):
+            pass
+
+    for worker, queue in queues.items():
+        if interleave:
+            for run in queue:
+                submit(run)
+            queue.clear()
+        else:
+            start_next(worker)
     while inflight:
         ready, _ = ray.wait(list(inflight), num_returns=1)
         run = inflight.pop(ready[0])
         probe = ray.get(ready[0])
         run.search = run.search.record(probe["rate"], probe["passed"])
         run.probes.append(probe)
-        submit(run)
+        if not submit(run):
+            start_next(run.worker)
     return runs
 
 
@@ -135,26 +160,43 @@ def validate_capacity(
     starts: tuple[float, float],
     granularity: float,
     repeats: int = MIN_REPEATS,
+    alternative: EngineKnobs | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The capacity of ``best`` and of ``best.unquantized()`` (with ``knobs`` = (best's, the baseline's)),
     each searched ``repeats`` times on ``requests`` from ``starts`` = (best's, baseline's) warm start: the
-    metrics at each capacity found, with the ``worker`` that ran the pair."""
+    metrics at each capacity found, with the ``worker`` that ran the repeat and the ``engine`` knobs.
+
+    ``alternative``: other engine knobs for the baseline (the space's defaults), searched too in every
+    repeat; the baseline's side of a repeat is then the higher of its two capacities (its ``alternatives``
+    keep both), so the gain is never the baseline's loss from knobs that suit only the best config."""
     if repeats < MIN_REPEATS:
         raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
-    sides = ((best, knobs[0], starts[0]), (best.unquantized(), knobs[1], starts[1]))
-    runs: list[SearchRun] = []
+    base = best.unquantized()
+    sides = [(best, knobs[0], starts[0]), (base, knobs[1], starts[1])]
+    if alternative is not None and alternative != knobs[1]:
+        sides.append((base, alternative, starts[1]))
+    n = len(sides)
+    runs: list[list[SearchRun]] = []
     for r in range(repeats):
         worker = r % len(pool.actors)
-        pair = [
-            SearchRun(worker, c, k, (requests,), CapacitySearch(s, granularity, CAPACITY_PROBES_COLD))
-            for c, k, s in sides
-        ]
-        runs += pair if r % 2 == 0 else pair[::-1]  # which side probes first alternates
-    run_searches(pool, runs, slo)
+        runs.append(
+            [SearchRun(worker, c, k, (requests,), CapacitySearch(s, granularity, CAPACITY_PROBES_COLD))
+             for c, k, s in sides]
+        )  # fmt: skip
+    # one side's whole search after another (each config's cache serves all its probes); which side goes
+    # first rotates from one repeat to the next
+    order = [run for r, row in enumerate(runs) for run in row[r % n :] + row[: r % n]]
+    run_searches(pool, order, slo, interleave=False)
     where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(repeats)]
-    ordered = [runs[2 * r : 2 * r + 2] for r in range(repeats)]
-    pairs = [(one, two) if r % 2 == 0 else (two, one) for r, (one, two) in enumerate(ordered)]
-    return (
-        [{**b.result(), "worker": w} for (b, _), w in zip(pairs, where)],
-        [{**u.result(), "worker": w} for (_, u), w in zip(pairs, where)],
-    )
+    best_runs, base_runs = [], []
+    for row, w in zip(runs, where):
+        best_runs.append({**_result(row[0]), "worker": w})
+        options = [_result(run) for run in row[1:]]
+        chosen = max(options, key=lambda m: m.get("capacity") or 0.0)
+        alternatives = [{"engine": m["engine"], "capacity": m.get("capacity")} for m in options]
+        base_runs.append({**chosen, "worker": w} | ({"alternatives": alternatives} if n > 2 else {}))
+    return best_runs, base_runs
+
+
+def _result(run: SearchRun) -> dict[str, Any]:
+    return {**run.result(), "engine": None if run.knobs is None else run.knobs.to_dict()}

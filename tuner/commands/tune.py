@@ -37,12 +37,14 @@ from kvtune.studies.names import (
     ATTR_NOISE,
     ATTR_QUALITY,
     ATTR_SLO,
+    CAPACITY_CLOCK,
     CAPACITY_PROBES,
     DEFAULT_OBJECTIVE,
     DEFAULT_STORAGE,
     MIN_REPEATS,
     NOISE_REPEATS,
     OBJECTIVE_METRICS,
+    SLO_PERCENTILE,
 )
 from kvtune.studies.storage import check_storage, redact
 from kvtune.studies.study import OBJECTIVES, StudyOptions, study_name
@@ -51,7 +53,7 @@ from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import table_console
 from kvtune.tuner.driver import Bounds, Event
 from kvtune.tuner.export import describe_rate, paired_gain, recommendation, validated_metrics
-from kvtune.tuner.job import TuneJob, TuneReport, tune
+from kvtune.tuner.job import CAPACITY, TuneJob, TuneReport, tune
 from kvtune.tuner.local_ray import init_ray
 from kvtune.tuner.preflight import Preflight, preflight
 from kvtune.tuner.protocol import QualitySettings, WorkerSpec
@@ -127,15 +129,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         choices=SLO_PERCENTILES,
         default=None,
-        help="capacity: the percentile of a probe's requests the two limits apply to: 99 (default) or 90 "
-        "(DistServe's 90 %% attainment, steadier over ~100 requests); stored, a resumed study keeps it",
+        help="capacity: the percentile of a probe's requests the two limits apply to: 90 (default: "
+        "DistServe's 90 %% attainment, steady over ~100 requests) or 99; stored, a resumed study keeps it",
     )
     add(
         "--clock",
         choices=CLOCKS,
-        default="wall",
+        default=None,
         help="what a replay's clock counts: host time (wall) or each iteration's device time (device: host "
-        "jitter between iterations moves no arrival); stored, a resumed study keeps it (wall)",
+        "jitter between iterations moves no arrival); default device for the capacity objective, else wall; "
+        "stored, a resumed study keeps it",
     )
     add("--max-ppl-increase", type=float, default=2.0, help="quality bound: perplexity increase, %% (2.0)")
     add("--max-kl", type=float, default=None, help="quality bound: mean KL in nats (default: none)")
@@ -250,7 +253,7 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
         dtype=pick(args.dtype, d.dtype),
         budget_bytes=parse_bytes(args.kv_budget) if args.kv_budget else None,
         threads=None if card.is_gpu else _threads(args),
-        scheduler=SchedulerConfig(clock=args.clock),
+        scheduler=SchedulerConfig(clock=args.clock or _default_clock(args.objective)),
     )
     name = args.study or study_name(card.id, args.model, args.workload)
     options = StudyOptions(
@@ -264,7 +267,14 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
         write_preset=not args.no_export, out=args.out,
         trial_time_limit_s=60 * pick(args.trial_timeout, d.trial_timeout_min),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_percentile=args.slo_percentile,
+        clock=args.clock,
     )  # fmt: skip
+
+
+def _default_clock(objective: str) -> str:
+    """A new study's clock: the device's for the capacity objective (a probe's verdict must not move with the
+    host's jitter), the wall's for the fixed-rate objectives (what a user of the engine waits)."""
+    return CAPACITY_CLOCK if objective == CAPACITY else "wall"
 
 
 def _workers(args: argparse.Namespace, card: Card) -> int | None:
@@ -324,6 +334,12 @@ def _present_gpus() -> list[tuple[str, int]]:
 
 
 # ---- showing ---------------------------------------------------------------------------------------------
+def _clock_text(job: TuneJob) -> str:
+    if job.clock is None and job.options.resume:
+        return "the study's clock"
+    return f"{job.spec.scheduler.clock} clock"
+
+
 def _print_settings(console: Console, job: TuneJob, d: Defaults, checked: Preflight | None = None) -> None:
     s, q = job.sample, job.spec.quality
     lengths = f"lengths x{s.length_scale:g}" + (f", capped at {s.length_cap} tokens" if s.length_cap else "")
@@ -332,7 +348,7 @@ def _print_settings(console: Console, job: TuneJob, d: Defaults, checked: Prefli
         f"  {job.card.id}, {job.spec.model} ({job.spec.dtype}); {s.windows} window(s) x {s.requests} "
         f"requests of {Path(s.path).name} (seed {s.seed}; {lengths}); objective {job.options.objective}"
         + (" + Pareto" if job.options.pareto else "")
-        + f"; {job.spec.scheduler.clock} clock"
+        + f"; {_clock_text(job)}"
     )
     reduced = " [yellow](reduced for CPU; docs/DESIGN.md asks >= 8 x (2048 + 512))[/]" if d is CPU else ""
     console.print(
@@ -341,7 +357,9 @@ def _print_settings(console: Console, job: TuneJob, d: Defaults, checked: Prefli
     )
     if job.capacity:
         show = lambda given, rule: f"{given:g} ms (given)" if given is not None else rule
-        pct = "P99" if job.slo_percentile is None else f"P{job.slo_percentile:g}"
+        pct = f"P{job.slo_percentile or SLO_PERCENTILE:g}"
+        if job.slo_percentile is None and job.options.resume:
+            pct = "the study's percentile of"
         console.print(
             f"  capacity: the highest rate (x the trace's) with {pct} TTFT <= "
             f"{show(job.slo_ttft_ms, '5x the unloaded baseline')} and {pct} TPOT <= "
