@@ -93,6 +93,9 @@ class _Seq:
     arrays: _SlotArrays = field(repr=False)
     chunk: int = 0  # tokens of the prefill chunk in flight (0: none)
     layers_done: int = 0  # layers of that chunk done
+    # that chunk's block ids on the device, the same in every layer: the ``sealed`` blocks before it, then
+    # those it seals (uploaded once per chunk, not once per layer: a copy from the host waits for the device)
+    chunk_blocks: Any = None
     ready: bool = False
     registered: set[int] = field(default_factory=set)
 
@@ -334,12 +337,14 @@ class HybridCache:
                 f"tokens, got {t}" + (" (already prefilled)" if seq.ready else "")
             )
         seq.chunk = t
+        if start:
+            seq.chunk_blocks = self._chunk_blocks(seq, t)
         out, n_seal, hot_len = self._prefill_layer(layer, seq, q, k, v)
         seq.layers_done += 1
         if seq.layers_done == self.shape.num_layers:
             seq.prefilled += t
             seq.sealed += n_seal
-            seq.hot_len, seq.chunk, seq.layers_done = hot_len, 0, 0
+            seq.hot_len, seq.chunk, seq.layers_done, seq.chunk_blocks = hot_len, 0, 0, None
             if seq.prefilled == seq.length:
                 assert seq.sealed == seq.num_blocks, f"{seq.sealed} of {seq.num_blocks} blocks sealed"
                 seq.ready = True
@@ -356,8 +361,9 @@ class HybridCache:
         hot_k = self.hot_k[layer, seq.slot, :, zone].transpose(0, 1)  # [hot_len, H, D]
         hot_v = self.hot_v[layer, seq.slot, :, zone].transpose(0, 1)
         keys, values = k, v
+        ids = seq.chunk_blocks
         if seq.prefilled:  # the tokens cached so far: sealed blocks (dequantized), then the hot zone
-            prefix_k, prefix_v = self._prefix_kv(pool, seq.blocks[: seq.sealed])
+            prefix_k, prefix_v = self._prefix_kv(pool, ids[: seq.sealed])
             keys = torch.cat([prefix_k.to(k.dtype), hot_k.to(k.dtype), k])
             values = torch.cat([prefix_v.to(v.dtype), hot_v.to(v.dtype), v])
         out = _causal_attention(q, keys, values, seq.prefilled, self.sm_scale)
@@ -366,21 +372,28 @@ class HybridCache:
             new_k, new_v = torch.cat([hot_k.to(dt), new_k]), torch.cat([hot_v.to(dt), new_v])
         n_seal = max(0, (new_k.shape[0] - self.config.hot_tokens) // bs)
         if n_seal:
-            ids = torch.as_tensor(
-                self._st.table[seq.slot, seq.sealed : seq.sealed + n_seal], device=self.device
-            )
+            sealing = ids[seq.sealed : seq.sealed + n_seal]
             k_new = new_k[: n_seal * bs].reshape(n_seal, bs, *k.shape[1:])
             v_new = new_v[: n_seal * bs].reshape(n_seal, bs, *v.shape[1:])
-            seal_blocks(pool, ids, k_new, v_new, self.config.quantization_bits)
-            self.debug.sealed(pool, ids, k_new, v_new)
+            seal_blocks(pool, sealing, k_new, v_new, self.config.quantization_bits)
+            self.debug.sealed(pool, sealing, k_new, v_new)
         hot_len = new_k.shape[0] - n_seal * bs
         self.hot_k[layer, seq.slot, :, :hot_len] = new_k[n_seal * bs :].transpose(0, 1)
         self.hot_v[layer, seq.slot, :, :hot_len] = new_v[n_seal * bs :].transpose(0, 1)
         return out, n_seal, hot_len
 
-    def _prefix_kv(self, pool: ColdPool, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K, V [n·bs, H, D] float32 of cached prefix blocks."""
-        ids = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
+    def _chunk_blocks(self, seq: _Seq, t: int) -> torch.Tensor:
+        """The block ids a prompt chunk of ``t`` tokens reads and seals, int64 on the device: the ``sealed``
+        blocks before it, then the blocks it seals (as many as leave ``hot_tokens`` in the hot zone). On CUDA
+        the copy leaves from pinned memory without waiting for the device."""
+        n_seal = max(0, (seq.hot_len + t - self.config.hot_tokens) // self.config.block_size)
+        ids = torch.from_numpy(self._st.table[seq.slot, : seq.sealed + n_seal].copy())
+        if self.device.type == "cuda":
+            return ids.pin_memory().to(self.device, non_blocking=True)
+        return ids.to(self.device)
+
+    def _prefix_kv(self, pool: ColdPool, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V [n·bs, H, D] float32 of cached prefix blocks ``ids`` (int64 on the device)."""
         k, v = dequantize_blocks(pool, ids)
         return k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1)
 
