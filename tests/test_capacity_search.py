@@ -267,14 +267,12 @@ def test_validation_searches_the_baseline_at_its_other_knobs_and_keeps_the_bette
     resolved for it and with the defaults; its side of the repeat is the higher capacity of the two, both
     kept, and the knobs with the higher median are the baseline's."""
     from kvtune.engine.traces import Request
+    from kvtune.tests.tuner_fakes import tiny_spec
     from kvtune.tuner.job import _baseline_engines
     from kvtune.tuner.pool import WorkerPool, plan_placement
     from kvtune.tuner.validation import validate_capacity
 
-    quality = QualitySettings(model="random:tiny", text_path=str(TEXT), windows=1, prefill_tokens=24,
-                              decode_tokens=4, passkey=False)  # fmt: skip
-    spec = WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26, threads=1)
-    pool = WorkerPool(spec, plan_placement(None, 1, 1.0))
+    pool = WorkerPool(tiny_spec(), plan_placement(None, 1, 1.0))
     pool.start()
     try:
         window = tuple(Request(i, 200.0 * i, 32, 32) for i in range(6))

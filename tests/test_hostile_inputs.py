@@ -29,14 +29,13 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.traces import MAX_REQUEST_TOKENS, LengthPolicy, Request, TraceError, TraceFile, read_trace
 from kvtune.studies import names
 from kvtune.studies.study import store_validation
-from kvtune.tests.tuner_fakes import tiny_job
+from kvtune.tests.tuner_fakes import tiny_job, tiny_spec
 from kvtune.tuner import cli, local_ray
 from kvtune.tuner import export as ex
 from kvtune.tuner.commands import tune as tune_command
 from kvtune.tuner.job import TuneJob, TuneReport, tune
 from kvtune.tuner.pool import WorkerPool, plan_placement
 from kvtune.tuner.preflight import preflight
-from kvtune.tuner.protocol import QualitySettings, WorkerSpec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,10 +109,7 @@ def listening_sockets() -> list[tuple[str, str, int]]:
 def test_the_local_ray_and_its_workers_listen_on_loopback_only(ray_cluster: Any) -> None:
     """The session's Ray is started as kvtune starts its own (tests/conftest.py); with a worker running, the
     OS lists no listener of any of its processes beyond 127.0.0.1."""
-    quality = QualitySettings(model="random:tiny", text_path=str(TEXT), windows=1, prefill_tokens=24,
-                              decode_tokens=4, passkey=False)  # fmt: skip
-    spec = WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26, threads=1)
-    pool = WorkerPool(spec, plan_placement(None, 1, 1.0))
+    pool = WorkerPool(tiny_spec(), plan_placement(None, 1, 1.0))
     pool.start()
     try:
         sockets = listening_sockets()

@@ -45,6 +45,13 @@ class BrokenWorker(TrialWorker):
         raise ValueError(f"model {spec.model!r}: weights are corrupt (injected by the test)")
 
 
+def tiny_spec() -> WorkerSpec:
+    """A CPU worker of the tiny random model with a 64 MiB KV budget and the smallest quality measurement."""
+    quality = QualitySettings(model="random:tiny", text_path=str(TEXT), windows=1, prefill_tokens=24,
+                              decode_tokens=4, passkey=False)  # fmt: skip
+    return WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26, threads=1)
+
+
 def tiny_job(
     tmp: Path,
     worker_cls: type = TrialWorker,
@@ -54,14 +61,12 @@ def tiny_job(
     **changes: Any,
 ) -> TuneJob:
     """A study job on the CPU small enough for a test: the tiny random model, 3 requests, one window."""
-    quality = QualitySettings(model="random:tiny", text_path=str(TEXT), windows=1, prefill_tokens=24,
-                              decode_tokens=4, passkey=False)  # fmt: skip
     base = TuneJob(
         options=StudyOptions(f"sqlite:///{tmp}/j.db", "j", "tpot_p99", False, seed=0, resume=resume),
         trials=trials,
         card=resolve_gpu("cpu"),
         sample=WorkloadSample(str(trace), requests=3, windows=1, seed=0, length_scale=0.01, length_cap=96),
-        spec=WorkerSpec(model="random:tiny", device="cpu", quality=quality, budget_bytes=1 << 26, threads=1),
+        spec=tiny_spec(),
         bounds=Bounds(max_ppl_increase=2.0),
         time_scale=1.0,
         write_preset=False,
