@@ -771,11 +771,13 @@ def _causal_attention(
     (query ``i`` sees keys ``0 … offset + i``): flash/memory-efficient kernels on a GPU, no [T, P] score
     matrix in float32.
     """
+    square = q.shape[0] == k.shape[0]  # a whole prompt: the plain causal mask, without a bias object
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.to(q.dtype).transpose(0, 1)[None],
         v.to(q.dtype).transpose(0, 1)[None],
-        attn_mask=causal_lower_right(q.shape[0], k.shape[0]),
+        attn_mask=None if square else causal_lower_right(q.shape[0], k.shape[0]),
+        is_causal=square,
         scale=sm_scale,
         enable_gqa=True,
     )
