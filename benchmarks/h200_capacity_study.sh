@@ -2,7 +2,10 @@
 # The capacity studies of the H200 (README "The objective: capacity"): at least 20 trials each, on the GPUs in
 # CUDA_VISIBLE_DEVICES (one worker per GPU). On one H200 a study spent 5-6 minutes before its first trial (the
 # baseline searched 3 times; NOTES runs 13a, 13c; about 3 minutes on the device clock, runs 14c, 14d), then 20
-# trials took about 3 minutes and the validation 3: RESUME=1 continues a study kept in OUTDIR.
+# trials took about 3 minutes and the validation 3: RESUME=1 continues a study kept in OUTDIR. The studies of
+# runs 14c and 14d resume (and a finished one is validated again) from copies under their study names:
+#   cp benchmarks/studies/h200_capacity_llama31_8b_run14c.db OUTDIR/h200_capacity_llama31_8b.db
+#   cp benchmarks/studies/h200_capacity_smollm2_run14d.db OUTDIR/h200_capacity_smollm2.db
 #
 #   . benchmarks/device_env.sh && benchmarks/h200_capacity_study.sh OUTDIR [llama|smol|both]
 #
@@ -15,7 +18,7 @@
 # prints its trials per hour.
 # Environment: MINUTES (search time budget, 6; validation and the preset follow), TRIALS (20), REQUESTS (96
 # per window: the sample's first 75 % holds 121), RESUME=1, LLAMA_BUDGET (1GiB), SMOL_BUDGET (256MiB), the
-# quality measurement QWINDOWS (4) x (QPREFILL 1024 + QDECODE 128 tokens), CLOCK (kvtune --clock; unset: device,
+# quality measurement QWINDOWS (2) x (QPREFILL 1024 + QDECODE tokens: 64 for llama, 128 for smol), CLOCK (kvtune --clock; unset: device,
 # kvtune's default for capacity), SLO_PERCENTILE (kvtune --slo-percentile; unset: 90).
 set -u
 out=${1:?usage: benchmarks/h200_capacity_study.sh OUTDIR [llama|smol|both]}
@@ -54,7 +57,7 @@ study() {  # name model budget length-scale [extra options]
   local start=$SECONDS
   timeout $(( MINUTES * 60 + 420 )) python3 -m kvtune --gpu h200 --model "$model" --workload $TRACE \
     --objective capacity --kv-budget "$budget" --length-scale "$scale" --requests "$REQUESTS" --windows 1 \
-    --trials "$TRIALS" --time-budget "$MINUTES" --quality-windows "${QWINDOWS:-4}" \
+    --trials "$TRIALS" --time-budget "$MINUTES" --quality-windows "${QWINDOWS:-2}" \
     --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey ${CLOCK:+--clock $CLOCK} ${SLO_PERCENTILE:+--slo-percentile $SLO_PERCENTILE} \
     ${RESUME:+--resume} "$@" \
     --study "$name" --storage "sqlite:///$out/$name.db" --out "$out/preset_$name.json" 2>&1 \
@@ -76,7 +79,8 @@ EOF
 }
 
 case "$which" in
-  llama|both) study h200_capacity_llama31_8b random:llama-3.1-8b "${LLAMA_BUDGET:-1GiB}" 0.25 ;;&
+  llama|both) study h200_capacity_llama31_8b random:llama-3.1-8b "${LLAMA_BUDGET:-1GiB}" 0.25 \
+    --quality-decode "${QDECODE:-64}" ;;&
   smol|both) study h200_capacity_smollm2 smollm2 "${SMOL_BUDGET:-256MiB}" 0.5 ;;
   llama) ;;
   *) echo "unknown study $which (llama, smol or both)" >&2; exit 2 ;;
