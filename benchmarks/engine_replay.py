@@ -220,18 +220,22 @@ def _row(
     print(f"{cells} {d['max_num_seqs']:>5} {share_text} {d['decode_steps']:>6} {graphs:>6} {gpu}", flush=True)
 
 
+def _measured(
+    results: list[dict[str, Any]], config: str, budget: str, engine: str, clock: str
+) -> list[dict[str, Any]]:
+    """The metrics of the measured replays (the unmeasured first one left out) of one (config, budget,
+    engine, clock)."""
+    key = (config, budget, engine, clock)
+    return [
+        r["metrics"]
+        for r in results
+        if (r["config"], r["budget"], r["engine"], r["clock"]) == key and r["repeat"] >= 0
+    ]
+
+
 def _summary(results: list[dict[str, Any]], config: str, budget: str, clock: str) -> None:
-    mine = [
-        r["metrics"]
-        for r in results
-        if (r["config"], r["budget"], r["engine"], r["clock"]) == (config, budget, "engine", clock)
-        and r["repeat"] >= 0
-    ]
-    base = [
-        r["metrics"]
-        for r in results
-        if (r["config"], r["budget"], r["engine"], r["clock"]) == (config, budget, "baseline", clock)
-    ]
+    mine = _measured(results, config, budget, "engine", clock)
+    base = _measured(results, config, budget, "baseline", clock)
     tps = [m["tokens_per_s"] for m in mine]
     tpot = [m["tpot_p99_ms"] for m in mine]
     text = (
@@ -247,12 +251,7 @@ def _summary(results: list[dict[str, Any]], config: str, budget: str, clock: str
 def _versus_first(results: list[dict[str, Any]], budget: str, configs: list[str], clock: str) -> None:
     means = {}
     for c in configs:
-        tps = [
-            r["metrics"]["tokens_per_s"]
-            for r in results
-            if (r["config"], r["budget"], r["engine"], r["clock"]) == (c, budget, "engine", clock)
-            and r["repeat"] >= 0
-        ]
+        tps = [m["tokens_per_s"] for m in _measured(results, c, budget, "engine", clock)]
         means[c] = statistics.mean(tps) if tps else math.nan
     first = means[configs[0]]
     print(

@@ -370,7 +370,7 @@ class HybridCache:
         new_k, new_v = k.to(dt), v.to(dt)
         if seq.hot_len:  # a later chunk: the hot zone goes first (a whole prompt starts with it empty)
             new_k, new_v = torch.cat([hot_k.to(dt), new_k]), torch.cat([hot_v.to(dt), new_v])
-        n_seal = max(0, (new_k.shape[0] - self.config.hot_tokens) // bs)
+        n_seal = ids.shape[0] - seq.sealed  # the chunk's blocks to seal, counted once in _chunk_blocks
         if n_seal:
             sealing = ids[seq.sealed : seq.sealed + n_seal]
             k_new = new_k[: n_seal * bs].reshape(n_seal, bs, *k.shape[1:])

@@ -163,6 +163,11 @@ def open_study(
 IDENTITY_BEFORE: dict[str, Any] = {"clock": "wall"}
 
 
+def stored_identity(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """A study's ``kvtune.identity`` from its attributes, with the value of every key it predates."""
+    return IDENTITY_BEFORE | dict(attrs.get(ATTR_IDENTITY) or {})
+
+
 def check_identity(study: optuna.Study, identity: Mapping[str, Any], space: SpaceId) -> None:
     """Raise :class:`StudyMismatchError` when ``study`` was made with another space or other settings."""
     stored_space = study.user_attrs.get(ATTR_SPACE)
@@ -172,9 +177,9 @@ def check_identity(study: optuna.Study, identity: Mapping[str, Any], space: Spac
             f"now {space.fingerprint}: card, model, workload or KV budget differ); use --study NAME for a "
             "new study"
         )
-    stored = study.user_attrs.get(ATTR_IDENTITY, {})
+    stored = stored_identity(study.user_attrs)
     for key, value in _jsonable(dict(identity)).items():
-        was = stored.get(key, IDENTITY_BEFORE.get(key))
+        was = stored.get(key)
         if was != value:
             raise StudyMismatchError(
                 f"study {study.study_name!r} was made with {key}={_short(was)}, not "

@@ -59,7 +59,6 @@ from kvtune.studies.names import (
 from kvtune.studies.records import file_sha256
 from kvtune.studies.storage import redact
 from kvtune.studies.study import (
-    IDENTITY_BEFORE,
     SpaceId,
     StudyOptions,
     enqueue_known_good,
@@ -68,6 +67,7 @@ from kvtune.studies.study import (
     recover_abandoned,
     store_validation,
     stored_attrs,
+    stored_identity,
 )
 from kvtune.tuner import export
 from kvtune.tuner.capacity import CapacitySearch, Slo, derive_slo, noise_record
@@ -268,8 +268,7 @@ def _spec_for(job: TuneJob, stored: dict[str, Any] | None) -> WorkerSpec:
     """The worker spec, with a resumed study's KV budget unless one is given (it must then match), and its
     clock unless one is given (:func:`identity` then checks it)."""
     if stored is not None and job.clock is None:
-        was = (stored.get(ATTR_IDENTITY) or {}).get("clock", IDENTITY_BEFORE["clock"])
-        scheduler = dataclasses.replace(job.spec.scheduler, clock=was)
+        scheduler = dataclasses.replace(job.spec.scheduler, clock=stored_identity(stored)["clock"])
         job = dataclasses.replace(job, spec=dataclasses.replace(job.spec, scheduler=scheduler))
     budget = None if stored is None else stored.get(names.ATTR_BUDGET)
     if budget is None or job.spec.budget_bytes == budget:
@@ -497,17 +496,18 @@ def _validate(
         attrs = study.user_attrs
         noise = attrs[ATTR_NOISE]
         starts = (best.values[0] or noise["median"] or noise["start"], noise["median"] or noise["start"])
-        default = None
-        if base_engine is not None and space is not None:  # the baseline at the default knobs too
+        alternative, engines = None, []  # the baseline at the default knobs too, where they differ
+        if base_engine is not None and space is not None:
             default = space.knobs_for(config.unquantized(), *_default_knobs(space))
-        alternative = None if default is None else EngineKnobs.from_dict(default)
+            if EngineKnobs.from_dict(default) != knobs[1]:
+                alternative, engines = EngineKnobs.from_dict(default), [base_engine, default]
         best_runs, base_runs = validate_capacity(
             pool, config, (knobs[0], knobs[1]), requests, Slo.from_record(attrs[ATTR_SLO]), starts,
             float(noise["granularity"]), job.repeats, alternative,
         )  # fmt: skip
         extra |= {"slo": attrs[ATTR_SLO], "noise": noise}
-        if base_engine is not None and default is not None and alternative != knobs[1]:
-            extra |= _baseline_engines(base_runs, [base_engine, default])
+        if engines:
+            extra |= _baseline_engines(base_runs, engines)
     else:
         best_runs, base_runs = validate(pool, config, requests, time_scale, job.repeats, (knobs[0], knobs[1]))
     record = {

@@ -166,14 +166,15 @@ def validate_capacity(
     each searched ``repeats`` times on ``requests`` from ``starts`` = (best's, baseline's) warm start: the
     metrics at each capacity found, with the ``worker`` that ran the repeat and the ``engine`` knobs.
 
-    ``alternative``: other engine knobs for the baseline (the space's defaults), searched too in every
-    repeat; the baseline's side of a repeat is then the higher of its two capacities (its ``alternatives``
-    keep both), so the gain is never the baseline's loss from knobs that suit only the best config."""
+    ``alternative``: other engine knobs for the baseline than ``knobs[1]`` (the space's defaults), searched
+    too in every repeat; the baseline's side of a repeat is then the higher of its two capacities (its
+    ``alternatives`` keep both), so the gain is never the baseline's loss from knobs that suit only the
+    best config."""
     if repeats < MIN_REPEATS:
         raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
     base = best.unquantized()
     sides = [(best, knobs[0], starts[0]), (base, knobs[1], starts[1])]
-    if alternative is not None and alternative != knobs[1]:
+    if alternative is not None:
         sides.append((base, alternative, starts[1]))
     n = len(sides)
     runs: list[list[SearchRun]] = []

@@ -122,8 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_OBJECTIVE,
         help=f"what to optimize ({DEFAULT_OBJECTIVE}: the highest load within the latency limits)",
     )
-    add("--slo-ttft-ms", type=float, default=None, help="capacity: P99 TTFT limit (5x the unloaded P99)")
-    add("--slo-tpot-ms", type=float, default=None, help="capacity: P99 TPOT limit (10x the unloaded median)")
+    add("--slo-ttft-ms", type=float, default=None, help="capacity: TTFT limit (5x the unloaded P99)")
+    add("--slo-tpot-ms", type=float, default=None, help="capacity: TPOT limit (10x the unloaded median)")
     add(
         "--slo-percentile",
         type=float,
