@@ -29,7 +29,11 @@ from kvtune.tuner.workload import WorkloadSample
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "examples" / "traces" / "mooncake_sample.jsonl"
 TRIALS = 10
-FIRST_KILLABLE = 4  # the first trial from this one that reaches its last window gets its worker killed
+# The first trial from this one that reaches its last window gets its worker killed. A trial of the first wave
+# (0-3, one per worker) always reaches it: none is reused (no trial is complete when they start) and none is
+# pruned (the pruner waits for 4 finished trials). A later trial may be pruned at window 0 or reuse an earlier
+# result, so a later threshold could pass the whole study without a kill.
+FIRST_KILLABLE = 2
 
 
 def fake_job(tmp_path: Path, trials: int, card: str = "h200", name: str = "multi") -> TuneJob:
