@@ -79,6 +79,35 @@ def test_probe_budget_stops_an_unbracketed_search() -> None:
     assert far_below.hi == 1.0 / 16
 
 
+def test_a_search_stops_at_the_saturation_rate() -> None:
+    """Above ``max_rate`` every window arrives within one step: a config that passes there is saturated (its
+    capacity the cap, a lower bound) after fewer probes than an uncapped search spends; one below the cap is
+    found as without it; a warm start above the cap starts at it."""
+    free, _ = search_to_end(CapacitySearch(start=1.0, max_probes=8), 1000.0)
+    capped, reported = search_to_end(CapacitySearch(start=1.0, max_probes=8, max_rate=10.0), 1000.0)
+    assert [r for r, _ in capped.probes] == [1.0, 2.0, 4.0, 8.0, 10.0]
+    assert capped.saturated and capped.capacity == 10.0 and capped.hi is None and reported[-1] == 10.0
+    assert len(capped.probes) < len(free.probes) and not free.saturated
+    assert capped.to_dict()["saturated"] and capped.to_dict()["max_rate"] == 10.0
+    below, _ = search_to_end(CapacitySearch(start=1.0, granularity=0.05, max_probes=16, max_rate=10.0), 9.0)
+    assert below.converged and not below.saturated and below.lo <= 9.0 < below.hi <= 10.0  # type: ignore[operator]
+    high = CapacitySearch(start=50.0, max_rate=10.0)
+    assert high.next_rate() == 10.0 and high.record(10.0, False).next_rate() == 5.0
+    with pytest.raises(ValueError, match="max_rate > 0"):
+        CapacitySearch(start=1.0, max_rate=0.0)
+
+
+def test_the_saturation_rate_is_the_window_span_over_one_unloaded_step() -> None:
+    from kvtune.tuner.capacity import saturation_rate
+
+    at = lambda *ms: [SimpleNamespace(arrival_ms=m) for m in ms]
+    derived = derive_slo({"ttft_p99_ms": 40.0, "tpot_p50_ms": 2.0, "step_ms": 2.5, "completed": 8})
+    assert saturation_rate([at(100.0, 300.0, 900.0), at(0.0, 50.0)], derived) == 400.0  # 800 ms / 2 ms
+    given = derive_slo(None, ttft_ms=100.0, tpot_ms=20.0)  # no unloaded replay: no cap
+    assert saturation_rate([at(0.0, 800.0)], given) is None
+    assert saturation_rate([at(5.0, 5.0)], derived) is None  # everything at once at any rate
+
+
 def test_granularity_sets_the_probes() -> None:
     coarse, _ = search_to_end(CapacitySearch(start=1.0, granularity=0.05, max_probes=20), 1.37)
     fine, _ = search_to_end(CapacitySearch(start=1.0, granularity=0.025, max_probes=20), 1.37)
@@ -334,6 +363,11 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
     assert slo["ttft_ms"] > 0 and slo["tpot_ms"] > 0 and slo["source"]["ttft_ms"] == "derived"
     assert slo["percentile"] == 90.0 and attrs["kvtune.identity"]["clock"] == "device"  # the defaults
     assert noise["repeats"] == 3 and len(noise["capacities"]) == 3 and noise["median"] > 0
+    top = noise["max_rate"]  # the search window's saturation rate: no probe above it
+    assert 0 < noise["median"] <= top and all(
+        p["rate"] <= top for s in noise["searches"] for p in s["probes"]
+    )
+    assert attrs["kvtune.validation"]["max_rate"] > 0
     finished = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert len(finished) == TRIALS
@@ -344,7 +378,9 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
         # warm start: the baseline's capacity, or the capacity of a trial completed before this one started
         first = t.user_attrs[ATTR_PROBES][0]["rate"]
         earlier = [d.values[0] for d in complete if d.datetime_complete <= t.datetime_start]
-        assert first >= noise["median"] * (1 - 1e-9)
+        assert first >= noise["median"] * (1 - 1e-9) and all(
+            p["rate"] <= top for p in t.user_attrs[ATTR_PROBES]
+        )
         assert any(first == pytest.approx(c) for c in [noise["median"], *earlier]), (first, earlier)
         assert set(t.user_attrs["kvtune.engine"]) >= {"max_num_batched_tokens", "max_num_seqs"}
     for t in study.get_trials(states=(TrialState.COMPLETE,)):
@@ -443,3 +479,41 @@ def test_the_preset_exports_the_knobs_and_the_capacity_claim() -> None:
     assert args[args.index("--max-num-seqs") + 1] == "96"
     assert json.loads(args[-1]) == {"kvtune": config.to_dict()}  # the hybrid fields: --additional-config
     assert preset["engine"] == engine and "sized for this config's cache" in preset["vllm"]["engine"]
+
+
+def test_warnings_name_a_window_too_small_to_load_the_engine() -> None:
+    """A baseline search or a trial that passed at the saturation rate makes its capacity a lower bound: the
+    study says so and asks for more requests; a spread over the goal is said too; a sound record says
+    nothing."""
+    from kvtune.tuner.job import capacity_warnings
+
+    search = lambda cap, hi, sat: {"capacity": cap, "hi": hi, "saturated": sat}
+    noise = noise_record([4.0, 4.1, 4.0], [1.0] * 3, {}, max_rate=40.0,
+                         searches=[search(4.0, 4.1, False)] * 3)  # fmt: skip
+    assert capacity_warnings({ATTR_NOISE: noise}, [3.0, 5.5]) == ()
+    said = capacity_warnings({ATTR_NOISE: noise}, [40.0, 40.0, 12.0])
+    assert len(said) == 1 and said[0].startswith("2 trial(s) passed at the saturation rate (40x")
+    capped = [search(40.0, None, True), search(4.0, 4.1, False), search(40.0, None, True)]
+    loose = noise_record([40.0, 4.0, 40.0], [1.0] * 3, {}, max_rate=40.0, searches=capped)
+    first, spread = capacity_warnings({ATTR_NOISE: loose})
+    assert first.startswith("the baseline passed at the saturation rate in 2 of 3 capacity searches")
+    assert "raise --requests" in first and "varied by 90 %" in spread
+
+
+def test_the_table_marks_a_capacity_at_the_saturation_rate() -> None:
+    from rich.console import Console
+
+    from kvtune.tuner.commands.tune import capacity_table
+
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr(ATTR_NOISE, noise_record([4.0, 4.1, 4.0], [1.0] * 3, {}, max_rate=40.0))
+    for value in (40.0, 12.0):
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"kvtune.config": {}}))
+    console = Console(record=True, width=200)
+    console.print(capacity_table(study))
+    text = console.export_text()
+    assert "≥ 40" in text and "≥ 12" not in text and "≥: at the saturation rate (40x)" in text
+    study.set_user_attr(ATTR_NOISE, noise_record([4.0, 4.1, 4.0], [1.0] * 3, {}))  # stored before the cap
+    console = Console(record=True, width=200)
+    console.print(capacity_table(study))
+    assert "≥" not in console.export_text()

@@ -126,6 +126,19 @@ def test_a_gain_is_claimed_only_when_its_interval_excludes_1(ratios: list[float]
     assert ex.gain("tpot_p99", best, base)["verdict"].startswith(said)
 
 
+def test_a_capacity_of_0_in_a_repeat_is_a_loss_not_a_crash() -> None:
+    """The best config's held-out search passed no rate in a repeat: its ratio is 0, which has no log, so
+    no interval; the verdict names the repeats, and the preset recommends the baseline."""
+    best = [{"capacity": c} for c in (0.0, 0.0, 3.0)]
+    base = [{"capacity": 2.0} for _ in range(3)]
+    g = ex.gain("capacity", best, base)
+    assert g["per_repeat"] == [0.0, 0.0, 1.5] and g["ratio"] == 0.0 and g["interval95"] is None
+    assert g["verdict"] == "worse: the preset scored 0 in 2 of 3 repeats"
+    assert ex.recommendation({"gain": g})["use"] == "baseline"
+    once = ex.gain("capacity", [{"capacity": c} for c in (0.0, 3.0, 3.0)], base)
+    assert once["verdict"] == "no gain shown: the preset scored 0 in 1 of 3 repeats"
+
+
 def test_gain_needs_paired_repeats() -> None:
     validation = _validation()
     with pytest.raises(ValueError, match="3 repeats of the best config, 2 of the baseline"):

@@ -13,7 +13,11 @@ The driver finds it with :class:`CapacitySearch`, one probe (one replay at one r
 - **bracket**: double the rate after a pass, halve it after a failure, until a passing rate ``lo`` and a
   failing rate ``hi`` are known;
 - **bisect** at the geometric midpoint ``sqrt(lo * hi)`` until ``hi / lo - 1 <= granularity`` (2.5 %);
-- at most ``max_probes`` probes (8; the baseline's own, not warm-started, search gets 12).
+- at most ``max_probes`` probes (8; the baseline's own, not warm-started, search gets 12);
+- never above ``max_rate``, the **saturation rate** (:func:`saturation_rate`): there every window's requests
+  arrive within one unloaded decode step, so a probe is a replay of the whole window at once and a higher
+  rate cannot load the engine more. A search that passes there is **saturated**: the window cannot overload
+  the config, its capacity (``max_rate``) is a lower bound, and every config that reaches it ties.
 
 The capacity is ``lo``, the highest rate that passed (0 when none did): every probe lies strictly between
 ``lo`` and ``hi``, so ``lo`` only grows; it is what the driver reports to Optuna after each probe. A config
@@ -136,10 +140,13 @@ class CapacitySearch:
     granularity: float = CAPACITY_GRANULARITY
     max_probes: int = CAPACITY_PROBES
     probes: tuple[tuple[float, bool], ...] = ()  # (rate, passed), in order
+    max_rate: float | None = None  # the saturation rate (None: unbounded)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.start) and self.start > 0):
             raise ValueError(f"`start > 0` must hold, but got start={self.start}")
+        if self.max_rate is not None and not (math.isfinite(self.max_rate) and self.max_rate > 0):
+            raise ValueError(f"`max_rate > 0` must hold, but got max_rate={self.max_rate}")
         if not self.granularity > 0:
             raise ValueError(f"`granularity > 0` must hold, but got granularity={self.granularity}")
         if self.max_probes < 1:
@@ -165,18 +172,26 @@ class CapacitySearch:
         lo, hi = self.lo, self.hi
         return lo is not None and hi is not None and hi / lo - 1.0 <= self.granularity
 
+    @property
+    def saturated(self) -> bool:
+        """Whether a probe passed at the saturation rate: the window cannot overload this config."""
+        lo = self.lo
+        return lo is not None and self.max_rate is not None and lo >= self.max_rate * (1.0 - 1e-9)
+
     def next_rate(self) -> float | None:
-        """The next rate to probe; None when the search is done (converged, or out of probes)."""
+        """The next rate to probe; None when the search is done (converged, saturated, or out of
+        probes)."""
         lo, hi = self.lo, self.hi
-        if len(self.probes) >= self.max_probes or self.converged:
+        if len(self.probes) >= self.max_probes or self.converged or self.saturated:
             return None
+        top = math.inf if self.max_rate is None else self.max_rate
         if lo is None and hi is None:
-            return self.start
+            return min(self.start, top)
         if lo is None:
             assert hi is not None
             return hi / EXPAND
         if hi is None:
-            return lo * EXPAND
+            return min(lo * EXPAND, top)
         if lo >= hi:  # a pass above a failure: cannot happen while probes stay inside (lo, hi)
             return None
         return math.sqrt(lo * hi)
@@ -190,6 +205,8 @@ class CapacitySearch:
             "lo": self.lo,
             "hi": self.hi,
             "converged": self.converged,
+            "saturated": self.saturated,
+            "max_rate": self.max_rate,
             "probes": len(self.probes),
             "start": self.start,
             "granularity": self.granularity,
@@ -212,6 +229,19 @@ def should_prune(search: CapacitySearch, best_known: float | None) -> bool:
     capacity of the study's feasible trials, so its capacity (below that rate) cannot beat it."""
     hi = search.hi
     return best_known is not None and best_known > 0 and hi is not None and hi <= best_known
+
+
+def saturation_rate(windows: Sequence[Sequence[Any]], slo_record: Mapping[str, Any]) -> float | None:
+    """The rate (× the trace's) at which every window's requests (objects with ``arrival_ms``, in order)
+    arrive within one decode step of the unloaded baseline (its median TPOT, else its mean step, from the
+    study's ``kvtune.slo``): above it a probe replays the window at once whatever the rate. None when the
+    limits were given rather than derived (no unloaded replay) or no window spans any time."""
+    unloaded = slo_record.get("unloaded") or {}
+    step = _positive(unloaded.get("tpot_p50_ms")) or _positive(unloaded.get("step_ms"))
+    span = max((float(w[-1].arrival_ms) - float(w[0].arrival_ms) for w in windows if len(w)), default=0.0)
+    if step is None or span <= 0:
+        return None
+    return span / step
 
 
 # ---- one probe -----------------------------------------------------------------------------------------

@@ -220,9 +220,10 @@ T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
 
 def interval95(ratios: Sequence[float]) -> list[float] | None:
     """The 95 % interval of the typical ratio: a t interval on the logs of the per-repeat ratios (None for one
-    repeat). Three repeats give t = 4.3: only a consistent gain clears 1."""
+    repeat, and when a ratio is 0: the preset scored nothing in a repeat, which has no log). Three repeats
+    give t = 4.3: only a consistent gain clears 1."""
     n = len(ratios)
-    if n < 2:
+    if n < 2 or min(ratios) <= 0:
         return None
     logs = [math.log(r) for r in ratios]
     t = T975[n - 2] if n - 1 <= len(T975) else (1.96 if n > 121 else T975[-1])
@@ -232,7 +233,13 @@ def interval95(ratios: Sequence[float]) -> list[float] | None:
 
 
 def verdict(ratios: Sequence[float]) -> str:
-    """What the repeats support: a gain or a loss only when the 95 % interval of the ratio excludes 1."""
+    """What the repeats support: a gain or a loss only when the 95 % interval of the ratio excludes 1; a
+    preset that scored 0 in a repeat (a capacity search on the held-out window that passed no rate) shows no
+    gain, and a loss when that holds its median ratio below 1."""
+    zeros = sum(1 for r in ratios if r <= 0)
+    if zeros:
+        said = f"the preset scored 0 in {zeros} of {len(ratios)} repeats"
+        return f"worse: {said}" if statistics.median(ratios) < 1.0 else f"no gain shown: {said}"
     ci = interval95(ratios)
     if ci is None:
         return "one repeat: no verdict"

@@ -26,7 +26,7 @@ import datetime
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from typing import Any
 import optuna
 import ray
 import ray.exceptions
+from optuna.trial import TrialState
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.options import WARMUP_REQUESTS
@@ -70,7 +71,7 @@ from kvtune.studies.study import (
     stored_identity,
 )
 from kvtune.tuner import export
-from kvtune.tuner.capacity import CapacitySearch, Slo, derive_slo, noise_record
+from kvtune.tuner.capacity import CapacitySearch, Slo, derive_slo, noise_record, saturation_rate
 from kvtune.tuner.driver import Bounds, Event, TrialLoop
 from kvtune.tuner.pool import WorkerPool, _last_line, plan_placement, ray_accelerator_type
 from kvtune.tuner.preflight import Preflight, preflight
@@ -216,29 +217,41 @@ def _run(
             preset = str(export.export_from_study(job.options.storage, job.options.name, job.out))
     best = validation["trial"] if validation else None
     counts = job.sample.length_counts(trace, info.max_context)
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if job.capacity else []
+    capacities = [t.values[0] for t in complete if t.values]
     return TuneReport(
         job.options.name, job.options.storage, finished, job.trials, best, validation, preset,
         space.describe(), time_scale, tuple(infos), cut_short,
-        (*quality_coverage(space, job.spec.quality), *capacity_warnings(study.user_attrs)), rate,
+        (*quality_coverage(space, job.spec.quality), *capacity_warnings(study.user_attrs, capacities)), rate,
         {k: c.to_dict() for k, c in counts.items()}, validations,
     )  # fmt: skip
 
 
-def capacity_warnings(attrs: dict[str, Any]) -> tuple[str, ...]:
+def capacity_warnings(attrs: dict[str, Any], capacities: Sequence[float] = ()) -> tuple[str, ...]:
     """What a capacity study's noise record says about its measurement: a window too small to overload the
-    engine (the baseline passed at every rate probed), and a spread above the 5 % goal."""
+    engine (the baseline passed at every rate probed, or at the saturation rate), trials that reached the
+    saturation rate (``capacities``: the complete trials' values), and a spread above the 5 % goal."""
     noise = attrs.get(ATTR_NOISE)
     if not noise:
         return ()
     out = []
     searches = noise.get("searches") or []
-    open_ended = [s for s in searches if s.get("hi") is None]
+    open_ended = [s for s in searches if s.get("hi") is None and s.get("capacity")]
+    top = noise.get("max_rate")
     if open_ended:
-        top = max(float(s["capacity"]) for s in open_ended)
+        most = max(float(s["capacity"]) for s in open_ended)
+        cut = any(s.get("saturated") for s in open_ended)
+        where = "at the saturation rate" if cut else "at every rate probed"
         out.append(
-            f"the baseline passed every rate probed in {len(open_ended)} of {len(searches)} capacity "
-            f"searches (up to {top:.3g}x the trace's rate): a window this small never overloads the engine, "
-            "so capacities are lower bounds; raise --requests"
+            f"the baseline passed {where} in {len(open_ended)} of {len(searches)} capacity searches (up to "
+            f"{most:.3g}x the trace's rate): a window this small never overloads the engine, so capacities "
+            "are lower bounds; raise --requests"
+        )
+    saturated = [c for c in capacities if top and c >= top * (1.0 - 1e-9)]
+    if saturated:
+        out.append(
+            f"{len(saturated)} trial(s) passed at the saturation rate ({top:.3g}x the trace's: the whole "
+            "window within one decode step): their capacities are lower bounds and tie; raise --requests"
         )
     if noise["spread"] > CAPACITY_GRANULARITY:
         out.append(
@@ -356,10 +369,11 @@ def _capacity_attrs(
     slo_record = derive_slo(unloaded, job.slo_ttft_ms, job.slo_tpot_ms, percentile=percentile)
     engine = space.knobs_for(BASELINE, *_default_knobs(space)) if space.batched_tokens else None
     knobs = EngineKnobs.from_dict(engine) if engine is not None else None
+    top = saturation_rate(windows, slo_record)
     start = 1.0 / time_scale  # the rate at which the baseline runs at CALIBRATION_LOAD of its saturation
     runs = [
         SearchRun(r % len(pool.actors), BASELINE, knobs, windows,
-                  CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD))
+                  CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD, max_rate=top))
         for r in range(NOISE_REPEATS)
     ]  # fmt: skip
     try:
@@ -370,7 +384,7 @@ def _capacity_attrs(
     noise = noise_record(
         [r["capacity"] for r in results], [r["capacity_tokens_per_s"] or 0.0 for r in results],
         BASELINE.to_dict(), granularity=job.granularity, max_probes=CAPACITY_PROBES, start=start,
-        engine=engine, searches=[r["search"] for r in results],
+        max_rate=top, engine=engine, searches=[r["search"] for r in results],
     )  # fmt: skip
     return {ATTR_SLO: slo_record, ATTR_NOISE: noise}
 
@@ -401,7 +415,8 @@ def _capacity_plan(job: TuneJob, attrs: dict[str, Any]) -> tuple[Slo | None, Cap
         raise ValueError(f"study {name!r} has no {ATTR_SLO} or {ATTR_NOISE}: not a capacity study")
     noise = attrs[ATTR_NOISE]
     start = float(noise["median"]) if noise["median"] > 0 else float(noise["start"])
-    search = CapacitySearch(start, float(noise["granularity"]), int(noise["max_probes"]))
+    top = noise.get("max_rate")  # a study stored before the saturation rate has none
+    search = CapacitySearch(start, float(noise["granularity"]), int(noise["max_probes"]), max_rate=top)
     return Slo.from_record(attrs[ATTR_SLO]), search
 
 
@@ -501,11 +516,12 @@ def _validate(
             default = space.knobs_for(config.unquantized(), *_default_knobs(space))
             if EngineKnobs.from_dict(default) != knobs[1]:
                 alternative, engines = EngineKnobs.from_dict(default), [base_engine, default]
+        top = saturation_rate((requests,), attrs[ATTR_SLO])  # the held-out window's own
         best_runs, base_runs = validate_capacity(
             pool, config, (knobs[0], knobs[1]), requests, Slo.from_record(attrs[ATTR_SLO]), starts,
-            float(noise["granularity"]), job.repeats, alternative,
+            float(noise["granularity"]), job.repeats, alternative, max_rate=top,
         )  # fmt: skip
-        extra |= {"slo": attrs[ATTR_SLO], "noise": noise}
+        extra |= {"slo": attrs[ATTR_SLO], "noise": noise, "max_rate": top}
         if engines:
             extra |= _baseline_engines(base_runs, engines)
     else:

@@ -161,6 +161,7 @@ def validate_capacity(
     granularity: float,
     repeats: int = MIN_REPEATS,
     alternative: EngineKnobs | None = None,
+    max_rate: float | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The capacity of ``best`` and of ``best.unquantized()`` (with ``knobs`` = (best's, the baseline's)),
     each searched ``repeats`` times on ``requests`` from ``starts`` = (best's, baseline's) warm start: the
@@ -169,7 +170,7 @@ def validate_capacity(
     ``alternative``: other engine knobs for the baseline than ``knobs[1]`` (the space's defaults), searched
     too in every repeat; the baseline's side of a repeat is then the higher of its two capacities (its
     ``alternatives`` keep both), so the gain is never the baseline's loss from knobs that suit only the
-    best config."""
+    best config. ``max_rate``: the window's saturation rate, above which no search probes."""
     if repeats < MIN_REPEATS:
         raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
     base = best.unquantized()
@@ -181,7 +182,8 @@ def validate_capacity(
     for r in range(repeats):
         worker = r % len(pool.actors)
         runs.append(
-            [SearchRun(worker, c, k, (requests,), CapacitySearch(s, granularity, CAPACITY_PROBES_COLD))
+            [SearchRun(worker, c, k, (requests,),
+                       CapacitySearch(s, granularity, CAPACITY_PROBES_COLD, max_rate=max_rate))
              for c, k, s in sides]
         )  # fmt: skip
     # one side's whole search after another (each config's cache serves all its probes); which side goes
