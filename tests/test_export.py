@@ -134,7 +134,9 @@ def test_a_capacity_of_0_in_a_repeat_is_a_loss_not_a_crash() -> None:
     g = ex.gain("capacity", best, base)
     assert g["per_repeat"] == [0.0, 0.0, 1.5] and g["ratio"] == 0.0 and g["interval95"] is None
     assert g["verdict"] == "worse: the preset scored 0 in 2 of 3 repeats"
-    assert ex.recommendation({"gain": g})["use"] == "baseline"
+    said = ex.recommendation({"gain": g})
+    assert said["use"] == "baseline" and "(range 0.000-1.500)" in said["why"]
+    assert "interval" not in said["why"]
     once = ex.gain("capacity", [{"capacity": c} for c in (0.0, 3.0, 3.0)], base)
     assert once["verdict"] == "no gain shown: the preset scored 0 in 1 of 3 repeats"
 

@@ -232,6 +232,13 @@ def interval95(ratios: Sequence[float]) -> list[float] | None:
     return [math.exp(mean - half), math.exp(mean + half)]
 
 
+def interval_text(g: Mapping[str, Any], spec: str) -> str:
+    """``95 % interval LO-HI`` of a :func:`gain` with a ratio, or ``range LO-HI`` (the per-repeat ratios')
+    when it has no interval."""
+    what, (lo, hi) = ("95 % interval", g["interval95"]) if g.get("interval95") else ("range", g["range"])
+    return f"{what} {lo:{spec}}-{hi:{spec}}"
+
+
 def verdict(ratios: Sequence[float]) -> str:
     """What the repeats support: a gain or a loss only when the 95 % interval of the ratio excludes 1; a
     preset that scored 0 in a repeat (a capacity search on the held-out window that passed no rate) shows no
@@ -330,10 +337,9 @@ def capacity_section(objective: str, validation: Mapping[str, Any]) -> dict[str,
     if g.get("ratio") is None:
         claim = f"no capacity ratio: {g.get('why')} (limits {limits})"
     else:
-        lo, hi = g["interval95"] or g["range"]
         claim = (
             f"the best config carries {g['ratio']:.2f}x the load of the unquantized cache within {limits} "
-            f"(95 % interval {lo:.2f}-{hi:.2f}x over {len(g['per_repeat'])} repeats: {g['verdict']})"
+            f"({interval_text(g, '.2f')}x over {len(g['per_repeat'])} repeats: {g['verdict']})"
         )
         threshold = noise.get("threshold")
         if isinstance(threshold, int | float) and abs(g["ratio"] - 1.0) < threshold:
@@ -392,8 +398,7 @@ def recommendation(metrics: Mapping[str, Any], trial: Any = None) -> dict[str, s
     if g.get("ratio") is None:
         return {"use": "baseline", "why": f"the unquantized baseline: {best} could not be compared "
                 f"({g.get('why', 'no ratio')}); it is kept under measured_best"}  # fmt: skip
-    lo, hi = g["interval95"] or g["range"]
-    measured = f"{g['ratio']:.3f}x the baseline on {g['metric']} (95 % interval {lo:.3f}-{hi:.3f})"
+    measured = f"{g['ratio']:.3f}x the baseline on {g['metric']} ({interval_text(g, '.3f')})"
     if g["verdict"].startswith("better"):
         return {"use": "best", "why": f"{best}: {measured}: {g['verdict']}"}
     shown = "a loss" if g["verdict"].startswith("worse") else "no gain"

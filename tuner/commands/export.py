@@ -7,7 +7,14 @@ import json
 from pathlib import Path
 
 from kvtune.studies.names import DEFAULT_STORAGE
-from kvtune.tuner.export import PRESETS_DIR, describe_rate, export_from_study, load_study, search_rate
+from kvtune.tuner.export import (
+    PRESETS_DIR,
+    describe_rate,
+    export_from_study,
+    interval_text,
+    load_study,
+    search_rate,
+)
 
 NAME = "export"
 HELP = "write a finished study's preset (config, validated metrics, vLLM section) from the database"
@@ -35,10 +42,9 @@ def run(args: argparse.Namespace) -> int:
     preset = json.loads(Path(path).read_text())
     gain = preset["metrics"]["gain"]
     if gain.get("ratio") is not None:
-        lo, hi = gain["interval95"] or gain["range"]
-        what = "95 % interval" if gain["interval95"] else "range"
-        print(f"  {gain['metric']}: {gain['ratio']:.3f}x against the unquantized baseline ({what} {lo:.3f}-"
-              f"{hi:.3f}; > 1 is better): {gain['verdict']}")  # fmt: skip
+        bounds = interval_text(gain, ".3f")
+        print(f"  {gain['metric']}: {gain['ratio']:.3f}x against the unquantized baseline ({bounds}; > 1 is "
+              f"better): {gain['verdict']}")  # fmt: skip
     if "recommendation" in preset:
         print(f"  recommended: {preset['recommendation']['why']}")
     return 0
