@@ -169,14 +169,8 @@ def stored_identity(attrs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_identity(study: optuna.Study, identity: Mapping[str, Any], space: SpaceId) -> None:
-    """Raise :class:`StudyMismatchError` when ``study`` was made with another space or other settings."""
-    stored_space = study.user_attrs.get(ATTR_SPACE)
-    if stored_space != space.fingerprint:
-        raise StudyMismatchError(
-            f"study {study.study_name!r} exists with another search space ({stored_space}, "
-            f"now {space.fingerprint}: card, model, workload or KV budget differ); use --study NAME for a "
-            "new study"
-        )
+    """Raise :class:`StudyMismatchError` when ``study`` was made with other settings (checked first: the
+    message names the setting) or another search space."""
     stored = stored_identity(study.user_attrs)
     for key, value in _jsonable(dict(identity)).items():
         was = stored.get(key)
@@ -185,6 +179,13 @@ def check_identity(study: optuna.Study, identity: Mapping[str, Any], space: Spac
                 f"study {study.study_name!r} was made with {key}={_short(was)}, not "
                 f"{_short(value)}; use the same settings with --resume, or --study NAME for a new study"
             )
+    stored_space = study.user_attrs.get(ATTR_SPACE)
+    if stored_space != space.fingerprint:
+        raise StudyMismatchError(
+            f"study {study.study_name!r} exists with another search space ({stored_space}, "
+            f"now {space.fingerprint}: card, model, workload or KV budget differ); use --study NAME for a "
+            "new study"
+        )
 
 
 def _short(value: Any, limit: int = 160) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from optuna.trial import TrialState
 from kvtune.cache_impl.layout import ModelKVShape
 from kvtune.search_spaces.cards import resolve_gpu
 from kvtune.search_spaces.space import SearchSpace, WorkloadStats
-from kvtune.studies.names import ATTR_RESUME_OF
+from kvtune.studies.names import ATTR_RESUME_OF, ATTR_SPACE
 from kvtune.studies.study import SpaceId, StudyOptions, open_study
 from kvtune.tests.tuner_fakes import CRASH_BITS, BrokenWorker, CrashingWorker, tiny_job
 from kvtune.tuner import cli
@@ -185,7 +186,10 @@ BAD: dict[str, tuple[Callable[[str, Path], list[str]], str]] = {
         "no L4 GPU in the Ray cluster",
     ),
     "exists, no resume": (lambda s, tmp: argv(s), "already exists"),
-    "another space": (lambda s, tmp: argv(s, "--resume", "--length-cap", "400"), "another search space"),
+    "another sample": (  # a setting of the identity is named, though the space differs too
+        lambda s, tmp: argv(s, "--resume", "--length-cap", "400"),
+        'was made with sample={"length_cap": 96',
+    ),
     "another objective": (lambda s, tmp: argv(s, "--resume", "--objective", "throughput"), "objective"),
     "two repeats": (lambda s, tmp: argv(s, "--repeats", "2"), "--repeats 2: must be >= 3"),
     "negative prefill": (
@@ -209,6 +213,23 @@ def test_bad_input_is_one_clear_line_and_the_study_is_intact(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("kvtune: error: ") and message in err[-1], err
     assert snapshot(storage) == before
+
+
+def test_a_study_from_another_space_is_refused_untouched(
+    study_dir: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Same settings, another search space (what a study made by a kvtune whose space differs holds): a copy
+    of the study with its stored space changed is refused on --resume, and nothing in it changes."""
+    _, storage = study_dir
+    copy = tmp_path / "copy.db"
+    shutil.copy(storage.removeprefix("sqlite:///"), copy)
+    other = f"sqlite:///{copy}"
+    optuna.load_study(study_name="s", storage=other).set_user_attr(ATTR_SPACE, "0000000000000000")
+    before = snapshot(other)
+    assert cli.main(argv(other, "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvtune: error: study 's' exists with another search space (0000000000"), err
+    assert snapshot(other) == before
 
 
 # ---- jobs without the CLI ----------------------------------------------------------------------------------

@@ -366,7 +366,7 @@ def _print_settings(console: Console, job: TuneJob, d: Defaults, checked: Prefli
             f"{show(job.slo_ttft_ms, '5x the unloaded baseline')} and {pct} TPOT <= "
             f"{show(job.slo_tpot_ms, '10x its decode step')}; searched to {job.granularity:.1%}, at most "
             f"{CAPACITY_PROBES} probes a trial, from the baseline's capacity (measured {NOISE_REPEATS} "
-            "times first)"
+            "times when the study is created)"
         )
     limit = job.trial_time_limit_s
     console.print(
