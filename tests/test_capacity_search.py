@@ -332,8 +332,12 @@ def test_validation_searches_the_baseline_at_its_other_knobs_and_keeps_the_bette
 
 
 # ---- a real CPU study ----------------------------------------------------------------------------------
+# 12 requests of the Azure sample: the tiny model's baseline brackets a capacity (33x, three searches within
+# 9 %) below the window's saturation rate (1,426x); 6 of the Mooncake sample, arriving in bursts, never
+# overloaded it, and a study refuses such a window.
+AZURE = ROOT / "examples" / "traces" / "azure_conv_sample.csv"
 SMALL = [
-    "--model", "random:tiny", "--quality-model", "random:tiny", "--requests", "6", "--windows", "1",
+    "--model", "random:tiny", "--quality-model", "random:tiny", "--requests", "12", "--windows", "1",
     "--length-scale", "0.01", "--length-cap", "96", "--quality-windows", "1", "--quality-prefill", "24",
     "--quality-decode", "4", "--kv-budget", "64MiB", "--seed", "0", "--objective", "capacity",
 ]  # fmt: skip
@@ -341,7 +345,7 @@ TRIALS = 3
 
 
 def argv(storage: str, *extra: str) -> list[str]:
-    return ["--gpu", "cpu", "--workload", str(TRACE), "--storage", storage, "--study", "c", *SMALL, *extra]
+    return ["--gpu", "cpu", "--workload", str(AZURE), "--storage", storage, "--study", "c", *SMALL, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -424,6 +428,22 @@ def test_capacity_bad_input_is_one_line(
     assert cli.main(argv(storage, *extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("kvtune: error: ") and message in err[-1], err
+
+
+def test_a_window_that_never_overloads_the_baseline_is_refused(
+    ray_cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Six Mooncake requests (bursts of simultaneous arrivals, so a generous TTFT limit) all at once still
+    meet the limits: the baseline's searches end at the saturation rate, and the study stops there with one
+    line naming the flags, before anything is stored."""
+    storage = f"sqlite:///{tmp_path}/c.db"
+    small = [a if a != "12" else "6" for a in argv(storage, "--trials", "1")]
+    small[small.index(str(AZURE))] = str(TRACE)
+    assert cli.main(small) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvtune: error: --requests 6: the unquantized baseline met the limits"), err
+    assert "reached the saturation rate" in err[-1] and "--slo-ttft-ms" in err[-1]
+    assert not optuna.get_all_study_summaries(storage)
 
 
 # ---- the engine knobs in the space and the preset --------------------------------------------------------

@@ -381,6 +381,15 @@ def _capacity_attrs(
     except ray.exceptions.RayTaskError as e:
         raise ValueError(f"searching the baseline's capacity failed ({_last_line(e)})") from None
     results = [r.result() for r in runs]
+    capped = [r for r in runs if r.search.saturated]
+    if 2 * len(capped) > len(runs):  # the baseline's median capacity is only a lower bound
+        raise ValueError(
+            f"--requests {len(windows[0])}: the unquantized baseline met the limits with the whole window "
+            f"arriving at once ({len(capped)} of {len(runs)} capacity searches reached the saturation rate, "
+            f"{top:.3g}x the trace's), so no config can show more capacity on it; replay more requests "
+            "(--requests), longer ones (--length-scale, --length-cap), or give tighter --slo-ttft-ms / "
+            "--slo-tpot-ms"
+        )
     noise = noise_record(
         [r["capacity"] for r in results], [r["capacity_tokens_per_s"] or 0.0 for r in results],
         BASELINE.to_dict(), granularity=job.granularity, max_probes=CAPACITY_PROBES, start=start,
