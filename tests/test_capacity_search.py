@@ -499,6 +499,11 @@ def test_the_preset_exports_the_knobs_and_the_capacity_claim() -> None:
     assert args[args.index("--max-num-seqs") + 1] == "96"
     assert json.loads(args[-1]) == {"kvtune": config.to_dict()}  # the hybrid fields: --additional-config
     assert preset["engine"] == engine and "sized for this config's cache" in preset["vllm"]["engine"]
+    base = config.unquantized()  # the best config is the baseline itself: no gain is claimed
+    own = validation | {"config": base.to_dict(), "best": [run(c) for c in (1.2, 0.9, 1.0)]}
+    claim = ex.build_preset(base, own, None, {"card": "h200", "objective": "capacity"})["metrics"]["claim"]
+    assert claim.startswith("the best config is the unquantized cache, its own baseline: no gain within P99")
+    assert "95 % interval 0.71-1.49x, are the measurement's noise" in claim
 
 
 def test_warnings_name_a_window_too_small_to_load_the_engine() -> None:

@@ -322,20 +322,26 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
         "baseline_config": validation["baseline_config"],
         "gain": gain(objective, validation["best"], validation["baseline"], same),
         **({"note": SELF_BASELINE} if same else {}),
-        **capacity_section(objective, validation),
+        **capacity_section(objective, validation, same),
     }
 
 
-def capacity_section(objective: str, validation: Mapping[str, Any]) -> dict[str, Any]:
+def capacity_section(objective: str, validation: Mapping[str, Any], same: bool = False) -> dict[str, Any]:
     """For the capacity objective: the latency limits (``limits``), the study's noise record (``noise``)
-    and the one-line ``claim`` ("carries N× the load of the unquantized cache within ..."); {} otherwise."""
+    and the one-line ``claim`` ("carries N× the load of the unquantized cache within ..."; for a best config
+    that is the unquantized cache itself (``same``), that it is its own baseline); {} otherwise."""
     if objective != "capacity" or "slo" not in validation:
         return {}
     slo, noise = validation["slo"], validation.get("noise") or {}
     limits = Slo.from_record(slo).describe()
-    g = gain(objective, validation["best"], validation["baseline"])
+    g = gain(objective, validation["best"], validation["baseline"], same)
     if g.get("ratio") is None:
         claim = f"no capacity ratio: {g.get('why')} (limits {limits})"
+    elif same:
+        claim = (
+            f"the best config is the unquantized cache, its own baseline: no gain within {limits} (its "
+            f"repeats against themselves, {interval_text(g, '.2f')}x, are the measurement's noise)"
+        )
     else:
         claim = (
             f"the best config carries {g['ratio']:.2f}x the load of the unquantized cache within {limits} "
