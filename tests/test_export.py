@@ -139,6 +139,8 @@ def test_a_capacity_of_0_in_a_repeat_is_a_loss_not_a_crash() -> None:
     assert "interval" not in said["why"]
     once = ex.gain("capacity", [{"capacity": c} for c in (0.0, 3.0, 3.0)], base)
     assert once["verdict"] == "no gain shown: the preset scored 0 in 1 of 3 repeats"
+    none = ex.gain("capacity", base, [{"capacity": c} for c in (0.0, 2.0, 2.0)])  # no ratio to take
+    assert none["ratio"] is None and none["why"] == "the baseline's capacity is 0 in a repeat"
 
 
 def test_gain_needs_paired_repeats() -> None:

@@ -195,8 +195,9 @@ def paired_gain(
         raise ValueError(f"{ATTR_VALIDATION}: no repeats to compare on {metric!r}")
     if direction == "maximize":
         pairs = [(u, b) for b, u in pairs]  # a ratio above 1 always means the preset is better
-    if any(b <= 0 for b, _ in pairs):
-        return {"metric": metric, "ratio": None, "why": f"{metric} of the better side is 0 in a repeat"}
+    if any(b <= 0 for b, _ in pairs):  # the ratio's denominator is 0
+        side = "the baseline's" if direction == "maximize" else "the preset's"
+        return {"metric": metric, "ratio": None, "why": f"{side} {metric} is 0 in a repeat"}
     ratios = [u / b for b, u in pairs]
     return {
         "metric": metric,
