@@ -112,7 +112,7 @@ def derive_slo(
     derived: dict[str, float] = {}
     if unloaded is not None:
         ttft = _positive(unloaded.get("ttft_p99_ms"))
-        step = _positive(unloaded.get("tpot_p50_ms")) or _positive(unloaded.get("step_ms")) or ttft
+        step = _decode_step(unloaded) or ttft
         if ttft is None or step is None:
             raise ValueError(
                 "the unloaded baseline replay measured no TTFT: pass --slo-ttft-ms and --slo-tpot-ms"
@@ -123,6 +123,11 @@ def derive_slo(
     record["source"] = {k: ("given" if k in given else "derived") for k in ("ttft_ms", "tpot_ms")}
     Slo.from_record(record)  # both limits present and positive
     return record
+
+
+def _decode_step(unloaded: Mapping[str, Any]) -> float | None:
+    """The unloaded baseline's decode step: its median TPOT, else its mean step (None: neither measured)."""
+    return _positive(unloaded.get("tpot_p50_ms")) or _positive(unloaded.get("step_ms"))
 
 
 def _positive(value: Any) -> float | None:
@@ -176,7 +181,7 @@ class CapacitySearch:
     def saturated(self) -> bool:
         """Whether a probe passed at the saturation rate: the window cannot overload this config."""
         lo = self.lo
-        return lo is not None and self.max_rate is not None and lo >= self.max_rate * (1.0 - 1e-9)
+        return lo is not None and at_saturation(lo, self.max_rate)
 
     def next_rate(self) -> float | None:
         """The next rate to probe; None when the search is done (converged, saturated, or out of
@@ -236,12 +241,17 @@ def saturation_rate(windows: Sequence[Sequence[Any]], slo_record: Mapping[str, A
     arrive within one decode step of the unloaded baseline (its median TPOT, else its mean step, from the
     study's ``kvtune.slo``): above it a probe replays the window at once whatever the rate. None when the
     limits were given rather than derived (no unloaded replay) or no window spans any time."""
-    unloaded = slo_record.get("unloaded") or {}
-    step = _positive(unloaded.get("tpot_p50_ms")) or _positive(unloaded.get("step_ms"))
+    step = _decode_step(slo_record.get("unloaded") or {})
     span = max((float(w[-1].arrival_ms) - float(w[0].arrival_ms) for w in windows if len(w)), default=0.0)
     if step is None or span <= 0:
         return None
     return span / step
+
+
+def at_saturation(capacity: float, max_rate: float | None) -> bool:
+    """Whether ``capacity`` is the saturation rate ``max_rate`` (None: a search without one), i.e. a lower
+    bound."""
+    return max_rate is not None and capacity >= max_rate * (1.0 - 1e-9)
 
 
 # ---- one probe -----------------------------------------------------------------------------------------

@@ -313,6 +313,7 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
         raise ValueError(f"{ATTR_VALIDATION}: needs >= {MIN_REPEATS} repeats of each side, got {counts}")
     best, baseline = summarize(validation["best"]), summarize(validation["baseline"])
     same = validation["config"] == validation["baseline_config"]
+    g = gain(objective, validation["best"], validation["baseline"], same)
     return {
         "objective": objective,
         "window": validation["window"],
@@ -321,21 +322,23 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
         "best": best,
         "baseline": baseline,
         "baseline_config": validation["baseline_config"],
-        "gain": gain(objective, validation["best"], validation["baseline"], same),
+        "gain": g,
         **({"note": SELF_BASELINE} if same else {}),
-        **capacity_section(objective, validation, same),
+        **capacity_section(objective, validation, g, same),
     }
 
 
-def capacity_section(objective: str, validation: Mapping[str, Any], same: bool = False) -> dict[str, Any]:
+def capacity_section(
+    objective: str, validation: Mapping[str, Any], g: Mapping[str, Any], same: bool = False
+) -> dict[str, Any]:
     """For the capacity objective: the latency limits (``limits``), the study's noise record (``noise``)
-    and the one-line ``claim`` ("carries N× the load of the unquantized cache within ..."; for a best config
-    that is the unquantized cache itself (``same``), that it is its own baseline); {} otherwise."""
+    and the one-line ``claim`` from the gain ``g`` ("carries N× the load of the unquantized cache within
+    ..."; for a best config that is the unquantized cache itself (``same``), that it is its own baseline);
+    {} otherwise."""
     if objective != "capacity" or "slo" not in validation:
         return {}
     slo, noise = validation["slo"], validation.get("noise") or {}
     limits = Slo.from_record(slo).describe()
-    g = gain(objective, validation["best"], validation["baseline"], same)
     if g.get("ratio") is None:
         claim = f"no capacity ratio: {g.get('why')} (limits {limits})"
     elif same:

@@ -71,7 +71,14 @@ from kvtune.studies.study import (
     stored_identity,
 )
 from kvtune.tuner import export
-from kvtune.tuner.capacity import CapacitySearch, Slo, derive_slo, noise_record, saturation_rate
+from kvtune.tuner.capacity import (
+    CapacitySearch,
+    Slo,
+    at_saturation,
+    derive_slo,
+    noise_record,
+    saturation_rate,
+)
 from kvtune.tuner.driver import Bounds, Event, TrialLoop
 from kvtune.tuner.pool import WorkerPool, _last_line, plan_placement, ray_accelerator_type
 from kvtune.tuner.preflight import Preflight, preflight
@@ -247,7 +254,7 @@ def capacity_warnings(attrs: dict[str, Any], capacities: Sequence[float] = ()) -
             f"{most:.3g}x the trace's rate): a window this small never overloads the engine, so capacities "
             "are lower bounds; raise --requests"
         )
-    saturated = [c for c in capacities if top and c >= top * (1.0 - 1e-9)]
+    saturated = [c for c in capacities if at_saturation(c, top)]
     if saturated:
         out.append(
             f"{len(saturated)} trial(s) passed at the saturation rate ({top:.3g}x the trace's: the whole "

@@ -48,7 +48,7 @@ from kvtune.studies.names import (
 )
 from kvtune.studies.storage import check_storage, redact
 from kvtune.studies.study import OBJECTIVES, StudyOptions, study_name
-from kvtune.tuner.capacity import SLO_PERCENTILES, Slo, within_noise
+from kvtune.tuner.capacity import SLO_PERCENTILES, Slo, at_saturation, within_noise
 from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import table_console
 from kvtune.tuner.driver import Bounds, Event
@@ -504,10 +504,9 @@ def capacity_table(study: Any, rows: int = BEST_ROWS) -> Table:
     for col in columns:
         table.add_column(col, justify="right")
     top = next((t.values[0] for t in ranked if ATTR_ERROR not in t.user_attrs), None)
-    cap = float(noise.get("max_rate") or math.inf)  # a study stored before the saturation rate: none
-    at_cap = lambda v: v >= cap * (1.0 - 1e-9)
-    capped = lambda v: ("≥ " if at_cap(v) else "") + format(v, ".3g")
-    if any(at_cap(t.values[0]) for t in ranked[:rows]):
+    cap = noise.get("max_rate")  # a study stored before the saturation rate has none
+    capped = lambda v: ("≥ " if at_saturation(v, cap) else "") + format(v, ".3g")
+    if any(at_saturation(t.values[0], cap) for t in ranked[:rows]):
         table.caption = f"{table.caption or ''}; ≥: at the saturation rate ({cap:.3g}x), a lower bound"
     for t in ranked[:rows]:
         c, m, q = (t.user_attrs.get(k) or {} for k in (ATTR_CONFIG, ATTR_METRICS, ATTR_QUALITY))
