@@ -2,7 +2,7 @@
 # The engine's GPU checks (CUDA-graph decode kept in flight, mixed iterations, capacity-bound batches, the
 # cache kept between replays) in one call of at most 9 minutes on one H200:
 #
-#   bash benchmarks/h200_engine.sh OUTDIR [stage ...]
+#   bash lab/scripts/h200_engine.sh OUTDIR [stage ...]
 #
 # Stages (default: tests step azure baseline, in this order; each gets a timeout from what is left of
 # LIMIT = 540 s, so the call ends in time and every stage that ran leaves its log and JSON in OUTDIR):
@@ -27,11 +27,11 @@
 # runs the repeats on each),
 # CAPACITY_REQUESTS (64), CAPACITY_REPEATS (2), LIMIT (540).
 set -u
-OUT=${1:?usage: bash benchmarks/h200_engine.sh OUTDIR [tests|step|azure|mooncake ...]}
+OUT=${1:?usage: bash lab/scripts/h200_engine.sh OUTDIR [tests|step|azure|mooncake ...]}
 shift
 STAGES=${*:-tests step azure baseline}
 mkdir -p "$OUT"
-. benchmarks/device_env.sh
+. lab/scripts/device_env.sh
 T0=$(date +%s)
 LIMIT=${LIMIT:-540}
 log() { echo "== $(date +%T) (+$(( $(date +%s) - T0 )) s) $*" | tee -a "$OUT/summary.log"; }

@@ -4,10 +4,10 @@
 # baseline searched 3 times; NOTES runs 13a, 13c; about 3 minutes on the device clock, runs 14c, 14d), then 20
 # trials took about 3 minutes and the validation 3: RESUME=1 continues a study kept in OUTDIR. The studies of
 # runs 14c and 14d resume (and a finished one is validated again) from copies under their study names:
-#   cp benchmarks/studies/h200_capacity_llama31_8b_run14c.db OUTDIR/h200_capacity_llama31_8b.db
-#   cp benchmarks/studies/h200_capacity_smollm2_run14d.db OUTDIR/h200_capacity_smollm2.db
+#   cp lab/studies/h200_capacity_llama31_8b_run14c.db OUTDIR/h200_capacity_llama31_8b.db
+#   cp lab/studies/h200_capacity_smollm2_run14d.db OUTDIR/h200_capacity_smollm2.db
 #
-#   . benchmarks/device_env.sh && benchmarks/h200_capacity_study.sh OUTDIR [llama|smol|both]
+#   . lab/scripts/device_env.sh && lab/scripts/h200_capacity_study.sh OUTDIR [llama|smol|both]
 #
 # llama: random:llama-3.1-8b (bf16; byte-realistic weights, so the tier parameters are fixed) on the Azure
 #        conversation sample, lengths x0.25, KV budget 1 GiB: memory-bound (the unquantized cache holds a few
@@ -21,7 +21,7 @@
 # quality measurement QWINDOWS (2) x (QPREFILL 1024 + QDECODE tokens: 64 for llama, 128 for smol), CLOCK (kvtune --clock; unset: device,
 # kvtune's default for capacity), SLO_PERCENTILE (kvtune --slo-percentile; unset: 90).
 set -u
-out=${1:?usage: benchmarks/h200_capacity_study.sh OUTDIR [llama|smol|both]}
+out=${1:?usage: lab/scripts/h200_capacity_study.sh OUTDIR [llama|smol|both]}
 which=${2:-both}
 mkdir -p "$out"
 TRACE=examples/traces/azure_conv_sample.csv

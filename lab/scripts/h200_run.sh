@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call's work, by step: tests | step | step-smol | sweep | pool-read | replays-llama | replays-smol |
 # quality | study-llama | study-smol (several steps in order).
-# Run from the checkout on the GPU machine after `. benchmarks/device_env.sh`; logs and results go to $OUT.
+# Run from the checkout on the GPU machine after `. lab/scripts/device_env.sh`; logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TRACE=examples/traces/mooncake_sample.jsonl
@@ -59,7 +59,7 @@ for step in "$@"; do
     done ;;
   study-llama|study-smol)
     # MINUTES: time budget (then the best so far is validated); TRIALS (20); RESUME=1 continues the study
-    # kept in benchmarks/studies/; NAME: database and study name; one worker per GPU in CUDA_VISIBLE_DEVICES;
+    # kept in lab/studies/; NAME: database and study name; one worker per GPU in CUDA_VISIBLE_DEVICES;
     # EXPORT=0: no validation or preset; TIME_SCALE: a fixed time scale (studies to compare);
     # KILL_AFTER: seconds after which one worker process is killed; REQUESTS, LENGTH_SCALE, QWINDOWS,
     # QPREFILL, QDECODE: the window and the quality measurement (defaults below).
@@ -73,7 +73,7 @@ for step in "$@"; do
     [ "${EXPORT:-1}" = 0 ] && extra="$extra --no-export"
     [ -n "${TIME_SCALE:-}" ] && extra="$extra --time-scale $TIME_SCALE"  # the same pacing for studies compared
     log "study $name: $model (quality on SmolLM2), ${MINUTES:-6} min, GPUs ${CUDA_VISIBLE_DEVICES:-all}"
-    [ -n "${RESUME:-}" ] && cp "benchmarks/studies/$name.db" "$OUT/$name.db"
+    [ -n "${RESUME:-}" ] && cp "lab/studies/$name.db" "$OUT/$name.db"
     if [ -n "${KILL_AFTER:-}" ]; then
       ( sleep "$KILL_AFTER"; pid=$(pgrep -f 'ray::TrialWorker' | head -1)
         log "killing worker process $pid"; [ -n "$pid" ] && kill -9 "$pid" ) >> "$OUT/$name.log" 2>&1 &

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wait for a detached h200_pipeline.sh, then bring its results back: `bash benchmarks/h200_poll.sh NAME [SECONDS]`
+# Wait for a detached h200_pipeline.sh, then bring its results back: `bash lab/scripts/h200_poll.sh NAME [SECONDS]`
 # waits until /tmp/pipe/NAME.done exists or SECONDS (default 540) have passed, packs the logs, databases and
 # JSON of /tmp/pipe into $OUT/pipe.tgz (one file: a call brings back only a few) and prints the logs' tails.
 # Poll again at once if the pipeline is still running: the machine is released when no call is in flight.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Source this at the start of a run on a GPU machine that has torch + triton but not kvtune, ray or optuna:
-#   . benchmarks/device_env.sh
+#   . lab/scripts/device_env.sh
 # It installs the carried wheels in .whl/ (see README: device wheels) into /tmp/site and reassembles
 # the SmolLM2 GGUF (98 MB) from two halves carried in .weights/a/part1 and .weights/b/part2 (one call each:
 # a call carries at most 64 MiB) or left in /tmp/weights by earlier calls on the same machine.
