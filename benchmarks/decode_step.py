@@ -17,7 +17,7 @@ Every step's tokens reach the host (as in the engine), so the wall time per step
 wherever it does not overlap the GPU's; a graph first needed inside the timed steps (a table-width bucket
 reached there) is captured there, and its capture time is left out of the wall time, as the engine leaves it
 out of a replay's clock. The first config is measured once, unreported, before the reported runs
-(``--prime``): a process's first measured steps run slower whatever the config (NOTES run 12e). GPU ms: for
+(``--prime``): a process's first measured steps run slower whatever the config (seen on an H200). GPU ms: for
 the graph paths, CUDA events around each step's seal and forward replays (the device time of the step, idle
 gaps before it excluded), averaged over the timed steps; for eager, the sum of the step's kernel times
 (profiler, 3 steps). Kernel ms: that profiler sum for every path (the profiler's view of a graph replay is
@@ -281,7 +281,7 @@ def main() -> None:
     rows: list[dict] = []
     first: dict[str, float] = {}
     max_len = args.length + 2048  # room for every path's steps
-    if args.prime:  # the process's first measured steps run slower (NOTES run 12e): spend them unmeasured
+    if args.prime:  # a process's first measured steps run slower (seen on an H200): spend them unmeasured
         config = HybridConfig.from_json_file(configs[0])
         cache = prefilled(loaded, config, args.batch, args.length, args.seed, model.startswith("random:"))
         for choice in paths:

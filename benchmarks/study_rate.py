@@ -4,7 +4,7 @@ For each study (the only one in the database when STUDY is left out): finished (
 and failed trials, busy time (the union of the trials' intervals), trials per hour, mean trial, workers,
 re-runs of failed trials (``kvtune.retry_of``) and the best trial, with each study's trials per hour against
 the first one's. This is how the one-GPU and several-GPU runs of one study are compared
-(benchmarks/NOTES.md).
+(docs/RESULTS.md).
 """
 
 from __future__ import annotations
