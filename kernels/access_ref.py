@@ -7,13 +7,14 @@ num_cold`` (more than its uniform share). A block is accessed at this step when 
 that lists it accesses it (sharing sequences are pooled). For an accessed block: ``interval = now −
 last_access``, ``ema ← interval`` on the first interval, else ``ema ← 0.25 · interval + 0.75 · ema``; then
 ``last_access ← now``.
+
+This module is the PyTorch reference (the executable spec); :mod:`kvtune.kernels.access` dispatches to it or
+to the Triton kernels (:mod:`kvtune.kernels.triton_access`), which import only its constant from here.
 """
 
 from __future__ import annotations
 
 import torch
-
-from kvtune.kernels.backend import use_triton
 
 EMA_WEIGHT = 0.25
 
@@ -33,7 +34,7 @@ def accessed_blocks_ref(
     return acc.scatter_reduce_(0, ids, hit, reduce="amax").bool()
 
 
-def _next_ema(interval: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
+def next_ema(interval: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
     """EMA_0.25 of the intervals after one more ``interval`` (the first interval starts it)."""
     return torch.where(torch.isnan(ema), interval, EMA_WEIGHT * interval + (1 - EMA_WEIGHT) * ema)
 
@@ -52,49 +53,7 @@ def update_access_ref(
     float32; block_table: [B, H, M] int32 (-1 padding); num_cold: [B, H] int32.
     """
     acc = accessed_blocks_ref(last_access.shape[0], block_mass, block_table, num_cold)
-    new_ema = _next_ema(now_ms - last_access, ema)
+    new_ema = next_ema(now_ms - last_access, ema)
     ema.copy_(torch.where(acc, new_ema, ema))
     last_access.masked_fill_(acc, now_ms)
     return acc
-
-
-def update_access(
-    last_access: torch.Tensor,
-    ema: torch.Tensor,
-    block_mass: torch.Tensor,
-    block_table: torch.Tensor,
-    num_cold: torch.Tensor,
-    now_ms: float | torch.Tensor,
-    flags: torch.Tensor | None = None,
-) -> None:
-    """See :func:`update_access_ref`; touches only the listed blocks' statistics (O(B·H·M), not O(N)).
-
-    ``now_ms``: a float, or a float64 scalar tensor on the statistics' device (a step captured in a CUDA
-    graph reads its clock from a static buffer, so no host value is baked into the graph).
-
-    On CUDA two Triton launches (:mod:`kvtune.kernels.triton_access`; ``flags``, int32 [N] zeros, is their
-    scratch and is zero again afterwards). Elsewhere: entries that list the same block gather the same old
-    statistics and the same pooled ``accessed`` flag, so they write identical values and the scatter is
-    deterministic (padding entries alias block 0 the same way).
-    """
-    if use_triton(block_mass):
-        from kvtune.kernels.triton_access import update_access_triton
-
-        if flags is None:
-            flags = torch.zeros(last_access.shape, dtype=torch.int32, device=last_access.device)
-        update_access_triton(last_access, ema, block_mass, block_table, num_cold, now_ms, flags)
-        return
-    acc = accessed_blocks_ref(last_access.shape[0], block_mass, block_table, num_cold)
-    ids = block_table.long().clamp(min=0).flatten()
-    hit = acc[ids]
-    last, old = last_access[ids], ema[ids]
-    new_ema = _next_ema(now_ms - last, old)
-    ema.index_put_((ids,), torch.where(hit, new_ema, old))
-    now = torch.as_tensor(now_ms, dtype=last.dtype, device=last.device)
-    last_access.index_put_((ids,), torch.where(hit, now.expand_as(last), last))
-
-
-def inter_access_interval(last_access: torch.Tensor, ema: torch.Tensor, now_ms: float) -> torch.Tensor:
-    """IAI = max(EMA_0.25(intervals), now − last_access); ``now − last_access`` alone before any interval."""
-    since = now_ms - last_access
-    return torch.where(torch.isnan(ema), since, torch.maximum(ema, since))

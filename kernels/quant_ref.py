@@ -2,13 +2,16 @@
 
 Keys are quantized asymmetrically per channel over the block's tokens, values per token over the channels:
 ``code = round((x − min) / scale)`` clamped to ``[0, 2^bits − 1]``, ``x ≈ min + code · scale``.
+
+This module is the PyTorch reference (the executable spec and the fallback of the Triton launcher in
+:mod:`kvtune.kernels.triton_quant`) and the helpers the other references share; :mod:`kvtune.kernels.quant`
+dispatches between them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool, levels_for_bits
 
 _F16_TINY = 2.0**-24  # the smallest fp16 subnormal
@@ -121,22 +124,6 @@ def seal_blocks_ref(
     pool.block_bits.index_fill_(0, block_ids.long(), bits)
 
 
-def seal_blocks(
-    pool: ColdPool,
-    block_ids: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bits: int,
-    rows: torch.Tensor | None = None,
-) -> None:
-    """Quantize + pack ``n`` blocks into the pool (see :func:`seal_blocks_ref`); Triton on CUDA tensors."""
-    if use_triton(k):
-        from kvtune.kernels.triton_quant import seal_blocks_triton
-
-        return seal_blocks_triton(pool, block_ids, k, v, bits, rows)
-    seal_blocks_ref(pool, block_ids, k, v, bits, rows)
-
-
 def codes_of_rows(rows: torch.Tensor, block_bits: torch.Tensor, pool_bits: int) -> torch.Tensor:
     """Pool rows ``[..., bs, code_dim]`` uint8 → float32 codes ``[..., bs, D]``.
 
@@ -173,8 +160,3 @@ def dequantize_gathered(
 def dequantize_blocks_ref(pool: ColdPool, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(k, v) of blocks ``block_ids`` ``[n]``: float32 ``[n, H, bs, D]`` each (``x = min + code · scale``)."""
     return dequantize_gathered(pool, block_ids)
-
-
-def dequantize_blocks(pool: ColdPool, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`dequantize_blocks_ref`."""
-    return dequantize_blocks_ref(pool, block_ids)

@@ -3,13 +3,15 @@
 The bound of a block for one query head is ``Σ_d max(q_d · min_d, q_d · max_d)`` over the block's
 per-channel key min and max (:func:`kvtune.kernels.layout.key_bounds`); a KV head sums it over its group of
 query heads.
+
+This module is the PyTorch reference (the executable spec and the fallback of the Triton launcher
+:mod:`kvtune.kernels.triton_quest`); :mod:`kvtune.kernels.quest` dispatches between them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool, key_bounds
 
 
@@ -47,14 +49,3 @@ def quest_topk_ref(
     ids = torch.gather(l2_table[:, None, :].expand(bsz, h, -1), 2, idx)
     out[..., :kk] = torch.where(torch.isfinite(values), ids, -1).to(torch.int32)
     return out
-
-
-def quest_topk(
-    q: torch.Tensor, pool: ColdPool, l2_table: torch.Tensor, l2_count: torch.Tensor, k_blocks: int
-) -> torch.Tensor:
-    """See :func:`quest_topk_ref`; the Triton bound kernel + ``torch.topk`` on CUDA tensors."""
-    if use_triton(q):
-        from kvtune.kernels.triton_quest import quest_topk_triton
-
-        return quest_topk_triton(q, pool, l2_table, l2_count, k_blocks)
-    return quest_topk_ref(q, pool, l2_table, l2_count, k_blocks)

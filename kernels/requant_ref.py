@@ -4,15 +4,17 @@ The block's INT8 values are dequantized and quantized again at 4 bits (keys per 
 as at sealing); the packed codes fill the first ``D/2`` bytes of each row of the block's 8-bit slot (the
 rest is zeroed), min/scale are replaced and ``block_bits`` becomes 4. The error adds up: ``|x − deq4| ≤
 scale8 / 2 + scale4 / 2``.
+
+This module is the PyTorch reference (the executable spec and the fallback of the Triton launcher in
+:mod:`kvtune.kernels.triton_quant`); :mod:`kvtune.kernels.requant` dispatches between them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool
-from kvtune.kernels.quant import dequantize_blocks_ref, seal_blocks_ref
+from kvtune.kernels.quant_ref import dequantize_blocks_ref, seal_blocks_ref
 
 
 def requantize_int4_ref(pool: ColdPool, block_ids: torch.Tensor) -> None:
@@ -40,12 +42,3 @@ def requantize_int4_ref(pool: ColdPool, block_ids: torch.Tensor) -> None:
         now = getattr(pool, name)[block_ids]
         mask = keep.view(-1, *([1] * (now.dim() - 1)))
         getattr(pool, name)[block_ids] = torch.where(mask, before, now)
-
-
-def requantize_int4(pool: ColdPool, block_ids: torch.Tensor) -> None:
-    """See :func:`requantize_int4_ref`; Triton on CUDA tensors."""
-    if use_triton(pool.k):
-        from kvtune.kernels.triton_quant import requantize_int4_triton
-
-        return requantize_int4_triton(pool, block_ids)
-    requantize_int4_ref(pool, block_ids)

@@ -9,8 +9,10 @@ Per sequence ``b`` with sealed blocks ``blocks[b]`` (oldest first, -1 padded) an
 It also adds what attention and Quest will read to a :class:`ByteCount` on the device: per table entry
 ``cost[block_bits[entry]]``, per L2 block ``quest_cost`` (its key mins and scales, every KV head).
 
-On CUDA this is one Triton kernel (:mod:`kvtune.kernels.triton_sparse_table`), instead of ~60 PyTorch
-operations per layer.
+This module is the PyTorch reference (the executable spec) and the vocabulary both implementations share
+(the tier codes, :class:`ByteCount`). On CUDA the launcher
+:func:`kvtune.kernels.sparse_table.sparse_block_table` takes one Triton kernel
+(:mod:`kvtune.kernels.triton_sparse_table`) instead of ~60 PyTorch operations per layer.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool
-from kvtune.kernels.quest import quest_topk_ref
+from kvtune.kernels.quest_ref import quest_topk_ref
 
 L1, L2 = 1, 2  # tier codes of a block (int8)
 
@@ -65,14 +66,3 @@ def sparse_block_table_ref(
     bits = pool.block_bits[table.clamp(min=0)].long()
     count.total.add_(torch.where(table >= 0, count.cost[bits], 0).sum() + n2.sum() * count.quest_cost)
     return table.to(torch.int32), num.to(torch.int32), n1.to(torch.int32)[:, None].expand(b, h)
-
-
-def sparse_block_table(
-    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See :func:`sparse_block_table_ref`; Triton on CUDA."""
-    if use_triton(q):
-        from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
-
-        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
-    return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)

@@ -1,0 +1,25 @@
+"""A layer's attention table when some of its blocks are in L2: the launcher (rule, reference, tier codes and
+:class:`ByteCount`: :mod:`kvtune.kernels.sparse_table_ref`; on CUDA the Triton kernel of
+:mod:`kvtune.kernels.triton_sparse_table`, imported on first use).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtune.kernels.backend import use_triton
+from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, compact, sparse_block_table_ref
+
+__all__ = ["L1", "L2", "ByteCount", "compact", "sparse_block_table", "sparse_block_table_ref"]
+
+
+def sparse_block_table(
+    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`sparse_block_table_ref`; Triton on CUDA."""
+    if use_triton(q):
+        from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
+
+        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
+    return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)
