@@ -39,7 +39,6 @@ import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
-from kvtune.cache_impl.layout import sequences_for_budget
 from kvtune.engine.graphs import DecodeGraphs
 from kvtune.engine.graphs import attention_ms as graphs_attention_ms
 from kvtune.engine.metrics import (
@@ -49,9 +48,9 @@ from kvtune.engine.metrics import (
     copy_bandwidth_gbs,
     summarize,
 )
-from kvtune.engine.options import CPU_BUDGET_CAP_BYTES
+from kvtune.engine.options import CPU_BUDGET_CAP_BYTES, max_num_seqs_for
 from kvtune.engine.outputs import SlotOutputs
-from kvtune.engine.scheduler import MAX_NUM_SEQS_CAP, Scheduler, SchedulerConfig
+from kvtune.engine.scheduler import Scheduler, SchedulerConfig
 from kvtune.engine.scheduler import Sequence as Seq
 from kvtune.engine.traces import LengthCounts, LengthPolicy, Request, prompt_token_ids, read_trace
 
@@ -336,20 +335,14 @@ class Engine:
 
     def settings_for(self, requests: Sequence[Request]) -> EngineSettings:
         """The options of a replay of ``requests`` (already fitted to the context): ``max_num_seqs`` given, or
-        derived from the budget and the layout (:func:`~kvtune.cache_impl.layout.sequences_for_budget` at
-        the requests' mean prompt + output length), never above :data:`MAX_NUM_SEQS_CAP`, the number of
-        requests or ``max_num_batched_tokens``."""
+        derived from the budget and the layout at the requests' mean prompt + output length, within the
+        caps of :func:`~kvtune.engine.options.max_num_seqs_for`."""
         opts = self.scheduler_config
         lengths = [r.input_length + r.output_length for r in requests] or [1]
-        if opts.max_num_seqs is not None:
-            seqs = opts.max_num_seqs
-        else:
-            mean = sum(lengths) / len(lengths)
-            seqs = min(
-                MAX_NUM_SEQS_CAP,
-                sequences_for_budget(self.config, self.model.kv_shape, self.budget_bytes, mean),
-            )
-        seqs = max(1, min(seqs, len(requests) or 1, opts.max_num_batched_tokens))
+        seqs, _ = max_num_seqs_for(
+            self.config, self.model.kv_shape, self.budget_bytes, sum(lengths) / len(lengths),
+            opts.max_num_batched_tokens, given=opts.max_num_seqs, requests=len(requests),
+        )  # fmt: skip
         graphs = opts.graphs and not self.config.kv_cache_debug
         return EngineSettings(
             max_num_seqs=seqs,

@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.layout import ModelKVShape, sequences_for_budget
 from kvtune.engine.scheduler import SchedulerConfig
 
+MAX_NUM_SEQS_CAP = 1024  # the most sequences a derived max_num_seqs allows
 CPU_BUDGET_CAP_BYTES = 4 << 30  # a CPU worker's default KV budget at most (allocated whole, up front)
 WARMUP_REQUESTS = 2  # served once on a throw-away cache before every measured replay (compilations, pools)
 # On a CPU, lengths are scaled down so that a replay of a few requests takes about a minute.
@@ -21,6 +24,38 @@ CPU_LENGTH_CAP = 192
 def length_defaults(device: torch.device) -> tuple[float, int | None]:
     """``(length scale, length cap)`` for a trace replayed on ``device``: the trace as it is on a GPU."""
     return (CPU_LENGTH_SCALE, CPU_LENGTH_CAP) if torch.device(device).type == "cpu" else (1.0, None)
+
+
+def max_num_seqs_for(
+    config: HybridConfig,
+    shape: ModelKVShape,
+    budget_bytes: int,
+    mean_length: float,
+    batched_tokens: int | None = None,
+    *,
+    given: int | None = None,
+    factor: float = 1.0,
+    requests: int | None = None,
+) -> tuple[int, int]:
+    """``(max_num_seqs, derived)``: the engine's limit on running sequences, its default and its caps decided
+    here alone (the engine's replays and the search space's knob both ask).
+
+    ``derived``, the default: how many sequences of ``mean_length`` tokens (prompt + output) the budget holds
+    at once, hot zone and sealed blocks at the config's bits
+    (:func:`~kvtune.cache_impl.layout.sequences_for_budget`), at most :data:`MAX_NUM_SEQS_CAP`; so a config
+    that stores more tokens per byte runs bigger batches. ``max_num_seqs``: ``given`` where given
+    (``--max-num-seqs``), else ``factor`` × ``derived`` (the search space's ``max_num_seqs_factor``) at most
+    :data:`MAX_NUM_SEQS_CAP`; then at most ``requests`` (a replay of fewer requests runs no more; 0 counts as
+    1), at most ``batched_tokens`` (``max_num_batched_tokens``: every decode token fits one iteration) and at
+    least 1.
+    """
+    derived = min(MAX_NUM_SEQS_CAP, sequences_for_budget(config, shape, budget_bytes, mean_length))
+    seqs = given if given is not None else min(round(factor * derived), MAX_NUM_SEQS_CAP)
+    if requests is not None:
+        seqs = min(seqs, requests or 1)
+    if batched_tokens is not None:
+        seqs = min(seqs, batched_tokens)
+    return max(1, seqs), derived
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ from kvtune.engine.traces import Request
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 CLOCKS = ("wall", "device")  # what a replay's clock counts (SchedulerConfig.clock)
-MAX_NUM_SEQS_CAP = 1024  # the most sequences a derived max_num_seqs allows
 
 
 @dataclass(frozen=True)
@@ -43,9 +42,10 @@ class SchedulerConfig:
 
     max_num_seqs: most sequences running at once (decoding or prefilling). None (the default): derived per
     replay from the KV budget and the cache layout, the number of sequences of the workload's mean length
-    (prompt + output) whose hot zone and blocks the budget holds, capped at :data:`MAX_NUM_SEQS_CAP`, the
-    number of requests and ``max_num_batched_tokens``; so a config that stores more tokens runs bigger
-    batches. The cache allocates exactly that many hot-zone slots; the rest of the budget is blocks.
+    (prompt + output) whose hot zone and blocks the budget holds, capped at
+    :data:`~kvtune.engine.options.MAX_NUM_SEQS_CAP`, the number of requests and ``max_num_batched_tokens``
+    (:func:`~kvtune.engine.options.max_num_seqs_for` decides it); so a config that stores more tokens runs
+    bigger batches. The cache allocates exactly that many hot-zone slots; the rest of the budget is blocks.
     max_num_batched_tokens: tokens of one iteration, decode tokens and prompt chunks together (default
     8192, as vLLM's chunked prefill on large GPUs; with ``mixed=False``, the prompt tokens prefilled between
     two decode steps, what ``max_prefill_tokens`` was). A smaller budget bounds how long a decode token waits

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtune.kernels.access import EMA_WEIGHT
+from kvtune.kernels.access_ref import EMA_WEIGHT
 
 MB = 64
 
@@ -80,7 +80,7 @@ def update_access_triton(
     now_ms: float | torch.Tensor,
     flags: torch.Tensor,
 ) -> None:
-    """The contract of :func:`kvtune.kernels.access.update_access_ref`; ``flags`` int32 [N], all zeros;
+    """The contract of :func:`kvtune.kernels.access_ref.update_access_ref`; ``flags`` int32 [N], all zeros;
     ``now_ms`` a float, or a float64 scalar on the device (read by the kernel, no host value baked in)."""
     b, h, m = block_table.shape
     rules = {

@@ -24,14 +24,15 @@ once (GPU only, ``cvt=2``).
 itself before it merges, launched as a programmatic dependent so that it does so while the cold blocks
 stream.
 
-Which of these kernels takes a launch is decided by :func:`kvtune.kernels.decode_attention.decode_kernel`.
+Which of these kernels takes a launch is decided by :func:`kvtune.kernels.decode_choice.decode_kernel`, with
+the options of :class:`~kvtune.kernels.decode_choice.DecodeKernelOptions`.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -39,105 +40,15 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels import gluon_decode
-from kvtune.kernels.decode_attention import DecodeKernel, decode_kernel, hybrid_decode_attention_ref
+from kvtune.kernels.decode_choice import PURE_INT8 as PURE_INT8
+from kvtune.kernels.decode_choice import DecodeKernel, decode_kernel, options_for
+from kvtune.kernels.decode_choice import DecodeKernelOptions as DecodeKernelOptions
+from kvtune.kernels.decode_choice import default_options as default_options
+from kvtune.kernels.decode_ref import hybrid_decode_attention_ref
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.triton_common import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class DecodeKernelOptions:
-    """How :func:`hybrid_decode_attention_triton` runs a launch (per-pool defaults: :func:`options_for`).
-
-    Live knobs, in which the shipped defaults differ (``benchmarks/decode_attention.py --sweep`` varies them):
-
-    cvt: code -> fp16 conversion, 0 plain cast, 1 magic number in pure ``tl``, 2 PTX ``prmt`` (GPU only).
-    mixed: 8-bit pools honour ``block_bits`` per block (False only if no block was ever demoted).
-    k_transposed: load key codes as ``[D/2, T]`` tiles (no register transpose before the matrix unit).
-    programs_per_sm: the split kernel's split count aims at this many programs per multiprocessor.
-    num_warps: warps per program of the split kernel.
-    maxnreg: register cap per thread of the split kernel (more programs per multiprocessor), None for the
-        compiler's choice.
-    v_pairs: value codes are read as 16-bit pairs of neighbouring channels (``[T, D/2]`` uint16), split
-        into the even and the odd channels and multiplied as two ``[T, D/2]`` tiles; the output accumulates
-        as even and odd channels instead of low and high halves. 16-bit elements take the matrix unit's
-        transposing shared-memory load, where byte codes are gathered one by one for ``P . V`` (whose
-        contraction runs over tokens). Pure 8-bit pools only (others take the byte path).
-    gluon: pure 8-bit and 4-bit pools on CUDA take the Gluon kernel for the cold blocks
-        (``gluon_decode``: one warp per program, every register placed by hand), and the merge kernel
-        attends the hot zone before it merges (:func:`~kvtune.kernels.decode_attention.decode_kernel`).
-    gluon_stages: the Gluon kernel copies blocks j + 1 .. j + s - 1 into a ring of s blocks in shared memory
-        (``cp.async``) while a program computes block j; 0 loads each block into registers when the program
-        starts it.
-
-    Named constants, the same in every shipped default (tests and sweeps set the other values):
-
-    num_stages: software-pipelining stages of the split kernel.
-    min_blocks_per_split: either kernel plans at most ``ceil(blocks / min_blocks_per_split)`` splits.
-    gluon_programs_per_sm: the Gluon kernel's split count aims at this many programs per multiprocessor until
-        the build's occupancy is known (its first launch); then the wave model plans it (:func:`wave_splits`).
-    gluon_pdl: the merge is launched as a programmatic dependent of the Gluon kernel, so it attends the hot
-        zone while the cold blocks are read and waits only before merging.
-    gluon_key_rows: key codes are copied into the ring by consecutive lanes along whole rows (whole 128-byte
-        lines per quarter-warp) into a swizzled stage; False: each lane copies the pieces it loads.
-    gluon_table_ahead: (with a ring) the block-table entries travel in the ring too, s blocks ahead, so no
-        iteration waits on a load of its next block id (False: that id is loaded one iteration ahead, a
-        round trip to memory per block).
-    """
-
-    # live knobs
-    cvt: int = 2
-    mixed: bool = True
-    k_transposed: bool = False
-    programs_per_sm: int = 4
-    num_warps: int = 4
-    maxnreg: int | None = None
-    v_pairs: bool = False
-    gluon: bool = False
-    gluon_stages: int = 2
-    # named constants
-    num_stages: int = 2
-    min_blocks_per_split: int = 4
-    gluon_programs_per_sm: int = 32
-    gluon_pdl: bool = True
-    gluon_key_rows: bool = True
-    gluon_table_ahead: bool = True
-
-
-# Chosen on the H200 per pool bits (benchmarks/NOTES.md, "Decode attention kernels", and the runs after it).
-# An 8-bit pool is read with per-block bits (a demoted block may sit in it); ``PURE_INT8`` is for 8-bit pools
-# where no block is ever demoted, which the Gluon kernel can take.
-_DEFAULTS = {
-    8: DecodeKernelOptions(cvt=2, mixed=True, programs_per_sm=8, maxnreg=128),
-    # INT4: 2 stages and a 128-register cap fit 4 programs per multiprocessor (3 stages or no cap: 3).
-    4: DecodeKernelOptions(
-        cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128, gluon=True
-    ),
-    0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
-}
-# v_pairs: the value tile takes the matrix unit's transposing load instead of a byte gather (NOTES, "value
-# codes as channel pairs"). gluon: one warp per block, no shared-memory round trips between warps (NOTES,
-# "one warp per block, in Gluon"). gluon_stages 3: the 8-bit ring is fastest at 3 stages, the 4-bit one at 2
-# (NOTES, "ring depth").
-PURE_INT8 = DecodeKernelOptions(
-    cvt=2, mixed=False, programs_per_sm=16, maxnreg=128, v_pairs=True, gluon=True, gluon_stages=3
-)
-
-
-def default_options(bits: int) -> DecodeKernelOptions:
-    """The kernel options used for a pool of ``bits`` (0, 4 or 8) that may hold demoted blocks."""
-    return _DEFAULTS[bits]
-
-
-def options_for(pool: ColdPool, options: DecodeKernelOptions | None = None) -> DecodeKernelOptions:
-    """``options``, else the defaults for this pool: :data:`PURE_INT8` for an 8-bit pool that never demotes
-    a block, else :func:`default_options` of its bits."""
-    if options is not None:
-        return options
-    if pool.bits == 8 and not pool.may_demote:
-        return PURE_INT8
-    return default_options(pool.bits)
 
 
 def _prmt_asm(sel0: str, sel1: str) -> tl.constexpr:
@@ -533,7 +444,7 @@ def _num_sms(device: torch.device) -> int:
 class DecodePlan(NamedTuple):
     """One launch of :func:`hybrid_decode_attention_triton` as planned (:func:`launch_plan`)."""
 
-    kernel: DecodeKernel  # :func:`~kvtune.kernels.decode_attention.decode_kernel`'s choice
+    kernel: DecodeKernel  # :func:`~kvtune.kernels.decode_choice.decode_kernel`'s choice
     options: DecodeKernelOptions  # as the launch uses them (:func:`_resolved`)
     meta: dict[str, object]  # the split kernel's compile-time values (the merge reads HOT_T and PREC)
     key: tuple[object, ...]  # the Gluon build's occupancy key in ``_RESIDENT`` (() for the split kernel)
@@ -550,7 +461,7 @@ def launch_plan(
     kernel: DecodeKernel | None = None,
 ) -> DecodePlan:
     """How :func:`hybrid_decode_attention_triton` launches on these inputs: its kernel (``kernel``, else
-    :func:`~kvtune.kernels.decode_attention.decode_kernel`'s choice), options, compile-time values and split
+    :func:`~kvtune.kernels.decode_choice.decode_kernel`'s choice), options, compile-time values and split
     count (the Gluon kernel's, where it takes the launch: the merge then attends the hot zone)."""
     if kernel is None:
         kernel = decode_kernel(q, pool, block_table, options, triton=True)
@@ -711,7 +622,7 @@ def hybrid_decode_attention_triton(
     q [B, Hq, D]; hot_k/hot_v [S, H, C, D] model dtype; hot_slot, hot_len int32 [B]; block_table int32
     [B, H, M] (padded -1); num_cold int32 [B, H]. Returns out [B, Hq, D] (q.dtype), block_mass float32
     [B, H, M], hot_mass float32 [B, H]. ``kernel``: the choice of
-    :func:`~kvtune.kernels.decode_attention.decode_kernel` where the caller made it (the dispatcher; a test
+    :func:`~kvtune.kernels.decode_choice.decode_kernel` where the caller made it (the dispatcher; a test
     forcing one), else made here with the Triton kernels taken as available (CPU tensors: the interpreter).
     """
     if kernel is None:

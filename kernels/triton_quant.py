@@ -1,12 +1,12 @@
 """Sealing (quantize + pack) and INT8 -> INT4 demotion in Triton; layout in :mod:`kvtune.kernels.layout`.
 
 One program per (block, KV head) holds the block's ``[block_size, D]`` keys and values in registers as two
-channel halves ``[0, D/2)`` and ``[D/2, D)`` (an INT4 byte ``c`` packs channel ``c`` with ``c + D/2``). The
-arithmetic repeats :mod:`kvtune.kernels.quant` operation by operation, in float32 with IEEE division, no fused
-multiply-add (``enable_fp_fusion=False``) and round-half-even through ``(y + 2^23) - 2^23``, so codes, mins
-and scales equal the reference's on the CPU (interpreter tests). On the GPU the tests check the layout's error
-bound instead: the reference run by PyTorch on CUDA divides by a Python scalar through its reciprocal and can
-land one fp16 step away.
+channel halves ``[0, D/2)`` and ``[D/2, D)`` (an INT4 byte ``c`` packs channel ``c`` with ``c + D/2``).
+The arithmetic repeats :mod:`kvtune.kernels.quant_ref` operation by operation, in float32 with IEEE
+division, no fused multiply-add (``enable_fp_fusion=False``) and round-half-even through ``(y + 2^23) -
+2^23``, so codes, mins and scales equal the reference's on the CPU (interpreter tests). On the GPU the tests
+check the layout's error bound instead: the reference run by PyTorch on CUDA divides by a Python scalar
+through its reciprocal and can land one fp16 step away.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
-from kvtune.kernels.quant import check_seal_bits, seal_blocks_ref
-from kvtune.kernels.requant import requantize_int4_ref
+from kvtune.kernels.quant_ref import check_seal_bits, seal_blocks_ref
+from kvtune.kernels.requant_ref import requantize_int4_ref
 from kvtune.kernels.triton_common import next_pow2, tileable_head_dim
 
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
-from kvtune.kernels.quest import quest_topk_ref
+from kvtune.kernels.quest_ref import quest_topk_ref
 from kvtune.kernels.triton_common import cdiv, tileable_head_dim
 
 QUEST_TILE = 64  # L2 blocks per program, whatever the table width (one compiled kernel)

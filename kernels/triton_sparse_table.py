@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
-from kvtune.kernels.sparse_table import L1, L2, ByteCount, sparse_block_table_ref
+from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, sparse_block_table_ref
 from kvtune.kernels.triton_common import cdiv, next_pow2, tileable_head_dim
 
 SPLIT = 512  # blocks per step of the split (2 ids and tiers per thread)
@@ -236,7 +236,7 @@ def _pair(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, .
 def sparse_block_table_triton(
     q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract of :func:`kvtune.kernels.sparse_table.sparse_block_table_ref`, in one launch.
+    """The contract of :func:`kvtune.kernels.sparse_table_ref.sparse_block_table_ref`, in one launch.
 
     The selected L2 blocks of a (sequence, KV head) are the reference's top-k as a set, best first; blocks
     of equal bound may be chosen differently. In an 8-bit pool that may hold demoted blocks each block's own

@@ -19,8 +19,9 @@ parameter                  distribution                            config field
 
 The engine knobs (:meth:`SearchSpace.suggest_knobs`) are asked after the config and travel beside it:
 ``max_num_seqs`` is the factor times the sequences of the workload's mean length that the config's cache
-holds under the budget (:meth:`SearchSpace.auto_seqs`), capped at ``MAX_NUM_SEQS`` and at
-``max_num_batched_tokens`` (vLLM's rule: an iteration must be able to batch one token per sequence).
+holds under the budget (:meth:`SearchSpace.auto_seqs`), capped at ``MAX_NUM_SEQS_CAP`` and at
+``max_num_batched_tokens`` (vLLM's rule: an iteration must be able to batch one token per sequence): the
+engine's own rule, :func:`kvtune.engine.options.max_num_seqs_for`.
 
 Memory rule: every point of the space fits the KV budget for the workload, i.e. a cache of that budget
 laid out for ``concurrency`` sequences (:func:`kvtune.cache_impl.layout.cache_layout`) holds that many
@@ -53,15 +54,14 @@ from optuna.distributions import (
 )
 
 from kvtune.cache_impl.config import BITS, HOT_TOKENS_RANGE, HybridConfig
-from kvtune.cache_impl.layout import ModelKVShape, cache_layout, hot_bytes_per_seq, sequences_for_budget
-from kvtune.engine.scheduler import MAX_NUM_SEQS_CAP
+from kvtune.cache_impl.layout import ModelKVShape, cache_layout, hot_bytes_per_seq
+from kvtune.engine.options import MAX_NUM_SEQS_CAP, max_num_seqs_for
 from kvtune.search_spaces.cards import Card
 
 SPACE_VERSION = 2  # 2: the engine knobs
 BATCHED_TOKENS_GPU = (2048, 4096, 8192, 16384)
 BATCHED_TOKENS_CPU = (64, 128, 256, 512)  # CPU lengths are scaled down 32x (docs/DESIGN.md §2.2)
 SEQS_FACTORS = (0.5, 1.0, 2.0)
-MAX_NUM_SEQS = MAX_NUM_SEQS_CAP  # the engine's cap on a derived max_num_seqs
 DEFAULT_SEQS_FACTOR = 1.0
 BUDGET_FRACTION = 0.9  # of the card's memory, when the caller resolves no budget
 MAX_SPARSE_BLOCKS = 8
@@ -196,22 +196,28 @@ class SearchSpace:
 
     def knobs_for(self, config: HybridConfig, batched_tokens: int, factor: float) -> dict[str, Any]:
         """``{max_num_batched_tokens, max_num_seqs, max_num_seqs_factor, max_num_seqs_auto}`` for
-        ``config``: ``max_num_seqs`` = ``factor`` × :meth:`auto_seqs`, within [1, min(MAX_NUM_SEQS,
-        max_num_batched_tokens)]."""
-        auto = self.auto_seqs(config)
-        seqs = max(1, min(round(factor * auto), MAX_NUM_SEQS, batched_tokens))
+        ``config``: ``max_num_seqs`` = ``factor`` × :meth:`auto_seqs`, within [1, min(MAX_NUM_SEQS_CAP,
+        max_num_batched_tokens)] (:func:`~kvtune.engine.options.max_num_seqs_for`)."""
+        seqs, auto = self._max_num_seqs(config, batched_tokens, factor)
         return {"max_num_batched_tokens": batched_tokens, "max_num_seqs": seqs,
                 "max_num_seqs_factor": factor, "max_num_seqs_auto": auto}  # fmt: skip
 
     def auto_seqs(self, config: HybridConfig) -> int:
         """The most sequences of the workload's mean length that ``config``'s cache holds at once under the
-        budget, at most ``MAX_NUM_SEQS``: the engine's own default ``max_num_seqs``
-        (:func:`~kvtune.cache_impl.layout.sequences_for_budget`), so a config that stores more tokens per
-        byte runs larger batches."""
+        budget, at most ``MAX_NUM_SEQS_CAP``: the engine's own default ``max_num_seqs``
+        (:func:`~kvtune.engine.options.max_num_seqs_for`), so a config that stores more tokens per byte runs
+        larger batches."""
+        return self._max_num_seqs(config)[1]
+
+    def _max_num_seqs(
+        self, config: HybridConfig, batched_tokens: int | None = None, factor: float = 1.0
+    ) -> tuple[int, int]:
+        """:func:`~kvtune.engine.options.max_num_seqs_for` at the workload's mean length under the budget."""
         if self.shape is None:
             raise ValueError("SearchSpace: the engine knobs need the model's KV shape")
         length = self.workload.mean_length or self.workload.length_pctl
-        return min(MAX_NUM_SEQS, sequences_for_budget(config, self.shape, self.kv_budget_bytes, length))
+        budget = self.kv_budget_bytes
+        return max_num_seqs_for(config, self.shape, budget, length, batched_tokens, factor=factor)
 
     def knob_params(self, knobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """The parameters that make :meth:`suggest_knobs` return ``knobs`` (default: the default knobs);
@@ -352,7 +358,7 @@ class SearchSpace:
             holds = ", ".join(f"{q}-bit {n}" for q, n in zip(self.bits, fits))
             lines.append(
                 f"  engine knobs: max_num_seqs = factor x the sequences of {length} tokens (mean) the budget "
-                f"holds (hot {hot}, block {block}: {holds}), at most {MAX_NUM_SEQS} and "
+                f"holds (hot {hot}, block {block}: {holds}), at most {MAX_NUM_SEQS_CAP} and "
                 "max_num_batched_tokens"
             )
         if not self.real_weights:

@@ -437,7 +437,8 @@ def test_a_window_that_never_overloads_the_baseline_is_refused(
     meet the limits: the baseline's searches end at the saturation rate, and the study stops there with one
     line naming the flags, before anything is stored."""
     storage = f"sqlite:///{tmp_path}/c.db"
-    small = [a if a != "12" else "6" for a in argv(storage, "--trials", "1")]
+    out = tmp_path / "preset.json"  # were the study not refused, its preset would land here, not in presets/
+    small = [a if a != "12" else "6" for a in argv(storage, "--trials", "1", "--out", str(out))]
     small[small.index(str(AZURE))] = str(TRACE)
     assert cli.main(small) == 2
     err = capsys.readouterr().err.strip().splitlines()

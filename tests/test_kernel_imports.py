@@ -1,30 +1,28 @@
-"""No import cycle among the ``kvtune.kernels`` modules, read from their source with ``ast``.
+"""No import cycle among kvtune's modules (``kernels/`` first, every other package too), read from their
+source with ``ast``.
 
-The rule: module A depends on module B (both in ``kernels/``) when importing A runs an import of B, that is an
-``import`` or ``from ... import`` statement
-
-* at module level, also inside module-level ``if``/``try``/``with``/``for`` blocks and class bodies, except
-  under ``if TYPE_CHECKING:`` (never run);
-* or inside a module-level function that the module itself calls while it is imported: by name, in a
-  module-level statement (``x = f()``) or as a decorator of a module-level function or class.
-
-Imports inside functions that run later (a dispatcher's lazy import of its Triton module on first use) do not
-count: by then both modules are imported. These dependencies must form no cycle, so that any kernel module
-imports on its own, in any order.
+The rule: module A depends on module B when A's source holds an ``import`` or ``from ... import`` of B
+anywhere: at module level, inside a function that runs later (a dispatcher's import of its Triton module on
+first use), or under ``if TYPE_CHECKING:``. These dependencies form no cycle, lazy or not. What two modules
+share lives in a module below both: a kernel's PyTorch reference in ``kernels/<op>_ref.py``, which its
+dispatcher and its Triton launcher both import; the decode kernel's choice and options in
+``kernels/decode_choice.py``; what ``tuner/preflight.py`` reads of a run, as a ``Protocol`` declared there.
+So every module imports on its own, in any order, and reading one never leads back to itself.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 from pathlib import Path
 
 import pytest
 
-import kvtune.kernels
+import kvtune
 
-PACKAGE = "kvtune.kernels"
-KERNELS = Path(kvtune.kernels.__path__[0])
+ROOT = Path(kvtune.__path__[0]).resolve().parent
+PACKAGES = ("kernels", "cache_impl", "engine", "search_spaces", "studies", "tuner")
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -33,67 +31,45 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imported(node: ast.Import | ast.ImportFrom, modules: set[str]) -> set[str]:
-    """The ``kernels`` modules (names without the package) an import statement imports."""
+def _within(name: str, known: set[str]) -> str | None:
+    """The longest known module that ``name`` (dotted, without ``kvtune.``) is or lies in."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in known:
+            return ".".join(parts[:n])
+    return None
+
+
+def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The known modules an import statement of ``module`` imports (names without ``kvtune.``)."""
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
-    elif node.level:  # relative: ``from . import x`` or ``from .x import y`` inside the package
-        names = [node.module] if node.module else [a.name for a in node.names]
-        names = [f"{PACKAGE}.{n}" for n in names]
-    elif node.module == PACKAGE:  # ``from kvtune.kernels import x``
-        names = [f"{PACKAGE}.{a.name}" for a in node.names]
     else:
-        names = [node.module or ""]
+        if node.level:  # relative: ``from . import x`` or ``from .x import y``
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            source = ".".join([*base, node.module] if node.module else base)
+        else:
+            source = (node.module or "").removeprefix("kvtune.")
+            if not (node.module or "").startswith("kvtune."):
+                return set()
+        # ``from pkg import mod`` imports the module ``pkg.mod``; ``from mod import name`` the module ``mod``
+        names = [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
+        return {m for m in names if m in known}
     out = set()
     for name in names:
-        parts = name.split(".")
-        if ".".join(parts[:2]) == PACKAGE and len(parts) > 2 and parts[2] in modules:
-            out.add(parts[2])
+        if name.startswith("kvtune.") and (inner := _within(name.removeprefix("kvtune."), known)):
+            out.add(inner)
     return out
 
 
-def _run_at_import(body: list[ast.stmt]) -> list[ast.stmt]:
-    """The statements of a module body that run when it is imported, with nested blocks flattened (function
-    bodies excluded; class bodies included; ``if TYPE_CHECKING:`` blocks left out)."""
-    out: list[ast.stmt] = []
-    for stmt in body:
-        out.append(stmt)
-        if isinstance(stmt, ast.If):
-            if not _is_type_checking(stmt.test):
-                out += _run_at_import(stmt.body)
-            out += _run_at_import(stmt.orelse)
-        elif isinstance(stmt, ast.Try):
-            for block in (stmt.body, stmt.orelse, stmt.finalbody, *(h.body for h in stmt.handlers)):
-                out += _run_at_import(block)
-        elif isinstance(stmt, (ast.With, ast.For, ast.While, ast.ClassDef)):
-            out += _run_at_import(stmt.body)
-    return out
-
-
-def import_edges(source: str, modules: set[str]) -> set[str]:
-    """The ``kernels`` modules that importing a module of this source imports (the module docstring)."""
-    tree = ast.parse(source)
-    top = _run_at_import(tree.body)
-    functions = {s.name: s for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    called: set[str] = set()
-    for stmt in top:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            nodes: list[ast.AST] = list(stmt.decorator_list)
-        else:
-            nodes = [stmt]
-        for node in nodes:
-            for sub in ast.walk(node):
-                if isinstance(sub, ast.Name) and sub.id in functions:
-                    called.add(sub.id)
+def import_edges(source: str, module: str, known: set[str], is_package: bool = False) -> set[str]:
+    """Every known module the source of ``module`` imports, wherever the import stands (module docstring)."""
     edges: set[str] = set()
-    for stmt in top:
-        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-            edges |= _imported(stmt, modules)
-    for name in called:
-        for sub in ast.walk(functions[name]):
-            if isinstance(sub, (ast.Import, ast.ImportFrom)):
-                edges |= _imported(sub, modules)
-    return edges
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            edges |= _imported(node, module, is_package, known)
+    return edges - {module}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -119,26 +95,66 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def kernels_graph() -> dict[str, set[str]]:
-    sources = {p.stem: p.read_text(encoding="utf-8") for p in sorted(KERNELS.glob("*.py"))}
-    modules = set(sources) - {"__init__"}
-    return {name: import_edges(src, modules) - {name} for name, src in sources.items() if name in modules}
+def _modules() -> dict[str, Path]:
+    """Every module of the packages by dotted name without ``kvtune.`` (a package by its ``__init__``)."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
 
 
-def test_kernels_import_graph_has_no_cycle() -> None:
-    graph = kernels_graph()
-    assert {"decode_attention", "triton_decode", "gluon_decode", "triton_common"} <= set(graph)
-    assert "decode_attention" in graph["triton_decode"]  # the reader sees real edges
+@functools.cache
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {
+        name: import_edges(path.read_text(encoding="utf-8"), name, known, path.name == "__init__.py")
+        for name, path in modules.items()
+    }
+
+
+def _cycle_message(cycle: list[str] | None, where: str) -> str:
+    return (
+        f"import cycle among {where} (every import counted, in functions and under TYPE_CHECKING too): "
+        + (" -> ".join(cycle or []))
+    )
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycle_within_a_package(package: str) -> None:
+    graph = {
+        name: {m for m in deps if m.split(".")[0] == package}
+        for name, deps in import_graph().items()
+        if name.split(".")[0] == package
+    }
     cycle = find_cycle(graph)
-    assert cycle is None, "import cycle among kvtune.kernels modules: " + " -> ".join(cycle or [])
+    assert cycle is None, _cycle_message(cycle, f"the kvtune.{package} modules")
+
+
+def test_no_import_cycle_across_packages() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, _cycle_message(cycle, "the kvtune modules")
+
+
+def test_the_reader_sees_the_real_edges() -> None:
+    """Imports at module level and inside functions (a dispatcher's import of its Triton launcher) alike."""
+    graph = import_graph()
+    assert {"kernels.decode_attention", "kernels.triton_decode", "kernels.gluon_decode"} <= set(graph)
+    assert {"kernels.decode_ref", "kernels.decode_choice", "kernels.gluon_decode"} <= graph[
+        "kernels.triton_decode"
+    ]
+    assert "kernels.triton_decode" in graph["kernels.decode_attention"]  # inside hybrid_decode_attention
+    assert "kernels.gluon_decode" in graph["kernels.decode_choice"]  # inside decode_kernel
+    assert "tuner.preflight" in graph["tuner.job"]
 
 
 def test_triton_launchers_do_not_import_each_other_for_helpers() -> None:
-    """Host helpers shared by the Triton launchers live in ``triton_common``, not in ``triton_decode``."""
-    graph = kernels_graph()
-    for name, deps in graph.items():
-        if name != "triton_decode":
-            assert "triton_decode" not in deps, name
+    """Host helpers shared by the Triton launchers live in ``triton_common``, not in ``triton_decode``: only
+    its dispatcher imports it."""
+    importers = {name for name, deps in import_graph().items() if "kernels.triton_decode" in deps}
+    assert importers <= {"kernels.decode_attention"}, sorted(importers)
 
 
 @pytest.mark.parametrize(
@@ -158,29 +174,67 @@ def test_find_cycle(graph: dict[str, set[str]], cyclic: bool) -> None:
         assert cycle[0] == cycle[-1] and all(b in graph[a] for a, b in itertools.pairwise(cycle))
 
 
+KNOWN = {"kernels", "kernels.a", "kernels.b", "kernels.c", "kernels.d", "tuner.export", "tuner.job",
+         "tuner.commands", "tuner.commands.x"}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("source", "edges"),
+    ("module", "source", "edges"),
     [
-        ("from kvtune.kernels.b import f\nimport kvtune.kernels.c\n", {"b", "c"}),
-        ("from kvtune.kernels import b, nothing\nfrom . import c\nfrom .d import g\n", {"b", "c", "d"}),
-        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvtune.kernels.b import T\n", set()),
-        ("def f():\n    from kvtune.kernels.b import g\n    return g()\n", set()),  # lazy: later
-        ("def f():\n    from kvtune.kernels.b import g\n    return g\nX = f()\n", {"b"}),  # run at import
-        ("def deco(fn):\n    import kvtune.kernels.c\n    return fn\n@deco\ndef h():\n    pass\n", {"c"}),
-        ("try:\n    from kvtune.kernels.b import g\nexcept ImportError:\n    g = None\n", {"b"}),
-        ("class K:\n    from kvtune.kernels.c import x\n", {"c"}),
-        ("from kvtune.kernels_extra.b import f\nfrom torch import b\n", set()),
+        (
+            "kernels.a",
+            "from kvtune.kernels.b import f\nimport kvtune.kernels.c\n",
+            {"kernels.b", "kernels.c"},
+        ),
+        ("kernels.a", "from kvtune.kernels import b, nothing\n", {"kernels.b", "kernels"}),
+        ("kernels.a", "from . import c\nfrom .d import g\n", {"kernels.c", "kernels.d"}),
+        (
+            "kernels.a",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvtune.kernels.b import T\n",
+            {"kernels.b"},
+        ),
+        (
+            "kernels.a",
+            "def f():\n    from kvtune.kernels.b import g\n    return g()\n",
+            {"kernels.b"},
+        ),
+        ("kernels.a", "class K:\n    def m(self):\n        import kvtune.kernels.c.inner\n", {"kernels.c"}),
+        (
+            "kernels.a",
+            "try:\n    from kvtune.kernels.b import g\nexcept ImportError:\n    g = None\n",
+            {"kernels.b"},
+        ),
+        ("kernels.a", "from kvtune.kernels.a import f\n", set()),  # itself
+        (
+            "tuner.commands.x",
+            "from .. import export\nfrom ..job import tune\n",
+            {"tuner.export", "tuner.job"},
+        ),
+        ("kernels.a", "from kvtune.kernels_extra.b import f\nfrom torch import b\nimport kernels.b\n", set()),
     ],
 )
-def test_import_edges(source: str, edges: set[str]) -> None:
-    assert import_edges(source, {"b", "c", "d"}) == edges
+def test_import_edges(module: str, source: str, edges: set[str]) -> None:
+    assert import_edges(source, module, KNOWN) == edges
 
 
-def test_a_cycle_through_the_edges_is_found() -> None:
-    """The reader and the cycle finder together: two modules importing each other at import time."""
-    modules = {"a", "b"}
+def test_a_package_reads_its_relative_imports_from_itself() -> None:
+    assert import_edges("from . import x\n", "tuner.commands", KNOWN, is_package=True) == {"tuner.commands.x"}
+
+
+def test_a_lazy_cycle_is_found() -> None:
+    """A dispatcher that imports its Triton module inside a function, whose Triton module imports the
+    dispatcher back at module level for the reference: the shape every kernel pair had before their
+    references moved below both."""
+    known = {"kernels.quest", "kernels.triton_quest"}
     graph = {
-        "a": import_edges("from kvtune.kernels.b import f\n", modules),
-        "b": import_edges("def g():\n    from kvtune.kernels.a import h\n    return h\nY = g()\n", modules),
+        "kernels.quest": import_edges(
+            "def quest_topk(q):\n    from kvtune.kernels.triton_quest import quest_topk_triton\n"
+            "    return quest_topk_triton(q)\n",
+            "kernels.quest",
+            known,
+        ),
+        "kernels.triton_quest": import_edges(
+            "from kvtune.kernels.quest import quest_topk_ref\n", "kernels.triton_quest", known
+        ),
     }
-    assert find_cycle(graph) == ["a", "b", "a"]
+    assert find_cycle(graph) == ["kernels.quest", "kernels.triton_quest", "kernels.quest"]

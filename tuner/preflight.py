@@ -13,17 +13,29 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtune.engine.traces import LengthCounts, TraceFile
 from kvtune.studies.storage import redact
-from kvtune.studies.study import stored_attrs
-from kvtune.tuner.workload import length_warnings, load_trace
-
-if TYPE_CHECKING:
-    from kvtune.tuner.job import TuneJob
+from kvtune.studies.study import StudyOptions, stored_attrs
+from kvtune.tuner.protocol import WorkerSpec
+from kvtune.tuner.workload import WorkloadSample, length_warnings, load_trace
 
 GGUF_MAGIC = b"GGUF"
+
+
+class CheckedJob(Protocol):
+    """What :func:`preflight` reads of a run (:class:`kvtune.tuner.job.TuneJob` offers it; declared here so
+    that this module, which ``job`` imports, does not import ``job`` back)."""
+
+    @property
+    def options(self) -> StudyOptions: ...
+
+    @property
+    def sample(self) -> WorkloadSample: ...
+
+    @property
+    def spec(self) -> WorkerSpec: ...
 
 
 @dataclass(frozen=True)
@@ -37,7 +49,7 @@ class Preflight:
     warnings: tuple[str, ...]
 
 
-def preflight(job: TuneJob) -> Preflight:
+def preflight(job: CheckedJob) -> Preflight:
     """Check ``job``'s inputs (see the module docstring); ``ValueError`` (one line) on the first bad one."""
     trace = load_trace(job.sample.path)
     max_context = check_model(job.spec.model, "--model")

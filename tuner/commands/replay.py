@@ -20,6 +20,7 @@ from kvtune.engine.options import (
     CPU_LENGTH_CAP,
     CPU_LENGTH_SCALE,
     DTYPES,
+    MAX_NUM_SEQS_CAP,
     WARMUP_REQUESTS,
     ReplayOptions,
     length_defaults,
@@ -89,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="most sequences running at once (default: as many of the workload's mean length as the KV "
-        "budget holds, at most 1024)",
+        f"budget holds, at most {MAX_NUM_SEQS_CAP})",
     )
     parser.add_argument(
         "--max-num-batched-tokens",

@@ -1,0 +1,153 @@
+"""Which kernel computes a hybrid decode attention launch, and the options the Triton kernels run with.
+
+:func:`decode_kernel` is the only place that decides between the PyTorch reference
+(:mod:`kvtune.kernels.decode_ref`), the Triton split kernel and the Gluon cold kernel
+(:mod:`kvtune.kernels.triton_decode`, :mod:`kvtune.kernels.gluon_decode`); the dispatcher
+(:mod:`kvtune.kernels.decode_attention`) and the Triton launcher both ask it. Plain Python: it imports the
+Gluon module (and with it Triton) only inside :func:`decode_kernel`, where Triton may run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvtune.kernels.backend import use_triton
+from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.triton_common import tileable_head_dim
+
+DecodeKernel = Literal["reference", "split", "gluon"]
+
+
+@dataclass(frozen=True)
+class DecodeKernelOptions:
+    """How :func:`~kvtune.kernels.triton_decode.hybrid_decode_attention_triton` runs a launch (per-pool
+    defaults: :func:`options_for`).
+
+    Live knobs, in which the shipped defaults differ (``benchmarks/decode_attention.py --sweep`` varies them):
+
+    cvt: code -> fp16 conversion, 0 plain cast, 1 magic number in pure ``tl``, 2 PTX ``prmt`` (GPU only).
+    mixed: 8-bit pools honour ``block_bits`` per block (False only if no block was ever demoted).
+    k_transposed: load key codes as ``[D/2, T]`` tiles (no register transpose before the matrix unit).
+    programs_per_sm: the split kernel's split count aims at this many programs per multiprocessor.
+    num_warps: warps per program of the split kernel.
+    maxnreg: register cap per thread of the split kernel (more programs per multiprocessor), None for the
+        compiler's choice.
+    v_pairs: value codes are read as 16-bit pairs of neighbouring channels (``[T, D/2]`` uint16), split
+        into the even and the odd channels and multiplied as two ``[T, D/2]`` tiles; the output accumulates
+        as even and odd channels instead of low and high halves. 16-bit elements take the matrix unit's
+        transposing shared-memory load, where byte codes are gathered one by one for ``P . V`` (whose
+        contraction runs over tokens). Pure 8-bit pools only (others take the byte path).
+    gluon: pure 8-bit and 4-bit pools on CUDA take the Gluon kernel for the cold blocks
+        (``gluon_decode``: one warp per program, every register placed by hand), and the merge kernel
+        attends the hot zone before it merges (:func:`decode_kernel`).
+    gluon_stages: the Gluon kernel copies blocks j + 1 .. j + s - 1 into a ring of s blocks in shared memory
+        (``cp.async``) while a program computes block j; 0 loads each block into registers when the program
+        starts it.
+
+    Named constants, the same in every shipped default (tests and sweeps set the other values):
+
+    num_stages: software-pipelining stages of the split kernel.
+    min_blocks_per_split: either kernel plans at most ``ceil(blocks / min_blocks_per_split)`` splits.
+    gluon_programs_per_sm: the Gluon kernel's split count aims at this many programs per multiprocessor until
+        the build's occupancy is known (its first launch); then the wave model plans it (:func:`wave_splits`).
+    gluon_pdl: the merge is launched as a programmatic dependent of the Gluon kernel, so it attends the hot
+        zone while the cold blocks are read and waits only before merging.
+    gluon_key_rows: key codes are copied into the ring by consecutive lanes along whole rows (whole 128-byte
+        lines per quarter-warp) into a swizzled stage; False: each lane copies the pieces it loads.
+    gluon_table_ahead: (with a ring) the block-table entries travel in the ring too, s blocks ahead, so no
+        iteration waits on a load of its next block id (False: that id is loaded one iteration ahead, a
+        round trip to memory per block).
+    """
+
+    # live knobs
+    cvt: int = 2
+    mixed: bool = True
+    k_transposed: bool = False
+    programs_per_sm: int = 4
+    num_warps: int = 4
+    maxnreg: int | None = None
+    v_pairs: bool = False
+    gluon: bool = False
+    gluon_stages: int = 2
+    # named constants
+    num_stages: int = 2
+    min_blocks_per_split: int = 4
+    gluon_programs_per_sm: int = 32
+    gluon_pdl: bool = True
+    gluon_key_rows: bool = True
+    gluon_table_ahead: bool = True
+
+
+# Chosen on the H200 per pool bits (benchmarks/NOTES.md, "Decode attention kernels", and the runs after it).
+# An 8-bit pool is read with per-block bits (a demoted block may sit in it); ``PURE_INT8`` is for 8-bit pools
+# where no block is ever demoted, which the Gluon kernel can take.
+_DEFAULTS = {
+    8: DecodeKernelOptions(cvt=2, mixed=True, programs_per_sm=8, maxnreg=128),
+    # INT4: 2 stages and a 128-register cap fit 4 programs per multiprocessor (3 stages or no cap: 3).
+    4: DecodeKernelOptions(
+        cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128, gluon=True
+    ),
+    0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
+}
+# v_pairs: the value tile takes the matrix unit's transposing load instead of a byte gather (NOTES, "value
+# codes as channel pairs"). gluon: one warp per block, no shared-memory round trips between warps (NOTES,
+# "one warp per block, in Gluon"). gluon_stages 3: the 8-bit ring is fastest at 3 stages, the 4-bit one at 2
+# (NOTES, "ring depth").
+PURE_INT8 = DecodeKernelOptions(
+    cvt=2, mixed=False, programs_per_sm=16, maxnreg=128, v_pairs=True, gluon=True, gluon_stages=3
+)
+
+
+def default_options(bits: int) -> DecodeKernelOptions:
+    """The kernel options used for a pool of ``bits`` (0, 4 or 8) that may hold demoted blocks."""
+    return _DEFAULTS[bits]
+
+
+def options_for(pool: ColdPool, options: DecodeKernelOptions | None = None) -> DecodeKernelOptions:
+    """``options``, else the defaults for this pool: :data:`PURE_INT8` for an 8-bit pool that never demotes
+    a block, else :func:`default_options` of its bits."""
+    if options is not None:
+        return options
+    if pool.bits == 8 and not pool.may_demote:
+        return PURE_INT8
+    return default_options(pool.bits)
+
+
+def decode_kernel(
+    q: torch.Tensor,
+    pool: ColdPool,
+    block_table: torch.Tensor,
+    options: DecodeKernelOptions | None = None,
+    *,
+    triton: bool | None = None,
+) -> DecodeKernel:
+    """Which kernel computes one hybrid decode attention launch; the only place that decides it.
+
+    * ``"reference"``: :func:`~kvtune.kernels.decode_ref.hybrid_decode_attention_ref` (PyTorch), where the
+      Triton kernels may not run on ``q`` (``triton``; None: :func:`~kvtune.kernels.backend.use_triton`,
+      i.e. a CUDA tensor, Triton installed and not ``KVTUNE_KERNELS=torch``) or its head dim does not tile
+      (:func:`~kvtune.kernels.triton_common.tileable_head_dim`).
+    * ``"gluon"``: the Gluon cold kernel (``gluon_decode``) over the cold blocks, then the Triton merge
+      kernel, which attends the hot zone before it merges. Taken where the options (``options``; None: the
+      pool's defaults, :func:`options_for`) ask for it (``gluon``) and ``gluon_decode.supported``
+      holds: a CUDA fp16/bf16 model, a 4-bit pool or an 8-bit one read without per-block bits, head dim 64
+      or 128, blocks of 16, 32 or 64 tokens, at most 8 query heads per KV head.
+    * ``"split"``: otherwise, the Triton split kernel (cold blocks and hot zone), then the merge kernel.
+
+    ``triton_decode.hybrid_decode_attention_triton`` asks with ``triton=True``: called directly (tests,
+    benchmarks) it runs the Triton kernels on the device ``q`` is on, the interpreter's on a CPU.
+    """
+    if not (use_triton(q) if triton is None else triton) or not tileable_head_dim(q.shape[2]):
+        return "reference"
+    from kvtune.kernels import gluon_decode
+
+    opts = options_for(pool, options)
+    mixed = pool.bits == 8 and opts.mixed
+    if opts.gluon and gluon_decode.supported(
+        q, pool.bits, mixed, pool.k.shape[2], tuple(pool.k.stride()), block_table.shape[1]
+    ):
+        return "gluon"
+    return "split"
