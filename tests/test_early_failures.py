@@ -22,6 +22,7 @@ import optuna
 import pytest
 import ray.exceptions
 import sqlalchemy
+from optuna.trial import TrialState
 from sqlalchemy.engine import Engine
 
 import kvtune
@@ -317,3 +318,31 @@ def test_a_resource_running_out_during_the_study_is_one_line(
     err = capsys.readouterr().err.strip().splitlines()  # the study's settings, then the error
     assert [line for line in err if "error" in line.lower() or "Traceback" in line] == [err[-1]], err
     assert err[-1].startswith("kvtune: error: ") and message in err[-1], err[-1]
+
+
+def test_a_full_disk_during_the_study_is_one_line_and_keeps_the_finished_trials(
+    ray_cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real study whose second finished trial cannot be stored (its commit raises what Optuna raises on a
+    full disk, and writes nothing, as SQLite's rollback leaves it): one line, and the first trial intact."""
+    real = optuna.storages.RDBStorage.set_trial_state_values
+    told: list[int] = []
+
+    def full_on_the_second(self: Any, trial_id: int, state: TrialState, values: Any = None) -> bool:
+        if state.is_finished():
+            told.append(trial_id)
+            if len(told) == 2:
+                raise disk_full_in_a_commit()
+        return real(self, trial_id, state, values)
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", full_on_the_second)
+    assert cli.main(argv(tmp_path, "--trials", "3", "--workers", "1", "--no-export")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvtune: error: --storage ") and "the disk is full" in err[-1], err[-3:]
+    assert not any("Traceback" in line for line in err)
+    monkeypatch.undo()
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/s.db")
+    finished = [t for t in study.trials if t.state.is_finished()]
+    assert len(finished) == 1 and finished[0]._trial_id == told[0] and finished[0].user_attrs
+    with sqlite3.connect(tmp_path / "s.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
