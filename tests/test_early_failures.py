@@ -7,6 +7,7 @@ Ray is the one of ``tests/conftest.py``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -346,3 +347,20 @@ def test_a_full_disk_during_the_study_is_one_line_and_keeps_the_finished_trials(
     assert len(finished) == 1 and finished[0]._trial_id == told[0] and finished[0].user_attrs
     with sqlite3.connect(tmp_path / "s.db") as db:
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def test_a_disk_too_full_to_create_the_database_file_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_ray: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Creating the file itself fails (``os.open`` answers ENOSPC, as a disk without a free inode does)."""
+    real_open = os.open
+
+    def no_space(path: Any, flags: int, mode: int = 0o777, **kwargs: Any) -> int:
+        if str(path).endswith("s.db"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, flags, mode, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_space)
+    assert cli.main(argv(tmp_path)) == 2
+    assert one_error_line(capsys).endswith("s.db: the disk is full; free space first")
+    assert not (tmp_path / "s.db").exists()

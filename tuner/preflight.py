@@ -71,8 +71,9 @@ def new_study_attrs(storage: str, name: str) -> dict[str, Any] | None:
     """The stored attributes of study ``name`` (None when new). An SQLite file that does not exist yet is
     created here readable by its owner only (0600, as presets are); if the disk cannot hold its first
     tables, the error is one line and the file is removed, not left empty."""
-    created = private_sqlite_file(storage)
+    created = None
     try:
+        created = private_sqlite_file(storage)
         return stored_attrs(storage, name)
     except Exception as e:
         if created is not None:
