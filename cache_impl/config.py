@@ -28,10 +28,28 @@ HOT_TOKENS_RANGE = (16, 1024)
 BLOCK_SIZE_RANGE = (8, 512)
 MAX_JSON_DEPTH = 32  # a preset nests 5 levels; deeper is not a config (and would exhaust the parser's stack)
 PRESET_FORMAT_PREFIX = "kvtune-preset/"
+SHOWN_CHARS = 100  # a value echoed in a message is cut to this many characters
 
 
 class ConfigError(ValueError):
     """A configuration broke a rule of the hybrid_v2 contract."""
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``value`` as JSON for a message, cut to ``limit`` characters (``...`` marks the cut). Encoded lazily:
+    a list of millions of items costs what its first few do, and the message stays one short line."""
+    text = ""
+    for chunk in json.JSONEncoder(ensure_ascii=False, default=repr).iterencode(value):
+        text += chunk
+        if len(text) > limit:
+            return text[:limit] + "..."
+    return text
+
+
+def shown_key(key: Any, limit: int = SHOWN_CHARS) -> str:
+    """A key (as ``repr`` shows it, quoted) cut like :func:`shown`."""
+    text = repr(key[: limit + 1] if isinstance(key, str) else key)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _is_int(value: Any) -> bool:
@@ -113,7 +131,7 @@ class HybridConfig:
         """Raise :class:`ConfigError` on the first rule ``d`` breaks (keys checked in table order)."""
         unknown = sorted(set(d) - set(RULES))
         if unknown:
-            raise ConfigError(f"unknown key {unknown[0]!r}; valid keys are {list(RULES)}")
+            raise ConfigError(f"unknown key {shown_key(unknown[0])}; valid keys are {list(RULES)}")
         for key, rule in RULES.items():
             if key not in d:
                 if rule.required:
@@ -122,10 +140,10 @@ class HybridConfig:
             value = d[key]
             if not rule.type_ok(value):
                 raise ConfigError(
-                    f"{key}={json.dumps(value)} has type {type(value).__name__}, but must be {rule.text}"
+                    f"{key}={shown(value)} has type {type(value).__name__}, but must be {rule.text}"
                 )
             if not rule.check(value):
-                raise ConfigError(f"{key}={json.dumps(value)} breaks the rule: must be {rule.text}")
+                raise ConfigError(f"{key}={shown(value)} breaks the rule: must be {rule.text}")
         top_k, block = d.get("sparse_top_k", 0), d["block_size"]
         if top_k % block:
             raise ConfigError(
@@ -202,7 +220,8 @@ def parse_json(text: str, source: str = "<string>") -> Any:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
     except _DuplicateKeyError as e:
-        raise ConfigError(f"{source}: key {e.args[0]!r} appears twice in one object; keep one") from None
+        key = shown_key(e.args[0])
+        raise ConfigError(f"{source}: key {key} appears twice in one object; keep one") from None
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply to be a config") from None
 
@@ -259,7 +278,7 @@ def _unnest(d: Mapping[str, Any]) -> Mapping[str, Any]:
     if "kvtune" in d:
         extra = sorted(set(d) - {"kvtune"})
         if extra:
-            raise ConfigError(f"unknown key {extra[0]!r} beside 'kvtune'; only 'kvtune' allowed")
+            raise ConfigError(f"unknown key {shown_key(extra[0])} beside 'kvtune'; only 'kvtune' allowed")
         if not isinstance(d["kvtune"], Mapping):
             raise ConfigError(f"kvtune must be an object, got {type(d['kvtune']).__name__}")
         return d["kvtune"]
@@ -268,7 +287,7 @@ def _unnest(d: Mapping[str, Any]) -> Mapping[str, Any]:
     extra = sorted(set(d) - {"additional_config"})
     if extra:
         raise ConfigError(
-            f"unknown key {extra[0]!r} beside 'additional_config'; only 'additional_config' allowed"
+            f"unknown key {shown_key(extra[0])} beside 'additional_config'; only 'additional_config' allowed"
         )
     inner = d["additional_config"]
     if not isinstance(inner, Mapping) or "kvtune" not in inner:

@@ -33,6 +33,8 @@ from typing import Any, BinaryIO, Literal, get_args
 
 import numpy as np
 
+from kvtune.cache_impl.config import shown
+
 TRACE_BLOCK_TOKENS = 512
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
 # A request length above this is refused when the trace is read: no model's context comes near 16.8 M tokens,
@@ -370,7 +372,7 @@ def _mooncake_request(where: str, rid: int, obj: dict[str, Any]) -> Request:
         )
     ts = obj["timestamp"]
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
-        raise TraceError(f"{where}: timestamp must be a finite number of milliseconds, got {ts!r}")
+        raise TraceError(f"{where}: timestamp must be a finite number of milliseconds, got {shown(ts)}")
     inp = _positive_int(where, "input_length", obj["input_length"])
     out = _positive_int(where, "output_length", obj["output_length"])
     return Request(rid, float(ts), inp, out, _hash_ids(where, obj.get("hash_ids")))
@@ -379,10 +381,10 @@ def _mooncake_request(where: str, rid: int, obj: dict[str, Any]) -> Request:
 def _positive_int(where: str, key: str, value: Any) -> int:
     if isinstance(value, str):
         value = value.strip()
-        if value.isdigit():
+        if value.isascii() and value.isdigit():  # "²" is a digit to str.isdigit, not to int()
             value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TraceError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+        raise TraceError(f"{where}: {key} must be an integer >= 1, got {shown(value)}")
     if value > MAX_REQUEST_TOKENS:
         raise TraceError(
             f"{where}: {key} {value} is beyond any model's context (at most {MAX_REQUEST_TOKENS} tokens are "
@@ -396,7 +398,7 @@ def _hash_ids(where: str, value: Any) -> tuple[int, ...] | None:
         return None
     ok = isinstance(value, list) and all(isinstance(h, int) and not isinstance(h, bool) for h in value)
     if not ok:
-        raise TraceError(f"{where}: hash_ids must be a list of integers, got {str(value)[:60]}")
+        raise TraceError(f"{where}: hash_ids must be a list of integers, got {shown(value)}")
     return tuple(value)
 
 

@@ -17,6 +17,7 @@ storage is printed.
 
 from __future__ import annotations
 
+import errno
 import os
 import sqlite3
 import stat
@@ -152,3 +153,39 @@ def _check_writable_file(where: str, path: Path) -> None:
         raise StorageError(f"{where}: {path} is not an SQLite database ({e})") from None
     finally:
         db.close()
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file of an SQLite URL (None for another database or an in-memory one)."""
+    parsed = _parse(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
+
+
+def private_sqlite_file(url: str) -> Path | None:
+    """Create the SQLite file of ``url``, empty and readable by its owner only (0600), when it does not exist
+    yet (SQLite gives its journal the file's mode); the path created, or None."""
+    path = sqlite_file(url)
+    if path is None:
+        return None
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return None
+    return path
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from, as SQLAlchemy and Optuna wrap it) says the disk or
+    the database is full."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "database or disk is full" in str(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False

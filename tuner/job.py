@@ -82,13 +82,12 @@ from kvtune.tuner.capacity import (
 from kvtune.tuner.driver import Bounds, Event, TrialLoop
 from kvtune.tuner.pool import WorkerPool, _last_line, plan_placement, ray_accelerator_type
 from kvtune.tuner.preflight import Preflight, preflight
-from kvtune.tuner.protocol import EngineKnobs, QualitySettings, WorkerInfo, WorkerSpec, Workload
+from kvtune.tuner.protocol import BASELINE, EngineKnobs, QualitySettings, WorkerInfo, WorkerSpec, Workload
 from kvtune.tuner.validation import SearchRun, best_trial, run_searches, validate, validate_capacity
 from kvtune.tuner.worker import TrialWorker
 from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample
 
 CALIBRATION_LOAD = 0.75  # the baseline runs at this share of its saturation throughput
-BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=0)  # calibration's too
 CAPACITY = "capacity"
 
 

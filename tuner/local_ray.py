@@ -20,12 +20,18 @@ Otherwise kvtune starts a Ray of its own (:func:`start_local_ray`, never an exis
 
 After Ray starts, its node address is checked: if it is not loopback (a Ray version that resolves it
 another way), Ray is shut down and the study refused, rather than run reachable from the network.
+
+Its workers import the kvtune the driver imported, whatever folder the driver runs from: Ray puts the
+driver's working folder first on each worker's ``sys.path``, where a folder named ``kvtune`` (a clone, from
+its parent) would shadow the installed package; each worker process therefore first loads ``kvtune`` from
+the driver's package file (:func:`worker_runtime_env`), and every later ``import kvtune...`` finds it loaded.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +75,7 @@ def start_local_ray(**init_kwargs: Any) -> list[str]:
         "include_dashboard": False,
         "logging_level": logging.ERROR,
         "log_to_driver": False,
+        "runtime_env": worker_runtime_env(),
     }
     options |= init_kwargs
     keep = ray_constants.ENABLE_RAY_CLUSTER
@@ -83,6 +90,35 @@ def start_local_ray(**init_kwargs: Any) -> list[str]:
         ray.shutdown()
         raise
     return notes + _protect_token()
+
+
+def worker_runtime_env() -> dict[str, Any]:
+    """The runtime env of the local Ray's jobs: each worker process loads the driver's kvtune first."""
+    import kvtune
+
+    return {"worker_process_setup_hook": _loader_of(str(Path(kvtune.__file__).resolve()))}
+
+
+def _loader_of(init_file: str) -> Callable[[], None]:
+    """A function that loads the package ``kvtune`` from ``init_file`` (its ``__init__.py``) unless it is
+    already loaded. Defined inside this function, it is sent to the workers by value: calling it imports
+    nothing of kvtune by name, so no folder on the worker's ``sys.path`` can shadow it."""
+
+    def load_kvtune() -> None:
+        import importlib.util
+        import os
+        import sys
+
+        loaded = getattr(sys.modules.get("kvtune"), "__file__", None)
+        if loaded is not None and os.path.realpath(loaded) == init_file:
+            return
+        spec = importlib.util.spec_from_file_location("kvtune", init_file)
+        assert spec is not None and spec.loader is not None, f"no module spec for {init_file}"
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["kvtune"] = module
+        spec.loader.exec_module(module)
+
+    return load_kvtune
 
 
 def node_address() -> str:

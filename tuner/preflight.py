@@ -1,41 +1,39 @@
 """Everything a study can check before Ray starts or any weights load, so a bad input ends in seconds.
 
 :func:`preflight` reads the trace (one streaming pass: a broken line is ``file:line: reason``), checks that
-both models can be found without loading their weights (:func:`check_model`), that the study does not
-already exist unless ``--resume`` is given, that the trace holds enough requests for the windows asked, and
-counts what fitting the lengths to the model does to the search and held-out samples (a warning when most
-of a sample is cut). The storage URL and the card are checked when the job is built
-(:mod:`kvtune.studies.storage`, ``resolve_gpu``), the numeric options before that.
+both models can be found without loading their weights (:func:`check_model`), that the trace holds enough
+requests for the windows asked, what the study needs of the machine (:mod:`kvtune.tuner.resources`: the
+seed, the KV budget, the preset's folder), that the study does not already exist unless ``--resume`` is
+given (a new SQLite file is created private to its owner, :func:`new_study_attrs`), and counts what fitting
+the lengths to the model does to the search and held-out samples (a warning when most of a sample is cut).
+The storage URL and the card are checked when the job is built (:mod:`kvtune.studies.storage`,
+``resolve_gpu``), the numeric options before that.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
-from kvtune.engine.traces import LengthCounts, TraceFile
-from kvtune.studies.storage import redact
-from kvtune.studies.study import StudyOptions, stored_attrs
-from kvtune.tuner.protocol import WorkerSpec
-from kvtune.tuner.workload import WorkloadSample, length_warnings, load_trace
+from kvtune.engine.traces import LengthCounts, Request, TraceFile
+from kvtune.studies.storage import disk_full, private_sqlite_file, redact
+from kvtune.studies.study import stored_attrs
+from kvtune.tuner.resources import (
+    CheckedJob,
+    ResourceError,
+    check_kv_budget,
+    check_preset_folder,
+    check_seed,
+    kv_shape,
+    request_bytes,
+)
+from kvtune.tuner.workload import length_warnings, load_trace
 
 GGUF_MAGIC = b"GGUF"
-
-
-class CheckedJob(Protocol):
-    """What :func:`preflight` reads of a run (:class:`kvtune.tuner.job.TuneJob` offers it; declared here so
-    that this module, which ``job`` imports, does not import ``job`` back)."""
-
-    @property
-    def options(self) -> StudyOptions: ...
-
-    @property
-    def sample(self) -> WorkloadSample: ...
-
-    @property
-    def spec(self) -> WorkerSpec: ...
 
 
 @dataclass(frozen=True)
@@ -54,16 +52,43 @@ def preflight(job: CheckedJob) -> Preflight:
     trace = load_trace(job.sample.path)
     max_context = check_model(job.spec.model, "--model")
     check_model(job.spec.quality.model, "--quality-model")
-    if stored_attrs(job.options.storage, job.options.name) is not None and not job.options.resume:
+    windows = job.sample.search_windows(trace, max_context)  # enough requests for --windows x --requests
+    held_out = job.sample.validation_requests(trace, max_context)
+    check_resources(job, (*itertools.chain(*windows), *held_out))
+    if new_study_attrs(job.options.storage, job.options.name) is not None and not job.options.resume:
         raise ValueError(
             f"study {job.options.name!r} already exists in {redact(job.options.storage)}; pass --resume to "
             "continue it, or --study NAME to start another"
         )
-    job.sample.search_windows(trace, max_context)  # enough requests for --windows x --requests
-    job.sample.validation_requests(trace, max_context)
     lengths = job.sample.length_counts(trace, max_context)
     warnings = length_warnings(lengths, job.sample.length_cap, max_context)
     return Preflight(trace, max_context, lengths, warnings)
+
+
+def new_study_attrs(storage: str, name: str) -> dict[str, Any] | None:
+    """The stored attributes of study ``name`` (None when new). An SQLite file that does not exist yet is
+    created here readable by its owner only (0600, as presets are); if the disk cannot hold its first
+    tables, the error is one line and the file is removed, not left empty."""
+    created = None
+    try:
+        created = private_sqlite_file(storage)
+        return stored_attrs(storage, name)
+    except Exception as e:
+        if created is not None:
+            created.unlink(missing_ok=True)
+        if disk_full(e):
+            raise ResourceError(f"--storage {redact(storage)}: the disk is full; free space first") from None
+        raise
+
+
+def check_resources(job: CheckedJob, requests: Sequence[Request]) -> None:
+    """The seed, the KV budget against the longest request, the preset's folder (:mod:`.resources`)."""
+    check_seed(job.sample.seed)
+    shape = kv_shape(job.spec.model, job.spec.dtype)
+    if shape is not None and requests:
+        longest = max(r.input_length + r.output_length for r in requests)
+        check_kv_budget(job.spec.budget_bytes, request_bytes(shape, longest), longest)
+    check_preset_folder(job)
 
 
 def check_model(name: str, flag: str = "--model") -> int:

@@ -39,6 +39,9 @@ from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.engine.traces import Request
 from kvtune.tuner.capacity import CapacitySearch, Slo
 
+# The unquantized baseline every study measures its limits, noise and gains against (and calibrates on)
+BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=0)
+
 
 class Call(enum.Enum):
     """One call of the protocol; the value is the worker method's name."""

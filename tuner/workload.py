@@ -69,7 +69,7 @@ class WorkloadSample:
         """``windows`` windows of ``requests`` requests each, every window re-based to arrive from 0 ms."""
         fitted = self.search_requests(trace, max_context)
         chunks = [fitted[i * self.requests : (i + 1) * self.requests] for i in range(self.windows)]
-        if any(len(c) < 2 for c in chunks):
+        if len(fitted) < self.windows * self.requests or any(len(c) < 2 for c in chunks):
             raise ValueError(
                 f"{self.path}: the first {SEARCH_FRACTION:.0%} of the trace holds {len(fitted)} requests, "
                 f"fewer than --windows {self.windows} x --requests {self.requests}; lower them"
@@ -102,6 +102,8 @@ def length_warnings(counts: dict[str, LengthCounts], cap: int | None, max_contex
 def load_trace(path: str | Path) -> TraceFile:
     """Read the trace, with a one-line error when the file is missing."""
     p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(f"--workload {p}: a directory, not a trace file (name the file in it)")
     if not p.is_file():
         raise FileNotFoundError(f"--workload {p}: no such trace file")
     return read_trace(p)

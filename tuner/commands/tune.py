@@ -54,10 +54,11 @@ from kvtune.tuner.console import table_console
 from kvtune.tuner.driver import Bounds, Event
 from kvtune.tuner.export import describe_rate, paired_gain, recommendation, validated_metrics
 from kvtune.tuner.job import CAPACITY, TuneJob, TuneReport, tune
-from kvtune.tuner.local_ray import init_ray
+from kvtune.tuner.local_ray import ADDRESS_ENV, init_ray
 from kvtune.tuner.preflight import Preflight, preflight
 from kvtune.tuner.protocol import QualitySettings, WorkerSpec
-from kvtune.tuner.workload import WorkloadSample
+from kvtune.tuner.resources import CPU_WORKER_OVERHEAD_BYTES, check_ram, check_seed, raise_resource_error
+from kvtune.tuner.workload import WorkloadSample, load_trace
 
 NAME = "tune"
 HELP = "run a tuning study: kvtune --gpu GPU --workload TRACE [options]"
@@ -91,8 +92,6 @@ CPU = Defaults(12, 4, 2, CPU_LENGTH_SCALE, CPU_LENGTH_CAP, "float32", 2, 192, 16
 # limits (the baseline's searches ended at the saturation rate).
 CAPACITY_GPU = (120, 1)
 CAPACITY_CPU = (32, 1)
-# What one CPU worker holds: its KV budget (allocated up front, whole) plus the model, PyTorch and Ray.
-CPU_WORKER_OVERHEAD_BYTES = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -208,11 +207,14 @@ def run(args: argparse.Namespace) -> int:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     check_numbers(args, LIMITS)
+    check_seed(args.seed)
     if not Path(args.workload).is_file():
-        raise FileNotFoundError(f"--workload {args.workload}: no such trace file")
+        load_trace(args.workload)  # a directory or a missing file: one line
     card = resolve_gpu(args.gpu, _present_gpus())
     defaults = GPU if card.is_gpu else CPU
     job = build_job(args, card, defaults)
+    if not card.is_gpu and not (args.address or os.environ.get(ADDRESS_ENV)):
+        check_ram(job.workers or 1, job.spec.budget_bytes)  # the local Ray's workers run on this machine
     checked = preflight(job)  # trace, models, study: all before Ray starts or a weight loads
     console = Console(stderr=True)
     _print_settings(console, job, defaults, checked)
@@ -222,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = _run_with_progress(console, job, checked)
         study = _load(job)
+    except Exception as e:  # memory or disk ran out: one line (ResourceError); any other error as it is
+        raise_resource_error(e, job.options.storage)
+        raise
     finally:
         if started_ray:
             import ray
