@@ -3,11 +3,12 @@
 Llama-3-8B heads (32 query, 8 KV, head_dim 128), hot_tokens 64, block_size 64, bf16 model precision. For each
 B x L: median times (``triton.testing.do_bench``), each kernel's ratio to SDPA, and achieved TB/s counting
 every byte read (codes, fp16 scales and mins, block table, hot zone, q, split partials); the sparse tier
-(sparse_top_k 2048 at 32K: Quest bound over the L2 blocks + top-k + attention over L1 + selected L2) on the
-32K row; the copy bandwidth (read + write) of the same card. Writes ``results.json`` and ``table.md`` under
-``--out`` and prints the table last.
+(sparse_top_k 2048: Quest bound over the L2 blocks + top-k + attention over L1 + selected L2) on the 16 x 32K
+and 4 x 128K rows, with each part's time, bytes and bandwidth (the selection: Quest's key mins and scales of
+the L2 blocks; the attention: the hot zone, the L1 blocks and the selected ones); the copy bandwidth (read +
+write) of the same card. Writes ``results.json`` and ``table.md`` under ``--out`` and prints the table last.
 
-    python benchmarks/decode_attention.py --out $OUT [--sweep] [--quick]
+    python benchmarks/decode_attention.py --out $OUT [--sweep] [--quick] [--graphs]
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ HOT, BS = 64, 64
 SHAPES = [(8, 2048), (64, 2048), (64, 8192), (16, 32768), (128, 4096)]
 SPARSE_TOKENS = 2048
 SWEEP_SHAPE = (64, 8192)
-SPARSE_SHAPE = (16, 32768)  # the row with the sparse tier
+SPARSE_SHAPES = [(16, 32768), (4, 131072)]  # the rows with the sparse tier
+QUICK_SHAPES = [(64, 8192), (16, 32768), (4, 131072)]
 PPS_SHAPES = [(64, 8192), (16, 32768)]
 PPS_NAMES = ("int8", "int4")  # columns whose split count the sweep chooses (the others keep the default)
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interpreter: no bf16 tl.dot
@@ -244,7 +246,8 @@ def sparse_case(case: Case, options: DecodeKernelOptions) -> dict:
     quest = B * H * (nc - l1) * (2 * D * 2 + 4)
     return dict(
         ms=ms, tbs=(attn + quest) / ms / 1e9, bytes=attn + quest, splits=splits, selection_ms=selection_ms,
-        attention_ms=attention_ms,
+        attention_ms=attention_ms, selection_bytes=quest, selection_tbs=quest / selection_ms / 1e9,
+        attention_bytes=attn, attention_tbs=attn / attention_ms / 1e9,
     )  # fmt: skip
 
 
@@ -328,7 +331,7 @@ def sweep(results: dict) -> dict[str, DecodeKernelOptions]:
 
 def pick_sparse(candidates: list[DecodeKernelOptions], bits: int, rows: list) -> DecodeKernelOptions:
     """The fastest of ``candidates`` on the sparse case itself (the 32K row's L1 1/8 + top-k)."""
-    batch, length = SPARSE_SHAPE
+    batch, length = SPARSE_SHAPES[0]
     case = Case(batch, length, bits, l1_blocks=(length - HOT) // BS // 8)
     times = {}
     for opt in dict.fromkeys(candidates):
@@ -370,7 +373,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--sweep", action="store_true", help="try kernel variants at 64x8K first")
-    ap.add_argument("--quick", action="store_true", help="only 64x8K and 16x32K")
+    ap.add_argument("--quick", action="store_true", help="only 64x8K, 16x32K and 4x128K")
     ap.add_argument(
         "--graphs",
         action="store_true",
@@ -391,8 +394,8 @@ def main() -> int:
     global GRAPHS
     GRAPHS = args.graphs and DEVICE == "cuda"
     if args.smoke:
-        global SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS, SPARSE_SHAPE
-        SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS, SPARSE_SHAPE = (2, 256), [(1, 512)], 128, (1, 1024)
+        global SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS, SPARSE_SHAPES
+        SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS, SPARSE_SHAPES = (2, 256), [(1, 512)], 128, [(1, 1024)]
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
     results: dict = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                          timing="CUDA graph replays" if GRAPHS else "launches")  # fmt: skip
@@ -404,7 +407,7 @@ def main() -> int:
         err = check(o, int(name[-1]))
         results.setdefault("errors", {})[name] = err
         log(f"chosen {name}: {o} rel err {err:.2e}")
-    shapes = [(64, 8192), (16, 32768)] if args.quick else SHAPES
+    shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.smoke:
         shapes = [(2, 256), (1, 1024)]
     rows = []
@@ -413,7 +416,7 @@ def main() -> int:
         row["sdpa_ms"], row["sdpa_tbs"] = sdpa_case(batch, length)
         for bits in (8, 4, 0):
             row[f"int{bits}"] = hybrid_case(Case(batch, length, bits), chosen[f"int{bits}"])
-        if (batch, length) == SPARSE_SHAPE:
+        if (batch, length) in SPARSE_SHAPES:
             for bits in (8, 4, 0):
                 case = Case(batch, length, bits, l1_blocks=(length - HOT) // BS // 8)
                 row[f"sparse{bits}"] = sparse_case(case, chosen[f"sparse{bits}"])
@@ -475,7 +478,8 @@ def format_table(results: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     for r in results["rows"]:
         parts = [
-            f"{label} selection {x['selection_ms']:.3f} + attention {x['attention_ms']:.3f}"
+            f"{label} selection {x['selection_ms']:.3f} ({_mb(x, 'selection')}) + attention "
+            f"{x['attention_ms']:.3f} ({_mb(x, 'attention')})"
             for label, name in (("INT8", "sparse8"), ("INT4", "sparse4"), ("unq.", "sparse0"))
             if (x := r.get(name))
         ]
@@ -483,6 +487,13 @@ def format_table(results: dict) -> str:
             lines.append(f"\nSparse step at {r['batch']} x {r['length'] // 1024}K, its parts alone (ms): "
                          + "; ".join(parts))  # fmt: skip
     return "\n".join(lines)
+
+
+def _mb(x: dict, part: str) -> str:
+    """A part's bytes and bandwidth, where the run recorded them (results of older runs lack them)."""
+    if f"{part}_bytes" not in x:
+        return "bytes not recorded"
+    return f"{x[f'{part}_bytes'] / 1e6:.1f} MB, {x[f'{part}_tbs']:.2f} TB/s"
 
 
 if __name__ == "__main__":

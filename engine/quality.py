@@ -18,6 +18,7 @@ threshold (``1.5 × threshold``), so the answer is read through L1 + Quest-selec
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -31,6 +32,15 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
 from kvtune.cache_impl.layout import hot_bytes_per_seq, kv_bytes_for
 from kvtune.cache_impl.tiers import threshold_ms
+from kvtune.engine.aggregation import (
+    AGGREGATION_PAIRS,
+    AGGREGATION_PROMPTS,
+    AggregationPrompt,
+    aggregation_prompts,
+    min_aggregation_length,
+    probe_steps,
+    run_probe,
+)
 from kvtune.engine.options import check_quality_args
 
 Progress = Callable[[int, int], None]
@@ -63,6 +73,11 @@ class QualityResult:
     text_sha256: str
     config: dict[str, Any] = field(default_factory=dict)
     model: str = ""
+    # the aggregation probe (engine/aggregation.py), None where skipped: pairs recalled, NLL per value token
+    aggregation_rate: float | None = None
+    aggregation_base_rate: float | None = None
+    aggregation_nll: float | None = None
+    aggregation_base_nll: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
@@ -106,8 +121,10 @@ def measure_quality(
     step_ms: float = 50.0,
     passkey: bool = True,
     progress: Progress | None = None,
+    aggregation: bool = False,
 ) -> QualityResult:
-    """Measure ``config`` against ``config.unquantized()`` on ``text`` (see the module docstring)."""
+    """Measure ``config`` against ``config.unquantized()`` on ``text`` (see the module docstring);
+    ``aggregation``: also the aggregation probe (:mod:`kvtune.engine.aggregation`) on the same text."""
     check_quality_args(windows, prefill_tokens, decode_tokens, step_ms)
     ids = text_token_ids(loaded, text)
     starts = window_starts(len(ids), windows, prefill_tokens + decode_tokens + 1)
@@ -115,12 +132,45 @@ def measure_quality(
     if passkey:
         min_length = passkey_min_length(loaded)
         trials = passkey_trials(config, prefill_tokens, loaded.spec.max_context, step_ms, min_length)
-    ticker = _Ticker(progress, windows * decode_tokens + sum(t.steps for t in trials))
+    probe = aggregation_probe(loaded, config, ids, prefill_tokens, step_ms) if aggregation else None
+    probe_total = probe_steps(*probe) if probe else 0
+    ticker = _Ticker(progress, windows * decode_tokens + sum(t.steps for t in trials) + probe_total)
     totals = _Totals()
     windows_ids = [_window_ids(loaded, ids, s, prefill_tokens + decode_tokens + 1) for s in starts]
     _measure_windows(loaded, config, windows_ids, prefill_tokens, step_ms, totals, ticker)
     rates = _passkey_rates(loaded, config, trials, step_ms, ticker) if passkey else (None, None)
-    return _result(loaded, config, text, totals, rates, (windows, prefill_tokens, decode_tokens, step_ms))
+    shape = (windows, prefill_tokens, decode_tokens, step_ms)
+    result = _result(loaded, config, text, totals, rates, shape)
+    if probe is None:
+        return result
+    pair = _Pair(loaded, config, len(probe[0][0].tokens), step_ms, num_seqs=len(probe[0]))
+    score = run_probe(pair, probe[0], probe[1], ticker.tick)
+    return dataclasses.replace(
+        result,
+        aggregation_rate=score.rate,
+        aggregation_base_rate=score.base_rate,
+        aggregation_nll=score.nll,
+        aggregation_base_nll=score.base_nll,
+    )
+
+
+def aggregation_probe(
+    loaded: Any, config: HybridConfig, text_ids: Sequence[int], prefill_tokens: int, step_ms: float
+) -> tuple[list[AggregationPrompt], int]:
+    """The aggregation probe's prompts (contexts of ``prefill_tokens`` tokens, at least
+    :func:`~kvtune.engine.aggregation.min_aggregation_length`, filler from ``text_ids``) and how many of the
+    context's last tokens are fed by decode steps (as for the passkey: :func:`passkey_forced_steps`)."""
+    tokenize = lambda s: text_token_ids(loaded, s)
+    length = max(prefill_tokens, min_aggregation_length(tokenize))
+    prompts = aggregation_prompts(
+        tokenize, text_ids, loaded.spec.bos_token_id, length, AGGREGATION_PROMPTS, AGGREGATION_PAIRS
+    )
+    if len(prompts[0].tokens) > loaded.spec.max_context:
+        raise ValueError(
+            f"the aggregation probe needs {len(prompts[0].tokens)} tokens, but the model's context allows "
+            f"{loaded.spec.max_context}: use a smaller prefill"
+        )
+    return prompts, passkey_forced_steps(config, length, step_ms)
 
 
 def text_token_ids(loaded: Any, text: str) -> list[int]:

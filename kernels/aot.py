@@ -30,6 +30,8 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.runtime.jit import JITFunction
 
+from kvtune.kernels.arch import Arch
+
 HOPPER = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
@@ -115,6 +117,11 @@ def specialization(launch: Launch) -> tuple[Any, ...]:
     :func:`_arguments` gives it, and the compile options. Two launches with different keys compile twice."""
     key = tuple((name, *spec) for _, name, spec in _arguments(launch))
     return launch.fn.__name__, key, tuple(sorted(_options(launch).items()))
+
+
+def target_of(arch: Arch) -> GPUTarget:
+    """The compiler's target for an architecture of :mod:`kvtune.kernels.arch`."""
+    return GPUTarget("cuda", arch.target, 32)
 
 
 def compile_launch(launch: Launch, target: GPUTarget = HOPPER) -> Any:

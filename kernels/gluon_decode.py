@@ -45,6 +45,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from kvtune.kernels.arch import Arch
+
 _MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 MMA = gl.constexpr(_MMA)
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2))
@@ -617,6 +619,32 @@ def build_constants(
         SK=lay.k_smem if key_rows else lay.k_lanes, SV=lay.v_smem, COPY=lay.copy, STAGES=stages,
         KROWS=key_rows, TABLE_AHEAD=table_ahead,
     )  # fmt: skip
+
+
+# A ring is kept only as deep as lets this many programs share a multiprocessor: the H200's fastest 8-bit
+# build (3 stages) has 4 resident (benchmarks/NOTES.md, "ring depth"). Where a card holds fewer
+# (sm_86 / sm_89: 100 KB), a shallower ring, or none, keeps the program count; not yet timed there.
+RING_RESIDENT = 4
+
+
+def ring_bytes(d: int, t: int, kind: int, stages: int, scale_bytes: int = 2) -> int:
+    """Shared memory of one program's ring: per stage a block's key and value codes ([T, C] each), the key
+    scales and mins ([D] each) and the value scales and mins ([T] each); the 16-entry id ring (int32)."""
+    if stages == 0:
+        return 0
+    c = d if kind == 8 else d // 2
+    return stages * (2 * t * c + 2 * d * scale_bytes + 2 * t * scale_bytes) + 16 * 4
+
+
+def ring_stages(arch: Arch, d: int, t: int, kind: int, stages: int) -> int:
+    """The ring depth a launch uses on ``arch``: the deepest of ``stages`` .. 2 with which
+    :data:`RING_RESIDENT` programs fit a multiprocessor's shared memory (+ the 1 KB per program the driver
+    reserves), else 0 (each block loaded into registers). A ring of 1 (no block ahead) is kept as asked."""
+    for s in range(stages, min(stages, 2) - 1, -1):
+        per = ring_bytes(d, t, kind, s) + 1024
+        if per <= arch.shared_per_program and arch.shared_per_sm // per >= RING_RESIDENT:
+            return s
+    return 0
 
 
 def supported(q: torch.Tensor, pool_bits: int, mixed: bool, block_size: int, code_stride: tuple[int, ...],

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels import gluon_decode
+from kvtune.kernels.arch import HOPPER, Arch, arch_of
 from kvtune.kernels.decode_choice import PURE_INT8 as PURE_INT8
 from kvtune.kernels.decode_choice import DecodeKernel, decode_kernel, options_for
 from kvtune.kernels.decode_choice import DecodeKernelOptions as DecodeKernelOptions
@@ -459,17 +460,20 @@ def launch_plan(
     block_table: torch.Tensor,
     options: DecodeKernelOptions | None = None,
     kernel: DecodeKernel | None = None,
+    arch: Arch | None = None,
 ) -> DecodePlan:
     """How :func:`hybrid_decode_attention_triton` launches on these inputs: its kernel (``kernel``, else
     :func:`~kvtune.kernels.decode_choice.decode_kernel`'s choice), options, compile-time values and split
-    count (the Gluon kernel's, where it takes the launch: the merge then attends the hot zone)."""
+    count (the Gluon kernel's, where it takes the launch: the merge then attends the hot zone). ``arch``: the
+    limits planned with (None: :func:`~kvtune.kernels.arch.arch_of` the device of ``q``)."""
     if kernel is None:
         kernel = decode_kernel(q, pool, block_table, options, triton=True)
     B, Hq, D = q.shape
     H, M = block_table.shape[1], block_table.shape[2]
     G = Hq // H
     bits = pool.bits
-    opts = _resolved(options_for(pool, options), hot_k.dtype, _INTERPRETING)
+    arch = arch_of(q.device) if arch is None else arch
+    opts = _resolved(options_for(pool, options), hot_k.dtype, _INTERPRETING, arch, D, pool.k.shape[2], bits)
     cdt = tl.float32 if hot_k.dtype == torch.float32 else tl.float16
     prec = "ieee" if hot_k.dtype == torch.float32 else "tf32"
     mixed = bits == 8 and opts.mixed
@@ -530,14 +534,13 @@ def wave_cost(bh: int, m: int, splits: int, slots: int) -> int:
     return cdiv(bh * cdiv(m, per), slots) * (per + 1)
 
 
-def resident_programs(
-    registers: int, num_warps: int, shared_bytes: int, regs_per_sm: int = 65536, smem_per_sm: int = 233472
-) -> int:
-    """Programs of a build that fit one multiprocessor at once: by registers, by shared memory (+ the 1 KB per
-    block the driver reserves), at most 32 (sm_90 defaults: 64K registers, 228 KB)."""
-    by_regs = regs_per_sm // max(1, registers * 32 * num_warps)
-    by_smem = smem_per_sm // (shared_bytes + 1024)
-    return max(1, min(by_regs, by_smem, 32))
+def resident_programs(registers: int, num_warps: int, shared_bytes: int, arch: Arch = HOPPER) -> int:
+    """Programs of a build that fit one multiprocessor of ``arch`` at once: by registers, by shared memory (+
+    the 1 KB per block the driver reserves), at most the architecture's resident blocks (sm_90: 64K
+    registers, 228 KB, 32 blocks)."""
+    by_regs = arch.regs_per_sm // max(1, registers * 32 * num_warps)
+    by_smem = arch.shared_per_sm // (shared_bytes + 1024)
+    return max(1, min(by_regs, by_smem, arch.max_programs_per_sm))
 
 
 # Programs resident per multiprocessor of each Gluon build, read from the build at its first launch (the wave
@@ -550,25 +553,31 @@ def _resident_of(kernel: object, device: torch.device) -> int | None:
     n_regs, meta = getattr(kernel, "n_regs", None), getattr(kernel, "metadata", None)
     if not n_regs or meta is None:
         return None
-    props = torch.cuda.get_device_properties(device)
-    return resident_programs(
-        int(n_regs), int(meta.num_warps), int(meta.shared),
-        int(getattr(props, "regs_per_multiprocessor", 65536)),
-        int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
-    )  # fmt: skip
+    return resident_programs(int(n_regs), int(meta.num_warps), int(meta.shared), arch_of(device))
 
 
 @functools.lru_cache(maxsize=64)
 def _resolved(
-    options: DecodeKernelOptions, model_dtype: torch.dtype, interpreting: bool
+    options: DecodeKernelOptions,
+    model_dtype: torch.dtype,
+    interpreting: bool,
+    arch: Arch = HOPPER,
+    head_dim: int = 128,
+    block_size: int = 64,
+    bits: int = 8,
 ) -> DecodeKernelOptions:
-    """The options a launch uses: float32 models convert codes by cast; the interpreter cannot run PTX."""
+    """The options a launch uses: float32 models convert codes by cast; the interpreter cannot run PTX; on
+    ``arch``, programmatic dependent launch only from sm_90 and the Gluon ring as deep as
+    :func:`~kvtune.kernels.gluon_decode.ring_stages` allows (a block of ``block_size`` tokens, ``bits``)."""
     cvt = options.cvt
     if model_dtype == torch.float32:  # exact arithmetic: codes cast to float32
         cvt = 0
     elif cvt == 2 and interpreting:
         cvt = 1
-    return replace(options, cvt=cvt)
+    stages = options.gluon_stages
+    if bits in (4, 8) and options.gluon:
+        stages = gluon_decode.ring_stages(arch, head_dim, block_size, bits, stages)
+    return replace(options, cvt=cvt, gluon_pdl=options.gluon_pdl and arch.pdl, gluon_stages=stages)
 
 
 def _aligned(pool: ColdPool, size: int) -> bool:
@@ -616,6 +625,7 @@ def hybrid_decode_attention_triton(
     sm_scale: float,
     options: DecodeKernelOptions | None = None,
     kernel: DecodeKernel | None = None,
+    arch: Arch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused hybrid decode attention (module docstring); the contract of ``hybrid_decode_attention_ref``.
 
@@ -624,6 +634,8 @@ def hybrid_decode_attention_triton(
     [B, H, M], hot_mass float32 [B, H]. ``kernel``: the choice of
     :func:`~kvtune.kernels.decode_choice.decode_kernel` where the caller made it (the dispatcher; a test
     forcing one), else made here with the Triton kernels taken as available (CPU tensors: the interpreter).
+    ``arch``: the limits the launch plans with (None: those of the device; a test recording launches for a
+    compile on another architecture names it).
     """
     if kernel is None:
         kernel = decode_kernel(q, pool, block_table, options, triton=True)
@@ -635,7 +647,7 @@ def hybrid_decode_attention_triton(
     B, Hq, D = q.shape
     H, M = block_table.shape[1], block_table.shape[2]
     G = Hq // H
-    plan = launch_plan(q, hot_k, pool, block_table, options, kernel)
+    plan = launch_plan(q, hot_k, pool, block_table, options, kernel, arch)
     opts, meta, key, splits, per = plan.options, plan.meta, plan.key, plan.splits, plan.per
     # Where the Gluon kernel takes the cold blocks, the merge attends the hot zone (``gluon_pdl``: as a
     # programmatic dependent, while the Gluon kernel runs); elsewhere the split kernel's last split does.

@@ -13,6 +13,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtune.kernels.arch import arch_for
+
 MIB = 2**20
 GPU_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
 CPU_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64, 128)
@@ -51,7 +53,17 @@ class Card:
 
 def _gpu(id: str, family: str, label: str, mib: int, gbs: float, l2_mib: int, sms: int, fp8: bool,
          cc: tuple[int, int], *patterns: str) -> Card:  # fmt: skip
-    return Card(id, family, label, mib * MIB, gbs, l2_mib * MIB, sms, True, fp8, cc, patterns)
+    return Card(
+        id, family, label, mib * MIB, gbs, l2_mib * MIB, sms, True, fp8, cc, patterns, gpu_block_sizes(cc)
+    )
+
+
+def gpu_block_sizes(capability: tuple[int, int]) -> tuple[int, ...]:
+    """The block sizes a card of this compute capability offers: those whose decode kernels fit one
+    program's shared memory there (:attr:`kvtune.kernels.arch.Arch.max_block_size`; sm_86 / sm_89: up to
+    128 tokens)."""
+    largest = arch_for(capability).max_block_size
+    return tuple(b for b in GPU_BLOCK_SIZES if b <= largest)
 
 
 CARDS: dict[str, Card] = {

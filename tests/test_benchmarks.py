@@ -30,6 +30,8 @@ def test_decode_attention_smoke(tmp_path: Path) -> None:
     rows = [line for line in table.splitlines() if line.startswith("| 2 x") or line.startswith("| 1 x")]
     assert len(rows) == 2
     assert "Sparse step at 1 x 1K, its parts alone (ms): INT8 selection" in table
+    (parts,) = [line for line in table.splitlines() if line.startswith("Sparse step")]
+    assert parts.count("TB/s") == 6 and parts.count(" MB, ") == 6  # each part's bytes and bandwidth
     assert (tmp_path / "results.json").exists()
 
 

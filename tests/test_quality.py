@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtune.cache_impl.config import HybridConfig
+from kvtune.engine.aggregation import AGGREGATION_PAIRS, aggregation_prompt, aggregation_prompts
 from kvtune.engine.quality import (
     PASSKEY_DEPTHS,
     PasskeyTrial,
@@ -17,6 +18,7 @@ from kvtune.engine.quality import (
     passkey_passed,
     passkey_prompt,
     passkey_trials,
+    text_token_ids,
     window_starts,
 )
 from kvtune.tuner.cli import main
@@ -135,3 +137,64 @@ def test_quality_command_refuses_bad_sizes_before_loading(tmp_path, capsys, opti
     assert main(["quality", "--config", str(config), "--model", "no-such-model", option, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0] == f"kvtune: error: {message}"
+
+
+# ---- the aggregation probe ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("length", "pairs"), [(37, 1), (337, AGGREGATION_PAIRS), (401, AGGREGATION_PAIRS), (1000, 16)]
+)
+def test_aggregation_prompt_spreads_the_facts_and_asks_them_all_back(tiny, text, length, pairs):
+    tokenize = lambda s: text_token_ids(tiny, s)
+    filler = tokenize(text[:3000])
+    p = aggregation_prompt(tokenize, filler, 1, length, pairs, seed=3)
+    assert len(p.values) == pairs and p.tokens[0] == 1 and p.context == length
+    recalled = bytes(p.tokens[p.context :]).decode()
+    context = bytes(p.tokens[1 : p.context]).decode()
+    for lo, hi in p.values:
+        value = bytes(p.tokens[lo:hi]).decode()
+        assert len(value.strip()) == 4 and value in recalled
+        assert f"is{value}." in context.replace(" ", "") or f"is {value.strip()}." in context
+    depths = sorted(context.index(bytes(p.tokens[lo:hi]).decode()) for lo, hi in p.values)
+    assert depths[-1] - depths[0] >= (len(context) // 2 if pairs > 1 else 0)  # spread over the context
+
+
+def test_aggregation_prompts_of_one_probe_are_equal_in_length_and_differ(tiny, text):
+    tokenize = lambda s: text_token_ids(tiny, s)
+    a, b = aggregation_prompts(tokenize, tokenize(text[:5000]), None, 500, prompts=2, pairs=6)
+    assert (len(a.tokens), a.context) == (len(b.tokens), b.context) and a.tokens != b.tokens
+
+
+def test_aggregation_prompt_without_room_is_an_error(tiny):
+    tokenize = lambda s: text_token_ids(tiny, s)
+    with pytest.raises(ValueError, match="no room for 6 facts"):
+        aggregation_prompt(tokenize, [65] * 100, None, 100, 6, seed=0)
+
+
+@pytest.mark.parametrize(("bits", "sparse"), [(0, 0), (8, 16)])
+def test_aggregation_probe_runs_beside_the_baseline(tiny, text, bits, sparse):
+    config = _config(bits, sparse_top_k=sparse, migration_interval=4, migration_threshold_ms=100.0)
+    r = measure_quality(tiny, config, text, windows=1, prefill_tokens=32, decode_tokens=4, passkey=False,
+                        aggregation=True)  # fmt: skip
+    assert 0.0 <= r.aggregation_rate <= 1.0 and 0.0 <= r.aggregation_base_rate <= 1.0
+    assert math.isfinite(r.aggregation_nll) and r.aggregation_base_nll > 0
+    if bits == 0 and sparse == 0:  # the unquantized cache against itself
+        assert (r.aggregation_rate, r.aggregation_nll) == (r.aggregation_base_rate, r.aggregation_base_nll)
+
+
+def test_quality_without_the_probe_reports_none(results):
+    d = results[8].to_dict()
+    assert d["aggregation_rate"] is None and d["aggregation_base_nll"] is None
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_quality_command_reports_the_aggregation_probe_unless_skipped(tmp_path, capsys, skip):
+    config = tmp_path / "c.json"
+    config.write_text(_config(8).to_json(), encoding="utf-8")
+    out = tmp_path / "q.json"
+    argv = ["quality", "--config", str(config), "--model", "random:tiny", "--text", str(EXCERPT),
+            "--windows", "1", "--prefill", "48", "--decode", "4", "--no-passkey", "--device", "cpu",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv + ["--no-aggregation"] * skip) == 0
+    rate = json.loads(out.read_text())["aggregation_rate"]
+    assert (rate is None) if skip else (0.0 <= rate <= 1.0)
+    assert ("skipped" in capsys.readouterr().out.split("pairs recalled")[1].splitlines()[0]) == skip

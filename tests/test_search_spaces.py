@@ -56,6 +56,19 @@ def test_200_random_points_are_valid_configs_that_fit(card: str, shape: ModelKVS
     assert all(space.params_for(c) == t.params for c, t in zip(configs, trials))
 
 
+@pytest.mark.parametrize("card", [c for c in CARDS if CARDS[c].is_gpu])
+def test_a_card_offers_only_the_block_sizes_its_kernels_fit(card: str) -> None:
+    """sm_86 / sm_89 cards (99 KB of shared memory per program) stop at 128-token blocks: the split kernel's
+    256-token 8-bit block with per-block bits needs ~140 KB (tests/test_triton_compile.py); sm_80 and sm_90
+    cards offer every size."""
+    from kvtune.kernels.arch import arch_for
+
+    c = CARDS[card]
+    largest = 128 if c.compute_capability in ((8, 6), (8, 9)) else 256
+    assert max(c.block_sizes) == arch_for(c.compute_capability).max_block_size == largest  # type: ignore[arg-type]
+    assert set(_space(card).block_sizes) <= set(c.block_sizes)
+
+
 def test_tight_budget_narrows_the_space_and_says_so() -> None:
     space = _space(
         "l4", False, LLAMA3_8B, workload=WorkloadStats(8192, 8192, 99.0, 16), kv_budget_bytes=8 * GIB

@@ -19,7 +19,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kvtune.kernels.aot import compile_launch, record_launches, specialization  # noqa: E402
+from kvtune.kernels.aot import compile_launch, record_launches, specialization, target_of  # noqa: E402
+from kvtune.kernels.arch import ARCHS  # noqa: E402
 from kvtune.kernels.layout import ColdLayout, ColdPool  # noqa: E402
 from kvtune.tests.triton_testlib import INTERPRETING  # noqa: E402
 
@@ -43,10 +44,12 @@ def _decode(
     m: int = 9,
     bs: int = 64,
     kernel: str | None = None,
+    arch: Any = None,
     **options: Any,
 ) -> Callable[[], Any]:
     """b sequences of m cold blocks; ``options``: a variant of the bits' default ``DecodeKernelOptions`` (the
-    byte values, say); ``kernel``: the launcher's choice of kernel, where given."""
+    byte values, say); ``kernel``: the launcher's choice of kernel, where given; ``arch``: the architecture
+    the launcher plans for (None: sm_90, a CPU device's)."""
     from dataclasses import replace
 
     from kvtune.kernels.triton_decode import PURE_INT8, default_options, hybrid_decode_attention_triton
@@ -61,6 +64,7 @@ def _decode(
         torch.zeros(b, heads * group, d, dtype=torch.bfloat16), hot, hot.clone(),
         torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32), pool, table,
         torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=opts, kernel=kernel,
+        arch=arch,
     )  # fmt: skip
 
 
@@ -177,6 +181,83 @@ def test_kernels_compile_for_sm90(case: str) -> None:
         compiled = compile_launch(launch)
         assert compiled.asm["cubin"], f"{launch.fn.__name__}: no cubin"
         assert ".target sm_90" in compiled.asm["ptx"]
+
+
+# ---- the compile matrix: every card's architecture, with the options the dispatcher picks there -----------
+def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
+    """The launches a decode step makes on ``arch`` with the default options (the Gluon kernel where a GPU
+    takes it), the decode kernels at the architecture's largest block size, and every other kernel once."""
+    big = arch.max_block_size
+    return {
+        "decode int8 mixed": lambda: _decode(8, True, arch=arch),
+        "decode unquantized": lambda: _decode(0, False, arch=arch),
+        **{f"decode int{bits} gluon d{d} bs{bs}": (lambda bits=bits, d=d, bs=bs: _decode(
+            bits, False, d=d, bs=bs, kernel="gluon", arch=arch))
+           for bits in (8, 4) for d, bs in ((128, 64), (64, 16))},
+        **{f"decode int{bits}{' mixed' * dem} block {big}": (lambda bits=bits, dem=dem: _decode(
+            bits, dem, bs=big, m=3, kernel="split", arch=arch))
+           for bits, dem in ((8, True), (4, False), (0, False))},
+        "quest int8": lambda: _quest(8),
+        "seal int4 in an 8-bit pool": lambda: _seal(8, 4),
+        "seal int8 from hot zones": lambda: _seal(8, 8, from_hot_zones=True),
+        "requantize": _requantize,
+        **{n: (lambda n=n: _elementwise(n)) for n in ("add_rms_norm", "rope_qkv", "silu_mul")},
+        "access update": _access,
+        "sparse table": _sparse_table,
+        "sparse table int4": lambda: _sparse_table(bits=4, demotable=False),
+    }  # fmt: skip
+
+
+MATRIX = [(a, case) for a in ARCHS for case in _matrix_cases(ARCHS[a])]
+
+
+@pytest.mark.parametrize(("arch", "case"), MATRIX)
+def test_kernels_compile_for_every_architecture(arch: str, case: str) -> None:
+    """Each launch compiles for the architecture with the options the launcher planned for it, fits one
+    program's shared memory there, and uses no Hopper-only instruction below sm_90 (``griddepcontrol``: the
+    programmatic dependent launch)."""
+    a = ARCHS[arch]
+    launches = record_launches(_matrix_cases(a)[case]())
+    assert launches, "the launcher launched no kernel"
+    for launch in launches:
+        compiled = compile_launch(launch, target_of(a))
+        name, ptx = launch.fn.__name__, compiled.asm["ptx"]
+        assert compiled.asm["cubin"] and f".target {arch}" in ptx, name
+        assert compiled.metadata.shared <= a.shared_per_program, (name, compiled.metadata.shared)
+        if not a.pdl:
+            assert "griddepcontrol" not in ptx and not launch.kwargs.get("launch_pdl"), name
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_gluon_ring_takes_the_shared_memory_the_plan_counts(arch: str, bits: int) -> None:
+    """The ring depth the launcher plans on each architecture (:func:`gluon_decode.ring_stages`) is counted
+    from the bytes the compiler gives the build (:func:`gluon_decode.ring_bytes`)."""
+    from kvtune.kernels.gluon_decode import ring_bytes
+
+    a = ARCHS[arch]
+    (cold,) = [
+        x
+        for x in record_launches(_decode(bits, False, kernel="gluon", arch=a))
+        if x.fn.__name__ == "_cold_kernel"
+    ]
+    stages = cold.kwargs["STAGES"]
+    assert stages == EXPECTED_STAGES[bits][arch]
+    assert compile_launch(cold, target_of(a)).metadata.shared == ring_bytes(128, 64, bits, stages)
+
+
+# the default ring (8-bit: 3, 4-bit: 2) where 4 programs fit a multiprocessor's shared memory, else shallower
+EXPECTED_STAGES = {8: {"sm_80": 2, "sm_86": 0, "sm_89": 0, "sm_90": 3}, 4: dict.fromkeys(ARCHS, 2)}
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if ARCHS[a].max_block_size < 256])
+def test_a_block_past_the_largest_does_not_fit_the_architecture(arch: str) -> None:
+    """Why a card of this architecture offers no larger block: the split kernel's shared memory for the next
+    block size (8-bit codes with per-block bits) exceeds what one program may have."""
+    a = ARCHS[arch]
+    launches = record_launches(_decode(8, True, bs=2 * a.max_block_size, m=3, kernel="split", arch=a))
+    shared = max(compile_launch(x, target_of(a)).metadata.shared for x in launches)
+    assert shared > a.shared_per_program
 
 
 # ---- sizes that change while a workload runs must not make the JIT compile again
@@ -323,6 +404,26 @@ def test_resident_programs_match_the_offline_table() -> None:
     assert resident_programs(162, 4, 70 * kb) == 3  # INT4 3 stages
     assert resident_programs(61, 8, 38 * kb) == 4  # unquantized, 8 warps: shared memory decides
     assert resident_programs(16, 1, 0) == 32  # at most 32 blocks per multiprocessor
+
+
+@pytest.mark.parametrize(("arch", "most"), [("sm_80", 32), ("sm_86", 16), ("sm_89", 24), ("sm_90", 32)])
+def test_resident_programs_use_the_architectures_limits(arch: str, most: int) -> None:
+    """A one-warp build without shared memory is held back only by the resident blocks of the card; a
+    Gluon 8-bit ring of 3 stages (51,520 bytes) by its shared memory."""
+    from kvtune.kernels.triton_decode import resident_programs
+
+    assert resident_programs(16, 1, 0, ARCHS[arch]) == most
+    assert (
+        resident_programs(64, 1, 51520, ARCHS[arch]) == {"sm_80": 3, "sm_86": 1, "sm_89": 1, "sm_90": 4}[arch]
+    )
+
+
+def test_architectures_are_named_and_a_cpu_plans_as_hopper() -> None:
+    from kvtune.kernels.arch import HOPPER, arch_for, arch_of
+
+    assert arch_of(torch.device("cpu")) is HOPPER and arch_for((8, 6)).name == "sm_86"
+    with pytest.raises(ValueError, match=r"compute capability \(7, 5\) is not one the kernels plan for"):
+        arch_for((7, 5))
 
 
 @pytest.mark.parametrize(

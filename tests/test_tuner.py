@@ -199,6 +199,15 @@ BAD: dict[str, tuple[Callable[[str, Path], list[str]], str]] = {
     "no decode": (lambda s, tmp: argv(s, "--quality-decode", "0"), "--quality-decode 0: must be >= 1"),
     "no time": (lambda s, tmp: argv(s, "--time-budget", "-1"), "--time-budget -1: must be > 0"),
     "nan time scale": (lambda s, tmp: argv(s, "--time-scale", "nan"), "--time-scale nan: must be > 0"),
+    "no aggregation": (lambda s, tmp: argv(s, "--min-aggregation", "0"), "--min-aggregation 0: must be > 0"),
+    "aggregation past 1": (
+        lambda s, tmp: argv(s, "--min-aggregation", "1.5"),
+        "`0 < min_aggregation <= 1` must hold, but got min_aggregation=1.5",
+    ),
+    "another aggregation bound": (  # the study was made without it
+        lambda s, tmp: argv(s, "--resume", "--min-aggregation", "0.9"),
+        "was made with quality_limits=",
+    ),
 }
 
 
@@ -349,6 +358,26 @@ def test_a_quality_window_that_some_configs_keep_all_hot_is_warned_about() -> No
     assert "quality windows are 128 tokens" in warning and "--quality-prefill 97 or more" in warning
     long = dataclasses.replace(short, prefill_tokens=97)
     assert quality_coverage(space, long) == ()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("rate", "feasible"), [(0.75, True), (0.7, True), (0.5, False), (None, False)])
+def test_the_aggregation_bound_is_a_share_of_the_base_rate(rate: float | None, feasible: bool) -> None:
+    from kvtune.tuner.driver import Bounds
+
+    quality = {"ppl_change_pct": 0.0, "mean_kl": 0.0, "aggregation_rate": rate, "aggregation_base_rate": 0.75}
+    c = Bounds(max_ppl_increase=2.0, min_aggregation=0.9).constraints(quality)
+    assert set(c) == {"ran", "ppl_increase_pct", "aggregation"} and (c["aggregation"] <= 0) == feasible
+
+
+def test_settings_without_the_probe_are_stored_as_before() -> None:
+    """A study made before the aggregation bound existed resumes: its identity has neither key."""
+    from kvtune.tuner.driver import Bounds
+
+    assert Bounds(2.0).to_dict() == {"max_ppl_increase": 2.0, "max_kl": None}
+    assert Bounds(2.0, None, 0.9).to_dict()["min_aggregation"] == 0.9
+    off = QualitySettings(model="random:tiny", text_path=str(TEXT))
+    assert "aggregation" not in off.to_dict()
+    assert dataclasses.replace(off, aggregation=True).to_dict()["aggregation"] is True
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ Trial user attributes (all prefixed ``kvtune.``): ``config`` (the resolved hybri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -86,10 +87,19 @@ SuggestKnobs = Callable[[optuna.Trial, HybridConfig], dict[str, Any] | None]
 
 @dataclass(frozen=True)
 class Bounds:
-    """Quality bounds (None: not a constraint): perplexity increase in percent, mean KL in nats."""
+    """Quality bounds (None: not a constraint): perplexity increase in percent, mean KL in nats, and the
+    share of the aggregation probe's pairs that the unquantized cache recalls which the config must recall
+    too (``min_aggregation``, in (0, 1]: the constraint is ``min_aggregation x base rate - rate``)."""
 
     max_ppl_increase: float | None = None
     max_kl: float | None = None
+    min_aggregation: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_aggregation is not None and not 0 < self.min_aggregation <= 1:
+            raise ValueError(
+                f"`0 < min_aggregation <= 1` must hold, but got min_aggregation={self.min_aggregation}"
+            )
 
     def constraints(self, quality: dict[str, Any]) -> dict[str, float]:
         out = {"ran": 0.0}
@@ -97,7 +107,19 @@ class Bounds:
             out["ppl_increase_pct"] = float(quality["ppl_change_pct"]) - self.max_ppl_increase
         if self.max_kl is not None:
             out["kl"] = float(quality["mean_kl"]) - self.max_kl
+        if self.min_aggregation is not None:
+            rate, base = quality.get("aggregation_rate"), quality.get("aggregation_base_rate")
+            # a quality measured without the probe (rate None) is no evidence: infeasible
+            out["aggregation"] = self.min_aggregation * float(base or 0) - float(-1 if rate is None else rate)
         return out
+
+    def to_dict(self) -> dict[str, float | None]:
+        """As stored with a study; ``min_aggregation`` only where set (so a study made before it compares
+        equal)."""
+        d = dataclasses.asdict(self)
+        if d["min_aggregation"] is None:
+            del d["min_aggregation"]
+        return d
 
     def crashed(self) -> dict[str, float]:
         return {

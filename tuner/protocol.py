@@ -84,6 +84,7 @@ class QualitySettings:
     step_ms: float = 50.0
     passkey: bool = True
     dtype: str = "float32"  # whatever the replay's dtype (see TrialWorker._quality_loaded)
+    aggregation: bool = False  # the aggregation probe (engine/aggregation.py), on where a bound needs it
 
     def __post_init__(self) -> None:
         check_quality_args(self.windows, self.prefill_tokens, self.decode_tokens, self.step_ms)
@@ -93,7 +94,11 @@ class QualitySettings:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """As stored with a study; ``aggregation`` only where on (a study made before it compares equal)."""
+        d = dict(self.__dict__)
+        if not d["aggregation"]:
+            del d["aggregation"]
+        return d
 
 
 @dataclass(frozen=True)

@@ -277,6 +277,7 @@ class TrialWorker:
             decode_tokens=q.decode_tokens,
             step_ms=q.step_ms,
             passkey=q.passkey,
+            aggregation=q.aggregation,
         )
         return dict(result.to_dict())
 

@@ -22,7 +22,10 @@ from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import progress_bar, table_console
 
 NAME = "quality"
-HELP = "measure a hybrid_v2 config's quality (KL, top-1, perplexity, passkey) against the unquantized cache"
+HELP = (
+    "measure a hybrid_v2 config's quality (KL, top-1, perplexity, passkey, aggregation) against the "
+    "unquantized cache"
+)
 EXCERPT = Path("examples") / "text" / "wikitext2_excerpt.txt"
 
 
@@ -45,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-ms", type=float, default=50.0, help="virtual clock: ms per decode step (default 50)"
     )
     parser.add_argument("--no-passkey", action="store_true", help="skip the passkey check")
+    parser.add_argument(
+        "--no-aggregation",
+        action="store_true",
+        help="skip the aggregation probe (6 key-value pairs spread over --prefill tokens, recalled)",
+    )
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="model precision (default float32)"
@@ -92,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             args.step_ms,
             not args.no_passkey,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
+            aggregation=not args.no_aggregation,
         )
     d = result.to_dict()
     table_console().print(_table(d, args.model, text_path))
@@ -129,6 +138,15 @@ def _table(d: dict[str, Any], model: str, text: Path) -> Table:
     table.add_row("attention on cold blocks", f"{100 * d['cold_attention_share']:.1f} %")
     table.add_row("attention on L2 blocks", f"{100 * d['l2_attention_share']:.1f} %")
     table.add_row("passkey (config / base)", f"{_rate(d['passkey_rate'])} / {_rate(d['passkey_base_rate'])}")
+    table.add_row(
+        "aggregation: pairs recalled (config / base)",
+        f"{_rate(d['aggregation_rate'])} / {_rate(d['aggregation_base_rate'])}",
+    )
+    if d["aggregation_nll"] is not None:
+        table.add_row(
+            "aggregation: NLL per value token (config / base)",
+            f"{d['aggregation_nll']:.4f} / {d['aggregation_base_nll']:.4f}",
+        )
     table.add_row(
         "windows × (prefill + decode)", f"{d['windows']} × ({d['prefill_tokens']} + {d['decode_tokens']})"
     )

@@ -142,6 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--max-ppl-increase", type=float, default=2.0, help="quality bound: perplexity increase, %% (2.0)")
     add("--max-kl", type=float, default=None, help="quality bound: mean KL in nats (default: none)")
+    add(
+        "--min-aggregation",
+        type=float,
+        default=None,
+        help="quality bound: share of the aggregation probe's key-value pairs recalled by the unquantized "
+        "cache that the config recalls too, in (0, 1] (default: none; given, the probe runs per config)",
+    )
     add("--storage", default=DEFAULT_STORAGE, help=f"study database URL ({DEFAULT_STORAGE})")
     add("--study", default=None, help="study name (default <card>-<model>-<workload>)")
     add("--resume", action="store_true", help="continue the study (settings must match)")
@@ -196,6 +203,7 @@ LIMITS: Limits = {
     "--time-budget": (0, False),
     "--max-ppl-increase": (0, True),
     "--max-kl": (0, False),
+    "--min-aggregation": (0, False),
     "--slo-ttft-ms": (0, False),
     "--slo-tpot-ms": (0, False),
     "--trial-timeout": (0, False),
@@ -267,7 +275,7 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
     )
     return TuneJob(
         options=options, trials=pick(args.trials, d.trials), card=card, sample=sample, spec=spec,
-        bounds=Bounds(args.max_ppl_increase, args.max_kl), workers=_workers(args, card),
+        bounds=Bounds(args.max_ppl_increase, args.max_kl, args.min_aggregation), workers=_workers(args, card),
         cpus_per_worker=float(_threads(args)), time_scale=args.time_scale,
         repeats=args.repeats, time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
         write_preset=not args.no_export, out=args.out,
@@ -310,6 +318,7 @@ def _quality(args: argparse.Namespace, d: Defaults) -> QualitySettings:
         prefill_tokens=pick(args.quality_prefill, d.quality_prefill),
         decode_tokens=pick(args.quality_decode, d.quality_decode),
         passkey=d.passkey and not args.no_passkey,
+        aggregation=args.min_aggregation is not None,
     )
 
 
