@@ -177,6 +177,60 @@ def test_mixed_forward_gives_the_logits_of_separate_forwards(tiny):
     cache.check_integrity()
 
 
+class _ChunkByChunk:
+    """A cache as a forward without ``prefill_chunks`` sees it: each chunk through ``prefill``."""
+
+    def __init__(self, cache: HybridCache) -> None:
+        self.prefill, self.decode = cache.prefill, cache.decode
+
+
+@pytest.mark.parametrize("decode_rows", [0, 2])
+@pytest.mark.parametrize(
+    ("bits", "extra"), [(0, {}), (8, {}), (4, {}), (8, SPARSE)], ids=["bf0", "int8", "int4", "int8-sparse"]
+)
+def test_fused_chunk_writes_give_the_chunk_by_chunk_prefill(tiny, bits, extra, decode_rows):
+    """Three iterations of prompt chunks (first chunks, later chunks whose hot zone seals with them, 1-token
+    chunks) beside decode rows: the fused path (``prefill_chunks``) gives the same logits
+    bitwise and leaves the cache in the same state as one ``prefill`` per chunk."""
+    config = _config(bits, **extra)
+    caches = [_prefilled(tiny, config, [25, 33], CPU, spare=4) for _ in range(2)]
+    prompts = {10: list(range(5, 62)), 11: list(range(100, 117)), 12: list(range(5, 29)) + [7] * 13}
+    iterations = [[(10, 24), (11, 16)], [(10, 1), (11, 1), (12, 30)], [(10, 32), (12, 7)]]
+    for cache in caches:
+        for seq_id, prompt in prompts.items():
+            cache.add_sequence(seq_id, prompt)
+    done = {i: caches[0]._seqs[i].prefilled for i in prompts}
+    for step, chunks in enumerate(iterations):
+        tokens = np.array([4, 9][:decode_rows], dtype=np.int64)
+        ids = [*tokens.tolist(), *(t for i, n in chunks for t in prompts[i][done[i] : done[i] + n])]
+        pos = [*caches[0].lengths(np.arange(decode_rows)).tolist()]
+        pos += [p for i, n in chunks for p in range(done[i], done[i] + n)]
+        logits = []
+        for cache, view in ((caches[0], caches[0]), (caches[1], _ChunkByChunk(caches[1]))):
+            plan = cache.begin_step(list(range(decode_rows)), 1.0 + step) if decode_rows else None
+            ids_t, pos_t = torch.tensor(ids), torch.tensor(pos)
+            logits.append(tiny.model.forward_mixed(view, plan, ids_t, pos_t, decode_rows, chunks))
+            if plan is not None:
+                cache.end_step(plan)
+        assert torch.equal(logits[0], logits[1]), (step, float((logits[0] - logits[1]).abs().max()))
+        for i, n in chunks:
+            done[i] += n
+    _same_state(caches[0], caches[1], [0, 1, *prompts])
+
+
+def test_fused_chunks_refuse_a_layer_out_of_order(tiny):
+    cache = _prefilled(tiny, _config(8), [], CPU, spare=2)
+    cache.add_sequence(5, list(range(40)))
+    q = torch.zeros(8, tiny.spec.num_heads, tiny.spec.head_dim)
+    k = torch.zeros(8, tiny.spec.num_kv_heads, tiny.spec.head_dim)
+    with pytest.raises(ValueError, match="layer by layer"):
+        cache.prefill_chunks(1, [(5, 8)], q, k, k)
+    with pytest.raises(ValueError, match=r"1\.\.40 tokens, got layer 0 and 41"):
+        cache.prefill_chunks(
+            0, [(5, 41)], torch.zeros(41, 4, 16), torch.zeros(41, 2, 16), torch.zeros(41, 2, 16)
+        )
+
+
 def test_update_access_takes_a_device_clock():
     """The access update with the clock as a float64 tensor (what a captured step reads) equals the float."""
     gen = torch.Generator().manual_seed(0)
