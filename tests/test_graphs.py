@@ -149,6 +149,54 @@ def test_static_and_eager_steps_alternate_on_one_cache(tiny):
     _same_state(eager, mixed, [0, 1])
 
 
+HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::tolist"}
+
+
+def _profiled(fn) -> list[str]:  # type: ignore[no-untyped-def]
+    """Names of the top-level operators ``fn()`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+
+
+@pytest.mark.parametrize("throttled", [False, True])
+def test_sparse_static_step_selects_inside_the_graph_and_plans_tiers_outside(tiny, monkeypatch, throttled):
+    """The static step of a sparse config: the forward (what a CUDA graph captures) runs the sparse
+    selection on every layer and reads nothing back to the host (so it is one graph); its host halves
+    (``prepare`` and ``finish_step``) launch only the upload, except on the steps that plan the tiers (every
+    ``migration_interval``-th: a read of the statistics, then the migrations) or apply queued migrations:
+    those launches are the sparse step's only launches besides its graphs."""
+    import kvtune.cache_impl.hybrid_cache as hc
+
+    config = _config(8, **SPARSE, migration_throttling=throttled)
+    cache = _prefilled(tiny, config, [40, 52, 61], CPU)
+    graphs = DecodeGraphs(tiny.model, cache, 4, cache.layout.blocks_for(100), capture=False, padded=True)
+    calls = []
+    real = hc.sparse_block_table
+    monkeypatch.setattr(hc, "sparse_block_table", lambda *a: calls.append(1) or real(*a))
+    slots = np.asarray([cache.slot_of(i) for i in range(3)])
+    tokens = np.array([3, 4, 5])
+    for t in range(12):
+        info = graphs.prepare(slots, tokens, 10.0 * (t + 1))
+        calls.clear()
+        forward = _profiled(lambda: graphs.run(info))  # noqa: B023
+        assert len(calls) == tiny.spec.num_layers, "the sparse selection runs inside the step"
+        assert not HOST_READS & set(forward), sorted(HOST_READS & set(forward))
+        plans, queued = cache.counters["plans"], len(cache.queue)
+        host = _profiled(lambda: cache.finish_step(info))  # noqa: B023
+        planned = cache.counters["plans"] > plans
+        assert planned == ((t + 1) % config.migration_interval == 0)
+        if planned:  # the plan reads the statistics back: a host synchronisation outside the graphs
+            assert "aten::nonzero" in host
+        elif not queued:
+            assert host == [], (t, host)
+        tokens = graphs.buffers.tokens_out[:3].numpy().copy()
+    assert cache.counters["migrations_done"] > 0
+    cache.check_integrity()
+
+
 def test_mixed_forward_gives_the_logits_of_separate_forwards(tiny):
     """Decode rows and two prompt chunks in one forward: the logits of a decode step and of each prefill
     run on their own (the linear layers only see a bigger batch)."""
