@@ -166,8 +166,10 @@ def main() -> None:
                 _summary(results, path.stem, label, clock)
         for clock in args.clocks:
             _versus_first(results, label, [p.stem for p in configs], clock)
-    if args.versus is not None:
+    if args.versus is not None and args.versus.is_file():
         _versus_run(results, json.loads(args.versus.read_text())["results"], args.versus.name)
+    elif args.versus is not None:
+        print(f"  --versus {args.versus}: no such file (the other run did not finish): no ratio")
 
 
 def _profile(engine: Any, requests: Any, args: argparse.Namespace, out: Path) -> None:
