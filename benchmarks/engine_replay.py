@@ -14,6 +14,14 @@ replays each (config, budget) once more under the PyTorch profiler after its rep
 device time went (DIR/<config>_<budget>.txt: the kernels with the most device time, their share of the
 replay's wall time).
 
+Device-busy without the profiler: each forward (a graph replay, or an op-by-op prompt/mixed forward) is
+bracketed by CUDA events; ``busy`` is their summed device time over the replay's wall time (ReplayMetrics'
+``device_busy``), and ``launch`` the host's launch time of the op-by-op forwards over their device time (near
+or above 1: those forwards are launch-bound and the device idles inside them, so ``busy`` overstates its
+work there). ``--versus OTHER.json`` (another run's ``--json``, e.g. the same benchmark over an older
+checkout on ``PYTHONPATH``) prints each (config, budget)'s tokens/s against that run's; metrics an older
+engine does not report print as n/a.
+
     python benchmarks/engine_replay.py --model random:llama-3.1-8b --requests 32 --kv-budget 4e9 \\
         --kv-budget default --baseline --workload examples/traces/azure_conv_sample.csv --json out.json
 
@@ -85,6 +93,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--versus", type=Path, default=None, help="another run's --json: tokens/s against it")
     args = p.parse_args()
     args.clocks = [c.strip() for c in args.clock.split(",") if c.strip()]
     if not args.clocks or not set(args.clocks) <= set(CLOCKS):
@@ -117,7 +126,8 @@ def main() -> None:
     )
     header = f"{'config':<16} {'budget':>9} {'engine':>8} {'clock':>6} {'#':>2} {'tok/s':>8} {'TTFT99':>8}"
     header += f" {'TPOT99':>8}"
-    print(f"{header} {'preempt':>7} {'peakKV GB':>9} {'seqs':>5} {'prefill':>7} {'steps':>6} {'graphs':>6}")
+    header += f" {'preempt':>7} {'peakKV GB':>9} {'seqs':>5} {'prefill':>7} {'steps':>6} {'graphs':>6}"
+    print(f"{header} {'busy':>6} {'launch':>6}")
     results: list[dict[str, Any]] = []
     for label, budget in budgets:
         for path in configs:
@@ -156,6 +166,10 @@ def main() -> None:
                 _summary(results, path.stem, label, clock)
         for clock in args.clocks:
             _versus_first(results, label, [p.stem for p in configs], clock)
+    if args.versus is not None and args.versus.is_file():
+        _versus_run(results, json.loads(args.versus.read_text())["results"], args.versus.name)
+    elif args.versus is not None:
+        print(f"  --versus {args.versus}: no such file (the other run did not finish): no ratio")
 
 
 def _profile(engine: Any, requests: Any, args: argparse.Namespace, out: Path) -> None:
@@ -217,7 +231,23 @@ def _row(
         f"{100 * share:>6.1f}%" if isinstance(share, float) and math.isfinite(share) else f"{'n/a':>7}"
     )
     gpu = GpuSampler.describe(d.get("gpu") or {})
-    print(f"{cells} {d['max_num_seqs']:>5} {share_text} {d['decode_steps']:>6} {graphs:>6} {gpu}", flush=True)
+    busy = f"{_pct(d.get('device_busy')):>6} {_ratio(d.get('launch_ratio')):>6}"
+    print(
+        f"{cells} {d['max_num_seqs']:>5} {share_text} {d['decode_steps']:>6} {graphs:>6} {busy} {gpu}",
+        flush=True,
+    )
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, float | int) and math.isfinite(x)
+
+
+def _pct(x: Any) -> str:
+    return f"{100 * x:.1f}%" if _finite(x) else "n/a"
+
+
+def _ratio(x: Any) -> str:
+    return f"{x:.2f}" if _finite(x) else "n/a"
 
 
 def _measured(
@@ -243,9 +273,24 @@ def _summary(results: list[dict[str, Any]], config: str, budget: str, clock: str
         f"largest distance from the median: tok/s {100 * median_spread(tps):.1f} % (<= 3 %), "
         f"P99 TPOT {100 * median_spread(tpot):.1f} % (<= 5 %)"
     )
+    busy = [m["device_busy"] for m in mine if _finite(m.get("device_busy"))]
+    if busy:
+        mean, spread = 100 * statistics.mean(busy), 100 * median_spread(busy)
+        text += f"; device busy {mean:.1f} % (spread {spread:.1f} %)"
     if base:
         text += f"; {statistics.mean(tps) / base[0]['tokens_per_s']:.2f}× the engine as it was (>= 3×)"
     print(text, flush=True)
+
+
+def _versus_run(results: list[dict[str, Any]], other: list[dict[str, Any]], name: str) -> None:
+    """Mean tokens/s of each (config, budget, clock) of this run against the same key's in ``other``."""
+    keys = sorted({(r["config"], r["budget"], r["clock"]) for r in results if r["engine"] == "engine"})
+    for config, budget, clock in keys:
+        mine = [m["tokens_per_s"] for m in _measured(results, config, budget, "engine", clock)]
+        theirs = [m["tokens_per_s"] for m in _measured(other, config, budget, "engine", clock)]
+        if mine and theirs:
+            a, b = statistics.mean(mine), statistics.mean(theirs)
+            print(f"  {config} @ {budget}, {clock} clock: {a:.1f} tok/s vs {b:.1f} in {name}: {a / b:.2f}×")
 
 
 def _versus_first(results: list[dict[str, Any]], budget: str, configs: list[str], clock: str) -> None:

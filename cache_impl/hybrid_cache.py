@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kvtune.cache_impl.block_pool import BlockPool, CacheFullError, chain_hashes
+from kvtune.cache_impl.chunks import ChunkPlan, ChunkSpec, build_chunk_plan
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.debug import DebugStats
 from kvtune.cache_impl.layout import CacheLayout, ModelKVShape, cache_layout, hot_capacity, kv_bytes_for
@@ -159,6 +160,7 @@ class HybridCache:
         self.debug = DebugStats(self.device, enabled=config.kv_cache_debug)
         self.sm_scale = shape.head_dim**-0.5
         self._seqs: dict[int, _Seq] = {}
+        self._chunk_plan: ChunkPlan | None = None  # the chunks prefill_chunks runs layer by layer
         self._free_slots = list(range(lay.num_slots - 1, -1, -1))
         self._st = _SlotArrays(lay.num_slots)
         self._seq_at: list[_Seq | None] = [None] * lay.num_slots
@@ -213,6 +215,7 @@ class HybridCache:
         this cache stay valid). The cold pools' contents are left as they are (unreferenced)."""
         lay = self.layout
         self._seqs.clear()
+        self._chunk_plan = None
         self._free_slots = list(range(lay.num_slots - 1, -1, -1))
         self._st = _SlotArrays(lay.num_slots, self._st.table.shape[1])
         self._seq_at = [None] * lay.num_slots
@@ -381,6 +384,103 @@ class HybridCache:
         self.hot_k[layer, seq.slot, :, :hot_len] = new_k[n_seal * bs :].transpose(0, 1)
         self.hot_v[layer, seq.slot, :, :hot_len] = new_v[n_seal * bs :].transpose(0, 1)
         return out, n_seal, hot_len
+
+    def prefill_chunks(
+        self, layer: int, chunks: Sequence[tuple[int, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`prefill` of several sequences' chunks at one layer, their writes fused
+        (:mod:`kvtune.cache_impl.chunks`): ``chunks`` (seq_id, T) in the order of the rows of q [ΣT, Hq, D],
+        k, v [ΣT, H, D]; returns [ΣT, Hq, D]. The same rules as :meth:`prefill` per sequence (layer 0
+        first, every layer the same chunks); the same outputs and cache contents as one :meth:`prefill` per
+        chunk, with a fixed number of operations per layer besides each chunk's attention."""
+        if layer == 0:
+            self._chunk_plan = self._plan_chunks(chunks, q.shape[0])
+        plan = self._chunk_plan
+        if (
+            plan is None
+            or [(self._seq(i).slot, t) for i, t in chunks] != [(s.slot, s.tokens) for s in plan.specs]
+            or any(self._seq(i).layers_done != layer for i, _ in chunks)
+        ):
+            raise ValueError(f"prefill_chunks(layer={layer}): the chunks of layer 0 must come layer by layer")
+        out = self._prefill_chunks_layer(layer, plan, q, k, v)
+        for seq_id, _ in chunks:
+            self._seq(seq_id).layers_done += 1
+        if layer == self.shape.num_layers - 1:
+            self._finish_chunks(plan, chunks)
+        return out
+
+    def _plan_chunks(self, chunks: Sequence[tuple[int, int]], rows: int) -> ChunkPlan:
+        """Layer 0 of :meth:`prefill_chunks`: check each chunk as :meth:`prefill` does, plan them all."""
+        if sum(t for _, t in chunks) != rows or len({i for i, _ in chunks}) != len(chunks):
+            raise ValueError(f"prefill_chunks: chunks {list(chunks)} (distinct sequences) for {rows} rows")
+        specs = []
+        bs, hot = self.config.block_size, self.config.hot_tokens
+        for seq_id, t in chunks:
+            seq = self._seq(seq_id)
+            if seq.ready or seq.layers_done or not 0 < t <= seq.length - seq.prefilled:
+                raise ValueError(
+                    f"prefill_chunks of seq_id={seq_id}: expects layer {seq.layers_done} and "
+                    f"1..{seq.length - seq.prefilled} tokens, got layer 0 and {t}"
+                    + (" (already prefilled)" if seq.ready else "")
+                )
+            n_seal = max(0, (seq.hot_len + t - hot) // bs)
+            blocks = self._st.table[seq.slot, : seq.sealed + n_seal].copy()
+            specs.append(ChunkSpec(seq.slot, seq.hot_len, seq.sealed, t, n_seal, blocks))
+            seq.chunk = t
+        return build_chunk_plan(specs, bs, self.device)
+
+    def _prefill_chunks_layer(
+        self, layer: int, plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """One layer of every chunk: attention per chunk, then the fused seal and hot-zone writes."""
+        bs, pool, dt = self.config.block_size, self.pools[layer], self.shape.dtype
+        outs, stream_k, stream_v = [], [], []
+        if plan.prefix.numel():  # every chunk's cached blocks, dequantized at once
+            all_k, all_v = (x.to(k.dtype) for x in dequantize_blocks(pool, plan.prefix))  # [p, H, bs, D]
+        for spec, (a, b, _), (p0, p1) in zip(plan.specs, plan.bounds, plan.prefix_bounds):
+            hot_k = self.hot_k[layer, spec.slot, :, : spec.hot_len].transpose(0, 1)  # [hot_len, H, D]
+            hot_v = self.hot_v[layer, spec.slot, :, : spec.hot_len].transpose(0, 1)
+            keys, values = k[a:b], v[a:b]
+            done = spec.sealed * bs + spec.hot_len  # tokens cached before the chunk
+            if done:
+                prefix_k = all_k[p0:p1].transpose(1, 2).flatten(0, 1) if p1 > p0 else keys[:0]
+                prefix_v = all_v[p0:p1].transpose(1, 2).flatten(0, 1) if p1 > p0 else values[:0]
+                keys = torch.cat([prefix_k, hot_k.to(k.dtype), keys])
+                values = torch.cat([prefix_v, hot_v.to(v.dtype), values])
+            outs.append(_causal_attention(q[a:b], keys, values, done, self.sm_scale))
+            if spec.hot_len:
+                stream_k.append(hot_k.to(dt))
+                stream_v.append(hot_v.to(dt))
+            stream_k.append(k[a:b].to(dt))
+            stream_v.append(v[a:b].to(dt))
+        if plan.has_hot:
+            kv = torch.stack([torch.cat(stream_k), torch.cat(stream_v)], dim=1)  # [S, 2, H, D]
+        else:
+            kv = torch.stack([k.to(dt), v.to(dt)], dim=1)
+        if plan.seal_blocks.numel():
+            sealed = kv[plan.seal_rows].unflatten(0, (-1, bs))  # [n, bs, 2, H, D]
+            k_new, v_new = sealed[:, :, 0], sealed[:, :, 1]
+            seal_blocks(pool, plan.seal_blocks, k_new, v_new, self.config.quantization_bits)
+            self.debug.sealed(pool, plan.seal_blocks, k_new, v_new)
+        if plan.hot_rows.numel():
+            self.hot_kv[layer][:, plan.hot_slots, :, plan.hot_pos] = kv[plan.hot_rows]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _finish_chunks(self, plan: ChunkPlan, chunks: Sequence[tuple[int, int]]) -> None:
+        """After the last layer: what :meth:`prefill` records per sequence when its chunk is done."""
+        bs = self.config.block_size
+        for (seq_id, t), spec in zip(chunks, plan.specs):
+            seq = self._seq(seq_id)
+            seq.prefilled += t
+            seq.sealed += spec.n_seal
+            seq.hot_len = spec.hot_len + t - spec.n_seal * bs
+            seq.chunk, seq.layers_done, seq.chunk_blocks = 0, 0, None
+            if seq.prefilled == seq.length:
+                assert seq.sealed == seq.num_blocks, f"{seq.sealed} of {seq.num_blocks} blocks sealed"
+                seq.ready = True
+                self._ready[seq.slot] = True
+                self._register(seq, range(seq.hits, seq.num_blocks))
+        self._chunk_plan = None
 
     def _chunk_blocks(self, seq: _Seq, t: int) -> torch.Tensor:
         """The block ids a prompt chunk of ``t`` tokens reads and seals, int64 on the device: the ``sealed``

@@ -527,15 +527,18 @@ class Engine:
         positions = cache.lengths(slots)
         plan = cache.begin_step_slots(slots, now)
         inputs = torch.from_numpy(np.stack([tokens, positions])).to(self.device)
-        model_start = self.timer.mark()
+        model_start, launch_t0 = self.timer.mark(), time.perf_counter()
         logits = self.model.decode(run.timed, plan, inputs[0], inputs[1])
         model_end = self.timer.mark()
+        launch_ms = (time.perf_counter() - launch_t0) * 1000.0
         next_tokens = logits.argmax(dim=-1)
         cache.end_step(plan)
         end = self.timer.mark()
         next_np = next_tokens.cpu().numpy()  # synchronizes
         self.timer.synchronize()
         run.clock.advance(self._count_step(run, (start, model_start, model_end, end)))
+        run.add("eager_forward_ms", self.timer.elapsed_ms(model_start, model_end))
+        run.add("eager_launch_ms", launch_ms)
         self._add_attention(run, run.timed.take_attention_ms(), 0)
         run.peak("peak_running", len(slots))
         self._emit(run, slots, next_np, progress)
@@ -617,7 +620,7 @@ class Engine:
             positions.append(np.arange(seq.prefilled, seq.prefilled + n, dtype=np.int64))
         plan = cache.begin_step_slots(slots, run.clock.now_ms()) if b else None
         inputs = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(positions)])).to(self.device)
-        model_start = self.timer.mark()
+        model_start, launch_t0 = self.timer.mark(), time.perf_counter()
         if b == 0 and len(chunks) == 1:  # a prompt chunk alone: the model's prefill, as it always was
             seq, n = chunks[0]
             logits = self.model.prefill(cache, seq.seq_id, inputs[0], seq.prefilled, last_only=True)
@@ -625,6 +628,7 @@ class Engine:
             segments = [(seq.seq_id, n) for seq, n in chunks]
             logits = self.model.forward_mixed(run.timed, plan, inputs[0], inputs[1], b, segments)
         model_end = self.timer.mark()
+        launch_ms = (time.perf_counter() - launch_t0) * 1000.0
         next_tokens = logits.argmax(dim=-1)
         if plan is not None:
             cache.end_step(plan)
@@ -636,6 +640,8 @@ class Engine:
         run.add("prefill_ms", model_ms)
         run.add("forward_ms", model_ms)
         run.add("prefill_chunks", len(chunks))
+        run.add("eager_forward_ms", model_ms)
+        run.add("eager_launch_ms", launch_ms)
         if b:
             run.add("decode_steps", 1)
             run.add("mixed_iterations", 1)
@@ -721,6 +727,8 @@ class Engine:
             mixed_iterations=int(c.get("mixed_iterations", 0)),
             graph_captures=graphs.captures - run.captures_before if graphs is not None else 0,
             graph_capture_ms=c.get("graph_capture_ms", 0.0),
+            eager_forward_ms=c.get("eager_forward_ms", 0.0),
+            eager_launch_ms=c.get("eager_launch_ms", 0.0),
             max_num_seqs=st.max_num_seqs,
             max_num_batched_tokens=s.config.max_num_batched_tokens,
             graphs=st.graphs,

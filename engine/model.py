@@ -178,7 +178,8 @@ class LlamaModel:
         token_ids, positions [N]: the decode tokens (one per sequence of ``plan``), then each chunk's tokens
         (``chunks``: (seq_id, length), in order). Embeddings, norms, projections and the MLP see all N rows
         as one batch; attention is split by segment: the decode rows through ``cache.decode(layer, plan,
-        ...)``, each chunk through ``cache.prefill(layer, seq_id, ...)``.
+        ...)``, two chunks or more through ``cache.prefill_chunks(layer, chunks, ...)`` where the cache has it
+        (all chunks of a layer in one call), else each through ``cache.prefill(layer, seq_id, ...)``.
         """
         bounds = [num_decode]
         for _, n in chunks:
@@ -188,12 +189,18 @@ class LlamaModel:
                 f"{len(token_ids)} tokens for {num_decode} decode rows and chunks {list(chunks)}"
             )
 
+        fused = hasattr(cache, "prefill_chunks") and len(chunks) > 1  # one chunk: nothing to fuse
+
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = (
                 [cache.decode(i, plan, q[:num_decode], k[:num_decode], v[:num_decode])] if num_decode else []
             )
-            for (seq_id, _), a, b in zip(chunks, bounds, bounds[1:]):
-                outs.append(cache.prefill(i, seq_id, q[a:b], k[a:b], v[a:b]))
+            if fused:  # every chunk in one call: the cache fuses their writes
+                n = num_decode
+                outs.append(cache.prefill_chunks(i, chunks, q[n:], k[n:], v[n:]))  # type: ignore[attr-defined]
+            else:
+                for (seq_id, _), a, b in zip(chunks, bounds, bounds[1:]):
+                    outs.append(cache.prefill(i, seq_id, q[a:b], k[a:b], v[a:b]))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         rows = torch.tensor(list(range(num_decode)) + [b - 1 for b in bounds[1:]], device=self.device)

@@ -87,6 +87,23 @@ def test_mixed_iterations_share_the_token_budget_with_decode_tokens(tiny):
     assert m["prefill_chunks"] >= 6 * 3 and m["mixed_iterations"] > 0
 
 
+@pytest.mark.parametrize(("graphs", "mixed"), [(True, True), (False, True), (False, False)])
+def test_device_busy_is_the_forwards_time_over_the_replay(tiny, graphs, mixed):
+    """All at once, on the wall clock: ``device_busy`` is the forwards' time over the replay's (in (0, 1]
+    on a CPU, where the forward runs on the host), ``launch_ratio`` the host time of the op-by-op forwards
+    over their device time (on a CPU both are the same span: about 1)."""
+    m = _replay(tiny, _config(), 1 << 24, _requests(6), time_scale=0.0, graphs=graphs, mixed=mixed)
+    assert 0 < m["device_busy"] <= 1 and m["completed"] == 6
+    assert m["launch_ratio"] == pytest.approx(1.0, rel=0.1)
+
+
+def test_device_busy_of_counters():
+    c = EngineCounters(duration_ms=200.0, forward_ms=150.0, eager_forward_ms=50.0, eager_launch_ms=60.0)
+    m = summarize([RequestTiming(0, 0.0, (1.0, 2.0))], c)
+    assert (m.device_busy, m.launch_ratio) == (0.75, 1.2)
+    assert math.isnan(summarize([], EngineCounters()).device_busy)
+
+
 @pytest.mark.parametrize("bounds", [[0, 13, 40, 70], [0, 1, 70], [0, 69, 70]])
 def test_chunked_model_prefill_gives_the_same_logits(tiny, bounds):
     """The model prefilled in chunks through an unquantized cache: the same last logits as in one call."""

@@ -1,0 +1,194 @@
+"""Launches per mixed iteration, counted with the PyTorch profiler on a CPU: where the host's work goes.
+
+A cache holds ``--decode`` sequences that decode and ``--chunks`` prompts in flight: half of them start
+(no token cached yet), half continue (a chunk already cached). One mixed iteration is what the engine runs
+when prompt chunks share the forward with the decode rows: ``begin_step_slots`` → ``forward_mixed`` (decode
+rows through ``cache.decode``, each chunk through the cache's prefill) → ``argmax`` → ``end_step``. It is run
+once unmeasured (allocations, first calls), then once under the profiler; printed: what would launch device
+work, in all, per layer and the most frequent: each call of a kernel function (``kvtune.kernels``: a Triton
+kernel on a GPU, its PyTorch reference on a CPU, counted as one) and each top-level operator outside them
+that is not a view or a no-op conversion.
+
+    python benchmarks/mixed_ops.py examples/configs/q_int8.json --decode 16 --chunks 4 --chunk 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.hybrid_cache import HybridCache
+from kvtune.cache_impl.layout import kv_bytes_for
+from kvtune.engine.model import load_model
+from kvtune.engine.options import DTYPES
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", type=Path, default=CONFIGS / "q_int8.json")
+    p.add_argument("--model", default="random:tiny", help="the count per layer does not depend on the shape")
+    p.add_argument("--decode", type=int, default=16, help="sequences that decode in the iteration")
+    p.add_argument("--chunks", type=int, default=4, help="prompt chunks in the iteration")
+    p.add_argument("--chunk", type=int, default=64, help="tokens per chunk")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens of the decoding sequences")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args()
+
+
+class Scene:
+    """A cache with ``decode`` ready sequences and ``chunks`` prompts, half of them one chunk in."""
+
+    def __init__(self, loaded: Any, config: HybridConfig, args: argparse.Namespace) -> None:
+        self.model, self.args = loaded.model, args
+        self.device = torch.device(args.device)
+        prompt = 2 * args.chunk
+        lengths = [args.context + 64] * args.decode + [prompt + 64] * (2 * args.chunks)
+        budget = 2 * kv_bytes_for(config, self.model.kv_shape, lengths)
+        self.cache = HybridCache(config, self.model.kv_shape, budget, self.device, max_seqs=len(lengths))
+        self.gen = torch.Generator().manual_seed(0)
+        self.next_id = 0
+        vocab = loaded.spec.vocab_size
+        self.vocab = vocab
+        self.decoding = [self._add(args.context, prefill=args.context) for _ in range(args.decode)]
+        self.slots = np.asarray([self.cache.slot_of(i) for i in self.decoding], dtype=np.int64)
+
+    def _add(self, n: int, prefill: int) -> int:
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        ids = torch.randint(0, self.vocab, (n,), generator=self.gen)
+        self.cache.add_sequence(seq_id, ids.tolist(), now_ms=0.0)
+        if prefill:
+            self.model.prefill(self.cache, seq_id, ids[:prefill].to(self.device), 0, last_only=True)
+        return seq_id
+
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """(seq_id, start position, tokens) of the iteration's chunks: fresh prompts, half one chunk in."""
+        c, out = self.args.chunk, []
+        for j in range(self.args.chunks):
+            started = j % 2 == 1
+            seq_id = self._add(2 * c, prefill=c if started else 0)
+            out.append((seq_id, c if started else 0, c))
+        return out
+
+    def iteration(self, chunks: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One mixed iteration as the engine runs it (``Engine._forward``)."""
+        cache, b = self.cache, len(self.slots)
+        ids = [np.full(b, 3, dtype=np.int64)] + [np.full(n, 5, dtype=np.int64) for _, _, n in chunks]
+        positions = [cache.lengths(self.slots)] + [np.arange(s, s + n) for _, s, n in chunks]
+        plan = cache.begin_step_slots(self.slots, 1.0)
+        inputs = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(positions)]))
+        inputs = inputs.to(self.device)
+        segments = [(seq_id, n) for seq_id, _, n in chunks]
+        logits = self.model.forward_mixed(cache, plan, inputs[0], inputs[1], b, segments)
+        tokens = logits.argmax(dim=-1)
+        cache.end_step(plan)
+        return tokens.cpu()
+
+
+# functions of kvtune.kernels the cache and the model call that are one Triton kernel (or a few) each on a GPU
+# and their PyTorch references on a CPU: each call counts as one unit, whatever its reference runs
+# (dequantize_blocks is not one of them: it runs its reference on a GPU too, so its operators count)
+KERNELS = {
+    "kvtune.cache_impl.hybrid_cache": (
+        "update_access", "hybrid_decode_attention", "seal_blocks", "requantize_int4", "sparse_block_table",
+    ),
+    "kvtune.engine.model": ("add_rms_norm", "rope_qkv", "silu_mul"),
+}  # fmt: skip
+# operators that launch nothing (views, metadata, allocation)
+NO_LAUNCH = {
+    "aten::view", "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select", "aten::transpose",
+    "aten::t", "aten::permute", "aten::expand", "aten::reshape", "aten::flatten", "aten::as_strided",
+    "aten::chunk", "aten::split", "aten::narrow", "aten::alias", "aten::detach", "aten::empty",
+    "aten::empty_like", "aten::lift_fresh", "aten::_reshape_alias", "aten::unbind", "aten::view_as",
+    "aten::resolve_conj", "aten::resolve_neg", "aten::empty_strided", "aten::result_type",
+}  # fmt: skip
+
+
+@contextmanager
+def kernels_marked() -> Iterator[None]:
+    """Each kernel function runs inside a ``kernel::<name>`` profiler range (restored on exit)."""
+    saved = []
+    for module_name, names in KERNELS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            fn = getattr(module, name)
+            saved.append((module, name, fn))
+            setattr(module, name, _marked(name, fn))
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def _marked(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with record_function(f"kernel::{name}"):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _launches(event: Any) -> str | None:
+    """What a profiler event counts as: a kernel call, an operator that launches work, or nothing (inside
+    another counted event, a view, a conversion to the same dtype)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(("aten::", "kernel::")):
+            return None
+        parent = parent.cpu_parent
+    if event.name.startswith("kernel::"):
+        return event.name
+    if not event.name.startswith("aten::") or event.name in NO_LAUNCH:
+        return None
+    if event.name in ("aten::to", "aten::contiguous", "aten::clone") and not event.cpu_children:
+        return None  # no copy made
+    return event.name
+
+
+def count_ops(scene: Scene) -> Counter[str]:
+    """Operators and kernel calls of one profiled mixed iteration (after one unmeasured)."""
+    with kernels_marked():
+        scene.iteration(scene.chunks())
+        chunks = scene.chunks()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            scene.iteration(chunks)
+    return Counter(name for e in prof.events() if (name := _launches(e)) is not None)
+
+
+def main() -> None:
+    args = _args()
+    loaded = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    config = HybridConfig.from_json_file(args.config)
+    with torch.inference_mode():
+        ops = count_ops(Scene(loaded, config, args))
+    layers = loaded.spec.num_layers
+    total = sum(ops.values())
+    print(
+        f"{args.model} · {args.config.stem} · {args.decode} decode rows + {args.chunks} chunks of "
+        f"{args.chunk}: "
+        f"{total} launches per mixed iteration, {total / layers:.1f} per layer"
+    )
+    for name, n in ops.most_common(args.top):
+        print(f"  {name:<40} {n:>6} ({n / layers:.1f} per layer)")
+    if args.json:
+        args.json.write_text(json.dumps({"total": total, "layers": layers, "ops": dict(ops)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
