@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One GPU call, in stages, each under its own time limit, logs under $OUT:
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise)
+# engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+[ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=$PWD:/tmp/site; }
+T0=$(date +%s)
+log() { echo "== $(date +%T) (+$(( $(date +%s) - T0 )) s) $*" | tee -a "$OUT/summary.log"; }
+C=examples/configs; CFG="$C/q_unquantized.json $C/q_int8.json $C/q_int4.json"
+AZ=examples/traces/azure_conv_sample.csv
+for stage in "$@"; do
+  case "$stage" in
+  env)
+    log "$(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader)"
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/summary.log"
+    git log --oneline -1 2>/dev/null | tee -a "$OUT/summary.log" ;;
+  tests)
+    log "gpu tests"
+    timeout ${TESTS_S:-170} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_graphs.py tests/test_triton_kernels.py \
+      tests/test_triton_step.py tests/test_cache_attention.py tests/test_triton_compile.py 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+  kernels)
+    log "decode attention"
+    timeout ${KERNELS_S:-150} python3 benchmarks/decode_attention.py --quick --graphs --out "$OUT/attn" > "$OUT/attn.log" 2>&1
+    tail -40 "$OUT/attn.log" ;;
+  engine)
+    log "engine of 70b9c8a"
+    (cd .old && PYTHONPATH=$PWD timeout ${OLD_S:-120} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b \
+      --workload $AZ --requests 96 --kv-budget default --repeats 2 --json "$OUT/old.json" $CFG) > "$OUT/old.log" 2>&1
+    tail -12 "$OUT/old.log"
+    log "engine now"
+    timeout ${NEW_S:-200} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ --requests 96 \
+      --kv-budget default --kv-budget 4e9 --repeats 3 --versus "$OUT/old.json" --json "$OUT/new.json" $CFG > "$OUT/new.log" 2>&1
+    tail -30 "$OUT/new.log" ;;
+  esac
+done
+log done
