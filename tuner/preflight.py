@@ -1,11 +1,11 @@
 """Everything a study can check before Ray starts or any weights load, so a bad input ends in seconds.
 
 :func:`preflight` reads the trace (one streaming pass: a broken line is ``file:line: reason``), checks that
-both models can be found without loading their weights (:func:`check_model`), that the study does not
-already exist unless ``--resume`` is given, that the trace holds enough requests for the windows asked, and
-counts what fitting the lengths to the model does to the search and held-out samples (a warning when most
-of a sample is cut). The storage URL and the card are checked when the job is built
-(:mod:`kvtune.studies.storage`, ``resolve_gpu``), the numeric options before that.
+both models can be found without loading their weights (:func:`check_model`), that the study does not already
+exist unless ``--resume`` is given, that no live driver runs it (:mod:`kvtune.studies.lease`), that the trace
+holds enough requests for the windows asked, and counts what fitting the lengths to the model does to the
+search and held-out samples (a warning when most of a sample is cut). The storage URL and the card are checked
+when the job is built (:mod:`kvtune.studies.storage`, ``resolve_gpu``), the numeric options before that.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtune.engine.traces import LengthCounts, TraceFile
+from kvtune.studies.lease import check_free
 from kvtune.studies.storage import redact
 from kvtune.studies.study import stored_attrs
 from kvtune.tuner.workload import length_warnings, load_trace
@@ -47,6 +48,7 @@ def preflight(job: TuneJob) -> Preflight:
             f"study {job.options.name!r} already exists in {redact(job.options.storage)}; pass --resume to "
             "continue it, or --study NAME to start another"
         )
+    check_free(job.options.storage, job.options.name)  # a study that another live driver runs
     job.sample.search_windows(trace, max_context)  # enough requests for --windows x --requests
     job.sample.validation_requests(trace, max_context)
     lengths = job.sample.length_counts(trace, max_context)
