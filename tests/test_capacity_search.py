@@ -395,9 +395,13 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
     assert "capacity" in metrics["best"] and "capacity_tokens_per_s" in metrics["baseline"]
     assert "the load of the unquantized cache within P90 TTFT ≤" in metrics["claim"]
     assert metrics["limits"]["ttft_ms"] == slo["ttft_ms"]
+    # the knobs were tuned on requests shrunk for the CPU (x0.01, capped at 96): recorded, not flags
     args = preset["vllm"]["args"]
-    assert args[args.index("--max-num-seqs") + 1] == str(preset["engine"]["max_num_seqs"])
-    assert "--max-num-batched-tokens" in args and "--additional-config" in args
+    assert "--max-num-seqs" not in args and "--max-num-batched-tokens" not in args
+    assert "--additional-config" in args
+    assert preset["engine_tuned_on"] == {"length_scale": 0.01, "length_cap": 96,
+                                         "kv_budget_bytes": attrs["kvtune.kv_budget_bytes"]}  # fmt: skip
+    assert set(preset["engine"]) >= {"max_num_batched_tokens", "max_num_seqs"}
 
 
 def test_capacity_study_resumes(capacity_study: tuple[Path, str, float]) -> None:
@@ -489,7 +493,9 @@ def test_the_preset_exports_the_knobs_and_the_capacity_claim() -> None:
         "slo": {"ttft_ms": 400.0, "tpot_ms": 60.0, "source": {}, "rule": "5 x"},
         "noise": {"threshold": 0.05, "spread": 0.02, "median": 1.0},
     }  # fmt: skip
-    preset = ex.build_preset(config, validation, None, {"card": "h200", "objective": "capacity"})
+    lengths = {"length_scale": 1.0, "length_cap": None}  # tuned on the workload's own lengths: flags
+    provenance = {"card": "h200", "objective": "capacity", "sample": lengths}
+    preset = ex.build_preset(config, validation, None, provenance)
     assert preset["recommendation"]["use"] == "best"
     claim = preset["metrics"]["claim"]
     assert claim.startswith("the best config carries 1.50x the load of the unquantized cache within P99 TTFT")
@@ -500,7 +506,11 @@ def test_the_preset_exports_the_knobs_and_the_capacity_claim() -> None:
     assert json.loads(args[-1]) == {"kvtune": config.to_dict()}  # the hybrid fields: --additional-config
     assert preset["engine"] == engine and "sized for this config's cache" in preset["vllm"]["engine"]
     base = config.unquantized()  # the best config is the baseline itself: no gain is claimed
-    own = validation | {"config": base.to_dict(), "best": [run(c) for c in (1.2, 0.9, 1.0)]}
+    own = validation | {
+        "config": base.to_dict(),
+        "best": [run(c) for c in (1.2, 0.9, 1.0)],
+        "noise": {"threshold": 0.2, "spread": 0.2, "median": 1.0},
+    }  # a 30 % spread: noise
     claim = ex.build_preset(base, own, None, {"card": "h200", "objective": "capacity"})["metrics"]["claim"]
     assert claim.startswith("the best config is the unquantized cache, its own baseline: no gain within P99")
     assert "95 % interval 0.71-1.49x, are the measurement's noise" in claim
