@@ -375,10 +375,14 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
     finished = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert len(finished) == TRIALS
+    assert study.metric_names == ["capacity"]  # the dashboard's label
     for t in finished:
-        assert t.user_attrs[ATTR_PROBES] and t.intermediate_values
+        assert t.user_attrs[ATTR_PROBES]
         steps = [t.intermediate_values[k] for k in sorted(t.intermediate_values)]
-        assert steps == sorted(steps)  # each probe reports the capacity so far: it only grows
+        assert steps == sorted(steps) and all(s > 0 for s in steps)  # the capacity so far: it only grows
+        passed = any(p["passed"] for p in t.user_attrs[ATTR_PROBES])
+        assert bool(steps) == passed  # a trial pruned before any probe passed has no value, not 0
+        assert t.state == TrialState.COMPLETE or (t.values is not None) == passed
         # warm start: the baseline's capacity, or the capacity of a trial completed before this one started
         first = t.user_attrs[ATTR_PROBES][0]["rate"]
         earlier = [d.values[0] for d in complete if d.datetime_complete <= t.datetime_start]

@@ -85,6 +85,7 @@ from kvtune.tuner.driver import Bounds, Event, TrialLoop
 from kvtune.tuner.pool import WorkerPool, _last_line, plan_placement, ray_accelerator_type
 from kvtune.tuner.preflight import Preflight, preflight
 from kvtune.tuner.protocol import EngineKnobs, QualitySettings, WorkerInfo, WorkerSpec, Workload
+from kvtune.tuner.study_note import name_objectives, publish
 from kvtune.tuner.validation import SearchRun, best_trial, run_searches, validate, validate_capacity
 from kvtune.tuner.worker import TrialWorker
 from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample
@@ -217,6 +218,8 @@ def _run(
     study = open_study(job.options, identity(job, info), space_id, attrs)
     if leases is not None and not leases:  # a new study: its lease is taken as it is created
         leases.append(_lease(job.options, study))
+    name_objectives(study, job.options)  # the dashboard's labels and note (kvtune.tuner.study_note)
+    publish(study)
     if stored is None:
         defaults = [space.params_for(c) | space.knob_params() for c in space.default_configs()]
         enqueue_known_good(study, defaults, "defaults")
@@ -239,6 +242,7 @@ def _run(
     if finished >= job.trials or (cut_short and finished > 0):
         validation = _validate(job, study, pool, trace, info, time_scale, finished, space)
         validations = len(study.user_attrs.get(names.ATTR_VALIDATION_HISTORY) or [])
+        publish(study)
         if validation is not None and job.write_preset:
             preset = str(export.export_from_study(job.options.storage, job.options.name, job.out))
     best = validation["trial"] if validation else None
