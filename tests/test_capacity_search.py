@@ -397,7 +397,11 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
     metrics = preset["metrics"]
     assert metrics["objective"] == "capacity" and metrics["repeats"] >= 3
     assert "capacity" in metrics["best"] and "capacity_tokens_per_s" in metrics["baseline"]
-    assert "the load of the unquantized cache within P90 TTFT ≤" in metrics["claim"]
+    if "inconclusive" in metrics:  # the tiny CPU study is noisy: its validation may mean nothing, and says so
+        assert metrics["claim"].startswith("inconclusive: ") and preset["recommendation"]["use"] == "baseline"
+    else:
+        assert "the load of the unquantized cache within" in metrics["claim"]
+    assert "(limits P90 TTFT ≤" in metrics["claim"] or " within P90 TTFT ≤" in metrics["claim"]
     assert metrics["limits"]["ttft_ms"] == slo["ttft_ms"]
     # the knobs were tuned on requests shrunk for the CPU (x0.01, capped at 96): recorded, not flags
     args = preset["vllm"]["args"]
