@@ -20,6 +20,8 @@ Study attributes (set when the study is created; ``kvtune.identity`` and ``kvtun
                               spread, threshold, granularity, max_probes, searches (each with its
                               probes), ...} (warm start and noise floor)
     kvtune.validation_history every validation record, oldest first (re-validating appends one)
+    kvtune.driver             the lease of the driver running it {host, pid, since, heartbeat, token}, null
+                              once released (kvtune.studies.lease)
 
 Trial attributes::
 
@@ -57,6 +59,7 @@ ATTR_VERSION = "kvtune.version"
 ATTR_CREATED = "kvtune.created"
 ATTR_SLO = "kvtune.slo"
 ATTR_NOISE = "kvtune.noise"
+ATTR_DRIVER = "kvtune.driver"  # the running driver's lease (kvtune.studies.lease)
 # ---- trial attributes --------------------------------------------------------------------------------
 ATTR_CONFIG = "kvtune.config"
 ATTR_VERSIONS = "kvtune.versions"

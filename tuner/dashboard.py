@@ -2,18 +2,30 @@
 
 The driver is the only writer of a study, so the dashboard is read-only by default: requests other than
 GET/HEAD are answered 403 (``writable=True`` lifts that, e.g. to write notes from the web page).
+
+It shows what the preset says: the driver names the objective and writes the study's note (baseline, noise,
+limits, validation, recommendation: :mod:`kvtune.tuner.study_note`); the **best** trial it marks is the best
+*feasible* one (optuna-dashboard asks the storage for the best value whatever the quality bound says, so
+:class:`FeasibleBestStorage` answers with the best feasible trial, and :func:`_feasible_best` drops from a
+study's best trials any that is not feasible, e.g. when none is). A capacity trial pruned before any probe
+passed has no value (the driver reports none), so it is not drawn at 0.
 :class:`DashboardServer` runs it in a background thread (``start()`` / ``stop()``, or ``with``);
 :func:`serve` blocks until Ctrl-C.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from types import TracebackType
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
 
 from kvtune.tuner.export import check_storage
 
@@ -42,14 +54,58 @@ def _read_only(app: WSGIApp) -> WSGIApp:
     return guarded
 
 
+def feasible(trial: FrozenTrial) -> bool:
+    """Complete, and within every constraint (quality bounds; ``ran``: it did not crash)."""
+    return trial.state == TrialState.COMPLETE and all(c <= 0 for c in trial.constraints.values())
+
+
+class FeasibleBestStorage(optuna.storages.RDBStorage):
+    """The study database, whose best trial is the best feasible one (the best of all when none is)."""
+
+    def get_best_trial(self, study_id: int) -> FrozenTrial:
+        done = self.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
+        pool = [t for t in done if feasible(t)]
+        if not pool:
+            return super().get_best_trial(study_id)
+        sign = 1.0 if self.get_study_directions(study_id)[0] == optuna.study.StudyDirection.MINIMIZE else -1.0
+        return min(pool, key=lambda t: (sign * t.values[0], t.number))
+
+
+STUDY_DETAIL = re.compile(r"^/api/studies/(\d+)$")
+
+
+def _feasible_best(app: WSGIApp, storage: optuna.storages.BaseStorage) -> WSGIApp:
+    """Drop the infeasible trials from a study's ``best_trials`` in the dashboard's study API."""
+
+    def filtered(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if not STUDY_DETAIL.match(environ.get("PATH_INFO", "")):
+            return app(environ, start_response)
+        held: dict[str, Any] = {}
+        body = b"".join(
+            app(environ, lambda status, headers, *exc: held.update(status=status, headers=headers))
+        )
+        if held["status"].startswith("200"):
+            detail = json.loads(body)
+            keep = lambda b: feasible(storage.get_trial(int(b["trial_id"])))
+            detail["best_trials"] = [b for b in detail.get("best_trials", []) if keep(b)]
+            body = json.dumps(detail).encode()
+        headers = [(k, v) for k, v in held["headers"] if k.lower() != "content-length"]
+        start_response(held["status"], [*headers, ("Content-Length", str(len(body)))])
+        return [body]
+
+    return filtered
+
+
 def dashboard_app(storage: str, writable: bool = False) -> WSGIApp:
-    """The optuna-dashboard WSGI application for ``storage`` (read-only unless ``writable``)."""
+    """The optuna-dashboard WSGI application for ``storage`` (read-only unless ``writable``), whose best
+    trials are feasible ones."""
     try:
         import optuna_dashboard
     except ImportError:
         raise ValueError("kvtune dashboard needs optuna-dashboard: pip install 'kvtune[dashboard]'") from None
     check_storage(storage)
-    app: WSGIApp = optuna_dashboard.wsgi(storage)
+    database = FeasibleBestStorage(storage, skip_compatibility_check=True, skip_table_creation=True)
+    app: WSGIApp = _feasible_best(optuna_dashboard.wsgi(database), database)
     return app if writable else _read_only(app)
 
 

@@ -322,7 +322,8 @@ class TrialLoop:
         actor = self.pool.actors[run.worker]
         self.events(Event("probe", run.trial.number, run.worker, run.step, probe["rate"], verdict, actor))
         if not self.options.pareto:
-            run.trial.report(run.search.capacity, run.step)
+            if run.search.lo is not None:  # a capacity found: none yet is no value (never drawn as 0)
+                run.trial.report(run.search.capacity, run.step)
             if should_prune(run.search, self._best_capacity()):
                 run.trial.set_user_attr(ATTR_PROBES, run.probes)
                 self.study.tell(run.trial, state=TrialState.PRUNED)

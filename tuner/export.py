@@ -45,6 +45,7 @@ from kvtune.studies.names import (
     ATTR_OBJECTIVE,
     ATTR_QUALITY,
     ATTR_QUALITY_LIMITS,
+    ATTR_SAMPLE,
     ATTR_SEED,
     ATTR_SPACE,
     ATTR_TIME_SCALE,
@@ -58,6 +59,7 @@ from kvtune.studies.names import (
     VALIDATION_KEYS,
 )
 from kvtune.tuner.capacity import Slo
+from kvtune.tuner.outcome import validation_problems
 
 # ---- the attribute names the driver and the exporter share ------------------------------------------
 # ``kvtune.validation``: trial (best trial number), config and baseline_config (config dicts), window
@@ -104,20 +106,61 @@ VLLM_KNOBS = (
 )
 
 
+VLLM_KNOBS_WITHHELD = (
+    "--max-num-batched-tokens and --max-num-seqs are not exported as flags: {why}. The values tuned are "
+    "kept under engine, with what they were tuned on under engine_tuned_on; vLLM's defaults apply."
+)
+
+
+def engine_withheld(provenance: Mapping[str, Any], metrics: Mapping[str, Any]) -> str | None:
+    """Why the engine knobs must not be offered as ``vllm serve`` flags, or None when they may.
+
+    They are offered only when they were tuned on the workload's own request lengths: a batch size and a
+    batched-token budget found on requests shrunk by ``--length-scale`` or cut by ``--length-cap`` (the
+    CPU's defaults) do not transfer to the real ones by any rule kvtune has measured (a prefill chunk's cost,
+    the batch the KV budget holds and the decode step all change with the lengths, none in proportion), so
+    none is applied. Nor are they offered when the validation was inconclusive."""
+    if metrics.get("inconclusive"):
+        return "the validation was inconclusive, so no knobs were shown to serve this workload"
+    sample = provenance.get("sample")
+    if not isinstance(sample, Mapping):
+        return "the study did not record the request lengths they were tuned on"
+    scale, cap = float(sample.get("length_scale", 1.0)), sample.get("length_cap")
+    if scale == 1.0 and cap is None:
+        return None
+    shrunk = f"lengths x{scale:g}" + (f", capped at {cap} tokens" if cap is not None else "")
+    return (
+        f"they were tuned on requests shrunk from the workload's ({shrunk}), and a batch tuned on short "
+        "requests does not size one of long requests"
+    )
+
+
+def engine_tuned_on(provenance: Mapping[str, Any]) -> dict[str, Any]:
+    """What the engine knobs were tuned on: the sample's length scale and cap, and the KV budget."""
+    sample = provenance.get("sample") or {}
+    return {
+        "length_scale": sample.get("length_scale"),
+        "length_cap": sample.get("length_cap"),
+        "kv_budget_bytes": provenance.get("kv_budget_bytes"),
+    }
+
+
 def vllm_backend(card: str) -> str:
     return "CPU_ATTN" if card == "cpu" else "TRITON_ATTN"
 
 
-def vllm_section(config: HybridConfig, card: str, engine: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def vllm_section(
+    config: HybridConfig, card: str, engine: Mapping[str, Any] | None = None, withheld: str | None = None
+) -> dict[str, Any]:
     """The flags of ``vllm serve`` that mean the same as ``config`` (and as the engine knobs ``engine``,
-    ``{max_num_batched_tokens, max_num_seqs, ...}``, when the study tuned them), and what vLLM does with the
-    rest."""
+    ``{max_num_batched_tokens, max_num_seqs, ...}``, when the study tuned them, unless ``withheld`` says why
+    not: :func:`engine_withheld`), and what vLLM does with the rest."""
     backend, block = vllm_backend(card), config.block_size
     multiple = VLLM_BLOCK_MULTIPLE[backend]
     block_ok = block % multiple == 0
     extra = {"kvtune": config.to_dict()}
     args = ["--block-size", str(block)] if block_ok else []
-    if engine is not None:
+    if engine is not None and withheld is None:
         args += ["--max-num-batched-tokens", str(int(engine["max_num_batched_tokens"]))]
         args += ["--max-num-seqs", str(int(engine["max_num_seqs"]))]
     args += ["--enable-prefix-caching", "--additional-config", json.dumps(extra, separators=(",", ":"))]
@@ -137,7 +180,11 @@ def vllm_section(config: HybridConfig, card: str, engine: Mapping[str, Any] | No
         "prefix_caching": "--enable-prefix-caching: block-granular prefix reuse, as kvtune's prefix sharing",
         "note": VLLM_IGNORES,
         "not_exported": VLLM_NOT_EQUIVALENT,
-        **({"engine": VLLM_KNOBS} if engine is not None else {}),
+        **(
+            {"engine": VLLM_KNOBS_WITHHELD.format(why=withheld) if withheld else VLLM_KNOBS}
+            if engine is not None
+            else {}
+        ),
     }
 
 
@@ -314,6 +361,9 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
     best, baseline = summarize(validation["best"]), summarize(validation["baseline"])
     same = validation["config"] == validation["baseline_config"]
     g = gain(objective, validation["best"], validation["baseline"], same)
+    problems = validation_problems(validation) if objective == "capacity" else []
+    if problems:  # the ratio stays as measured; no verdict is drawn from it
+        g = {**g, "verdict": f"inconclusive: {problems[0]}", "measured_verdict": g.get("verdict")}
     return {
         "objective": objective,
         "window": validation["window"],
@@ -325,6 +375,7 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
         "gain": g,
         **({"note": SELF_BASELINE} if same else {}),
         **capacity_section(objective, validation, g, same),
+        **({"inconclusive": problems} if problems else {}),
     }
 
 
@@ -339,7 +390,10 @@ def capacity_section(
         return {}
     slo, noise = validation["slo"], validation.get("noise") or {}
     limits = Slo.from_record(slo).describe()
-    if g.get("ratio") is None:
+    problems = validation_problems(validation)
+    if problems:
+        claim = f"inconclusive: {'; '.join(problems)}; no capacity gain is claimed (limits {limits})"
+    elif g.get("ratio") is None:
         claim = f"no capacity ratio: {g.get('why')} (limits {limits})"
     elif same:
         claim = (
@@ -380,6 +434,7 @@ def build_preset(
     advice = recommendation(metrics, validation.get("trial"))
     chosen = config if advice["use"] == "best" else HybridConfig.from_dict(validation["baseline_config"])
     engine = validation.get("engine") if chosen == config else validation.get("baseline_engine")
+    withheld = engine_withheld(provenance, metrics) if engine else None
     quality_of = dict(quality) if quality is not None else None
     best_beside = {}
     if chosen != config:
@@ -394,8 +449,8 @@ def build_preset(
         "metrics": metrics,
         "quality": quality_of,
         "provenance": dict(provenance),
-        **({"engine": dict(engine)} if engine else {}),
-        "vllm": vllm_section(chosen, provenance["card"], engine),
+        **({"engine": dict(engine), "engine_tuned_on": engine_tuned_on(provenance)} if engine else {}),
+        "vllm": vllm_section(chosen, provenance["card"], engine, withheld),
     }
 
 
@@ -403,6 +458,10 @@ def recommendation(metrics: Mapping[str, Any], trial: Any = None) -> dict[str, s
     """``{"use": "best" | "baseline", "why": one line}`` from a preset's ``metrics`` (see
     :func:`build_preset`): the best config only when its gain over the unquantized baseline is shown."""
     g, best = metrics["gain"], f"the best config (trial {trial})" if trial is not None else "the best config"
+    if metrics.get("inconclusive"):
+        kept = "" if "note" in metrics else f"; {best} is kept under measured_best"
+        why = f"validation was inconclusive ({metrics['inconclusive'][0]}), so nothing measured beats it"
+        return {"use": "baseline", "why": f"the unquantized baseline, without engine flags: {why}{kept}"}
     if "note" in metrics:  # unquantized: its own baseline
         return {"use": "best", "why": f"{best} is unquantized, its own baseline: no quantized config beat it"}
     if g.get("ratio") is None:
@@ -516,6 +575,7 @@ def _provenance(study: Any, attrs: Mapping[str, Any], trial: Any) -> dict[str, A
         "objective": attrs[ATTR_OBJECTIVE],
         "space": attrs.get(ATTR_SPACE),
         "kv_budget_bytes": attrs.get(ATTR_BUDGET),
+        "sample": attrs.get(ATTR_SAMPLE),  # the lengths the engine knobs were tuned on
         "time_scale": attrs.get(ATTR_TIME_SCALE),
         "trials": validation.get("trials"),  # finished and asked when the best was validated
         "seed": t_attrs.get(ATTR_SEED, attrs.get(ATTR_SEED)),

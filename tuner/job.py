@@ -2,12 +2,13 @@
 
 :func:`tune` is what ``kvtune --gpu GPU --workload TRACE`` calls. In order: check every input that needs no
 Ray (:func:`~kvtune.tuner.preflight.preflight`: the trace read in one pass, the models found, the study not
-already there unless resumed; the CLI runs it before Ray starts); check the cluster has the card and start one
-worker per GPU (or CPU workers); cut the search windows; build the card's search space for the model and
+already there unless resumed; the CLI runs it before Ray starts); take a resumed study's driver lease
+(:mod:`kvtune.studies.lease`: a study a live driver runs is refused); check the cluster has the card and start
+one worker per GPU (or CPU workers); cut the search windows; build the card's search space for the model and
 workload; calibrate the time scale once (new studies); create the study, or load it for ``--resume`` after
-checking it was made with the same space and settings; enqueue the defaults and existing presets (new
-studies); run trials until the study holds ``trials`` finished ones; re-measure the best config and its
-unquantized baseline on the held-out end of the trace; write the preset.
+checking it was made with the same space and settings (a new study's lease is taken as it is created); enqueue
+the defaults and existing presets (new studies); run trials until the study holds ``trials`` finished ones;
+re-measure the best config and its unquantized baseline on the held-out end of the trace; write the preset.
 
 The capacity objective adds two measurements when a new study starts, both of the unquantized baseline
 (hot 32, block 64) and both stored with the study: its **unloaded** latencies (the first search window at
@@ -42,6 +43,7 @@ from kvtune.engine.traces import Request, Trace, TraceFile
 from kvtune.search_spaces.cards import Card, match_card
 from kvtune.search_spaces.space import SearchSpace, WorkloadStats
 from kvtune.studies import names
+from kvtune.studies.lease import DriverLease
 from kvtune.studies.names import (
     ATTR_ENGINE,
     ATTR_IDENTITY,
@@ -83,6 +85,7 @@ from kvtune.tuner.driver import Bounds, Event, TrialLoop
 from kvtune.tuner.pool import WorkerPool, _last_line, plan_placement, ray_accelerator_type
 from kvtune.tuner.preflight import Preflight, preflight
 from kvtune.tuner.protocol import BASELINE, EngineKnobs, QualitySettings, WorkerInfo, WorkerSpec, Workload
+from kvtune.tuner.study_note import name_objectives, publish
 from kvtune.tuner.validation import SearchRun, best_trial, run_searches, validate, validate_capacity
 from kvtune.tuner.worker import TrialWorker
 from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample
@@ -171,13 +174,27 @@ def tune(
             "continue it, or --study NAME to start another"
         )
     job = dataclasses.replace(job, spec=_spec_for(job, stored))
-    pool = WorkerPool(job.spec, placement, job.worker_cls)
-    infos = pool.start()
+    leases: list[DriverLease] = []  # this driver's lease of the study, released on any exit
     try:
-        _check_card(job.card, infos)
-        return _run(job, trace, stored, pool, infos, events)
+        if stored is not None:  # a live driver's study is refused before any worker starts
+            leases.append(_lease(job.options))
+        pool = WorkerPool(job.spec, placement, job.worker_cls)
+        infos = pool.start()
+        try:
+            _check_card(job.card, infos)
+            return _run(job, trace, stored, pool, infos, events, leases)
+        finally:
+            pool.stop()
     finally:
-        pool.stop()
+        for lease in leases:
+            lease.release()
+
+
+def _lease(options: StudyOptions, study: optuna.Study | None = None) -> DriverLease:
+    """The study's driver lease, taken (:class:`~kvtune.studies.lease.StudyLockedError` when a live driver
+    holds it)."""
+    study = study or optuna.load_study(study_name=options.name, storage=options.storage)
+    return DriverLease(study, options.storage).acquire()
 
 
 def _run(
@@ -187,6 +204,7 @@ def _run(
     pool: WorkerPool,
     infos: list[WorkerInfo],
     events: Callable[[Event], None] | None,
+    leases: list[DriverLease] | None = None,
 ) -> TuneReport:
     info = infos[0]
     windows = job.sample.search_windows(trace, info.max_context)
@@ -197,6 +215,10 @@ def _run(
     if job.capacity:
         attrs |= _capacity_attrs(job, stored, pool, space, windows, time_scale)
     study = open_study(job.options, identity(job, info), space_id, attrs)
+    if leases is not None and not leases:  # a new study: its lease is taken as it is created
+        leases.append(_lease(job.options, study))
+    name_objectives(study, job.options)  # the dashboard's labels and note (kvtune.tuner.study_note)
+    publish(study)
     if stored is None:
         defaults = [space.params_for(c) | space.knob_params() for c in space.default_configs()]
         enqueue_known_good(study, defaults, "defaults")
@@ -219,6 +241,7 @@ def _run(
     if finished >= job.trials or (cut_short and finished > 0):
         validation = _validate(job, study, pool, trace, info, time_scale, finished, space)
         validations = len(study.user_attrs.get(names.ATTR_VALIDATION_HISTORY) or [])
+        publish(study)
         if validation is not None and job.write_preset:
             preset = str(export.export_from_study(job.options.storage, job.options.name, job.out))
     best = validation["trial"] if validation else None

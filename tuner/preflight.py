@@ -4,7 +4,8 @@
 both models can be found without loading their weights (:func:`check_model`), that the trace holds enough
 requests for the windows asked, what the study needs of the machine (:mod:`kvtune.tuner.resources`: the
 seed, the KV budget, the preset's folder), that the study does not already exist unless ``--resume`` is
-given (a new SQLite file is created private to its owner, :func:`new_study_attrs`), and counts what fitting
+given (a new SQLite file is created private to its owner, :func:`new_study_attrs`), that no live driver runs
+it (:mod:`kvtune.studies.lease`), and counts what fitting
 the lengths to the model does to the search and held-out samples (a warning when most of a sample is cut).
 The storage URL and the card are checked when the job is built (:mod:`kvtune.studies.storage`,
 ``resolve_gpu``), the numeric options before that.
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.engine.traces import LengthCounts, Request, TraceFile
+from kvtune.studies.lease import check_free
 from kvtune.studies.storage import disk_full, private_sqlite_file, redact
 from kvtune.studies.study import stored_attrs
 from kvtune.tuner.resources import (
@@ -60,6 +62,7 @@ def preflight(job: CheckedJob) -> Preflight:
             f"study {job.options.name!r} already exists in {redact(job.options.storage)}; pass --resume to "
             "continue it, or --study NAME to start another"
         )
+    check_free(job.options.storage, job.options.name)  # a study that another live driver runs
     lengths = job.sample.length_counts(trace, max_context)
     warnings = length_warnings(lengths, job.sample.length_cap, max_context)
     return Preflight(trace, max_context, lengths, warnings)

@@ -45,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
         bounds = interval_text(gain, ".3f")
         print(f"  {gain['metric']}: {gain['ratio']:.3f}x against the unquantized baseline ({bounds}; > 1 is "
               f"better): {gain['verdict']}")  # fmt: skip
+    if preset.get("engine") and "--max-num-seqs" not in preset["vllm"]["args"]:
+        print(f"  {preset['vllm']['engine']}")
+    for problem in preset["metrics"].get("inconclusive") or []:
+        print(f"  inconclusive: {problem}")
     if "recommendation" in preset:
         print(f"  recommended: {preset['recommendation']['why']}")
     return 0

@@ -15,6 +15,7 @@ The local Ray it starts is private to this machine (:mod:`kvtune.tuner.local_ray
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -55,6 +56,7 @@ from kvtune.tuner.driver import Bounds, Event
 from kvtune.tuner.export import describe_rate, paired_gain, recommendation, validated_metrics
 from kvtune.tuner.job import CAPACITY, TuneJob, TuneReport, tune
 from kvtune.tuner.local_ray import ADDRESS_ENV, init_ray
+from kvtune.tuner.outcome import no_feasible_reasons
 from kvtune.tuner.preflight import Preflight, preflight
 from kvtune.tuner.protocol import QualitySettings, WorkerSpec
 from kvtune.tuner.resources import CPU_WORKER_OVERHEAD_BYTES, check_ram, check_seed, raise_resource_error
@@ -242,7 +244,22 @@ def run(args: argparse.Namespace) -> int:
             ray.shutdown()
     table_console().print(best_table(study, job.options))
     _print_outcome(console, report, job)
-    return 0
+    return _exit_code(console, report, job, study)
+
+
+NO_FEASIBLE_EXIT = 1  # the study ran to its end but found nothing to validate (bad input exits 2)
+
+
+def _exit_code(console: Console, report: TuneReport, job: TuneJob, study: Any) -> int:
+    """0, or :data:`NO_FEASIBLE_EXIT` when the study ended with no feasible trial (each reason counted, with
+    the flag that would change it)."""
+    ended = report.finished >= report.target or report.budget_spent
+    if report.validation is not None or not ended:
+        return 0
+    limit = job.trial_time_limit_s
+    for line in no_feasible_reasons(study.get_trials(deepcopy=False), limit / 60 if limit else None):
+        console.print(f"  [yellow]{line}[/]")
+    return NO_FEASIBLE_EXIT
 
 
 # ---- building the job ------------------------------------------------------------------------------------
@@ -568,7 +585,8 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
     v = report.validation
     if v is None:
         if report.finished >= report.target or report.budget_spent:
-            console.print("  [yellow]no feasible trial: nothing validated, no preset written[/]")
+            nothing = f"no feasible trial among {report.finished}: nothing validated, no preset written"
+            console.print(f"  [yellow]{nothing}[/]")
         return
     metric = OBJECTIVES[job.options.objective][0]
     where = f"  validated on {v['window']['requests']} held-out requests x {v['repeats']}"
@@ -600,8 +618,13 @@ def _print_outcome(console: Console, report: TuneReport, job: TuneJob) -> None:
         metrics, advice = {}, None
     if metrics.get("claim"):
         console.print(f"  capacity: {metrics['claim']}")
+    for problem in metrics.get("inconclusive") or []:
+        console.print(f"  [yellow]inconclusive: {problem}[/]")
     if advice is not None:
         color = "green" if advice["use"] == "best" else "yellow"
         console.print(f"  [{color}]recommended: {advice['why']}[/]")
     if report.preset:
         console.print(f"  preset written: [green]{report.preset}[/]")
+        vllm = json.loads(Path(report.preset).read_text(encoding="utf-8")).get("vllm") or {}
+        if "engine" in vllm and "--max-num-seqs" not in vllm["args"]:
+            console.print(f"  [yellow]{vllm['engine']}[/]")
