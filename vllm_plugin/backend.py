@@ -20,11 +20,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
-
-from kvtune.cache_impl.layout import ModelKVShape, cold_layout
-from kvtune.vllm_plugin.pages import PageLayout, cold_pool_view, hot_views
-from kvtune.vllm_plugin.settings import PluginSettings, settings_from
-from kvtune.vllm_plugin.step import StepPlan, run_layer
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -42,6 +37,11 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
+
+from kvtune.cache_impl.layout import ModelKVShape, cold_layout
+from kvtune.vllm_plugin.pages import PageLayout, cold_pool_view, hot_views
+from kvtune.vllm_plugin.settings import PluginSettings, settings_from
+from kvtune.vllm_plugin.step import StepPlan, run_layer
 
 HOT_SUFFIX = ".kvtune_hot"
 
@@ -104,7 +104,11 @@ class KvtuneBuilder(AttentionMetadataBuilder[KvtuneMetadata]):
     """Hands each group's common metadata (block table, slot mapping, lengths) to the impl."""
 
     def __init__(
-        self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 

@@ -69,7 +69,10 @@ class StepPlan:
     def __post_init__(self) -> None:
         jobs, read = [], set()
         for r in range(len(self.seq_lens)):
-            before, after = self.sealed_before(r), sealed_blocks(self.seq_lens[r], self.hot_tokens, self.block_size)
+            before, after = (
+                self.sealed_before(r),
+                sealed_blocks(self.seq_lens[r], self.hot_tokens, self.block_size),
+            )
             read.update(int(b) for b in self.cold_table[r, :before].tolist())
             jobs += [SealJob(r, j, int(self.cold_table[r, j])) for j in range(before, after)]
         object.__setattr__(self, "early", tuple(j for j in jobs if j.cold_id in read))
@@ -87,7 +90,9 @@ class StepPlan:
         return sealed_blocks(self.seq_lens[row] - self.query_len(row), self.hot_tokens, self.block_size)
 
 
-def write_hot(plan: StepPlan, hot_k: torch.Tensor, hot_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_hot(
+    plan: StepPlan, hot_k: torch.Tensor, hot_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """New tokens' K/V [T, H, D] into the hot pages ``hot_k``/``hot_v`` [B, H, hot_block, D]."""
     slots = plan.hot_slots[: k.shape[0]]
     keep = slots >= 0
@@ -96,9 +101,7 @@ def write_hot(plan: StepPlan, hot_k: torch.Tensor, hot_v: torch.Tensor, k: torch
     hot_v[blk, :, off] = v[keep].to(hot_v.dtype)
 
 
-def read_hot(
-    plan: StepPlan, hot: torch.Tensor, row: int, start: int, end: int
-) -> torch.Tensor:
+def read_hot(plan: StepPlan, hot: torch.Tensor, row: int, start: int, end: int) -> torch.Tensor:
     """Tokens ``start … end−1`` of request ``row`` from the hot pages: [end − start, H, D]."""
     pos = torch.arange(start, end, device=hot.device)
     blk = plan.hot_table[row].to(hot.device)[pos // plan.hot_block].long()
