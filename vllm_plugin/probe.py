@@ -3,13 +3,13 @@
     python -m kvtune.vllm_plugin.probe --model DIR --block-size 32 --memory-bytes 67108864 \\
         --kvtune '{"kv_cache_strategy": "hybrid_v2", ...}' --prompts prompts.json --chunk 32 --out out.json
 
-Reported: vLLM's version, the pool's block count, the impl class of the first attention layer, vLLM's own
-token capacity and maximum concurrency (from its KV cache config), and, for each prompt (a JSON list of
-token-id lists), the teacher-forced log-probability of every prompt token after the first over chunked
-prefill (``--chunk`` tokens per step), ``--passes`` times (with ``--prefix-caching`` the later passes hit
-the cache). Run it from outside the repository root: a checkout's ``kernels/`` folder would shadow Hugging
-Face's ``kernels`` package that transformers imports. The engine core runs in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the pool can be inspected.
+Reported: vLLM's version, the pool's block count, the impl class of the first attention layer, vLLM's
+own token capacity and maximum concurrency at ``--max-model-len`` (its "KV cache size" line), and, for
+each prompt (a JSON list of token-id lists), the teacher-forced log-probability of every prompt token
+after the first over chunked prefill (``--chunk`` tokens per step), ``--passes`` times (with
+``--prefix-caching`` the later passes hit the cache). Run it from outside the repository root: a
+checkout's ``kernels/`` folder would shadow Hugging Face's ``kernels`` package that transformers imports.
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the pool can be inspected.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def probe(a: argparse.Namespace) -> dict[str, Any]:
         "groups": [type(g.kv_cache_spec).__name__ for g in kv.kv_cache_groups],
         "block_sizes": [int(g.kv_cache_spec.block_size) for g in kv.kv_cache_groups],
         "impl": _first_impl(runner.model),
+        "kv_cache_size_tokens": int(core.vllm_config.cache_config.kv_cache_size_tokens),
+        "max_concurrency": round(float(core.vllm_config.cache_config.kv_cache_max_concurrency), 3),
         "start_s": round(start_s, 1),
     }
     if a.prompts:

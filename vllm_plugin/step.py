@@ -67,7 +67,8 @@ class StepPlan:
     late: tuple[SealJob, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        jobs, read = [], set()
+        jobs: list[SealJob] = []
+        read: set[int] = set()
         for r in range(len(self.seq_lens)):
             before, after = (
                 self.sealed_before(r),
