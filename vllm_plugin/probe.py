@@ -7,9 +7,10 @@ Reported: vLLM's version, the pool's block count, the impl class of the first at
 own token capacity and maximum concurrency at ``--max-model-len`` (its "KV cache size" line), and, for
 each prompt (a JSON list of token-id lists), the teacher-forced log-probability of every prompt token
 after the first over chunked prefill (``--chunk`` tokens per step), ``--passes`` times (with
-``--prefix-caching`` the later passes hit the cache). Run it from outside the repository root: a
-checkout's ``kernels/`` folder would shadow Hugging Face's ``kernels`` package that transformers imports.
-The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the pool can be inspected.
+``--prefix-caching`` the later passes hit the cache), and with ``--generate N`` N greedy tokens each.
+Run it from outside the repository root: a checkout's ``kernels/`` folder would shadow Hugging Face's
+``kernels`` package that transformers imports. The engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the pool can be inspected.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", default="", help="a JSON file: a list of token-id lists")
     p.add_argument("--chunk", type=int, default=32, help="--max-num-batched-tokens (the prefill chunk)")
     p.add_argument("--passes", type=int, default=1)
+    p.add_argument("--generate", type=int, default=0, help="also decode this many tokens greedily per prompt")
     p.add_argument("--prefix-caching", action="store_true")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=4)
@@ -78,6 +80,14 @@ def _prompt_logprobs(llm: Any, prompts: list[list[int]]) -> list[list[float]]:
     ]
 
 
+def _greedy(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=n, detokenize=False, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def probe(a: argparse.Namespace) -> dict[str, Any]:
     import vllm
 
@@ -103,6 +113,8 @@ def probe(a: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         out["passes"] = [_prompt_logprobs(llm, prompts) for _ in range(a.passes)]
         out["logprobs_s"] = round(time.perf_counter() - t0, 1)
+        if a.generate:
+            out["generated"] = _greedy(llm, prompts, a.generate)
     return out
 
 
