@@ -322,3 +322,41 @@ def test_a_broken_config_fails_at_start_with_the_contract_line(tmp_path: Path, m
     assert "ConfigError: additional_config.kvtune: hot_tokens=30 breaks the rule: must be a power of two" in (
         proc.stderr
     )
+
+
+# ---- CUDA: kvtune's kernels over the plugin's pages (the read path of a CUDA backend) ----------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_kernels_over_the_plugins_pages(bits: int, dtype: torch.dtype) -> None:
+    """The Triton seal writes the same bytes into page-strided views as into kvtune's own pool, and the decode
+    kernel over those views (vLLM's ``[B, M]`` table spread over heads, hot tokens gathered into a dense
+    zone) matches the PyTorch reference over kvtune's pool."""
+    from kvtune.kernels.decode_attention import hybrid_decode_attention, hybrid_decode_attention_ref
+
+    dev, heads, group, dim, num_blocks, batch, width, hot = "cuda", 3, 3, 64, 40, 4, 6, HOT + BLOCK // 2
+    page = _page(bits, dtype, heads, dim)
+    raw = torch.zeros(num_blocks, 1, BLOCK, page.bytes_per_token, dtype=torch.uint8, device=dev)
+    pages, own = cold_pool_view(page, raw), page.cold.allocate(num_blocks, dev)
+    own.may_demote = False
+    torch.manual_seed(bits)
+    ids = torch.randperm(num_blocks, device=dev)[: batch * width]
+    k, v = (torch.randn(batch * width, BLOCK, heads, dim, device=dev).to(dtype) for _ in range(2))
+    for pool in (pages, own):
+        seal_blocks(pool, ids, k, v, bits)
+    for name in ("k", "v", "k_min", "k_scale", "v_min", "v_scale"):
+        assert torch.equal(getattr(pages, name)[ids], getattr(own, name)[ids]), name
+    num_cold = torch.randint(1, width + 1, (batch, 1), device=dev, dtype=torch.int32).expand(batch, heads)
+    table = ids.view(batch, 1, width).expand(batch, heads, width).to(torch.int32)
+    table = torch.where(torch.arange(width, device=dev) < num_cold[..., None], table, -1).contiguous()
+    hot_k, hot_v = (torch.randn(batch, heads, hot, dim, device=dev).to(dtype) for _ in range(2))
+    hot_slot = torch.arange(batch, device=dev, dtype=torch.int32)
+    hot_len = torch.randint(HOT, hot + 1, (batch,), device=dev, dtype=torch.int32)
+    q = torch.randn(batch, heads * group, dim, device=dev).to(dtype)
+    args = (q, hot_k, hot_v, hot_slot, hot_len)
+    got = hybrid_decode_attention(*args, pages, table, num_cold.contiguous(), dim**-0.5)
+    want = hybrid_decode_attention_ref(*args, own, table, num_cold.contiguous(), dim**-0.5)
+    err = float((got[0].float() - want[0].float()).norm() / want[0].float().norm())
+    assert err < 2e-2, err
+    torch.testing.assert_close(got[1], want[1], atol=1e-2, rtol=0)
