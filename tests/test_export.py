@@ -285,6 +285,8 @@ def test_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert f"tpot_p99_ms: {gain['ratio']:.3f}x against the unquantized baseline (95 % interval" in printed
     assert gain["verdict"] in printed
     assert "  search: 2 trials in " in printed and " on ? worker(s): " in printed
+    vllm = json.loads(out.read_text())["vllm"]
+    assert f"  vLLM ({vllm['plugin']['tested_on']}; " in printed and f"\n    {vllm['command']}\n" in printed
     assert main(["export", "--study", "x", "--storage", storage, "--out", str(out)]) == 2
     assert "kvtune: error: storage" in capsys.readouterr().err
 
