@@ -324,6 +324,21 @@ def test_a_broken_config_fails_at_start_with_the_contract_line(tmp_path: Path, m
     )
 
 
+@needs_vllm
+@pytest.mark.vllm
+def test_registration_is_idempotent_and_reserves_the_cuda_name(tmp_path: Path) -> None:
+    code = (
+        "from kvtune.vllm_plugin import register; register(); register();"
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E;"
+        "print(E.CPU_ATTN.get_class().__name__, E['KVTUNE'].get_class().validate_configuration()[0])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[0] == "KvtuneCPUBackend"
+    assert "kvtune's CUDA attention backend is not implemented" in proc.stdout
+
+
 # ---- CUDA: kvtune's kernels over the plugin's pages (the read path of a CUDA backend) ----------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

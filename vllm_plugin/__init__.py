@@ -14,12 +14,16 @@ from kvtune.vllm_plugin.settings import VLLM_SERIES, PluginSettings, VersionErro
 __all__ = ["VLLM_SERIES", "PluginSettings", "VersionError", "check_vllm_version", "register"]
 
 BACKEND_PATH = "kvtune.vllm_plugin.backend.KvtuneCPUBackend"
+CUDA_NAME, CUDA_PATH = "KVTUNE", "kvtune.vllm_plugin.cuda.KvtuneCudaBackend"
 
 
 def register() -> None:
-    """The entry point: refuse another vLLM minor version, then override ``CPU_ATTN`` (idempotent)."""
+    """The entry point: refuse another vLLM minor version, then override ``CPU_ATTN`` and reserve the CUDA
+    backend name ``KVTUNE`` (see :mod:`kvtune.vllm_plugin.cuda`). Idempotent."""
     import vllm
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     check_vllm_version(vllm.__version__)
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    if CUDA_NAME not in AttentionBackendEnum.__members__:
+        register_backend(CUDA_NAME, CUDA_PATH)
