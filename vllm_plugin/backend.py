@@ -136,7 +136,7 @@ class KvtuneHotBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "CPU_ATTN"
+        return "CPU_ATTN"  # vLLM looks backend names up in its enum; the companion serves CPU_ATTN layers
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
