@@ -74,9 +74,27 @@ def test_vllm_section_carries_only_equivalent_flags() -> None:
     assert json.loads(args[-1]) == {"kvtune": CONFIG.to_dict()}
     assert HybridConfig.from_dict({"additional_config": json.loads(args[-1])}) == CONFIG
     assert not any("kv-cache-dtype" in a or "per_token_head" in a for a in args[:-1])
-    assert "ignores the 'kvtune' block unless a kvtune plugin reads it" in section["note"]
+    assert "kvtune's vLLM plugin" in section["note"] and "without the plugin vLLM ignores" in section["note"]
     assert "not equivalents" in section["not_exported"]
     assert section["command"].startswith("vllm serve <model> --block-size 64 --enable-prefix-caching")
+
+
+@pytest.mark.parametrize(
+    ("card", "config", "why"),
+    [
+        ("cpu", HybridConfig("hybrid_v2", 32, 64, 8), None),
+        ("cpu", HybridConfig("hybrid_v2", 32, 64, 8, sparse_top_k=128), "sparse_top_k=128 cannot be served"),
+        ("cpu", HybridConfig("hybrid_v2", 32, 16, 8), "vLLM's backend cannot take this block_size"),
+        ("h200", HybridConfig("hybrid_v2", 32, 64, 8), "no TRITON_ATTN backend yet"),
+    ],
+)
+def test_vllm_section_says_whether_the_plugin_serves_the_config(
+    card: str, config: HybridConfig, why: str | None
+) -> None:
+    plugin = ex.vllm_section(config, card)["plugin"]
+    assert plugin["serves"] == (why is None)
+    assert why is None or why in plugin["why"]
+    assert plugin["tested_on"].startswith("vLLM 0.32.0") and "sparse tier" in plugin["not_applied"]
 
 
 # ---- content -------------------------------------------------------------------------------------------
@@ -267,6 +285,8 @@ def test_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert f"tpot_p99_ms: {gain['ratio']:.3f}x against the unquantized baseline (95 % interval" in printed
     assert gain["verdict"] in printed
     assert "  search: 2 trials in " in printed and " on ? worker(s): " in printed
+    vllm = json.loads(out.read_text())["vllm"]
+    assert f"  vLLM ({vllm['plugin']['tested_on']}; " in printed and f"\n    {vllm['command']}\n" in printed
     assert main(["export", "--study", "x", "--storage", storage, "--out", str(out)]) == 2
     assert "kvtune: error: storage" in capsys.readouterr().err
 

@@ -13,7 +13,7 @@ import torch
 import kvtune
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "cache_impl", "engine", "search_spaces", "studies", "tuner")
+PACKAGES = ("kernels", "cache_impl", "engine", "search_spaces", "studies", "tuner", "vllm_plugin")
 # what each package may import from kvtune (besides itself and the root package)
 ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
@@ -21,7 +21,8 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"kernels", "cache_impl"},
     "search_spaces": {"kernels", "cache_impl", "engine"},
     "studies": {"kernels", "cache_impl", "engine", "search_spaces"},
-    "tuner": {"kernels", "cache_impl", "engine", "search_spaces", "studies"},
+    "tuner": {"kernels", "cache_impl", "engine", "search_spaces", "studies", "vllm_plugin"},
+    "vllm_plugin": {"kernels", "cache_impl"},  # vLLM itself only in backend.py and probe.py
 }
 FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
     "kernels": {"optuna", "ray"},
@@ -122,6 +123,7 @@ def test_kernels_variable_is_checked(
 DRIVER_MAY_IMPORT = {
     "kvtune.cache_impl.config",
     "kvtune.cache_impl.layout",
+    "kvtune.kernels.arch",  # an architecture's limits (plain numbers): what a card's space may offer
     "kvtune.kernels.backend",
     "kvtune.kernels.layout",
     "kvtune.engine.options",

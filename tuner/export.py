@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvtune.cache_impl.config import HybridConfig
+from kvtune.cache_impl.config import ConfigError, HybridConfig
 from kvtune.studies.names import (
     ATTR_BUDGET,
     ATTR_CARD,
@@ -60,6 +60,7 @@ from kvtune.studies.names import (
 )
 from kvtune.tuner.capacity import Slo
 from kvtune.tuner.outcome import validation_problems
+from kvtune.vllm_plugin.settings import check_servable
 
 # ---- the attribute names the driver and the exporter share ------------------------------------------
 # ``kvtune.validation``: trial (best trial number), config and baseline_config (config dicts), window
@@ -89,9 +90,22 @@ SUMMARY_METRICS = (
 # backend -> the multiple --block-size must be (per vLLM's attention backends); GPU presets name
 # TRITON_ATTN, the one GPU backend whose rule is recorded; FlashAttention / FlashInfer keep their own lists.
 VLLM_BLOCK_MULTIPLE = {"TRITON_ATTN": 16, "CPU_ATTN": 32}
-VLLM_IGNORES = (
-    "vLLM has no hybrid_v2 cache: it parses --additional-config and includes it in its config hash, but "
-    "ignores the 'kvtune' block unless a kvtune plugin reads it; without one vLLM runs its own cache."
+VLLM_PLUGIN_NOTE = (
+    "kvtune's vLLM plugin (installed with kvtune in a vLLM 0.32 environment: "
+    "tools/install_vllm_cpu.sh) reads the 'kvtune' block of --additional-config and serves the hybrid "
+    "cache; without the plugin vLLM ignores the block (it only hashes it) and runs its own cache."
+)
+VLLM_TESTED_ON = "vLLM 0.32.0 (vllm-cpu), CPU_ATTN backend"
+VLLM_APPLIED = (
+    "the hot window of hot_tokens..hot_tokens+block_size tokens in model precision and the cold blocks "
+    "sealed block_size tokens at a time at quantization_bits (per-channel keys, per-token values), inside "
+    "vLLM's block pool; prefix hits read blocks at their stored precision"
+)
+VLLM_NOT_APPLIED = (
+    "the sparse tier, tier migration and its throttle, and the debug statistics (kvtune's own block "
+    "manager): the plugin refuses a config that turns one on; migration_interval and "
+    "migration_threshold_ms have no effect without the sparse tier. On CUDA the plugin has no backend "
+    "yet: serve on the CPU or in kvtune."
 )
 VLLM_NOT_EQUIVALENT = (
     "No --kv-cache-dtype is exported: vLLM's int8_per_token_head / int4_per_token_head quantize the whole "
@@ -178,7 +192,8 @@ def vllm_section(
         "additional_config": extra,
         "block_size": block_note,
         "prefix_caching": "--enable-prefix-caching: block-granular prefix reuse, as kvtune's prefix sharing",
-        "note": VLLM_IGNORES,
+        "plugin": plugin_status(config, backend, block_ok),
+        "note": VLLM_PLUGIN_NOTE,
         "not_exported": VLLM_NOT_EQUIVALENT,
         **(
             {"engine": VLLM_KNOBS_WITHHELD.format(why=withheld) if withheld else VLLM_KNOBS}
@@ -186,6 +201,25 @@ def vllm_section(
             else {}
         ),
     }
+
+
+def plugin_status(config: HybridConfig, backend: str, block_ok: bool) -> dict[str, Any]:
+    """What kvtune's vLLM plugin does with ``config`` on ``backend``: ``serves`` and, when it does not, why
+    (the plugin's own refusal line)."""
+    status: dict[str, Any] = {
+        "tested_on": VLLM_TESTED_ON,
+        "applied": VLLM_APPLIED,
+        "not_applied": VLLM_NOT_APPLIED,
+    }
+    if backend != "CPU_ATTN":
+        return status | {"serves": False, "why": f"the plugin has no {backend} backend yet (CPU_ATTN only)"}
+    if not block_ok:
+        return status | {"serves": False, "why": "vLLM's backend cannot take this block_size"}
+    try:
+        check_servable(config, config.block_size)
+    except ConfigError as e:
+        return status | {"serves": False, "why": str(e)}
+    return status | {"serves": True}
 
 
 # ---- metrics with spread -----------------------------------------------------------------------------

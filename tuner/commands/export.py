@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from kvtune.studies.names import DEFAULT_STORAGE
 from kvtune.tuner.export import (
@@ -51,4 +52,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"  inconclusive: {problem}")
     if "recommendation" in preset:
         print(f"  recommended: {preset['recommendation']['why']}")
+    print(serve_lines(preset["vllm"]))
     return 0
+
+
+def serve_lines(vllm: dict[str, Any]) -> str:
+    """The preset's ``vllm serve`` command and what kvtune's plugin does with it."""
+    plugin = vllm["plugin"]
+    verdict = (
+        "served by kvtune's vLLM plugin" if plugin["serves"] else f"not served by the plugin: {plugin['why']}"
+    )
+    return f"  vLLM ({plugin['tested_on']}; {verdict}):\n    {vllm['command']}"
