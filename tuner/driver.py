@@ -294,7 +294,7 @@ class TrialLoop:
         """Record one capacity probe, report the capacity found so far, and prune a trial that can no longer
         beat the study's best feasible capacity."""
         assert run.search is not None
-        run.search = run.search.record(probe["rate"], probe["passed"])
+        run.search = run.search.record(probe["rate"], probe["passed"], probe.get("margin"))
         run.probes.append(finite(probe_summary(probe)))
         verdict = "pass" if probe["passed"] else ("fail, stopped early" if probe["aborted"] else "fail")
         actor = self.pool.actors[run.worker]

@@ -144,7 +144,7 @@ def run_searches(
         ready, _ = ray.wait(list(inflight), num_returns=1)
         run = inflight.pop(ready[0])
         probe = ray.get(ready[0])
-        run.search = run.search.record(probe["rate"], probe["passed"])
+        run.search = run.search.record(probe["rate"], probe["passed"], probe.get("margin"))
         run.probes.append(probe)
         if not submit(run):
             start_next(run.worker)
