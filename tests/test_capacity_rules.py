@@ -148,3 +148,59 @@ def test_a_pooled_probe_judges_the_union_of_its_windows() -> None:
     )
     assert not alone["passed"] and len(alone["windows"]) == 2
     assert pooled["passed"] and pooled["margin"] == pytest.approx(10 / 11 - 0.9)
+
+
+# ---- decisions beyond the noise --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("failed_at", "noise", "pruned"),
+    [(5.0, 0.0, True), (5.0, 0.19, False), (4.2, 0.19, False), (4.05, 0.19, True), (3.0, 0.19, True)],
+)
+def test_a_trial_is_pruned_only_below_the_best_by_more_than_the_noise(
+    failed_at: float, noise: float, pruned: bool
+) -> None:
+    from kvtune.tuner.capacity import should_prune
+
+    search = CapacitySearch(5.0).record(failed_at, False)
+    assert should_prune(search, 5.0, noise) is pruned
+
+
+def test_after_failing_at_the_best_a_trial_probes_the_edge_of_the_noise() -> None:
+    from kvtune.tuner.capacity import should_prune, warm_start
+
+    started = warm_start(CapacitySearch(2.0), 5.0, noise=0.2)
+    assert started.next_rate() == 5.0
+    failed = started.record(5.0, False)
+    assert not should_prune(failed, 5.0, 0.2) and failed.next_rate() == pytest.approx(4.0)
+    assert should_prune(failed.record(4.0, False), 5.0, 0.2)  # clearly below: pruned after two probes
+    tie = failed.record(4.0, True)  # within the noise: measured on, between 4 and 5
+    assert not should_prune(tie, 5.0, 0.2) and 4.0 < (tie.next_rate() or 0) < 5.0
+    assert warm_start(CapacitySearch(2.0), 5.0).step_down is None  # no noise: halving, as before
+
+
+def _study_with(capacities: list[float]) -> tuple:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    for i, c in enumerate(capacities):
+        trial = study.ask()
+        trial.set_user_attr("kvtune.config", {"hot_tokens": 16 * (i + 1)})
+        trial.set_constraint("ran", 0.0)
+        study.tell(trial, c)
+    return study, study.trials[0]
+
+
+def test_configs_within_the_noise_of_the_best_are_named_as_ties_in_the_claim() -> None:
+    from kvtune.tuner.export import capacity_section
+    from kvtune.tuner.validation import ties
+
+    study, best = _study_with([6.10, 6.10, 4.8, 5.9])
+    tied = ties(study, best, threshold=0.19)
+    assert [t["trial"] for t in tied] == [1, 3]  # 4.8 is 21 % below 6.1: not a tie
+    assert ties(study, best, threshold=0.025) == [tied[0]]
+    validation = {"slo": {"ttft_ms": 1.0, "tpot_ms": 1.0}, "noise": {"threshold": 0.19}, "ties": tied}
+    gain = {"ratio": 1.8, "interval95": [1.5, 2.1], "per_repeat": [1.8] * 3, "verdict": "better"}
+    section = capacity_section("capacity", validation, gain)
+    assert "ties with trial(s) 1, 3 within the study's noise (±19 %)" in section["claim"]
+    assert section["ties"] == tied
+    assert "ties" not in capacity_section("capacity", validation | {"ties": []}, gain)

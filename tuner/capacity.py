@@ -186,6 +186,7 @@ class CapacitySearch:
     confirm: int = 1  # draws a rate takes when one was near the decision (its verdict: their majority)
     near: float = 0.1  # a draw is near the decision when its margin's magnitude is below this
     close: tuple[float, ...] = ()  # the rates with a draw near the decision
+    step_down: float | None = None  # the rate after a first failure instead of halving (warm_start's)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.start) and self.start > 0):
@@ -256,7 +257,8 @@ class CapacitySearch:
             return min(self.start, top)
         if lo is None:
             assert hi is not None
-            return hi / EXPAND
+            down = self.step_down
+            return down if down is not None and down < hi and down not in verdicts else hi / EXPAND
         if hi is None:
             return min(lo * EXPAND, top)
         if lo >= hi:  # a pass above a failure: cannot happen while probes stay inside (lo, hi)
@@ -292,21 +294,28 @@ class CapacitySearch:
         }
 
 
-def warm_start(search: CapacitySearch, best_known: float | None) -> CapacitySearch:
+def warm_start(search: CapacitySearch, best_known: float | None, noise: float = 0.0) -> CapacitySearch:
     """The search a new trial starts: ``search`` (warm-started at the baseline's capacity), started at the
     best capacity of the study's feasible trials instead when that is higher. A config that cannot beat the
-    best then fails its first probe and is pruned at once (one probe where a start at the baseline's
-    capacity spends two or three); one that can goes up from there."""
+    best then fails its first probe; its next probe is at the edge of the study's ``noise`` below the best
+    (``best × (1 − noise)``, the noise record's threshold), where a failure prunes it at once (two probes
+    where a start at the baseline's capacity spends three or four) and a pass keeps it as a possible tie;
+    one that can beat the best goes up from there."""
     if best_known is None or not math.isfinite(best_known) or best_known <= search.start:
         return search
-    return dataclasses.replace(search, start=float(best_known))
+    down = best_known * (1.0 - noise) if 0.0 < noise < 1.0 else None
+    return dataclasses.replace(search, start=float(best_known), step_down=down)
 
 
-def should_prune(search: CapacitySearch, best_known: float | None) -> bool:
-    """Whether the trial of ``search`` can stop: it already failed at a rate no higher than the best
-    capacity of the study's feasible trials, so its capacity (below that rate) cannot beat it."""
+def should_prune(search: CapacitySearch, best_known: float | None, noise: float = 0.0) -> bool:
+    """Whether the trial of ``search`` can stop: it already failed at a rate clearly below the best
+    capacity of the study's feasible trials, by more than the study's ``noise`` (the noise record's
+    threshold: a failure at ``best × (1 − noise)`` or lower), so its capacity cannot beat or tie it. A
+    failure within the noise of the best goes on to be measured: a tie is reported, never ranked."""
     hi = search.hi
-    return best_known is not None and best_known > 0 and hi is not None and hi <= best_known
+    if best_known is None or best_known <= 0 or hi is None:
+        return False
+    return hi <= best_known * (1.0 - max(0.0, min(noise, 1.0))) * (1.0 + 1e-9)
 
 
 def saturation_rate(windows: Sequence[Sequence[Any]], slo_record: Mapping[str, Any]) -> float | None:

@@ -83,7 +83,14 @@ from kvtune.tuner.driver import Bounds, Event, TrialLoop
 from kvtune.tuner.pool import WorkerPool, _last_line, plan_placement, ray_accelerator_type
 from kvtune.tuner.preflight import Preflight, preflight
 from kvtune.tuner.protocol import EngineKnobs, QualitySettings, WorkerInfo, WorkerSpec, Workload
-from kvtune.tuner.validation import SearchRun, best_trial, run_searches, validate, validate_capacity
+from kvtune.tuner.validation import (
+    SearchRun,
+    best_trial,
+    run_searches,
+    ties,
+    validate,
+    validate_capacity,
+)
 from kvtune.tuner.worker import TrialWorker
 from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample
 
@@ -537,7 +544,8 @@ def _validate(
             pool, config, (knobs[0], knobs[1]), requests, Slo.from_record(attrs[ATTR_SLO]), starts,
             float(noise["granularity"]), job.repeats, alternative, max_rate=top,
         )  # fmt: skip
-        extra |= {"slo": attrs[ATTR_SLO], "noise": noise, "max_rate": top}
+        extra |= {"slo": attrs[ATTR_SLO], "noise": noise, "max_rate": top,
+                  "ties": ties(study, best, float(noise.get("threshold", 0.0)))}  # fmt: skip
         if engines:
             extra |= _baseline_engines(base_runs, engines)
     else:

@@ -15,6 +15,7 @@ starts).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +26,10 @@ from optuna.trial import FrozenTrial, TrialState
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.engine.traces import Request
-from kvtune.studies.names import CAPACITY_PROBES_COLD, MIN_REPEATS
+from kvtune.studies.names import ATTR_CONFIG, ATTR_ERROR, CAPACITY_PROBES_COLD, MIN_REPEATS
 from kvtune.studies.records import finite
 from kvtune.studies.study import OBJECTIVES, StudyOptions
-from kvtune.tuner.capacity import CapacitySearch, Slo, capacity_metrics, probe_summary
+from kvtune.tuner.capacity import CapacitySearch, Slo, capacity_metrics, probe_summary, within_noise
 from kvtune.tuner.pool import WorkerPool
 from kvtune.tuner.protocol import EngineKnobs
 
@@ -44,6 +45,21 @@ def best_trial(study: optuna.Study, options: StudyOptions) -> FrozenTrial | None
         return None
     sign = 1.0 if OBJECTIVES[options.objective][1] == "minimize" else -1.0
     return min(pool, key=lambda t: (sign * t.values[0], t.number))
+
+
+def ties(study: optuna.Study, best: FrozenTrial, threshold: float) -> list[dict[str, Any]]:
+    """The feasible complete trials (other configs than ``best``'s) whose capacity is within the study's
+    noise ``threshold`` of the best's: the search cannot rank them, so a preset names them as ties."""
+    top, seen, out = best.values[0], {json.dumps(best.user_attrs.get(ATTR_CONFIG), sort_keys=True)}, []
+    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    for t in sorted(trials, key=lambda t: -t.values[0]):
+        key = json.dumps(t.user_attrs.get(ATTR_CONFIG), sort_keys=True)
+        if t.number == best.number or key in seen or not feasible(t) or ATTR_ERROR in t.user_attrs:
+            continue
+        if within_noise(t.values[0], top, threshold):
+            seen.add(key)
+            out.append({"trial": t.number, "capacity": t.values[0], "config": t.user_attrs.get(ATTR_CONFIG)})
+    return out
 
 
 def validate(
