@@ -87,6 +87,8 @@ VALIDATION_KEYS = ("trial", "config", "baseline_config", "window", "repeats", "b
 # ---- shared constants --------------------------------------------------------------------------------
 DEFAULT_STORAGE = "sqlite:///studies/kvtune.db"
 MIN_REPEATS = 3  # validation repeats of the best config and of its baseline, at least
+INTERVAL_GOAL = 0.15  # validation adds repeats until the gain's 95 % interval is within ±15 % (relative)
+MAX_REPEATS = 12  # ... but never beyond this many repeats
 # objective name -> (metric key, direction)
 OBJECTIVE_METRICS: dict[str, tuple[str, str]] = {
     "capacity": ("capacity", "maximize"),  # highest arrival rate (x the trace's own) within the limits

@@ -204,3 +204,29 @@ def test_configs_within_the_noise_of_the_best_are_named_as_ties_in_the_claim() -
     assert "ties with trial(s) 1, 3 within the study's noise (±19 %)" in section["claim"]
     assert section["ties"] == tied
     assert "ties" not in capacity_section("capacity", validation | {"ties": []}, gain)
+
+
+@pytest.mark.parametrize(
+    ("flags", "rule"),
+    [
+        ((), ("percentile", False, 1)),
+        (
+            ("--probe-statistic", "attainment", "--probe-pool", "--probe-confirm", "3"),
+            ("attainment", True, 3),
+        ),
+    ],
+)
+def test_the_probe_flags_set_the_jobs_rule(flags: tuple[str, ...], rule: tuple[str, bool, int]) -> None:
+    import argparse
+    from pathlib import Path
+
+    from kvtune.search_spaces.cards import resolve_gpu
+    from kvtune.tuner.commands import tune
+
+    root = Path(__file__).resolve().parents[1]
+    parser = argparse.ArgumentParser()
+    tune.add_arguments(parser)
+    trace = str(root / "examples" / "traces" / "azure_conv_sample.csv")
+    args = parser.parse_args(["--gpu", "cpu", "--workload", trace, "--model", "random:tiny", *flags])
+    job = tune.build_job(args, resolve_gpu("cpu", []), tune.CPU)
+    assert (job.probe.statistic, job.probe.pooled, job.probe.confirm) == rule

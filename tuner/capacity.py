@@ -126,6 +126,32 @@ class Slo:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ProbeRule:
+    """How a study's probes decide (its noise routes): the verdict's ``statistic`` and whether a probe's
+    windows are ``pooled`` (:class:`Slo`), and the ``confirm`` draws of a rate near the decision
+    (:class:`CapacitySearch`). The default is the rule of a study stored before these existed."""
+
+    statistic: str = "percentile"
+    pooled: bool = False
+    confirm: int = 1
+
+    def __post_init__(self) -> None:
+        if self.statistic not in STATISTICS:
+            raise ValueError(
+                f"statistic must be one of {list(STATISTICS)}, but got statistic={self.statistic!r}"
+            )
+        if self.confirm < 1 or self.confirm % 2 == 0:
+            raise ValueError(f"`confirm` must be odd and >= 1, but got confirm={self.confirm}")
+
+    def verdict(self) -> dict[str, Any]:
+        """What ``kvtune.slo`` stores of it (:meth:`Slo.rule`)."""
+        return {"statistic": self.statistic, "pooled": self.pooled}
+
+
+DEFAULT_PROBE = ProbeRule()
+
+
 def derive_slo(
     unloaded: Mapping[str, Any] | None,
     ttft_ms: float | None = None,
@@ -450,9 +476,8 @@ def windows_margin(windows: Sequence[Mapping[str, Any]], slo: Slo) -> float:
     ttft_key, tpot_key = slo.keys
     margins = []
     for w in windows:
-        tpot = w.get(tpot_key)
+        tpot, ttft = w.get(tpot_key, math.nan), w.get(ttft_key, math.nan)
         tpot_margin = 1.0 - float(tpot) / slo.tpot_ms if _finite(tpot) else math.inf
-        ttft = w.get(ttft_key)
         margins.append(min(1.0 - float(ttft) / slo.ttft_ms if _finite(ttft) else -math.inf, tpot_margin))
     return min(margins, default=-math.inf)
 

@@ -323,6 +323,7 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
         "baseline": baseline,
         "baseline_config": validation["baseline_config"],
         "gain": g,
+        **{k: validation[k] for k in ("interval", "budget") if validation.get(k)},
         **({"note": SELF_BASELINE} if same else {}),
         **capacity_section(objective, validation, g, same),
     }

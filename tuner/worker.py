@@ -236,7 +236,8 @@ class TrialWorker:
         shared = ProbeStop(slo, sum(len(w) for w in windows)) if slo.pooled else None
         margins = []
         for requests in windows:
-            stop, timings = shared or ProbeStop(slo, len(requests)), []
+            stop = shared or ProbeStop(slo, len(requests))
+            timings: list[RequestTiming] = []
             stop.next_window()
             with gc_paused():
                 replay = replayer.replay(
