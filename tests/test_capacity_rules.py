@@ -136,10 +136,11 @@ def test_a_pooled_probe_judges_the_union_of_its_windows() -> None:
     spec = WorkerSpec(model="random:tiny", device="cpu", quality=quality, threads=1, budget_bytes=1 << 26)
     worker = TrialWorker(spec)
     calm = tuple(Request(i, 1000.0 * i, 8, 4) for i in range(10))
-    long = (Request(99, 0.0, 2000, 4),)
+    long = (Request(99, 0.0, 4000, 4),)  # a prompt of 4,000 tokens: its TTFT is many short ones'
     config = HybridConfig("hybrid_v2", 16, 16, 0)
-    short_ttft = worker.replay(config, calm, 1.0, 1)["ttft_p99_ms"]
+    short_ttft = 3 * worker.replay(config, calm, 1.0, 1)["ttft_p99_ms"]  # room for a slow host
     long_ttft = worker.replay(config, long, 1.0, 1)["ttft_p99_ms"]
+    assert long_ttft > 2 * short_ttft, "the long prompt's TTFT must be far above the short ones'"
     limit = (short_ttft * long_ttft) ** 0.5
     apart = Slo(limit, 1e6, 90.0, statistic="attainment")
     alone = worker.probe_config(config, None, (calm, long), 1.0, apart, 1)
