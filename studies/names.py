@@ -15,10 +15,11 @@ Study attributes (set when the study is created; ``kvtune.identity`` and ``kvtun
     kvtune.identity           what a resumed run must repeat (all of the above that shape results)
     kvtune.version, kvtune.created
     kvtune.validation         the re-measurement of the best config and its baseline (docs/DESIGN.md §3)
-    kvtune.slo                capacity's latency limits {ttft_ms, tpot_ms, source, rule, unloaded}
+    kvtune.slo                capacity's latency limits {ttft_ms, tpot_ms, source, rule, unloaded,
+                              percentile, statistic, pooled}
     kvtune.noise              the baseline's capacity searched NOISE_REPEATS times: {capacities, median,
                               spread, threshold, granularity, max_probes, searches (each with its
-                              probes), ...} (warm start and noise floor)
+                              probes), search_s, confirm, ...} (warm start and noise floor)
     kvtune.validation_history every validation record, oldest first (re-validating appends one)
     kvtune.driver             the lease of the driver running it {host, pid, since, heartbeat, token}, null
                               once released (kvtune.studies.lease)
@@ -84,12 +85,15 @@ STUDY_ATTRS_REQUIRED = (ATTR_CARD, ATTR_MODEL, ATTR_WORKLOAD, ATTR_OBJECTIVE, AT
 # ``kvtune.validation``: trial (best trial number), config and baseline_config (config dicts), window
 # ({"start_fraction", "end_fraction", "requests"}), repeats, best and baseline (lists of replay metrics
 # dicts, one per repeat), quality (quality dict of the best config or null), date (ISO 8601), versions,
-# device.
+# device; interval (the repeats towards INTERVAL_GOAL: {goal, half_width, repeats, first, reached, why}),
+# budget (with --time-budget: {budget_s, phases_s, cut}); capacity: ties (trials within the best's noise).
 VALIDATION_KEYS = ("trial", "config", "baseline_config", "window", "repeats", "best", "baseline", "date")
 
 # ---- shared constants --------------------------------------------------------------------------------
 DEFAULT_STORAGE = "sqlite:///studies/kvtune.db"
 MIN_REPEATS = 3  # validation repeats of the best config and of its baseline, at least
+INTERVAL_GOAL = 0.15  # validation adds repeats until the gain's 95 % interval is within ±15 % (relative)
+MAX_REPEATS = 12  # ... but never beyond this many repeats
 # objective name -> (metric key, direction)
 OBJECTIVE_METRICS: dict[str, tuple[str, str]] = {
     "capacity": ("capacity", "maximize"),  # highest arrival rate (x the trace's own) within the limits

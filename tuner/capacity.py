@@ -56,16 +56,26 @@ EXPAND = 2.0  # the rate's factor per bracketing step
 
 # ---- the limits ----------------------------------------------------------------------------------------
 SLO_PERCENTILES = (99.0, 90.0)  # the percentiles a replay's metrics carry that a limit may apply to
+# what a probe's verdict is decided on (see Slo): each limit on its percentile of the requests, or the share
+# of requests within both limits (attainment) at least percentile %
+STATISTICS = ("percentile", "attainment")
 
 
 @dataclass(frozen=True)
 class Slo:
     """The latency limits of a capacity probe, in milliseconds, on the ``percentile`` (over a window's
-    requests) of TTFT and of per-request TPOT."""
+    requests) of TTFT and of per-request TPOT.
+
+    ``statistic``: ``"percentile"`` (each limit on its own percentile of the requests) or ``"attainment"``
+    (at least ``percentile`` % of the requests meet both limits: a count over every request, not one order
+    statistic per limit). ``pooled``: a probe's windows are judged as one set of requests (their union)
+    rather than each window on its own, so a probe of W windows decides on W times the requests."""
 
     ttft_ms: float
     tpot_ms: float
     percentile: float = 99.0
+    statistic: str = "percentile"
+    pooled: bool = False
 
     def __post_init__(self) -> None:
         for name in ("ttft_ms", "tpot_ms"):
@@ -77,6 +87,15 @@ class Slo:
                 f"percentile must be one of {[f'{p:g}' for p in SLO_PERCENTILES]}, but got "
                 f"percentile={self.percentile:g}"
             )
+        if self.statistic not in STATISTICS:
+            raise ValueError(
+                f"statistic must be one of {list(STATISTICS)}, but got statistic={self.statistic!r}"
+            )
+
+    @property
+    def needs_requests(self) -> bool:
+        """Whether the verdict is taken from the per-request times rather than a window's percentiles."""
+        return self.pooled or self.statistic != "percentile"
 
     @property
     def keys(self) -> tuple[str, str]:
@@ -84,13 +103,53 @@ class Slo:
         return f"ttft_p{self.percentile:g}_ms", f"tpot_p{self.percentile:g}_ms"
 
     def describe(self) -> str:
+        pooled = ", windows pooled" if self.pooled else ""
+        if self.statistic == "attainment":
+            return (
+                f"≥ {self.percentile:g} % of requests within TTFT ≤ {self.ttft_ms:.4g} ms and TPOT ≤ "
+                f"{self.tpot_ms:.4g} ms{pooled}"
+            )
         p = f"P{self.percentile:g}"
-        return f"{p} TTFT ≤ {self.ttft_ms:.4g} ms and {p} TPOT ≤ {self.tpot_ms:.4g} ms"
+        return f"{p} TTFT ≤ {self.ttft_ms:.4g} ms and {p} TPOT ≤ {self.tpot_ms:.4g} ms{pooled}"
+
+    def rule(self) -> dict[str, Any]:
+        """What the record stores of the verdict's rule (absent from a record: percentile, not pooled)."""
+        return {"statistic": self.statistic, "pooled": self.pooled}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Slo:
-        """From a study's ``kvtune.slo`` (one stored before the percentile was recorded is a P99 one)."""
-        return cls(float(record["ttft_ms"]), float(record["tpot_ms"]), float(record.get("percentile", 99.0)))
+        """From a study's ``kvtune.slo`` (one stored before the percentile was recorded is a P99 one; one
+        stored before the statistic was recorded decides on the percentile, each window on its own)."""
+        return cls(
+            float(record["ttft_ms"]), float(record["tpot_ms"]), float(record.get("percentile", 99.0)),
+            str(record.get("statistic", "percentile")), bool(record.get("pooled", False)),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProbeRule:
+    """How a study's probes decide (its noise routes): the verdict's ``statistic`` and whether a probe's
+    windows are ``pooled`` (:class:`Slo`), and the ``confirm`` draws of a rate near the decision
+    (:class:`CapacitySearch`). The default is the rule of a study stored before these existed."""
+
+    statistic: str = "percentile"
+    pooled: bool = False
+    confirm: int = 1
+
+    def __post_init__(self) -> None:
+        if self.statistic not in STATISTICS:
+            raise ValueError(
+                f"statistic must be one of {list(STATISTICS)}, but got statistic={self.statistic!r}"
+            )
+        if self.confirm < 1 or self.confirm % 2 == 0:
+            raise ValueError(f"`confirm` must be odd and >= 1, but got confirm={self.confirm}")
+
+    def verdict(self) -> dict[str, Any]:
+        """What ``kvtune.slo`` stores of it (:meth:`Slo.rule`)."""
+        return {"statistic": self.statistic, "pooled": self.pooled}
+
+
+DEFAULT_PROBE = ProbeRule()
 
 
 def derive_slo(
@@ -100,12 +159,16 @@ def derive_slo(
     ttft_factor: float = SLO_TTFT_FACTOR,
     tpot_factor: float = SLO_TPOT_FACTOR,
     percentile: float = 99.0,
+    verdict: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The study's ``kvtune.slo`` record: the limits given, else ``factor ×`` the unloaded baseline's P99
     TTFT and median TPOT (its decode step; the mean decode step when no request has two output tokens),
-    applied to the ``percentile`` of a probe's requests (the derivation is the same for every percentile)."""
+    applied to the ``percentile`` of a probe's requests (the derivation is the same for every percentile);
+    ``verdict``: the statistic and pooling of :class:`Slo` (:meth:`Slo.rule`; None: percentile, per
+    window)."""
     rule = f"{ttft_factor:g} x the unloaded baseline's P99 TTFT, {tpot_factor:g} x its median TPOT"
     record: dict[str, Any] = {"rule": rule, "unloaded": None, "percentile": float(percentile)}
+    record |= dict(verdict or {})
     if unloaded is not None:
         keys = ("ttft_p99_ms", "tpot_p50_ms", "step_ms", "completed")
         record["unloaded"] = {k: unloaded.get(k) for k in keys}
@@ -146,6 +209,10 @@ class CapacitySearch:
     max_probes: int = CAPACITY_PROBES
     probes: tuple[tuple[float, bool], ...] = ()  # (rate, passed), in order
     max_rate: float | None = None  # the saturation rate (None: unbounded)
+    confirm: int = 1  # draws a rate takes when one was near the decision (its verdict: their majority)
+    near: float = 0.1  # a draw is near the decision when its margin's magnitude is below this
+    close: tuple[float, ...] = ()  # the rates with a draw near the decision
+    step_down: float | None = None  # the rate after a first failure instead of halving (warm_start's)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.start) and self.start > 0):
@@ -156,16 +223,34 @@ class CapacitySearch:
             raise ValueError(f"`granularity > 0` must hold, but got granularity={self.granularity}")
         if self.max_probes < 1:
             raise ValueError(f"`max_probes >= 1` must hold, but got max_probes={self.max_probes}")
+        if self.confirm < 1 or self.confirm % 2 == 0:
+            raise ValueError(f"`confirm` must be odd and >= 1, but got confirm={self.confirm}")
+
+    def verdicts(self) -> dict[float, bool | None]:
+        """Each rate probed, in order, with its verdict: its one draw, or, for a rate with a draw near the
+        decision (``close``), the majority of its ``confirm`` draws once one side has it (None before)."""
+        draws: dict[float, list[bool]] = {}
+        for rate, passed in self.probes:
+            draws.setdefault(rate, []).append(passed)
+        need = self.confirm // 2 + 1
+        out: dict[float, bool | None] = {}
+        for rate, ds in draws.items():
+            if self.confirm == 1 or rate not in self.close:
+                out[rate] = ds[0]
+            else:
+                yes = sum(ds)
+                out[rate] = True if yes >= need else (False if len(ds) - yes >= need else None)
+        return out
 
     @property
     def lo(self) -> float | None:
         """The highest rate that passed."""
-        return max((r for r, ok in self.probes if ok), default=None)
+        return max((r for r, ok in self.verdicts().items() if ok), default=None)
 
     @property
     def hi(self) -> float | None:
         """The lowest rate that failed."""
-        return min((r for r, ok in self.probes if not ok), default=None)
+        return min((r for r, ok in self.verdicts().items() if ok is False), default=None)
 
     @property
     def capacity(self) -> float:
@@ -186,23 +271,34 @@ class CapacitySearch:
     def next_rate(self) -> float | None:
         """The next rate to probe; None when the search is done (converged, saturated, or out of
         probes)."""
+        verdicts = self.verdicts()
+        pending = [r for r, ok in verdicts.items() if ok is None]
+        if pending:  # a draw near the decision: the same rate again
+            return pending[0]
         lo, hi = self.lo, self.hi
-        if len(self.probes) >= self.max_probes or self.converged or self.saturated:
+        if len(verdicts) >= self.max_probes or self.converged or self.saturated:
             return None
         top = math.inf if self.max_rate is None else self.max_rate
         if lo is None and hi is None:
             return min(self.start, top)
         if lo is None:
             assert hi is not None
-            return hi / EXPAND
+            down = self.step_down
+            return down if down is not None and down < hi and down not in verdicts else hi / EXPAND
         if hi is None:
             return min(lo * EXPAND, top)
         if lo >= hi:  # a pass above a failure: cannot happen while probes stay inside (lo, hi)
             return None
         return math.sqrt(lo * hi)
 
-    def record(self, rate: float, passed: bool) -> CapacitySearch:
-        return dataclasses.replace(self, probes=(*self.probes, (float(rate), bool(passed))))
+    def record(self, rate: float, passed: bool, margin: float | None = None) -> CapacitySearch:
+        """The search after a probe at ``rate``; ``margin``: its :func:`decision_margin`, which marks the
+        rate for ``confirm`` draws when its magnitude is below ``near`` (None: a probe that stopped early,
+        or one recorded without: never near)."""
+        close = self.close
+        if margin is not None and abs(margin) < self.near and float(rate) not in close:
+            close = (*close, float(rate))
+        return dataclasses.replace(self, probes=(*self.probes, (float(rate), bool(passed))), close=close)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -216,24 +312,36 @@ class CapacitySearch:
             "start": self.start,
             "granularity": self.granularity,
             "max_probes": self.max_probes,
+            **(
+                {"confirm": self.confirm, "near": self.near, "confirmed": list(self.close)}
+                if self.confirm > 1
+                else {}
+            ),
         }
 
 
-def warm_start(search: CapacitySearch, best_known: float | None) -> CapacitySearch:
+def warm_start(search: CapacitySearch, best_known: float | None, noise: float = 0.0) -> CapacitySearch:
     """The search a new trial starts: ``search`` (warm-started at the baseline's capacity), started at the
     best capacity of the study's feasible trials instead when that is higher. A config that cannot beat the
-    best then fails its first probe and is pruned at once (one probe where a start at the baseline's
-    capacity spends two or three); one that can goes up from there."""
+    best then fails its first probe; its next probe is at the edge of the study's ``noise`` below the best
+    (``best × (1 − noise)``, the noise record's threshold), where a failure prunes it at once (two probes
+    where a start at the baseline's capacity spends three or four) and a pass keeps it as a possible tie;
+    one that can beat the best goes up from there."""
     if best_known is None or not math.isfinite(best_known) or best_known <= search.start:
         return search
-    return dataclasses.replace(search, start=float(best_known))
+    down = best_known * (1.0 - noise) if 0.0 < noise < 1.0 else None
+    return dataclasses.replace(search, start=float(best_known), step_down=down)
 
 
-def should_prune(search: CapacitySearch, best_known: float | None) -> bool:
-    """Whether the trial of ``search`` can stop: it already failed at a rate no higher than the best
-    capacity of the study's feasible trials, so its capacity (below that rate) cannot beat it."""
+def should_prune(search: CapacitySearch, best_known: float | None, noise: float = 0.0) -> bool:
+    """Whether the trial of ``search`` can stop: it already failed at a rate clearly below the best
+    capacity of the study's feasible trials, by more than the study's ``noise`` (the noise record's
+    threshold: a failure at ``best × (1 − noise)`` or lower), so its capacity cannot beat or tie it. A
+    failure within the noise of the best goes on to be measured: a tie is reported, never ranked."""
     hi = search.hi
-    return best_known is not None and best_known > 0 and hi is not None and hi <= best_known
+    if best_known is None or best_known <= 0 or hi is None:
+        return False
+    return hi <= best_known * (1.0 - max(0.0, min(noise, 1.0))) * (1.0 + 1e-9)
 
 
 def saturation_rate(windows: Sequence[Sequence[Any]], slo_record: Mapping[str, Any]) -> float | None:
@@ -255,11 +363,15 @@ def at_saturation(capacity: float, max_rate: float | None) -> bool:
 
 
 # ---- one probe -----------------------------------------------------------------------------------------
-def violations_to_fail(requests: int, percentile: float = 99.0) -> int:
+def violations_to_fail(requests: int, percentile: float = 99.0, statistic: str = "percentile") -> int:
     """How many of ``requests`` latencies above a limit make their ``percentile`` (numpy's linear
-    interpolation) certainly exceed it: for the P99, 2 for up to 101 requests, about 1 % + 1 beyond."""
+    interpolation) certainly exceed it: for the P99, 2 for up to 101 requests, about 1 % + 1 beyond. For
+    the ``attainment`` statistic, how many requests outside a limit leave fewer than ``percentile`` % within
+    both (10 of 96 at 90 %)."""
     if requests < 1:
         raise ValueError(f"`requests >= 1` must hold, but got requests={requests}")
+    if statistic == "attainment":
+        return requests - math.ceil(percentile / 100.0 * requests - 1e-9) + 1
     return requests - math.floor(percentile / 100.0 * (requests - 1))
 
 
@@ -273,8 +385,10 @@ class ProbeStop:
     """
 
     def __init__(self, slo: Slo, requests: int) -> None:
+        """``requests``: of the window, or of all the probe's windows when ``slo.pooled`` (the same stop
+        then serves each window in turn: :meth:`next_window`)."""
         self.slo = slo
-        self.allowed = violations_to_fail(requests, slo.percentile)
+        self.allowed = violations_to_fail(requests, slo.percentile, slo.statistic)
         self.ttft_violations = 0
         self.tpot_violations = 0
         self.fired = False
@@ -288,8 +402,20 @@ class ProbeStop:
             self._open.append(seqs[self._seen])
             self._seen += 1
         self._open = [s for s in self._open if not self._decided(s, now_ms)]
-        self.fired = max(self.ttft_violations, self.tpot_violations) >= self.allowed
+        self.fired = self.violations >= self.allowed
         return self.fired
+
+    @property
+    def violations(self) -> int:
+        """The count the limit applies to: per limit for a percentile, requests outside either limit (each
+        is counted once, by the first limit it breaks) for attainment."""
+        if self.slo.statistic == "attainment":
+            return self.ttft_violations + self.tpot_violations
+        return max(self.ttft_violations, self.tpot_violations)
+
+    def next_window(self) -> None:
+        """Start the next window of a pooled probe: its violations so far stay counted."""
+        self._seen, self._open = 0, []
 
     def _decided(self, seq: Any, now_ms: float) -> bool:
         """Count ``seq``'s violations once they are certain; True when nothing more can change about it."""
@@ -323,16 +449,70 @@ def probe_passes(metrics: Mapping[str, Any], slo: Slo) -> bool:
     return not (isinstance(tpot, int | float) and math.isfinite(tpot) and tpot > slo.tpot_ms)
 
 
+def requests_pass(timings: Sequence[Any], slo: Slo, expected: int) -> bool:
+    """The verdict over the requests' own times (objects with ``ttft_ms`` and ``tpot_ms``, None for a
+    single token), all of a probe's windows when pooled: every one of ``expected`` requests served, and
+    :func:`decision_margin` not negative."""
+    return len(timings) >= expected and decision_margin(timings, slo) >= 0.0
+
+
+def decision_margin(timings: Sequence[Any], slo: Slo) -> float:
+    """How far the requests' statistic is from failing, relative to the limit: for a percentile the
+    smaller of ``1 - P/limit`` over TTFT and TPOT; for attainment the share of requests within both limits
+    minus the share required. Negative: it fails; near 0: a draw of the same rate may decide otherwise."""
+    if not timings:
+        return -math.inf
+    if slo.statistic == "attainment":
+        within = sum(1 for t in timings if _within(t, slo))
+        return within / len(timings) - slo.percentile / 100.0
+    ttft = _quantile([t.ttft_ms for t in timings], slo.percentile)
+    tpots = [t.tpot_ms for t in timings if t.tpot_ms is not None]
+    tpot = _quantile(tpots, slo.percentile) if tpots else 0.0
+    return min(1.0 - ttft / slo.ttft_ms, 1.0 - tpot / slo.tpot_ms)
+
+
+def windows_margin(windows: Sequence[Mapping[str, Any]], slo: Slo) -> float:
+    """:func:`decision_margin` of a probe decided on each window's percentiles: its worst window's."""
+    ttft_key, tpot_key = slo.keys
+    margins = []
+    for w in windows:
+        tpot, ttft = w.get(tpot_key, math.nan), w.get(ttft_key, math.nan)
+        tpot_margin = 1.0 - float(tpot) / slo.tpot_ms if _finite(tpot) else math.inf
+        margins.append(min(1.0 - float(ttft) / slo.ttft_ms if _finite(ttft) else -math.inf, tpot_margin))
+    return min(margins, default=-math.inf)
+
+
+def _within(timing: Any, slo: Slo) -> bool:
+    tpot = timing.tpot_ms
+    return timing.ttft_ms <= slo.ttft_ms and (tpot is None or tpot <= slo.tpot_ms)
+
+
+def _quantile(values: Sequence[float], percentile: float) -> float:
+    """numpy's default (linear interpolation between the closest ranks) percentile."""
+    ordered = sorted(values)
+    at = percentile / 100.0 * (len(ordered) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
 def probe_record(
-    rate: float, passed: bool, aborted: bool, windows: Sequence[Mapping[str, Any]], mean: Mapping[str, Any]
+    rate: float,
+    passed: bool,
+    aborted: bool,
+    windows: Sequence[Mapping[str, Any]],
+    mean: Mapping[str, Any],
+    margin: float | None = None,
 ) -> dict[str, Any]:
     """What a probe returns: its verdict, the windows it replayed (it stops at the first that fails) and
-    their mean, and the worst window's P99s and P90s."""
+    their mean, and the worst window's P99s and P90s; ``margin``: the verdict's :func:`decision_margin`
+    (absent when the probe stopped early or decided on the windows' percentiles)."""
     worst = lambda key: max((float(w[key]) for w in windows if _finite(w.get(key))), default=math.nan)
     return {
         "rate": float(rate),
         "passed": bool(passed),
         "aborted": bool(aborted),
+        **({"margin": float(margin)} if margin is not None and math.isfinite(margin) else {}),
         "ttft_p99_ms": worst("ttft_p99_ms"),
         "tpot_p99_ms": worst("tpot_p99_ms"),
         "ttft_p90_ms": worst("ttft_p90_ms"),
@@ -351,8 +531,8 @@ def probe_summary(probe: Mapping[str, Any]) -> dict[str, Any]:
     """The probe as a study stores it (a trial's ``kvtune.probes``, the baseline's searches in
     ``kvtune.noise``): its verdict, P99s and P90s, and from its windows' mean what explains them (requests
     finished, replay time, decode step, iterations, peak batch, preemptions); no per-window metrics."""
-    verdict = ("rate", "passed", "aborted", "ttft_p99_ms", "tpot_p99_ms", "ttft_p90_ms", "tpot_p90_ms",
-               "tokens_per_s")  # fmt: skip
+    verdict = ("rate", "passed", "aborted", "margin", "ttft_p99_ms", "tpot_p99_ms", "ttft_p90_ms",
+               "tpot_p90_ms", "tokens_per_s")  # fmt: skip
     summary = {k: probe[k] for k in verdict if k in probe}
     mean = probe.get("mean", {})
     return summary | {k: mean[k] for k in PROBE_DETAILS if _finite(mean.get(k))}

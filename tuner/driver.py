@@ -9,8 +9,10 @@ With the capacity objective a trial is ``configure → probe(rate)... → finish
 the trial's :class:`~kvtune.tuner.capacity.CapacitySearch` (warm-started at the baseline's capacity, or at
 the best feasible capacity so far when higher: :func:`~kvtune.tuner.capacity.warm_start`), asks
 it for each rate, reports the capacity found so far (the highest passing rate, which only grows) after each
-probe, and prunes the trial as soon as it failed at a rate no higher than the best capacity of the study's
-feasible trials (:func:`~kvtune.tuner.capacity.should_prune`): it cannot beat that any more.
+probe, and prunes the trial as soon as it failed at a rate below the best capacity of the study's feasible
+trials by more than the study's measured noise (:func:`~kvtune.tuner.capacity.should_prune`): it can
+neither beat nor tie that any more. A failure within the noise of the best is measured on (the next probe is
+at the noise's edge below the best), so a tie is reported as one, never ranked on one draw.
 
 Outcomes, told by the driver alone:
 
@@ -62,6 +64,7 @@ from kvtune.studies.names import (
     ATTR_INTERRUPTED,
     ATTR_LOST,
     ATTR_METRICS,
+    ATTR_NOISE,
     ATTR_PROBES,
     ATTR_QUALITY,
     ATTR_RESUME_OF,
@@ -184,6 +187,8 @@ class TrialLoop:
         self.inflight: dict[Any, _Running] = {}
         self.idle = list(range(len(pool.actors)))
         self._current: _Running | None = None
+        # capacity: a trial is pruned only below the best by more than the study's measured noise
+        self.noise = float((study.user_attrs.get(ATTR_NOISE) or {}).get("threshold", 0.0))
 
     # ---- the loop ------------------------------------------------------------------------------------
     def run(self, target: int, deadline: float | None = None) -> None:
@@ -225,7 +230,8 @@ class TrialLoop:
             self.idle.insert(0, worker)
             return
         knobs = EngineKnobs.from_dict(engine) if engine is not None else None
-        search = warm_start(self.capacity, self._best_capacity()) if self.capacity is not None else None
+        best = self._best_capacity()
+        search = warm_start(self.capacity, best, self.noise) if self.capacity is not None else None
         run = _Running(trial, config, worker, knobs=knobs, search=search)
         self._submit(run, self.pool.actors[worker].configure.remote(config, self.workload_ref, knobs))
         self.events(Event("start", trial.number, worker, message=_short_config(config)))
@@ -316,7 +322,7 @@ class TrialLoop:
         """Record one capacity probe, report the capacity found so far, and prune a trial that can no longer
         beat the study's best feasible capacity."""
         assert run.search is not None
-        run.search = run.search.record(probe["rate"], probe["passed"])
+        run.search = run.search.record(probe["rate"], probe["passed"], probe.get("margin"))
         run.probes.append(finite(probe_summary(probe)))
         verdict = "pass" if probe["passed"] else ("fail, stopped early" if probe["aborted"] else "fail")
         actor = self.pool.actors[run.worker]
@@ -324,10 +330,13 @@ class TrialLoop:
         if not self.options.pareto:
             if run.search.lo is not None:  # a capacity found: none yet is no value (never drawn as 0)
                 run.trial.report(run.search.capacity, run.step)
-            if should_prune(run.search, self._best_capacity()):
+            if should_prune(run.search, self._best_capacity(), self.noise):
                 run.trial.set_user_attr(ATTR_PROBES, run.probes)
                 self.study.tell(run.trial, state=TrialState.PRUNED)
-                message = f"failed at {run.search.hi:.3g}x, not above the best capacity"
+                message = (
+                    f"failed at {run.search.hi:.3g}x, below the best capacity by more than the noise "
+                    f"({100 * self.noise:.0f} %)"
+                )
                 self.events(Event("pruned", run.trial.number, run.worker, run.step, run.search.capacity,
                                   message))  # fmt: skip
                 self.idle.append(run.worker)

@@ -407,6 +407,7 @@ def validated_metrics(objective: str, validation: Mapping[str, Any]) -> dict[str
         "baseline": baseline,
         "baseline_config": validation["baseline_config"],
         "gain": g,
+        **{k: validation[k] for k in ("interval", "budget") if validation.get(k)},
         **({"note": SELF_BASELINE} if same else {}),
         **capacity_section(objective, validation, g, same),
         **({"inconclusive": problems} if problems else {}),
@@ -442,9 +443,24 @@ def capacity_section(
         threshold = noise.get("threshold")
         if isinstance(threshold, int | float) and abs(g["ratio"] - 1.0) < threshold:
             claim += f"; within the study's noise (±{100 * threshold:.0f} %)"
+    claim += tie_text(validation.get("ties") or [], noise.get("threshold"))
     return {"limits": {"ttft_ms": slo["ttft_ms"], "tpot_ms": slo["tpot_ms"], "text": limits,
                        "source": slo.get("source"), "rule": slo.get("rule")},
-            "noise": noise, "claim": claim}  # fmt: skip
+            "noise": noise, "claim": claim,
+            **({"ties": list(validation["ties"])} if validation.get("ties") else {})}  # fmt: skip
+
+
+def tie_text(tied: Sequence[Mapping[str, Any]], threshold: Any) -> str:
+    """The claim's clause for the configs whose search capacity is within the noise of the best's (none:
+    empty): the search found them equal, so the best is one of them, not ranked above them."""
+    if not tied:
+        return ""
+    numbers = ", ".join(str(t["trial"]) for t in tied)
+    noise = f" (±{100 * threshold:.0f} %)" if isinstance(threshold, int | float) else ""
+    return (
+        f"; it ties with trial(s) {numbers} within the study's noise{noise}: the search cannot rank them, "
+        "the best was validated as one of them"
+    )
 
 
 # ---- the preset --------------------------------------------------------------------------------------

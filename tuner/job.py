@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +57,7 @@ from kvtune.studies.names import (
     CAPACITY_GRANULARITY,
     CAPACITY_PROBES,
     CAPACITY_PROBES_COLD,
+    MAX_REPEATS,
     NOISE_REPEATS,
     SLO_PERCENTILE,
 )
@@ -73,8 +75,11 @@ from kvtune.studies.study import (
     stored_identity,
 )
 from kvtune.tuner import export
+from kvtune.tuner.budget import BudgetPlan, budget_record
 from kvtune.tuner.capacity import (
+    DEFAULT_PROBE,
     CapacitySearch,
+    ProbeRule,
     Slo,
     at_saturation,
     derive_slo,
@@ -86,7 +91,17 @@ from kvtune.tuner.pool import WorkerPool, _last_line, plan_placement, ray_accele
 from kvtune.tuner.preflight import Preflight, preflight
 from kvtune.tuner.protocol import BASELINE, EngineKnobs, QualitySettings, WorkerInfo, WorkerSpec, Workload
 from kvtune.tuner.study_note import name_objectives, publish
-from kvtune.tuner.validation import SearchRun, best_trial, run_searches, validate, validate_capacity
+from kvtune.tuner.validation import (
+    Measure,
+    RepeatPlan,
+    SearchRun,
+    best_trial,
+    repeat_to_interval,
+    run_searches,
+    ties,
+    validate,
+    validate_capacity,
+)
 from kvtune.tuner.worker import TrialWorker
 from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample
 
@@ -119,6 +134,9 @@ class TuneJob:
     slo_percentile: float | None = None  # the percentile the limits apply to; None: the stored one, or 90
     clock: str | None = None  # the clock asked for; None: the stored one, else spec.scheduler.clock
     granularity: float = CAPACITY_GRANULARITY  # capacity searches stop at hi / lo - 1 <= this
+    probe: ProbeRule = (
+        DEFAULT_PROBE  # capacity: how a new study's probes decide (a resumed one keeps its own)
+    )
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -162,6 +180,7 @@ def tune(
     before starting Ray); without it the checks run here, before any worker starts. The study stays
     consistent on any exit, Ctrl-C included (:mod:`kvtune.tuner.driver`).
     """
+    started = time.monotonic()  # the time budget covers everything from here
     trace = (checked or preflight(job)).trace
     if not ray.is_initialized():
         raise ValueError("Ray is not initialized: call ray.init() (or ray.init(address=...)) before tune()")
@@ -182,7 +201,7 @@ def tune(
         infos = pool.start()
         try:
             _check_card(job.card, infos)
-            return _run(job, trace, stored, pool, infos, events, leases)
+            return _run(job, trace, stored, pool, infos, events, leases, started)
         finally:
             pool.stop()
     finally:
@@ -205,7 +224,10 @@ def _run(
     infos: list[WorkerInfo],
     events: Callable[[Event], None] | None,
     leases: list[DriverLease] | None = None,
+    started: float | None = None,
 ) -> TuneReport:
+    started = time.monotonic() if started is None else started
+    say = _phase_events(events)
     info = infos[0]
     windows = job.sample.search_windows(trace, info.max_context)
     space = build_space(job, info, windows)
@@ -213,7 +235,9 @@ def _run(
     time_scale = _time_scale(job, stored, pool, job.sample.search_requests(trace, info.max_context))
     attrs = _study_attrs(job, info, time_scale)
     if job.capacity:
+        say("baseline: the unloaded replay and the baseline's capacity searches" if stored is None else "")
         attrs |= _capacity_attrs(job, stored, pool, space, windows, time_scale)
+    phases = {"baseline_s": time.monotonic() - started}
     study = open_study(job.options, identity(job, info), space_id, attrs)
     if leases is not None and not leases:  # a new study: its lease is taken as it is created
         leases.append(_lease(job.options, study))
@@ -230,8 +254,15 @@ def _run(
     slo, search = _capacity_plan(job, study.user_attrs)
     workload = Workload(windows, time_scale, time_limit_s=job.trial_time_limit_s, slo=slo)
     loop = TrialLoop(study, job.options, pool, workload, suggest, job.bounds, events, knobs, search)
-    deadline = None if job.time_budget_s is None else time.monotonic() + job.time_budget_s
+    plan = _budget_plan(job, study.user_attrs, started, len(pool.actors))
+    deadline = None if plan is None else plan.search_deadline()
+    say(f"baseline done in {phases['baseline_s']:.0f} s" + (f"; {plan.describe()}" if plan else ""))
     loop.run(job.trials, deadline)
+    overran = plan is not None and finished_trials(study) == 0
+    if overran:  # the budget left no time for a trial: the least that gives a preset, said so in it
+        say("the time budget was spent before the search: one trial per worker runs past it")
+        loop.run(min(job.trials, len(pool.actors)))
+    phases["search_s"] = time.monotonic() - started - phases["baseline_s"]
     validation, preset, validations = None, None, 0
     # The target reached, or the time budget spent: the best so far is validated and exported (the preset
     # records how many trials it is the best of). Ctrl-C raises out of the loop and exports nothing.
@@ -239,7 +270,18 @@ def _run(
     rate = export.search_rate(study.get_trials(deepcopy=False))
     cut_short = deadline is not None and time.monotonic() >= deadline and finished < job.trials
     if finished >= job.trials or (cut_short and finished > 0):
-        validation = _validate(job, study, pool, trace, info, time_scale, finished, space)
+        say(f"search done: {finished} trials in {phases['search_s']:.0f} s"
+            + (f"; {plan.describe()}" if plan else ""))  # fmt: skip
+        validation = _validate(job, study, pool, trace, info, time_scale, finished, space, plan)
+        if validation is not None:
+            if plan is not None:
+                phases["validation_s"] = time.monotonic() - started - sum(phases.values())
+                interval = validation.get("interval")
+                validation["budget"] = budget_record(plan, phases, finished, job.trials, interval, overran)
+            store_validation(study, validation)
+            say(
+                f"validation done: {validation['repeats']} repeats" + (f"; {plan.describe()}" if plan else "")
+            )
         validations = len(study.user_attrs.get(names.ATTR_VALIDATION_HISTORY) or [])
         publish(study)
         if validation is not None and job.write_preset:
@@ -254,6 +296,26 @@ def _run(
         (*quality_coverage(space, job.spec.quality), *capacity_warnings(study.user_attrs, capacities)), rate,
         {k: c.to_dict() for k, c in counts.items()}, validations,
     )  # fmt: skip
+
+
+def _phase_events(events: Callable[[Event], None] | None) -> Callable[[str], None]:
+    """``say(line)``: a ``phase`` event for the console (an empty line says nothing)."""
+
+    def say(message: str) -> None:
+        if events is not None and message:
+            events(Event("phase", -1, -1, message=message))
+
+    return say
+
+
+def _budget_plan(job: TuneJob, attrs: dict[str, Any], started: float, workers: int) -> BudgetPlan | None:
+    """The split of the time budget (None: no budget), from the baseline's search time when measured."""
+    if job.time_budget_s is None:
+        return None
+    noise = attrs.get(ATTR_NOISE) or {}
+    search_s = noise.get("search_s") if job.capacity else None
+    sides = 2 if job.capacity else 1
+    return BudgetPlan(job.time_budget_s, started, search_s, sides, job.repeats, workers)
 
 
 def capacity_warnings(attrs: dict[str, Any], capacities: Sequence[float] = ()) -> tuple[str, ...]:
@@ -395,16 +457,20 @@ def _capacity_attrs(
         except ray.exceptions.RayTaskError as e:
             raise ValueError(f"the unloaded baseline replay failed ({_last_line(e)})") from None
     percentile = SLO_PERCENTILE if job.slo_percentile is None else job.slo_percentile
-    slo_record = derive_slo(unloaded, job.slo_ttft_ms, job.slo_tpot_ms, percentile=percentile)
+    slo_record = derive_slo(
+        unloaded, job.slo_ttft_ms, job.slo_tpot_ms, percentile=percentile, verdict=job.probe.verdict()
+    )
     engine = space.knobs_for(BASELINE, *_default_knobs(space)) if space.batched_tokens else None
     knobs = EngineKnobs.from_dict(engine) if engine is not None else None
     top = saturation_rate(windows, slo_record)
     start = 1.0 / time_scale  # the rate at which the baseline runs at CALIBRATION_LOAD of its saturation
     runs = [
         SearchRun(r % len(pool.actors), BASELINE, knobs, windows,
-                  CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD, max_rate=top))
+                  CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD, max_rate=top,
+                                 confirm=job.probe.confirm))
         for r in range(NOISE_REPEATS)
     ]  # fmt: skip
+    t0 = time.monotonic()
     try:
         run_searches(pool, runs, Slo.from_record(slo_record))
     except ray.exceptions.RayTaskError as e:
@@ -423,6 +489,8 @@ def _capacity_attrs(
         [r["capacity"] for r in results], [r["capacity_tokens_per_s"] or 0.0 for r in results],
         BASELINE.to_dict(), granularity=job.granularity, max_probes=CAPACITY_PROBES, start=start,
         max_rate=top, engine=engine, searches=[r["search"] for r in results],
+        search_s=(time.monotonic() - t0) / math.ceil(NOISE_REPEATS / len(pool.actors)),
+        confirm=job.probe.confirm,
     )  # fmt: skip
     return {ATTR_SLO: slo_record, ATTR_NOISE: noise}
 
@@ -454,7 +522,8 @@ def _capacity_plan(job: TuneJob, attrs: dict[str, Any]) -> tuple[Slo | None, Cap
     noise = attrs[ATTR_NOISE]
     start = float(noise["median"]) if noise["median"] > 0 else float(noise["start"])
     top = noise.get("max_rate")  # a study stored before the saturation rate has none
-    search = CapacitySearch(start, float(noise["granularity"]), int(noise["max_probes"]), max_rate=top)
+    search = CapacitySearch(start, float(noise["granularity"]), int(noise["max_probes"]), max_rate=top,
+                            confirm=int(noise.get("confirm", 1)))  # fmt: skip
     return Slo.from_record(attrs[ATTR_SLO]), search
 
 
@@ -527,9 +596,12 @@ def _validate(
     time_scale: float,
     finished: int,
     space: SearchSpace | None = None,
+    budget: BudgetPlan | None = None,
 ) -> dict[str, Any] | None:
-    """Re-measure the best feasible trial and its baseline on held-out requests; stored as
-    kvtune.validation and appended to kvtune.validation_history (a re-validation keeps the earlier ones).
+    """Re-measure the best feasible trial and its baseline on held-out requests: the record the caller
+    stores as kvtune.validation and appends to kvtune.validation_history (a re-validation keeps the earlier
+    ones). The repeats go on past ``job.repeats`` towards an interval on the gain within ±15 % while a round
+    of them fits in the time ``budget`` (:func:`~kvtune.tuner.validation.repeat_to_interval`).
     The baseline runs with the best trial's engine knobs resolved for it (the same batched tokens and
     factor of what its budget holds), so the gain is the cache's; on capacity it also runs with the space's
     default knobs, and each repeat takes the better of its two capacities."""
@@ -545,25 +617,36 @@ def _validate(
         base_engine = space.knobs_for(config.unquantized(), tokens, factor)
     knobs = tuple(EngineKnobs.from_dict(e) if e is not None else None for e in (engine, base_engine))
     extra: dict[str, Any] = {"engine": engine, "baseline_engine": base_engine}
+    engines: list[dict[str, Any]] = []
     if job.capacity:
         attrs = study.user_attrs
         noise = attrs[ATTR_NOISE]
         starts = (best.values[0] or noise["median"] or noise["start"], noise["median"] or noise["start"])
-        alternative, engines = None, []  # the baseline at the default knobs too, where they differ
+        alternative = None  # the baseline at the default knobs too, where they differ
         if base_engine is not None and space is not None:
             default = space.knobs_for(config.unquantized(), *_default_knobs(space))
             if EngineKnobs.from_dict(default) != knobs[1]:
                 alternative, engines = EngineKnobs.from_dict(default), [base_engine, default]
         top = saturation_rate((requests,), attrs[ATTR_SLO])  # the held-out window's own
-        best_runs, base_runs = validate_capacity(
-            pool, config, (knobs[0], knobs[1]), requests, Slo.from_record(attrs[ATTR_SLO]), starts,
-            float(noise["granularity"]), job.repeats, alternative, max_rate=top,
+        slo, granularity = Slo.from_record(attrs[ATTR_SLO]), float(noise["granularity"])
+        measure: Measure = lambda k, first: validate_capacity(
+            pool, config, (knobs[0], knobs[1]), requests, slo, starts, granularity, k, alternative,
+            max_rate=top, first=first, confirm=int(noise.get("confirm", 1)),
         )  # fmt: skip
-        extra |= {"slo": attrs[ATTR_SLO], "noise": noise, "max_rate": top}
-        if engines:
-            extra |= _baseline_engines(base_runs, engines)
+        extra |= {"slo": attrs[ATTR_SLO], "noise": noise, "max_rate": top,
+                  "ties": ties(study, best, float(noise.get("threshold", 0.0)))}  # fmt: skip
     else:
-        best_runs, base_runs = validate(pool, config, requests, time_scale, job.repeats, (knobs[0], knobs[1]))
+        measure = lambda k, first: validate(
+            pool, config, requests, time_scale, k, (knobs[0], knobs[1]), first=first
+        )
+    same = config == config.unquantized()  # its own baseline: more repeats narrow nothing worth having
+    plan = RepeatPlan(job.repeats, most=job.repeats if same else max(job.repeats, MAX_REPEATS),
+                      workers=len(pool.actors), deadline=None if budget is None else budget.end)  # fmt: skip
+    ratios_of = lambda b, u: export.gain(job.options.objective, b, u, same).get("per_repeat")
+    best_runs, base_runs, interval = repeat_to_interval(measure, ratios_of, plan)
+    extra["interval"] = interval
+    if engines:
+        extra |= _baseline_engines(base_runs, engines)
     record = {
         "trial": best.number,
         "config": config.to_dict(),
@@ -575,7 +658,7 @@ def _validate(
             "seed": job.sample.seed,
             "clipped": sum(1 for r in requests if r.shortened),
         },
-        "repeats": job.repeats,
+        "repeats": len(best_runs),
         "trials": {"finished": finished, "asked": job.trials},
         "best": best_runs,
         "baseline": base_runs,
@@ -586,7 +669,6 @@ def _validate(
         "time_scale": time_scale,
         **extra,
     }
-    store_validation(study, record)
     return record
 
 

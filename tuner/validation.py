@@ -15,6 +15,11 @@ starts).
 
 from __future__ import annotations
 
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +30,112 @@ from optuna.trial import FrozenTrial, TrialState
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.engine.traces import Request
-from kvtune.studies.names import CAPACITY_PROBES_COLD, MIN_REPEATS
+from kvtune.studies.names import (
+    ATTR_CONFIG,
+    ATTR_ERROR,
+    CAPACITY_PROBES_COLD,
+    INTERVAL_GOAL,
+    MAX_REPEATS,
+    MIN_REPEATS,
+)
 from kvtune.studies.records import finite
 from kvtune.studies.study import OBJECTIVES, StudyOptions
-from kvtune.tuner.capacity import CapacitySearch, Slo, capacity_metrics, probe_summary
+from kvtune.tuner import export
+from kvtune.tuner.capacity import CapacitySearch, Slo, capacity_metrics, probe_summary, within_noise
 from kvtune.tuner.pool import WorkerPool
 from kvtune.tuner.protocol import EngineKnobs
+
+# ---- repeats to an interval a user can act on ---------------------------------------------------------
+Measure = Callable[[int, int], tuple[list[dict[str, Any]], list[dict[str, Any]]]]  # (repeats, first index)
+
+
+def half_width(ratios: Sequence[float]) -> float | None:
+    """The relative half-width of the gain's 95 % interval (``sqrt(hi / lo) - 1``: ±15 % is 0.15; None
+    without an interval)."""
+    ci = export.interval95(ratios)
+    return None if ci is None else math.sqrt(ci[1] / ci[0]) - 1.0
+
+
+def repeats_to_reach(ratios: Sequence[float], goal: float, most: int) -> int | None:
+    """The fewest repeats (at least those done) whose interval, at the spread of ``ratios`` so far, is
+    within ±``goal``; None when more than ``most`` would be needed (or the ratios have no interval)."""
+    n = len(ratios)
+    if n < 2 or min(ratios) <= 0:
+        return None
+    spread = statistics.stdev(math.log(r) for r in ratios)
+    target = math.log1p(goal)
+    for m in range(n, most + 1):
+        t = export.T975[m - 2] if m - 1 <= len(export.T975) else export.T975[-1]
+        if t * spread / math.sqrt(m) <= target:
+            return m
+    return None
+
+
+@dataclass(frozen=True)
+class RepeatPlan:
+    """How validation repeats: ``first`` repeats, then more up to ``most`` towards an interval within
+    ±``goal``, ``workers`` at a time, each round only when it fits before ``deadline``."""
+
+    first: int = MIN_REPEATS
+    goal: float = INTERVAL_GOAL
+    most: int = MAX_REPEATS
+    workers: int = 1
+    deadline: float | None = None
+
+
+def repeat_to_interval(
+    measure: Measure,
+    ratios_of: Callable[[list[dict[str, Any]], list[dict[str, Any]]], list[float] | None],
+    plan: RepeatPlan,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Validation's repeats: ``plan.first`` of them, then as many more as the gain's interval needs to be
+    within ±``plan.goal`` (:func:`repeats_to_reach`, re-estimated after each round), while each round fits
+    before ``plan.deadline`` (a monotonic time; None: no limit) and ``plan.most`` is not passed. Returns
+    both sides' runs and the ``interval`` record: the goal, the half-width reached, the repeats, and why
+    it stopped."""
+    t0 = time.monotonic()
+    best, base = measure(plan.first, 0)
+    round_s = (time.monotonic() - t0) / max(1, math.ceil(plan.first / plan.workers))
+    while True:
+        ratios = ratios_of(best, base)
+        width = half_width(ratios) if ratios else None
+        need = repeats_to_reach(ratios, plan.goal, plan.most) if ratios else None
+        why = _stop_reason(width, need, len(best), round_s, plan)
+        if why is not None:
+            break
+        assert need is not None, "a round is planned only towards a reachable goal"
+        fit = _left(plan) // round_s if round_s > 0 else math.inf  # whole rounds that fit
+        extra = need - len(best) if not math.isfinite(fit) else min(need - len(best), plan.workers * int(fit))
+        more_best, more_base = measure(extra, len(best))
+        best, base = best + more_best, base + more_base
+    record = {"goal": plan.goal, "half_width": width, "repeats": len(best), "first": plan.first,
+              "reached": width is not None and width <= plan.goal, "why": why}  # fmt: skip
+    return best, base, record
+
+
+def _left(plan: RepeatPlan) -> float:
+    return math.inf if plan.deadline is None else plan.deadline - time.monotonic()
+
+
+def _stop_reason(
+    width: float | None, need: int | None, done: int, round_s: float, plan: RepeatPlan
+) -> str | None:
+    """Why validation repeats no more (None: it repeats again)."""
+    if width is None:
+        return "no interval: a side scored 0 in a repeat"
+    if width <= plan.goal:
+        return f"the interval is within ±{100 * plan.goal:.0f} % after {done} repeats"
+    if need is None:
+        return (
+            f"the repeats spread too much: ±{100 * plan.goal:.0f} % would take more than {plan.most} repeats "
+            f"(±{100 * width:.0f} % after {done})"
+        )
+    if _left(plan) < round_s:
+        return (
+            f"the time budget: ±{100 * width:.0f} % after {done} repeats; ±{100 * plan.goal:.0f} % needs "
+            f"about {need}, {round_s:.0f} s a round of {plan.workers}"
+        )
+    return None
 
 
 def feasible(trial: FrozenTrial) -> bool:
@@ -46,6 +151,21 @@ def best_trial(study: optuna.Study, options: StudyOptions) -> FrozenTrial | None
     return min(pool, key=lambda t: (sign * t.values[0], t.number))
 
 
+def ties(study: optuna.Study, best: FrozenTrial, threshold: float) -> list[dict[str, Any]]:
+    """The feasible complete trials (other configs than ``best``'s) whose capacity is within the study's
+    noise ``threshold`` of the best's: the search cannot rank them, so a preset names them as ties."""
+    top, seen, out = best.values[0], {json.dumps(best.user_attrs.get(ATTR_CONFIG), sort_keys=True)}, []
+    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    for t in sorted(trials, key=lambda t: -t.values[0]):
+        key = json.dumps(t.user_attrs.get(ATTR_CONFIG), sort_keys=True)
+        if t.number == best.number or key in seen or not feasible(t) or ATTR_ERROR in t.user_attrs:
+            continue
+        if within_noise(t.values[0], top, threshold):
+            seen.add(key)
+            out.append({"trial": t.number, "capacity": t.values[0], "config": t.user_attrs.get(ATTR_CONFIG)})
+    return out
+
+
 def validate(
     pool: WorkerPool,
     best: HybridConfig,
@@ -53,23 +173,25 @@ def validate(
     time_scale: float,
     repeats: int = MIN_REPEATS,
     knobs: tuple[EngineKnobs | None, EngineKnobs | None] = (None, None),
+    first: int = 0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Replay ``best`` and ``best.unquantized()`` ``repeats`` times each (with ``knobs`` = (best's, the
-    baseline's) engine knobs): the metrics of every run of each, with the ``worker`` that ran it."""
-    if repeats < MIN_REPEATS:
+    baseline's) engine knobs): the metrics of every run of each, with the ``worker`` that ran it.
+    ``first``: the index of the first repeat (more repeats after ``first`` done: any number of them)."""
+    if first == 0 and repeats < MIN_REPEATS:
         raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
     baseline = best.unquantized()
     refs = []
-    for r in range(repeats):
+    for r in range(first, first + repeats):
         actor = pool.actors[r % len(pool.actors)]
         sides = [(best, knobs[0]), (baseline, knobs[1])]
-        first, second = sides if r % 2 == 0 else sides[::-1]
+        lead, follow = sides if r % 2 == 0 else sides[::-1]
         one, two = (
-            actor.replay.remote(c, requests, time_scale, WARMUP_REQUESTS, k) for c, k in (first, second)
+            actor.replay.remote(c, requests, time_scale, WARMUP_REQUESTS, k) for c, k in (lead, follow)
         )
         refs.append((one, two) if r % 2 == 0 else (two, one))
     runs = [(ray.get(b), ray.get(base)) for b, base in refs]
-    where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(repeats)]
+    where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(first, first + repeats)]
     return (
         [{**finite(b), "worker": w} for (b, _), w in zip(runs, where)],
         [{**finite(base), "worker": w} for (_, base), w in zip(runs, where)],
@@ -144,7 +266,7 @@ def run_searches(
         ready, _ = ray.wait(list(inflight), num_returns=1)
         run = inflight.pop(ready[0])
         probe = ray.get(ready[0])
-        run.search = run.search.record(probe["rate"], probe["passed"])
+        run.search = run.search.record(probe["rate"], probe["passed"], probe.get("margin"))
         run.probes.append(probe)
         if not submit(run):
             start_next(run.worker)
@@ -162,6 +284,8 @@ def validate_capacity(
     repeats: int = MIN_REPEATS,
     alternative: EngineKnobs | None = None,
     max_rate: float | None = None,
+    first: int = 0,
+    confirm: int = 1,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The capacity of ``best`` and of ``best.unquantized()`` (with ``knobs`` = (best's, the baseline's)),
     each searched ``repeats`` times on ``requests`` from ``starts`` = (best's, baseline's) warm start: the
@@ -170,8 +294,10 @@ def validate_capacity(
     ``alternative``: other engine knobs for the baseline than ``knobs[1]`` (the space's defaults), searched
     too in every repeat; the baseline's side of a repeat is then the higher of its two capacities (its
     ``alternatives`` keep both), so the gain is never the baseline's loss from knobs that suit only the
-    best config. ``max_rate``: the window's saturation rate, above which no search probes."""
-    if repeats < MIN_REPEATS:
+    best config. ``max_rate``: the window's saturation rate, above which no search probes. ``first``: the
+    index of the first repeat (more repeats after ``first`` done: any number of them). ``confirm``: the
+    study's draws of a rate near the decision (:class:`~kvtune.tuner.capacity.CapacitySearch`)."""
+    if first == 0 and repeats < MIN_REPEATS:
         raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
     base = best.unquantized()
     sides = [(best, knobs[0], starts[0]), (base, knobs[1], starts[1])]
@@ -179,18 +305,15 @@ def validate_capacity(
         sides.append((base, alternative, starts[1]))
     n = len(sides)
     runs: list[list[SearchRun]] = []
-    for r in range(repeats):
+    cold = lambda s: CapacitySearch(s, granularity, CAPACITY_PROBES_COLD, max_rate=max_rate, confirm=confirm)
+    for r in range(first, first + repeats):
         worker = r % len(pool.actors)
-        runs.append(
-            [SearchRun(worker, c, k, (requests,),
-                       CapacitySearch(s, granularity, CAPACITY_PROBES_COLD, max_rate=max_rate))
-             for c, k, s in sides]
-        )  # fmt: skip
+        runs.append([SearchRun(worker, c, k, (requests,), cold(s)) for c, k, s in sides])
     # one side's whole search after another (each config's cache serves all its probes); which side goes
     # first rotates from one repeat to the next
-    order = [run for r, row in enumerate(runs) for run in row[r % n :] + row[: r % n]]
+    order = [run for r, row in enumerate(runs, first) for run in row[r % n :] + row[: r % n]]
     run_searches(pool, order, slo, interleave=False)
-    where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(repeats)]
+    where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(first, first + repeats)]
     best_runs, base_runs = [], []
     for row, w in zip(runs, where):
         best_runs.append({**_result(row[0]), "worker": w})

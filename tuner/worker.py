@@ -25,7 +25,16 @@ from kvtune.engine.options import ReplayOptions
 from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.engine.traces import Request
 from kvtune.studies.records import versions
-from kvtune.tuner.capacity import ProbeStop, Slo, capacity_metrics, probe_passes, probe_record
+from kvtune.tuner.capacity import (
+    ProbeStop,
+    Slo,
+    capacity_metrics,
+    decision_margin,
+    probe_passes,
+    probe_record,
+    requests_pass,
+    windows_margin,
+)
 from kvtune.tuner.protocol import (
     EngineKnobs,
     QualitySettings,
@@ -216,24 +225,39 @@ class TrialWorker:
         """One capacity probe (stateless; also used for the baseline and validation): replay each window
         at ``rate`` × its own arrival rate (time scale ``1 / rate``) until one fails the limits; a window
         stops as soon as its P99 is certain to fail (:class:`~kvtune.tuner.capacity.ProbeStop`,
-        ``probe_aborted`` in its metrics)."""
+        ``probe_aborted`` in its metrics). Under a pooled ``slo`` the windows are judged together, on their
+        requests' times (:func:`~kvtune.tuner.capacity.requests_pass`), and one stop counts over all of
+        them."""
         if not rate > 0:
             raise ValueError(f"`rate > 0` must hold, but got rate={rate}")
         replayer, runs, passed, aborted = self._replayer(knobs), [], True, False
         self._prime(replayer, config, windows[0], warmup, deadline)
+        pooled: list[RequestTiming] = []
+        shared = ProbeStop(slo, sum(len(w) for w in windows)) if slo.pooled else None
+        margins = []
         for requests in windows:
-            stop = ProbeStop(slo, len(requests))
+            stop = shared or ProbeStop(slo, len(requests))
+            timings: list[RequestTiming] = []
+            stop.next_window()
             with gc_paused():
                 replay = replayer.replay(
-                    config, requests, 1.0 / rate, warmup=warmup, stop=stop, deadline=deadline
-                )
+                    config, requests, 1.0 / rate, warmup=warmup, stop=stop, deadline=deadline,
+                    timings=timings if slo.needs_requests else None,
+                )  # fmt: skip
             metrics = dict(replay.to_dict())
             metrics["probe_aborted"] = stop.fired
             runs.append(metrics)
-            if stop.fired or not probe_passes(metrics, slo):
+            pooled.extend(timings)
+            if not (stop.fired or slo.pooled):
+                margins.append(_window_margin(metrics, timings, slo))
+            if stop.fired or (not slo.pooled and not _window_passes(metrics, timings, slo, len(requests))):
                 passed, aborted = False, stop.fired
                 break
-        return probe_record(rate, passed, aborted, runs, mean_metrics(tuple(runs)))
+        if slo.pooled and not aborted:
+            margins.append(decision_margin(pooled, slo))
+            passed = requests_pass(pooled, slo, sum(len(w) for w in windows)) and not _refused(runs)
+        margin = None if aborted else min(margins, default=None)
+        return probe_record(rate, passed, aborted, runs, mean_metrics(tuple(runs)), margin)
 
     def unloaded(self, config: HybridConfig, requests: tuple[Request, ...], warmup: int) -> dict[str, Any]:
         """``requests`` at 1/1000 of their rate (outputs cut to ``UNLOADED_OUTPUT_TOKENS``): one at a time
@@ -303,6 +327,21 @@ class TrialWorker:
 
     def ping(self) -> bool:
         return True
+
+
+def _window_passes(metrics: dict[str, Any], timings: list[Any], slo: Slo, requests: int) -> bool:
+    """One window's verdict: on its percentiles, or on its requests' times for another statistic."""
+    if slo.statistic == "percentile":
+        return probe_passes(metrics, slo)
+    return requests_pass(timings, slo, requests) and not _refused([metrics])
+
+
+def _window_margin(metrics: dict[str, Any], timings: list[Any], slo: Slo) -> float:
+    return windows_margin([metrics], slo) if slo.statistic == "percentile" else decision_margin(timings, slo)
+
+
+def _refused(runs: list[dict[str, Any]]) -> bool:
+    return any(m.get("refused", 0) for m in runs)
 
 
 def local_worker(

@@ -49,7 +49,7 @@ from kvtune.studies.names import (
 )
 from kvtune.studies.storage import check_storage, redact
 from kvtune.studies.study import OBJECTIVES, StudyOptions, study_name
-from kvtune.tuner.capacity import SLO_PERCENTILES, Slo, at_saturation, within_noise
+from kvtune.tuner.capacity import SLO_PERCENTILES, STATISTICS, ProbeRule, Slo, at_saturation, within_noise
 from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import table_console
 from kvtune.tuner.driver import Bounds, Event
@@ -133,6 +133,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="capacity: the percentile of a probe's requests the two limits apply to: 90 (default: "
         "DistServe's 90 %% attainment, steady over ~100 requests) or 99; stored, a resumed study keeps it",
+    )
+    add(
+        "--probe-statistic",
+        choices=STATISTICS,
+        default=None,
+        help="capacity: what a probe's verdict is decided on: each limit's percentile of the requests "
+        "(percentile, default) or the share of requests within both limits (attainment); stored",
+    )
+    add(
+        "--probe-pool", action="store_true", help="capacity: judge a probe's --windows as one set of requests"
+    )
+    add(
+        "--probe-confirm",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="capacity: draws of a rate whose probe lands within 10 %% of a limit (3: the majority decides)",
     )
     add(
         "--clock",
@@ -298,7 +315,8 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
         write_preset=not args.no_export, out=args.out,
         trial_time_limit_s=60 * pick(args.trial_timeout, d.trial_timeout_min),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_percentile=args.slo_percentile,
-        clock=args.clock,
+        clock=args.clock, probe=ProbeRule(args.probe_statistic or "percentile", args.probe_pool,
+                                          args.probe_confirm),
     )  # fmt: skip
 
 
@@ -432,6 +450,9 @@ def _run_with_progress(console: Console, job: TuneJob, checked: Preflight | None
         status = bar.add_task("", total=None)
 
         def on_event(e: Event) -> None:
+            if e.kind == "phase":  # a phase began or ended, with the time budget's estimates
+                bar.console.print(f"  {e.message}")
+                return
             if e.kind in ("complete", "pruned", "crash"):
                 bar.advance(task)
             bar.update(status, description=_describe(e))

@@ -1,0 +1,174 @@
+"""The baseline's capacity searched again and again on windows a study never saw: each probe rule's noise.
+
+A study trusts a capacity only as far as repeated searches of one config on one window agree. This takes
+``--windows`` windows of consecutive requests from a trace the study's own sample does not contain (default
+``examples/traces/azure_conv_later.csv``, the 1,200 requests of the Azure conversation trace that follow
+``azure_conv_sample.csv``; window ``i`` starts in the ``i``-th equal part of it), derives the latency limits
+from the unquantized baseline's unloaded replay of the first window as a study does (5 × its P99 TTFT, 10 ×
+its median TPOT, on the P90), and then, for each route of ``--routes``, searches the baseline's capacity
+``--repeats`` times on every window with the study's bracketed search (from rate ``--start``, up to 12
+rates, to 2.5 %) in one worker process (no Ray), each probe as a study's worker probes. Routes:
+
+- ``p90``: the study's rule: P90 TTFT and P90 TPOT of the window's requests each within its limit;
+- ``attainment``: at least 90 % of the requests within both limits (a count over all requests);
+- ``pooled3``: P90 over the requests of three consecutive windows replayed in one probe (3 × the requests);
+- ``confirm``: P90, and a rate whose probe lands within 10 % of a limit is drawn three times (majority);
+- ``all``: attainment, pooled over three windows, confirmed near the decision.
+
+Printed: each search's capacity, rates probed and wall time; per route and window the median and the spread
+((max − min) / median, the study's ``kvtune.noise`` spread); per route the largest and the median spread
+over the windows and the mean search time. The JSON (rewritten after every search) keeps every probe.
+
+    python benchmarks/capacity_noise.py --model random:llama-3.1-8b --kv-budget 1073741824 \\
+        --length-scale 0.25 --requests 96 --json noise.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtune.engine.engine import DEFAULT_BASELINE, resolve_device
+from kvtune.engine.options import WARMUP_REQUESTS
+from kvtune.engine.scheduler import CLOCKS, SchedulerConfig
+from kvtune.engine.traces import LengthPolicy, Request, read_trace
+from kvtune.studies.names import CAPACITY_CLOCK, CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD, SLO_PERCENTILE
+from kvtune.tuner.capacity import CapacitySearch, Slo, derive_slo, saturation_rate
+from kvtune.tuner.worker import TrialWorker, local_worker
+from kvtune.tuner.workload import rebase
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT / "examples" / "text" / "wikitext2_excerpt.txt"
+LATER = ROOT / "examples" / "traces" / "azure_conv_later.csv"
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One probe rule: the verdict's statistic, the windows one probe replays (pooled when > 1) and the
+    draws of a rate near the decision."""
+
+    statistic: str = "percentile"
+    windows: int = 1
+    confirm: int = 1
+
+
+ROUTES = {
+    "p90": Route(),
+    "attainment": Route(statistic="attainment"),
+    "pooled3": Route(windows=3),
+    "confirm": Route(confirm=3),
+    "all": Route(statistic="attainment", windows=3, confirm=3),
+}
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default=str(LATER), help="a trace the study's sample does not contain")
+    p.add_argument("--model", default="random:llama-3.1-8b")
+    p.add_argument("--dtype", default=None, help="bfloat16 on a GPU, float32 on a CPU (default)")
+    p.add_argument("--requests", type=int, default=96, help="requests per window (a study's)")
+    p.add_argument("--windows", type=int, default=3, help="unseen windows, each searched --repeats times")
+    p.add_argument("--repeats", type=int, default=3, help="searches per route and window (default 3)")
+    p.add_argument("--routes", default=",".join(ROUTES), help=f"comma-separated, of {', '.join(ROUTES)}")
+    p.add_argument("--kv-budget", type=float, default=None, help="bytes (default: 0.9 of the free memory)")
+    p.add_argument("--length-scale", type=float, default=1.0)
+    p.add_argument("--start", type=float, default=1.0, help="the rate each search starts at (× the trace's)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--clock", choices=CLOCKS, default=CAPACITY_CLOCK, help="the engine's clock (a study's)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args()
+
+
+def windows_of(args: argparse.Namespace, max_context: int) -> list[tuple[tuple[Request, ...], ...]]:
+    """Per window: three consecutive chunks of ``--requests`` requests from the start of its part of the
+    trace (a route replays the first, or all three pooled), each re-based to arrive from 0 ms."""
+    trace = read_trace(args.workload)
+    policy = LengthPolicy(max_context, "clip", args.length_scale, None)
+    out = []
+    for i in range(args.windows):
+        part = (i / args.windows, (i + 1) / args.windows)
+        cut = trace.sample(n=3 * args.requests, seed=0, start_fraction=part[0], end_fraction=part[1])
+        fitted, _ = policy.apply(cut.requests)
+        chunks = [fitted[k * args.requests : (k + 1) * args.requests] for k in range(3)]
+        out.append(tuple(rebase(c) for c in chunks))
+    return out
+
+
+def search(
+    worker: TrialWorker, chunks: tuple[tuple[Request, ...], ...], slo: Slo, route: Route, top: float | None,
+    start: float,
+) -> dict[str, Any]:  # fmt: skip
+    """One capacity search of the baseline under ``route`` (as a study's baseline search, from ``start``)."""
+    rule = dataclasses.replace(slo, statistic=route.statistic, pooled=route.windows > 1)
+    state = CapacitySearch(
+        start, CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD, max_rate=top, confirm=route.confirm
+    )
+    windows, probes, t0 = chunks[: route.windows], [], time.perf_counter()
+    while (rate := state.next_rate()) is not None:
+        record = worker.probe_config(DEFAULT_BASELINE, None, windows, rate, rule, WARMUP_REQUESTS)
+        state = state.record(rate, record["passed"], record.get("margin"))
+        probes.append({k: record.get(k) for k in ("rate", "passed", "aborted", "margin")})
+    return {"capacity": state.capacity, "search": state.to_dict(), "probes": probes,
+            "wall_s": time.perf_counter() - t0}  # fmt: skip
+
+
+def spread(capacities: list[float]) -> float:
+    mid = statistics.median(capacities)
+    return (max(capacities) - min(capacities)) / mid if mid > 0 else float("inf")
+
+
+def main() -> None:
+    args = _args()
+    device = resolve_device(args.device)
+    budget = None if args.kv_budget is None else int(args.kv_budget)
+    worker = local_worker(
+        args.model, device, str(TEXT), args.dtype, budget, SchedulerConfig(clock=args.clock)
+    )
+    windows = windows_of(args, worker.loaded.spec.max_context)
+    unloaded = worker.unloaded(DEFAULT_BASELINE, windows[0][0], WARMUP_REQUESTS)
+    record = derive_slo(unloaded, args.slo_ttft_ms, args.slo_tpot_ms, percentile=SLO_PERCENTILE)
+    slo = Slo.from_record(record)
+    print(f"{args.model} on {device}, {Path(args.workload).name}: {args.windows} windows of {args.requests} "
+          f"requests · {slo.describe()} · {args.clock} clock", flush=True)  # fmt: skip
+    results: dict[str, Any] = {"args": vars(args), "slo": record, "routes": {}}
+    summary = []
+    for name in args.routes.split(","):
+        route, spreads, walls = ROUTES[name], [], []
+        results["routes"][name] = runs = []
+        for w, chunks in enumerate(windows):
+            top = saturation_rate(chunks[: route.windows], record)
+            caps = []
+            for r in range(args.repeats):
+                one = search(worker, chunks, slo, route, top, args.start) | {"window": w}
+                runs.append(one)
+                caps.append(one["capacity"])
+                walls.append(one["wall_s"])
+                print(f"  {name:<10} window {w} #{r}: capacity {one['capacity']:.3f}x ({len(one['probes'])} "
+                      f"probes) · {one['wall_s']:.1f} s", flush=True)  # fmt: skip
+                _write(args, results)
+            spreads.append(spread(caps))
+            print(f"  {name:<10} window {w}: median {statistics.median(caps):.3f}x, spread "
+                  f"{100 * spreads[-1]:.1f} %", flush=True)  # fmt: skip
+        mid, mean_s = 100 * statistics.median(spreads), statistics.fmean(walls)
+        summary.append(f"{name:<10} spread max {100 * max(spreads):5.1f} %, median {mid:5.1f} % · "
+                       f"{mean_s:6.1f} s a search")  # fmt: skip
+        print("ROUTE " + summary[-1], flush=True)
+        worker.release()
+    print("noise per route (spread of the baseline's capacity over repeated searches of one window):")
+    print("\n".join(summary))
+
+
+def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The study's time budget and validation's interval goal: the plan's split (pure), the repeats chosen
+towards a ±15 % interval (a scripted measurement), and a real CPU capacity study under a budget that ends
+within it and says in its preset what the budget cut (the Ray session of ``tests/conftest.py``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtune.tuner.budget import EXPORT_S, BudgetPlan, budget_record
+from kvtune.tuner.validation import RepeatPlan, half_width, repeat_to_interval, repeats_to_reach
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the plan --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("workers", "rounds"), [(1, 3), (2, 2), (3, 1), (4, 1)])
+def test_the_plan_reserves_validations_rounds_and_one_trial_before_the_end(workers: int, rounds: int) -> None:
+    plan = BudgetPlan(600.0, started=1000.0, search_s=10.0, sides=2, first=3, workers=workers)
+    assert plan.validation_s() == pytest.approx(1.25 * rounds * 2 * 10.0)
+    assert plan.search_deadline() == pytest.approx(1000.0 + 600.0 - EXPORT_S - plan.validation_s() - 12.5)
+    assert "search about" in plan.describe(now=1100.0) and "100 s spent" in plan.describe(now=1100.0)
+
+
+def test_a_fixed_rate_plan_keeps_a_share_for_validation_and_a_budget_must_be_positive() -> None:
+    assert BudgetPlan(100.0, 0.0, None).validation_s() == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="`budget_s > 0` must hold, but got budget_s=0"):
+        BudgetPlan(0.0, 0.0, None)
+
+
+def test_the_record_names_what_the_budget_cut() -> None:
+    plan = BudgetPlan(60.0, 0.0, 5.0)
+    interval = {"reached": False, "repeats": 3, "why": "the time budget: ±40 % after 3 repeats"}
+    record = budget_record(plan, {"baseline_s": 20.0}, 4, 20, interval)
+    assert record["cut"] == ["search: 4 of 20 trials finished when the time budget ended it",
+                             "validation: 3 repeats, the time budget: ±40 % after 3 repeats"]  # fmt: skip
+    assert budget_record(plan, {}, 20, 20, {"reached": True, "why": "within"})["cut"] == []
+
+
+# ---- repeats towards the interval goal ---------------------------------------------------------------------
+def test_half_width_and_the_repeats_an_interval_needs() -> None:
+    assert half_width([2.0, 2.0, 2.0]) == pytest.approx(0.0)
+    ratios = [1.8, 2.0, 2.3]
+    assert half_width(ratios) is not None and half_width(ratios) > 0.15  # type: ignore[operator]
+    need = repeats_to_reach(ratios, 0.15, 12)
+    assert need is not None and 3 < need <= 12
+    assert repeats_to_reach([1.0, 3.0, 9.0], 0.15, 12) is None  # too spread for 12
+
+
+def scripted(ratios: list[float]) -> Any:
+    """A measurement whose repeat ``i`` has the gain ``ratios[i]`` (best ``ratio``, baseline 1)."""
+
+    def measure(k: int, first: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        got = ratios[first : first + k]
+        return [{"capacity": r} for r in got], [{"capacity": 1.0} for _ in got]
+
+    return measure
+
+
+def ratios_of(best: list[dict[str, Any]], base: list[dict[str, Any]]) -> list[float]:
+    return [b["capacity"] / u["capacity"] for b, u in zip(best, base)]
+
+
+def test_validation_repeats_until_the_interval_is_within_the_goal() -> None:
+    ratios = [1.7, 2.0, 2.3, 1.9, 2.1, 2.0, 1.95, 2.05, 2.0, 2.0, 2.0, 2.0]
+    best, _, record = repeat_to_interval(scripted(ratios), ratios_of, RepeatPlan(3, workers=2))
+    assert len(best) > 3 and record["reached"] and record["half_width"] <= 0.15
+    assert record["why"].startswith("the interval is within ±15 %")
+    tight, _, same = repeat_to_interval(scripted([2.0] * 12), ratios_of, RepeatPlan(3))
+    assert len(tight) == 3 and same["reached"]  # already within: no more repeats
+
+
+@pytest.mark.parametrize(
+    ("deadline", "why"), [(-1.0, "the time budget"), (math.inf, "the repeats spread too much")]
+)
+def test_validation_says_why_it_could_not_reach_the_goal(deadline: float, why: str) -> None:
+    ratios = [1.0, 3.0, 9.0] * 4 if why.startswith("the repeats") else [1.7, 2.0, 2.4] * 4
+    plan = RepeatPlan(3, deadline=time.monotonic() + deadline)
+    best, _, record = repeat_to_interval(scripted(ratios), ratios_of, plan)
+    assert len(best) == 3 and not record["reached"] and record["why"].startswith(why)
+
+
+# ---- a real CPU study under a budget ---------------------------------------------------------------------
+def test_a_budgeted_study_ends_within_its_budget_and_says_what_was_cut(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    """The tiny CPU study asked for 500 trials in 40 s: the budget covers the workers' start, the search,
+    validation and the export; the preset says the search was cut and how validation's interval ended."""
+    import dataclasses
+
+    from kvtune.tests.tuner_fakes import tiny_job
+    from kvtune.tuner.job import tune
+
+    budget_s, preset = 40.0, tmp_path / "preset.json"
+    job = dataclasses.replace(
+        tiny_job(tmp_path, trials=500), time_budget_s=budget_s, write_preset=True, out=str(preset)
+    )
+    t0 = time.monotonic()
+    report = tune(job)
+    elapsed = time.monotonic() - t0
+    print(f"budgeted CPU study: {elapsed:.1f} s of {budget_s:g}, {report.finished} trials")
+    assert elapsed <= budget_s * 1.15  # the whole run, validation and export included
+    assert report.budget_spent and 1 <= report.finished < 500
+    metrics = json.loads(preset.read_text())["metrics"]
+    budget = metrics["budget"]
+    assert budget["budget_s"] == budget_s and set(budget["phases_s"]) >= {"baseline_s", "search_s"}
+    assert f"search: {report.finished} of 500 trials finished when the time budget ended it" in budget["cut"]
+    assert metrics["interval"]["goal"] == 0.15 and metrics["repeats"] == metrics["interval"]["repeats"] >= 3

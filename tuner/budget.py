@@ -1,0 +1,93 @@
+"""The study's time budget: ``--time-budget`` bounds the whole run, and the driver plans its split.
+
+The budget starts when the run starts, so it covers the baseline's measurements (the calibration, the
+unloaded replay, the baseline's capacity searches), the search, validation and the export. Once the baseline
+is measured the plan knows what one capacity search of it costs on one worker, and from that what
+validation's first repeats will cost (each repeat is a search per side, a round of repeats runs one repeat
+per worker); the search then starts no trial later than the budget's end less that validation, one more
+trial's searching, and a margin for the export. Validation repeats towards its interval goal only while a
+round fits (:class:`~kvtune.tuner.validation.RepeatPlan`). What the budget cut is stored with the validation
+(``budget``) and shown in the preset.
+
+For the fixed-rate objectives, which measure no baseline search, the plan keeps :data:`FIXED_RESERVE` of the
+budget for validation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+EXPORT_S = 5.0  # writing the preset, stopping the workers
+FIXED_RESERVE = 0.2  # the fixed-rate objectives: the budget's share kept for validation
+MARGIN = 1.25  # estimates are multiplied by this before they are reserved
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """The split of ``budget_s`` seconds from ``started`` (a monotonic time): ``search_s`` is one capacity
+    search of the baseline on one worker (None: not measured, a fixed-rate objective), ``sides`` the
+    searches of one validation repeat, ``first`` validation's first repeats over ``workers`` workers."""
+
+    budget_s: float
+    started: float
+    search_s: float | None
+    sides: int = 2
+    first: int = 3
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.budget_s) and self.budget_s > 0):
+            raise ValueError(f"`budget_s > 0` must hold, but got budget_s={self.budget_s}")
+
+    @property
+    def end(self) -> float:
+        """When validation must be done (the export's margin left)."""
+        return self.started + self.budget_s - EXPORT_S
+
+    def validation_s(self) -> float:
+        """Validation's first repeats, as estimated."""
+        if self.search_s is None:
+            return FIXED_RESERVE * self.budget_s
+        rounds = math.ceil(self.first / self.workers)
+        return MARGIN * rounds * self.sides * self.search_s
+
+    def search_deadline(self) -> float:
+        """The time after which no trial starts: validation and one more trial's searching still fit."""
+        trial = 0.0 if self.search_s is None else MARGIN * self.search_s
+        return self.end - self.validation_s() - trial
+
+    def describe(self, now: float | None = None) -> str:
+        """One console line: time spent, and what each phase left has (about)."""
+        now = time.monotonic() if now is None else now
+        search = max(0.0, self.search_deadline() - now)
+        return (
+            f"time budget {self.budget_s:.0f} s: {now - self.started:.0f} s spent; search about {search:.0f} "
+            f"s, validation about {self.validation_s():.0f} s, export {EXPORT_S:.0f} s"
+        )
+
+
+def budget_record(
+    plan: BudgetPlan,
+    phases: dict[str, float],
+    finished: int,
+    target: int,
+    interval: dict[str, Any] | None,
+    overran: bool = False,
+) -> dict[str, Any]:
+    """What the validation stores of the budget: its seconds, each phase's, and what it cut (``cut``: one
+    line each, empty when nothing was); ``overran``: the budget was spent before the search, which ran one
+    trial per worker past it (the least that gives a preset)."""
+    cut = []
+    if overran:
+        cut.append(
+            f"the budget was spent before the search ({phases.get('baseline_s', 0.0):.0f} s of "
+            f"{plan.budget_s:.0f} s on the baseline): one trial per worker and validation ran past it"
+        )
+    if finished < target:
+        cut.append(f"search: {finished} of {target} trials finished when the time budget ended it")
+    if interval is not None and not interval.get("reached") and "time budget" in str(interval.get("why")):
+        cut.append(f"validation: {interval['repeats']} repeats, {interval['why']}")
+    return {"budget_s": plan.budget_s, "phases_s": dict(phases), "cut": cut}
