@@ -118,10 +118,12 @@ def test_kernels_variable_is_checked(
 
 
 # The driver's process reads configs, traces and card facts; the cache, the kernels and the model runner are
-# the workers'. Only these light modules (values and byte arithmetic, no kernels) may load in the driver.
+# the workers'. Only these light modules (values and byte arithmetic, no kernels) may load in the driver
+# (``kernels.arch``: the architectures' limits, which the card catalog's block sizes follow).
 DRIVER_MAY_IMPORT = {
     "kvtune.cache_impl.config",
     "kvtune.cache_impl.layout",
+    "kvtune.kernels.arch",
     "kvtune.kernels.backend",
     "kvtune.kernels.layout",
     "kvtune.engine.options",
