@@ -33,6 +33,27 @@ for stage in "$@"; do
     timeout ${NEW_S:-200} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ --requests 96 \
       --kv-budget default --kv-budget 4e9 --repeats 3 --versus "$OUT/old.json" --json "$OUT/new.json" $CFG > "$OUT/new.log" 2>&1
     tail -30 "$OUT/new.log" ;;
+  graphs)
+    log "gpu tests: graphs against eager"
+    timeout ${GRAPHS_S:-90} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_graphs.py 2>&1 | tee "$OUT/graphs.log" \
+      | grep -E "step [0-9]+:|passed|failed|FAILED|Error" | tail -20 ;;
+  plugin)
+    log "gpu tests: the vLLM plugin's pages under kvtune's kernels"
+    timeout ${PLUGIN_S:-60} python3 -m pytest tests/test_vllm_plugin.py -m gpu -q -p no:cacheprovider -rf 2>&1 | tail -5 ;;
+  busy)
+    log "engine: profiled kernel time against the unprofiled wall, default budget"
+    timeout ${BUSY_S:-130} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ --requests 96 \
+      --kv-budget default --repeats 2 --profile "$OUT/prof" --json "$OUT/busy.json" $C/q_unquantized.json $C/q_int4.json \
+      > "$OUT/busy.log" 2>&1; grep -E "profile:|largest distance" "$OUT/busy.log" ;;
+  bound)
+    log "engine: memory-bound budget, 4 GB"
+    timeout ${BOUND_S:-130} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ --requests 96 \
+      --kv-budget 4e9 --repeats 2 --json "$OUT/bound.json" $CFG > "$OUT/bound.log" 2>&1; grep -E "largest distance|vs q_" "$OUT/bound.log" ;;
+  noise)
+    log "capacity noise per route on unseen windows"
+    timeout ${NOISE_S:-200} python3 benchmarks/capacity_noise.py --model random:llama-3.1-8b --kv-budget 1073741824 \
+      --length-scale 0.25 --requests 96 --windows 3 --repeats 3 --routes ${ROUTES:-p90,attainment} \
+      --json "$OUT/noise.json" > "$OUT/noise.log" 2>&1; grep -v -i warn "$OUT/noise.log" | tail -25 ;;
   esac
 done
 log done
