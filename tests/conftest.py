@@ -43,4 +43,15 @@ def ray_cluster() -> Iterator[Any]:
     ray.shutdown()
 
 
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt of the CLI to start or join Ray fails the test: the input must be refused before."""
+    from kvtune.tuner.commands import tune as tune_command
+
+    def refuse(address: str | None) -> Any:
+        raise AssertionError("Ray was started before the input was checked")
+
+    monkeypatch.setattr(tune_command, "init_ray", refuse)
+
+
 # ---- end of the Ray block ----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from sqlalchemy.engine import Engine
 import kvtune
 from kvtune.cache_impl.config import SHOWN_CHARS, shown
 from kvtune.engine.traces import AZURE_HEADER, TraceError, read_trace
+from kvtune.tests.cli_testlib import one_error_line
 from kvtune.tuner import cli, preflight, resources
 from kvtune.tuner.commands import tune as tune_command
 
@@ -130,22 +131,6 @@ SMALL = [
 def argv(tmp: Path, *extra: str, trace: Path = TRACE) -> list[str]:
     return ["--gpu", "cpu", "--workload", str(trace), "--storage", f"sqlite:///{tmp}/s.db", "--study", "s",
             *SMALL, *extra]  # fmt: skip
-
-
-@pytest.fixture
-def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any attempt of the CLI to start or join Ray fails the test: the input must be refused before."""
-
-    def refuse(address: str | None) -> Any:
-        raise AssertionError("Ray was started before the input was checked")
-
-    monkeypatch.setattr(tune_command, "init_ray", refuse)
-
-
-def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("kvtune: error: "), err
-    return err[0]
 
 
 def read_only_folder(tmp: Path) -> Path:

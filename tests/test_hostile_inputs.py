@@ -29,6 +29,7 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.traces import MAX_REQUEST_TOKENS, LengthPolicy, Request, TraceError, TraceFile, read_trace
 from kvtune.studies import names
 from kvtune.studies.study import store_validation
+from kvtune.tests.cli_testlib import one_error_line
 from kvtune.tests.tuner_fakes import tiny_job, tiny_spec
 from kvtune.tuner import cli, local_ray
 from kvtune.tuner import export as ex
@@ -52,23 +53,6 @@ CONFIG = HybridConfig("hybrid_v2", 32, 64, 8, sparse_top_k=128)
 
 def argv(storage: str, *extra: str, trace: Path = TRACE) -> list[str]:
     return ["--gpu", "cpu", "--workload", str(trace), "--storage", storage, "--study", "s", *SMALL, *extra]
-
-
-@pytest.fixture
-def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any attempt of the CLI to start or join Ray fails the test: the input must be refused before."""
-
-    def refuse(address: str | None) -> Any:
-        raise AssertionError("Ray was started before the input was checked")
-
-    monkeypatch.setattr(tune_command, "init_ray", refuse)
-
-
-def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("kvtune: error: "), err
-    assert "Traceback" not in err[0]
-    return err[0]
 
 
 def mooncake_lines(n: int, input_length: int = 700, output_length: int = 30) -> str:
