@@ -119,7 +119,8 @@ def test_no_trial_lost_or_duplicated(killed_run: tuple[TuneReport, Any, KillOnce
 def test_validation_spreads_over_workers(killed_run: tuple[TuneReport, Any, KillOnce]) -> None:
     report, study, _ = killed_run
     v = report.validation
-    assert v is not None and v["repeats"] == 3
-    assert len({run["worker"] for run in v["best"]}) == 3  # one repeat per worker
+    # 3 repeats, then more while the gain's interval is wider than its goal (validation.repeat_to_interval)
+    assert v is not None and v["repeats"] >= 3 and len(v["best"]) == v["repeats"]
+    assert len({run["worker"] for run in v["best"][:3]}) == 3  # the first round: one repeat per worker
     assert [run["worker"] for run in v["best"]] == [run["worker"] for run in v["baseline"]]
     assert study.user_attrs["kvtune.validation"]["trial"] == v["trial"]
