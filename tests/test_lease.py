@@ -72,8 +72,9 @@ def test_a_live_lease_refuses_a_second_driver_naming_the_holder(storage: str) ->
     ],
 )  # fmt: skip
 def test_a_stale_lease_is_taken_over(storage: str, lease: dict[str, Any] | None, why: str) -> None:
-    if lease is not None and lease["pid"] == "ENDED":  # taken now: a pid ended at collection may be reused
-        lease = {**lease, "pid": _ended_pid()}
+    if lease is not None and lease["pid"] == "ENDED":  # made now: by the time the test runs, a pid ended at
+        # collection may be a new process's and a heartbeat taken then may be stale
+        lease = {**lease, "pid": _ended_pid(), "since": _ago(5), "heartbeat": _ago(1)}
     _study(storage).set_user_attr(ATTR_DRIVER, lease)
     assert why in (stale_reason(lease) or "")
     check_free(storage, "s")
