@@ -52,7 +52,7 @@ for stage in "$@"; do
   noise)
     log "capacity noise per route on unseen windows"
     timeout ${NOISE_S:-200} python3 benchmarks/capacity_noise.py --model random:llama-3.1-8b --kv-budget 1073741824 \
-      --length-scale 0.25 --requests 96 --windows 3 --repeats 3 --routes ${ROUTES:-p90,attainment} \
+      --length-scale 0.25 --requests 96 --windows 3 --repeats ${NOISE_REPEATS:-3} --routes ${ROUTES:-p90,attainment} \
       --json "$OUT/noise.json" > "$OUT/noise.log" 2>&1; grep -v -i warn "$OUT/noise.log" | tail -25 ;;
   esac
 done
