@@ -81,7 +81,7 @@ class DecodeKernelOptions:
     gluon_table_ahead: bool = True
 
 
-# Chosen on the H200 per pool bits (benchmarks/NOTES.md, "Decode attention kernels", and the runs after it).
+# Chosen on the H200 per pool bits (docs/RESULTS.md, "Decode attention kernels").
 # An 8-bit pool is read with per-block bits (a demoted block may sit in it); ``PURE_INT8`` is for 8-bit pools
 # where no block is ever demoted, which the Gluon kernel can take.
 _DEFAULTS = {
@@ -92,10 +92,9 @@ _DEFAULTS = {
     ),
     0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
 }
-# v_pairs: the value tile takes the matrix unit's transposing load instead of a byte gather (NOTES, "value
-# codes as channel pairs"). gluon: one warp per block, no shared-memory round trips between warps (NOTES,
-# "one warp per block, in Gluon"). gluon_stages 3: the 8-bit ring is fastest at 3 stages, the 4-bit one at 2
-# (NOTES, "ring depth").
+# v_pairs: the value tile takes the matrix unit's transposing load instead of a byte gather. gluon: one warp
+# per block, no shared-memory round trips between warps. gluon_stages 3: the 8-bit ring is fastest at 3
+# stages, the 4-bit one at 2 (each measured on an H200).
 PURE_INT8 = DecodeKernelOptions(
     cvt=2, mixed=False, programs_per_sm=16, maxnreg=128, v_pairs=True, gluon=True, gluon_stages=3
 )

@@ -5,7 +5,8 @@ Why a second kernel beside ``triton_decode._split_kernel``: that kernel spreads 
 warps, so every warp repeats the per-block work (folding the key scales into q, the softmax of a 16-row tile
 of which four rows are real) and the tiles go through shared memory between the warps and to reach the
 matrix unit's operand layouts. Its quantized loops issue ~3,000 warp-instructions per block and are bound by
-that (benchmarks/NOTES.md). Here one warp owns a whole block and nothing leaves its registers:
+that (measured on an H200: docs/RESULTS.md, "Decode attention kernels"). Here one warp owns a whole block
+and nothing leaves its registers:
 
 * **Keys** are the B operand of ``S = Q' K^T`` ([channels, tokens]). The contraction runs over channels, so
   their order is free as long as q uses the same one: logical channel bits are mapped onto memory bits so
@@ -622,7 +623,7 @@ def build_constants(
 
 
 # A ring is kept only as deep as lets this many programs share a multiprocessor: the H200's fastest 8-bit
-# build (3 stages) has 4 resident (benchmarks/NOTES.md, "ring depth"). Where a card holds fewer
+# build (3 stages) has 4 resident (`benchmarks/pool_read.py --rings` on an H200). Where a card holds fewer
 # (sm_86 / sm_89: 100 KB), a shallower ring, or none, keeps the program count; not yet timed there.
 RING_RESIDENT = 4
 

@@ -491,7 +491,7 @@ def launch_plan(
     key = ("gluon", str(q.device), bits, D, pool.k.shape[2], G, opts.gluon_stages, opts.gluon_key_rows,
            opts.gluon_table_ahead)  # fmt: skip
     # The wave model with the build's occupancy, once known: on the H200 it beat every programs-per-SM target
-    # for the Gluon kernel (benchmarks/NOTES.md, "one warp per block, in Gluon").
+    # for the Gluon kernel.
     plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm)
     splits, per = plan_splits(B * H, M, q.device, plan, _RESIDENT.get(key))
     return DecodePlan(kernel, opts, meta, key, splits, per)
@@ -519,7 +519,7 @@ def wave_splits(bh: int, m: int, most: int, slots: int, target: int) -> int:
     """The split count (1..most) with the least modeled time for bh programs per split over m blocks, when
     ``slots`` programs run at once: waves (programs / slots, rounded up) x (blocks per program + 1, the
     program's own work: q, hot zone, partials). Ties go to the program count nearest ``target``. Checked
-    against the H200's split sweeps (benchmarks/NOTES.md, "Split count from a wave model")."""
+    against the H200's split sweeps (`benchmarks/decode_attention.py --sweep`)."""
 
     def cost(s: int) -> tuple[int, int]:
         return wave_cost(bh, m, s, slots), abs(bh * cdiv(m, cdiv(m, s)) - target)

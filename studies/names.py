@@ -115,9 +115,9 @@ SLO_TTFT_FACTOR = 5.0  # default TTFT limit: this x the unloaded baseline's P99 
 SLO_TPOT_FACTOR = 10.0
 # the percentile of a probe's requests the limits apply to in a new study: DistServe's 90 % attainment.
 # Over ~100 requests a P99 is the second-slowest request, and a probe's verdict turned on one or two short
-# outputs that a prompt chunk happened to stall (benchmarks/NOTES.md runs 13c-13e: the baseline's capacity
-# searched three times spread 111 %); the P90 needs 11 of 96 requests over a limit (runs 14c, 14d: 4.4 %,
-# 8.9 %).
+# outputs that a prompt chunk happened to stall (docs/RESULTS.md, "Why the P90 and the device clock": the
+# baseline's capacity searched three times spread 111 %); the P90 needs 11 of 96 requests over a limit (runs
+# 14c, 14d: 4.4 %, 8.9 %).
 SLO_PERCENTILE = 90.0
 # the engine's clock for a new capacity study (kvtune.engine.scheduler.SchedulerConfig.clock): each
 # iteration's device time, so the host's jitter between iterations moves no arrival and no verdict

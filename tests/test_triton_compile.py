@@ -395,7 +395,7 @@ def test_warm_up_compiles_every_kernel_of_a_sparse_replay(monkeypatch: pytest.Mo
 
 # ---- the split count's wave model and the occupancy it plans with ---------------------------------------
 def test_resident_programs_match_the_offline_table() -> None:
-    """NOTES' table of the decode variants (registers, shared memory -> programs per SM on sm_90)."""
+    """The H200 table of the decode variants (registers, shared memory -> programs per SM on sm_90)."""
     from kvtune.kernels.triton_decode import resident_programs
 
     kb = 1024
@@ -437,7 +437,7 @@ def test_architectures_are_named_and_a_cpu_plans_as_hopper() -> None:
 def test_the_wave_model_ranks_first_what_the_h200_measured_fastest(
     bh: int, m: int, slots: int, measured: dict[int, float]
 ) -> None:
-    """Run 4's split sweeps (NOTES): of the split counts measured, the least modeled time is the fastest."""
+    """The H200's split sweeps: of the split counts measured, the least modeled time is the fastest."""
     from kvtune.kernels.triton_decode import wave_cost
 
     costs = {s: wave_cost(bh, m, s, slots) for s in measured}
