@@ -698,6 +698,8 @@ class HybridCache:
         if plan.seals:
             self._seal(layer, plan)
         table, num_cold, num_l1, counted = self._block_table(layer, plan, q)
+        if pool.num_blocks == 0:  # a budget the hot zones fill: every entry of the table is padding
+            table = table[..., :0]
         out, mass, hot_mass = hybrid_decode_attention(
             q, hk, hv, plan.hot_slot, plan.hot_len, pool, table, num_cold, self.sm_scale
         )

@@ -339,7 +339,7 @@ AZURE = ROOT / "examples" / "traces" / "azure_conv_sample.csv"
 SMALL = [
     "--model", "random:tiny", "--quality-model", "random:tiny", "--requests", "12", "--windows", "1",
     "--length-scale", "0.01", "--length-cap", "96", "--quality-windows", "1", "--quality-prefill", "24",
-    "--quality-decode", "4", "--kv-budget", "64MiB", "--seed", "0", "--objective", "capacity",
+    "--quality-decode", "4", "--kv-budget", "128KiB", "--seed", "0", "--objective", "capacity",
 ]  # fmt: skip
 TRIALS = 3
 

@@ -149,6 +149,31 @@ def test_static_and_eager_steps_alternate_on_one_cache(tiny):
     _same_state(eager, mixed, [0, 1])
 
 
+def test_a_cache_without_cold_blocks_decodes(tiny):
+    """A budget its hot zone fills buys no cold block: a sequence that stays in its hot zone still decodes,
+    eager and as a padded static step (whose table width bucket is above 0), with the same logits."""
+    from kvtune.cache_impl.layout import hot_bytes_per_seq
+
+    config = _config(8)
+    budget = hot_bytes_per_seq(config, tiny.model.kv_shape)
+    caches = []
+    for _ in range(2):
+        cache = HybridCache(config, tiny.model.kv_shape, budget, CPU, max_seqs=1)
+        assert cache.layout.num_blocks == 0 and cache.layout.num_slots == 1
+        ids = torch.arange(9) + 3
+        cache.add_sequence(0, ids.tolist(), now_ms=0.0)
+        tiny.model.prefill(cache, 0, ids, 0, last_only=True)
+        caches.append(cache)
+    eager, static = caches
+    graphs = DecodeGraphs(tiny.model, static, 4, 4, capture=False, keep_logits=True, padded=True)
+    tokens = np.array([5], dtype=np.int64)
+    for t in range(4):
+        want = _eager_step(tiny, eager, [0], tokens, float(t))
+        got = _static_step(graphs, [0], tokens, float(t))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        tokens = want.argmax(-1).numpy()
+
+
 HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::tolist"}
 
 
