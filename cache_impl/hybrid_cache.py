@@ -158,6 +158,8 @@ class HybridCache:
         self.tiers = TierState(n_layers, lay.num_blocks, self.device)
         self.queue = MigrationQueue(config)
         self.debug = DebugStats(self.device, enabled=config.kv_cache_debug)
+        # every decode call's (layer, table, num_cold) while a list (None: off); uncaptured steps only (tests)
+        self.table_log: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
         self.sm_scale = shape.head_dim**-0.5
         self._seqs: dict[int, _Seq] = {}
         self._chunk_plan: ChunkPlan | None = None  # the chunks prefill_chunks runs layer by layer
@@ -698,6 +700,8 @@ class HybridCache:
         if plan.seals:
             self._seal(layer, plan)
         table, num_cold, num_l1, counted = self._block_table(layer, plan, q)
+        if self.table_log is not None:
+            self.table_log.append((layer, table.clone(), num_cold.clone()))
         if pool.num_blocks == 0:  # a budget the hot zones fill: every entry of the table is padding
             table = table[..., :0]
         out, mass, hot_mass = hybrid_decode_attention(

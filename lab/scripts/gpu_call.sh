@@ -35,8 +35,9 @@ for stage in "$@"; do
     tail -30 "$OUT/new.log" ;;
   graphs)
     log "gpu tests: graphs against eager"
-    timeout ${GRAPHS_S:-90} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_graphs.py 2>&1 | tee "$OUT/graphs.log" \
-      | grep -E "step [0-9]+:|passed|failed|FAILED|Error" | tail -20 ;;
+    timeout ${GRAPHS_S:-90} python3 -m pytest -m gpu -q -p no:cacheprovider -rfP tests/test_graphs.py 2>&1 | tee "$OUT/graphs.log" \
+      | grep -E "^_+ test_captured.*bf16|bf16 summary|^E .*(step [0-9]+:|selection differs|values differ)|passed|failed|FAILED|Error" \
+      | tail -30 ;;
   plugin)
     log "gpu tests: the vLLM plugin's pages under kvtune's kernels"
     timeout ${PLUGIN_S:-60} python3 -m pytest tests/test_vllm_plugin.py -m gpu -q -p no:cacheprovider -rf 2>&1 | tail -5 ;;
