@@ -674,6 +674,22 @@ class Bf16Steps:
         )
 
 
+def test_table_log_keeps_every_layers_table_when_asked(tiny):
+    """Off by default; as a list, each decode call appends its layer, table and counts: a dense config's
+    table lists every sealed block of the row, for every KV head."""
+    cache = _prefilled(tiny, _config(8), [40, 52], CPU)
+    assert cache.table_log is None
+    _eager_step(tiny, cache, [0, 1], np.array([3, 4]), 1.0)
+    cache.table_log = []
+    _eager_step(tiny, cache, [0, 1], np.array([3, 4]), 2.0)
+    assert [layer for layer, _, _ in cache.table_log] == list(range(tiny.spec.num_layers))
+    for _, table, num in cache.table_log:
+        for row in range(2):
+            blocks = cache._seqs[row].blocks
+            assert num[row].tolist() == [len(blocks)] * table.shape[1]
+            assert all(table[row, h, : len(blocks)].tolist() == blocks for h in range(table.shape[1]))
+
+
 def test_selection_flips_compare_the_sets_of_attended_blocks():
     """Per row, the (layer, KV head) whose attended blocks differ as sets: the order, the table's width,
     entries past the count and padding rows beyond the batch do not count."""
@@ -737,7 +753,8 @@ class _ReorderedSums:
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         h = x.shape[-1] // 2
         lo = self._f.linear(x[..., :h].float(), w[:, :h].float())
-        return (lo + self._f.linear(x[..., h:].float(), w[:, h:].float())).to(x.dtype)
+        out = lo + self._f.linear(x[..., h:].float(), w[:, h:].float())
+        return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -762,8 +779,8 @@ def test_bf16_steps_differ_only_where_quest_selections_flip(smollm2_bf16, monkey
     or not: no logic differs. With the eager step's products summed in another order (as a GPU's, batched
     differently, are), a row that attends the same blocks moves by rounding only (at most 2.5 ulps of its
     largest |logit|; the dense control 3.5), while a few Quest selections flip on bounds that nearly tie
-    (3 steps of 30, 7 (layer, KV head) of 13,500) and move their row 3.1 to 6.4 ulps: the H200's 4.8-ulp
-    difference at step 28 of int8-sparse is such a flip."""
+    (3 steps of 30; 7 of the run's 13,500 (layer, row, KV head) tables) and move their row 3.1 to 6.4 ulps:
+    the H200's 4.8-ulp difference at step 28 of int8-sparse is such a flip."""
     import kvtune.engine.model as model_module
 
     loaded = smollm2_bf16
