@@ -871,7 +871,7 @@ def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
         else:  # bf16: like with like (Bf16Steps); the failure names its category
             flips = selection_flips(eager.table_log, direct.table_log, len(ids))
             failed = steps.step(t, got, want, flips)
-            assert failed is None, why(f"{failed}\n{steps.reports[-1]}")
+            assert failed is None, f"step {t}: {failed}\n{why(steps.reports[-1])}"  # the category first
         if graphs.timing_supported and timed:
             assert graphs.attention_ms() > 0
         tokens = got.argmax(-1).cpu().numpy()
