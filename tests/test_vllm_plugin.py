@@ -25,9 +25,11 @@ import torch
 from kvtune.cache_impl.config import ConfigError, HybridConfig
 from kvtune.cache_impl.layout import ModelKVShape, cold_layout
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
+from kvtune.vllm_plugin.decode import NULL_BLOCK, Batch, layer_step
 from kvtune.vllm_plugin.pages import PageLayout, cold_pool_view, num_blocks_for
 from kvtune.vllm_plugin.settings import VersionError, check_vllm_version, settings_from
-from kvtune.vllm_plugin.step import sealed_blocks
+from kvtune.vllm_plugin.step import run_layer, sealed_blocks
+from tests.vllm_step_testlib import Run, drive, page_layout, schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "examples" / "text" / "wikitext2_excerpt.txt"
@@ -135,6 +137,86 @@ def test_page_sizes(bits: int, dtype: torch.dtype, hot_block: int) -> None:
 def test_sealed_blocks_leave_hot_tokens_in_model_precision(length: int, sealed: int) -> None:
     assert sealed_blocks(length, HOT, BLOCK) == sealed
     assert HOT <= length - sealed * BLOCK < HOT + BLOCK or length < HOT + BLOCK
+
+
+# ---- the CUDA backend's step, run here with the reference kernels (no vLLM needed) -----------------------
+STEP_HOT, STEP_BLOCK, STEP_HEADS, STEP_GROUP, STEP_DIM = 16, 16, 2, 2, 32
+STEP_PROMPTS, STEP_CHUNK, STEP_DECODES = (70, 45, 100), 32, 40
+STEP_BLOCKS = 160  # pool blocks, the null block included
+
+
+def _cpu_backend_step(
+    batch: Batch, pool: Any, hot_k: Any, hot_v: Any, q: Any, k: Any, v: Any, out: torch.Tensor
+) -> None:
+    """What the CPU backend runs per layer: the host plan of the step, for every batch."""
+    n = batch.num_tokens
+    run_layer(batch.plan, pool, hot_k, hot_v, q[:n], k[:n], v[:n], STEP_DIM**-0.5, out[:n])
+
+
+def _cuda_backend_step(
+    batch: Batch, pool: Any, hot_k: Any, hot_v: Any, q: Any, k: Any, v: Any, out: torch.Tensor
+) -> None:
+    layer_step(batch, pool, hot_k, hot_v, q, k, v, STEP_DIM**-0.5, out)
+
+
+def _step_runs(bits: int, dtype: torch.dtype, device: str) -> Run:
+    page = page_layout(bits, dtype, STEP_HOT, STEP_BLOCK, STEP_HEADS, STEP_DIM)
+    return Run(page, STEP_HOT, STEP_BLOCKS, device)
+
+
+STEP_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}  # the decode kernel's float32 vs SDPA in bf16
+
+
+@pytest.mark.parametrize("bits", [0, 8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_step_gives_the_cpu_backends_outputs_and_pages(bits: int, dtype: torch.dtype) -> None:
+    """Chunked prefill (mixed batches), then decode steps that seal a block every ``block_size`` tokens:
+    the CUDA backend's step (its device-only decode path on decode batches) over the plugin's pages gives
+    the CPU backend's outputs and leaves the same bytes in every page but the null block."""
+    steps = schedule(STEP_PROMPTS, STEP_CHUNK, STEP_DECODES)
+    cpu, cuda = _step_runs(bits, dtype, "cpu"), _step_runs(bits, dtype, "cpu")
+    want, _ = drive(cpu, steps, _cpu_backend_step, STEP_HEADS * STEP_GROUP, seed=bits)
+    got, decodes = drive(cuda, steps, _cuda_backend_step, STEP_HEADS * STEP_GROUP, seed=bits)
+    assert decodes == [False] * (len(steps) - STEP_DECODES) + [True] * STEP_DECODES
+    tol = STEP_TOLERANCE[dtype]
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m, i=i: f"step {i}: {m}")
+    assert torch.equal(cuda.raw[NULL_BLOCK + 1 :], cpu.raw[NULL_BLOCK + 1 :])
+    assert max(r.length for r in cuda.reqs) - STEP_HOT >= 4 * STEP_BLOCK  # blocks were sealed in decode
+
+
+def test_padding_rows_of_a_decode_batch_touch_only_the_null_block() -> None:
+    """A decode batch padded the way a CUDA graph pads it (rows of length 0, slot −1) gives the same outputs
+    for the real rows and the same pages but the null block."""
+    steps = schedule(STEP_PROMPTS, STEP_CHUNK, 0)
+    runs = [_step_runs(8, torch.float32, "cpu") for _ in range(2)]
+    for run in runs:
+        drive(run, steps, _cpu_backend_step, STEP_HEADS * STEP_GROUP, seed=1)
+    outs = []
+    for run, pad in zip(runs, (0, 3)):
+        b = run.step([1] * len(STEP_PROMPTS))
+        padded = Batch(
+            geo=b.geo,
+            query_start_cpu=torch.arange(b.num_reqs + pad + 1, dtype=torch.int32),
+            seq_lens=torch.cat([b.seq_lens, torch.zeros(pad, dtype=b.seq_lens.dtype)]),
+            cold_table=torch.cat([b.cold_table, torch.zeros(pad, b.cold_table.shape[1], dtype=torch.int32)]),
+            hot_table=torch.cat([b.hot_table, torch.zeros(pad, b.hot_table.shape[1], dtype=torch.int32)]),
+            hot_slots=torch.cat([b.hot_slots, torch.full((pad,), -1, dtype=torch.int64)]),
+            max_query_len=1,
+            num_tokens=b.num_tokens + pad,
+        )
+        g = torch.Generator().manual_seed(7)
+        n, c = b.num_tokens, run.page.cold
+        heads = (STEP_HEADS * STEP_GROUP, STEP_HEADS, STEP_HEADS)
+        q, k, v = (torch.randn(n, h, STEP_DIM, generator=g) for h in heads)
+        q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:])]) for x in (q, k, v))
+        out = torch.zeros_like(q)
+        hot_k, hot_v = run.hot_pages()
+        assert padded.is_decode and c.bits == 8
+        _cuda_backend_step(padded, run.pool(), hot_k, hot_v, q, k, v, out)
+        outs.append(out[:n])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=0)
+    assert torch.equal(runs[0].raw[NULL_BLOCK + 1 :], runs[1].raw[NULL_BLOCK + 1 :])
 
 
 # ---- inside vLLM ----------------------------------------------------------------------------------------
