@@ -52,15 +52,21 @@ class Run:
 
     # ---- the pages ----------------------------------------------------------------------------------
     def pool(self) -> ColdPool:
-        bs = self.page.cold.block_size
-        return cold_pool_view(self.page, self.raw.view(-1, 1, bs, self.page.bytes_per_token))
+        return cold_pool_view(self.page, self.cold_cache())
 
-    def hot_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def cold_cache(self) -> torch.Tensor:
+        """The cold group's view of the pages, as vLLM binds it: [B, 1, bs, C] uint8."""
+        return self.raw.view(-1, 1, self.page.cold.block_size, self.page.bytes_per_token)
+
+    def hot_cache(self) -> torch.Tensor:
+        """The hot group's view of the (padded) pages, as vLLM binds it: [B, H, hot_block, 2·D]."""
         c, hb = self.page.cold, self.page.hot_block_size
         elem = torch.empty(0, dtype=c.dtype).element_size()
         used = c.num_kv_heads * hb * 2 * c.head_dim * elem
-        pages = self.raw[:, :used].view(c.dtype).view(-1, c.num_kv_heads, hb, 2 * c.head_dim)
-        return hot_views(pages, c.head_dim)
+        return self.raw[:, :used].view(c.dtype).view(-1, c.num_kv_heads, hb, 2 * c.head_dim)
+
+    def hot_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return hot_views(self.hot_cache(), self.page.cold.head_dim)
 
     # ---- vLLM's bookkeeping -------------------------------------------------------------------------
     def _take(self) -> int:
