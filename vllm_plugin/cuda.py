@@ -12,8 +12,8 @@ the same hot companion layer (a sliding window of ``hot_tokens + block_size`` to
   dtype, decoder self-attention, block sizes a multiple of 16).
 * Each step, :func:`kvtune.vllm_plugin.decode.layer_step` runs per layer: a decode batch (one token per
   request) as device work only (the hot window gathered, kvtune's Triton seal, the fused decode kernel);
-  any other batch through the CPU backend's step, whose seal is kvtune's Triton seal on CUDA tensors and
-  whose prefill attention is PyTorch's over the dequantized blocks.
+  a batch with a prefill through the CPU backend's host plan (kvtune's Triton seal on CUDA tensors; the
+  prefill's attention PyTorch's over the dequantized blocks, its one-token requests the decode kernel's).
 * CUDA graphs: :class:`KvtuneCudaBuilder` declares ``UNIFORM_SINGLE_TOKEN_DECODE``: vLLM captures whole
   decode steps (the decode path reads no device value on the host and keeps fixed shapes) and runs the
   other batches' attention eagerly between piecewise graphs.

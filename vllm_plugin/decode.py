@@ -1,5 +1,6 @@
-"""A decode step of one attention layer as device work only (plain torch and kvtune's kernel launchers; no
-vLLM import, no read of a device tensor on the host): the path of the CUDA backend that CUDA graphs capture.
+"""The CUDA backend's step of one attention layer (plain torch and kvtune's kernel launchers; no vLLM
+import): decode batches as device work only (no read of a device tensor on the host, fixed shapes: what a
+CUDA graph captures), other batches through the CPU backend's host plan.
 
 A batch in which every request has one new token (``max_query_len == 1``) is a decode batch. Per layer, for
 request ``r`` of ``L`` tokens after the step (``P = L − 1`` before it), from vLLM's tensors of the step
@@ -9,15 +10,20 @@ request ``r`` of ``L`` tokens after the step (``P = L − 1`` before it), from v
 2. the hot tokens ``sealed(P)·bs … L−1`` are gathered into a dense ``[R, H, window, D]`` zone
    (``window = hot_tokens + block_size``, which holds them all);
 3. where ``sealed(L) > sealed(P)`` (one block at most), block ``sealed(P)`` — the zone's first ``bs``
-   tokens — is sealed into its cold page;
-4. :func:`~kvtune.kernels.decode_attention.hybrid_decode_attention` attends the ``sealed(P)`` cold blocks
-   (vLLM's ``[R, W]`` cold table spread over the KV heads) and the zone.
+   tokens — is sealed into its cold page with kvtune's seal (Triton on CUDA);
+4. :func:`~kvtune.kernels.decode_attention.hybrid_decode_attention` (the fused Triton/Gluon kernels on
+   CUDA) attends the ``sealed(P)`` cold blocks (vLLM's ``[R, W]`` cold table spread over the KV heads,
+   read through the page-strided views of :func:`~kvtune.vllm_plugin.pages.cold_pool_view`) and the zone.
 
 This is :func:`kvtune.vllm_plugin.step.run_layer` for such a batch (same pages in, same pages and outputs
-out, up to the kernels' arithmetic): a request never reads the cold page it seals itself, so sealing every
-block before attending is the order ``run_layer`` uses for blocks another request reads. Fixed shapes
-throughout: rows without a block to seal, and padding tokens (slot −1), write into vLLM's null block (block
-0), which vLLM never hands to a request and which this path never reads as data.
+out, up to the kernels' arithmetic). Every block is sealed before any request attends, which is the order
+``run_layer`` keeps for a block another request reads in the step (a prefix hit on blocks computed in the
+same step); a request never reads the page it seals itself, so for the others the order changes nothing.
+Rows without a block to seal, and padding tokens (slot −1, rows of length 0 in a padded graph), write into
+vLLM's null block (block 0), which vLLM never hands to a request and which no step reads as data.
+
+A batch with a prefill runs :func:`mixed_layer`: ``run_layer``'s plan (prefill attends, then seals), with
+its one-token requests attending through the same decode kernel.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 from kvtune.kernels.decode_attention import hybrid_decode_attention
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import seal_blocks
-from kvtune.vllm_plugin.step import StepPlan, run_layer
+from kvtune.vllm_plugin.step import StepPlan, attend, seal, write_hot
 
 NULL_BLOCK = 0  # vLLM's null block: the first block of the pool, never allocated to a request
 
@@ -97,6 +103,63 @@ def cold_table_per_head(cold_table: torch.Tensor, num_cold: torch.Tensor, heads:
     return table[:, None, :].expand(-1, heads, -1).contiguous()
 
 
+@dataclass(frozen=True)
+class Zone:
+    """Requests of one new token each, gathered: each one's hot tokens (K and V ``[R, H, window, D]``), the
+    cold blocks it reads (``num_cold`` [R] int32), its hot token count and the page of the block it seals in
+    this step (``seal_ids`` [R], the null block where it seals none; the block is the zone's first ``bs``
+    tokens)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    num_cold: torch.Tensor
+    hot_len: torch.Tensor
+    seal_ids: torch.Tensor
+
+
+def decode_zone(
+    geo: Geometry,
+    hot_k: torch.Tensor,
+    hot_v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cold_table: torch.Tensor,
+    hot_table: torch.Tensor,
+) -> Zone:
+    """Step 2 of the module docstring (and step 3's pages) for requests of lengths ``seq_lens`` [R] after
+    the step, each with one new token already in the hot pages."""
+    lengths = seq_lens.long()
+    before, after = sealed_counts(lengths - 1, geo), sealed_counts(lengths, geo)
+    start = before * geo.block_size
+    index = (after - 1).clamp(min=0, max=cold_table.shape[1] - 1)[:, None]
+    return Zone(
+        k=gather_hot(geo, hot_k, hot_table, start, lengths),
+        v=gather_hot(geo, hot_v, hot_table, start, lengths),
+        num_cold=before.to(torch.int32),
+        hot_len=(lengths - start).to(torch.int32),
+        seal_ids=torch.where(after > before, cold_table.long().gather(1, index)[:, 0], NULL_BLOCK),
+    )
+
+
+def attend_zone(
+    pool: ColdPool, q: torch.Tensor, zone: Zone, cold_table: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
+    """Step 4: q [R, Hq, D] over each request's cold blocks (its row of ``cold_table`` [R, Wc]) and its
+    zone, with :func:`~kvtune.kernels.decode_attention.hybrid_decode_attention` → [R, Hq, D] (q.dtype)."""
+    rows, heads = q.shape[0], zone.k.shape[1]
+    out, _, _ = hybrid_decode_attention(
+        q,
+        zone.k,
+        zone.v,
+        torch.arange(rows, device=q.device, dtype=torch.int32),
+        zone.hot_len,
+        pool,
+        cold_table_per_head(cold_table, zone.num_cold, heads),
+        zone.num_cold[:, None].expand(-1, heads).contiguous(),
+        sm_scale,
+    )
+    return out
+
+
 def decode_layer(
     geo: Geometry,
     pool: ColdPool,
@@ -114,32 +177,44 @@ def decode_layer(
 ) -> None:
     """Steps 1-4 of the module docstring for ``R`` requests of one token each: q [R, Hq, D], k, v [R, H, D],
     seq_lens [R], cold_table [R, Wc], hot_table [R, Wh], hot_slots [R]; writes ``out`` [R, Hq, D]."""
-    rows, heads = q.shape[0], hot_k.shape[1]
+    rows, bs = q.shape[0], geo.block_size
     write_hot_slots(geo, hot_k, hot_v, hot_slots, k, v)
-    lengths = seq_lens[:rows].long()
-    before, after = sealed_counts(lengths - 1, geo), sealed_counts(lengths, geo)
-    start = before * geo.block_size
-    zone_k = gather_hot(geo, hot_k, hot_table[:rows], start, lengths)
-    zone_v = gather_hot(geo, hot_v, hot_table[:rows], start, lengths)
     table = cold_table[:rows]
-    index = (after - 1).clamp(min=0, max=table.shape[1] - 1)[:, None]
-    ids = torch.where(after > before, table.long().gather(1, index)[:, 0], NULL_BLOCK)
-    bs = geo.block_size
-    seal_blocks(pool, ids, zone_k[:, :, :bs].transpose(1, 2), zone_v[:, :, :bs].transpose(1, 2), geo.bits)
-    num_cold = before.to(torch.int32)
-    per_head = cold_table_per_head(table, num_cold, heads)
-    result, _, _ = hybrid_decode_attention(
-        q,
-        zone_k,
-        zone_v,
-        torch.arange(rows, device=q.device, dtype=torch.int32),
-        (lengths - start).to(torch.int32),
-        pool,
-        per_head,
-        num_cold[:, None].expand(-1, heads).contiguous(),
-        sm_scale,
-    )
-    out.copy_(result.to(out.dtype))
+    zone = decode_zone(geo, hot_k, hot_v, seq_lens[:rows], table, hot_table[:rows])
+    block_k, block_v = zone.k[:, :, :bs].transpose(1, 2), zone.v[:, :, :bs].transpose(1, 2)  # [R, bs, H, D]
+    seal_blocks(pool, zone.seal_ids, block_k, block_v, geo.bits)  # before attending: see the module docstring
+    out.copy_(attend_zone(pool, q, zone, table, sm_scale).to(out.dtype))
+
+
+def mixed_layer(
+    batch: Batch,
+    pool: ColdPool,
+    hot_k: torch.Tensor,
+    hot_v: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """:func:`~kvtune.vllm_plugin.step.run_layer` for a batch with a prefill (host-planned), except that its
+    requests of one new token attend through :func:`attend_zone` (one kernel launch for all of them)
+    instead of one dense attention each; their blocks are sealed with the plan's."""
+    plan = batch.plan
+    write_hot(plan, hot_k, hot_v, k, v)
+    seal(plan, plan.early, pool, hot_k, hot_v)
+    single = [r for r in range(plan.num_reqs) if plan.query_len(r) == 1]
+    for row in range(plan.num_reqs):
+        a, b = plan.query_start[row], plan.query_start[row + 1]
+        if b - a > 1:
+            out[a:b] = attend(plan, row, pool, hot_k, hot_v, q[a:b], sm_scale).to(out.dtype)
+    if single:
+        rows = torch.tensor(single, device=q.device)
+        tokens = torch.tensor([plan.query_start[r] for r in single], device=q.device)
+        table = batch.cold_table[rows]
+        zone = decode_zone(batch.geo, hot_k, hot_v, batch.seq_lens[rows], table, batch.hot_table[rows])
+        out[tokens] = attend_zone(pool, q[tokens], zone, table, sm_scale).to(out.dtype)
+    seal(plan, plan.late, pool, hot_k, hot_v)
 
 
 @dataclass(frozen=True)
@@ -198,8 +273,8 @@ def layer_step(
     out: torch.Tensor,
 ) -> None:
     """The CUDA backend's step of one layer over its first ``batch.num_tokens`` tokens: a decode batch takes
-    :func:`decode_layer` (device work only), any other batch :func:`~kvtune.vllm_plugin.step.run_layer`
-    (prefill attends, then seals; the CPU backend's step)."""
+    :func:`decode_layer` (device work only), any other batch :func:`mixed_layer` (the CPU backend's step,
+    prefill attends then seals, with the one-token requests through the decode kernel)."""
     n = batch.num_tokens
     if batch.is_decode:
         decode_layer(
@@ -207,4 +282,4 @@ def layer_step(
             batch.hot_table, batch.hot_slots, sm_scale, out[:n],
         )  # fmt: skip
         return
-    run_layer(batch.plan, pool, hot_k, hot_v, q[:n], k[:n], v[:n], sm_scale, out[:n])
+    mixed_layer(batch, pool, hot_k, hot_v, q[:n], k[:n], v[:n], sm_scale, out[:n])

@@ -38,8 +38,8 @@ for stage in "$@"; do
     timeout ${GRAPHS_S:-90} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_graphs.py 2>&1 | tee "$OUT/graphs.log" \
       | grep -E "step [0-9]+:|passed|failed|FAILED|Error" | tail -20 ;;
   plugin)
-    log "gpu tests: the vLLM plugin's pages under kvtune's kernels"
-    timeout ${PLUGIN_S:-60} python3 -m pytest tests/test_vllm_plugin.py -m gpu -q -p no:cacheprovider -rf 2>&1 | tail -5 ;;
+    log "gpu tests: the vLLM plugin's CUDA step and kvtune's kernels over its pages"
+    timeout ${PLUGIN_S:-300} python3 -m pytest tests/test_vllm_plugin.py -m gpu -q -p no:cacheprovider -rf 2>&1 | tail -5 ;;
   busy)
     log "engine: profiled kernel time against the unprofiled wall, default budget"
     timeout ${BUSY_S:-130} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ --requests 96 \
