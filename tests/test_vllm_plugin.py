@@ -553,3 +553,75 @@ def test_the_cuda_step_on_the_gpu_against_the_reference(bits: int, dim: int) -> 
     ids = torch.tensor(sorted(sealed))
     for x, y in zip(dequantize_blocks(gpu.pool(), ids.cuda()), dequantize_blocks(ref.pool(), ids)):
         assert float((x.cpu() - y).norm() / y.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_decode_step_syncs_nothing_and_replays_in_a_cuda_graph(bits: int) -> None:
+    """The decode path as vLLM's full CUDA graphs would run it: no host synchronisation (CUDA's sync debug
+    mode set to raise), captured once over fixed buffers (tables padded with the null block, as vLLM's
+    persistent ones are), replayed for every decode step with the step's metadata copied in: the same
+    outputs as the eager step and the same pages but the null block."""
+    from kvtune.vllm_plugin.decode import decode_layer
+
+    dim, heads_q, reqs = 64, STEP_HEADS * STEP_GROUP, len(STEP_PROMPTS)
+    page = page_layout(bits, torch.bfloat16, STEP_HOT, STEP_BLOCK, STEP_HEADS, dim)
+    eager, graphed, scratch = (Run(page, STEP_HOT, STEP_BLOCKS, "cuda") for _ in range(3))
+    for run in (eager, graphed, scratch):
+        drive(run, schedule(STEP_PROMPTS, STEP_CHUNK, 0), _backend_step("cuda", dim), heads_q, seed=5)
+    dev, bf16 = "cuda", torch.bfloat16
+    buf = {
+        "seq_lens": torch.zeros(reqs, dtype=torch.int32, device=dev),
+        "cold": torch.zeros(reqs, 16, dtype=torch.int32, device=dev),
+        "hot": torch.zeros(reqs, 64, dtype=torch.int32, device=dev),
+        "slots": torch.zeros(reqs, dtype=torch.int64, device=dev),
+        "q": torch.zeros(reqs, heads_q, dim, dtype=bf16, device=dev),
+        "k": torch.zeros(reqs, STEP_HEADS, dim, dtype=bf16, device=dev),
+        "v": torch.zeros(reqs, STEP_HEADS, dim, dtype=bf16, device=dev),
+        "out": torch.zeros(reqs, heads_q, dim, dtype=bf16, device=dev),
+    }
+
+    def load(batch: Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for name, value in (("seq_lens", batch.seq_lens), ("slots", batch.hot_slots), ("q", q), ("k", k)):
+            buf[name].copy_(value)
+        buf["v"].copy_(v)
+        for name, table in (("cold", batch.cold_table), ("hot", batch.hot_table)):
+            buf[name].zero_()
+            buf[name][:, : table.shape[1]] = table
+
+    def decode(run: Run) -> None:
+        hot_k, hot_v = run.hot_pages()
+        decode_layer(
+            run.geo, run.pool(), hot_k, hot_v, buf["q"], buf["k"], buf["v"], buf["seq_lens"], buf["cold"],
+            buf["hot"], buf["slots"], dim**-0.5, buf["out"],
+        )  # fmt: skip
+
+    g = torch.Generator().manual_seed(bits)
+
+    def tokens() -> list[torch.Tensor]:
+        return [
+            torch.randn(reqs, h, dim, generator=g).to(bf16).to(dev) for h in (heads_q, STEP_HEADS, STEP_HEADS)
+        ]
+
+    load(scratch.step([1] * reqs), *tokens())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decode(scratch)  # compiles the kernels; raises on any host synchronisation
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode(graphed)  # recorded, not run: the pages are untouched until the first replay
+    for i in range(STEP_DECODES):
+        q, k, v = tokens()
+        batch, twin = graphed.step([1] * reqs), eager.step([1] * reqs)
+        load(batch, q, k, v)
+        graph.replay()
+        want = torch.zeros_like(q)
+        layer_step(twin, eager.pool(), *eager.hot_pages(), q, k, v, dim**-0.5, want)
+        err = float((buf["out"].float() - want.float()).norm() / want.float().norm())
+        assert err < 1e-2, (i, err)
+    torch.cuda.synchronize()
+    assert torch.equal(graphed.raw[NULL_BLOCK + 1 :], eager.raw[NULL_BLOCK + 1 :])
