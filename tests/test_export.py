@@ -50,9 +50,9 @@ PROVENANCE = {"card": "h200", "objective": "tpot_p99", "study": "s"}
 @pytest.mark.parametrize(
     ("card", "block", "backend", "exported"),
     [
-        ("h200", 64, "TRITON_ATTN", True),
-        ("h100-sxm", 16, "TRITON_ATTN", True),
-        ("h100-sxm", 24, "TRITON_ATTN", False),
+        ("h200", 64, "KVTUNE", True),
+        ("h100-sxm", 16, "KVTUNE", True),
+        ("h100-sxm", 24, "KVTUNE", False),
         ("cpu", 64, "CPU_ATTN", True),
         ("cpu", 16, "CPU_ATTN", False),
     ],
@@ -76,7 +76,9 @@ def test_vllm_section_carries_only_equivalent_flags() -> None:
     assert not any("kv-cache-dtype" in a or "per_token_head" in a for a in args[:-1])
     assert "kvtune's vLLM plugin" in section["note"] and "without the plugin vLLM ignores" in section["note"]
     assert "not equivalents" in section["not_exported"]
-    assert section["command"].startswith("vllm serve <model> --block-size 64 --enable-prefix-caching")
+    assert section["command"].startswith(
+        "vllm serve <model> --attention-backend KVTUNE --block-size 64 --enable-prefix-caching"
+    )
 
 
 @pytest.mark.parametrize(
@@ -85,7 +87,8 @@ def test_vllm_section_carries_only_equivalent_flags() -> None:
         ("cpu", HybridConfig("hybrid_v2", 32, 64, 8), None),
         ("cpu", HybridConfig("hybrid_v2", 32, 64, 8, sparse_top_k=128), "sparse_top_k=128 cannot be served"),
         ("cpu", HybridConfig("hybrid_v2", 32, 16, 8), "vLLM's backend cannot take this block_size"),
-        ("h200", HybridConfig("hybrid_v2", 32, 64, 8), "no TRITON_ATTN backend yet"),
+        ("h200", HybridConfig("hybrid_v2", 32, 64, 8), None),
+        ("h200", HybridConfig("hybrid_v2", 32, 64, 4, sparse_top_k=128), "sparse_top_k=128 cannot be served"),
     ],
 )
 def test_vllm_section_says_whether_the_plugin_serves_the_config(
@@ -95,6 +98,15 @@ def test_vllm_section_says_whether_the_plugin_serves_the_config(
     assert plugin["serves"] == (why is None)
     assert why is None or why in plugin["why"]
     assert plugin["tested_on"].startswith("vLLM 0.32.0") and "sparse tier" in plugin["not_applied"]
+
+
+@pytest.mark.parametrize(("card", "on_gpu"), [("h200", True), ("cpu", False)])
+def test_a_gpu_preset_names_the_kvtune_backend_and_says_it_is_untested(card: str, on_gpu: bool) -> None:
+    section = ex.vllm_section(HybridConfig("hybrid_v2", 32, 64, 8), card)
+    assert (section["args"][:2] == ["--attention-backend", "KVTUNE"]) == on_gpu
+    assert ("--attention-backend" in section["command"]) == on_gpu
+    assert section["plugin"]["serves"]
+    assert ("the vLLM CUDA path is untested end to end" in section["plugin"]["tested_on"]) == on_gpu
 
 
 # ---- content -------------------------------------------------------------------------------------------

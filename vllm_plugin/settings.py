@@ -98,3 +98,26 @@ def check_servable(config: HybridConfig, vllm_block_size: int) -> None:
                 f"additional_config.kvtune: {key}={values[key]!r} cannot be served in vLLM ({why}); "
                 f"set {key} to {off!r} or leave it out"
             )
+
+
+def cuda_refusals(additional_config: Mapping[str, Any] | None, vllm_block_size: int | None) -> list[str]:
+    """Why ``--attention-backend KVTUNE`` cannot serve this config (an empty list when it can): it needs a
+    ``kvtune`` block, an explicit ``--block-size`` equal to its ``block_size``, and a config vLLM can serve
+    (:func:`check_servable`). Each reason is one line; the contract's own where the block breaks it."""
+    if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
+        return [
+            "--attention-backend KVTUNE serves a kvtune block: add --additional-config "
+            "'{\"kvtune\": {...}}' (or leave the flag out for vLLM's own backends)"
+        ]
+    try:
+        if vllm_block_size is None:
+            config = HybridConfig.from_dict({ADDITIONAL_CONFIG_KEY: additional_config[ADDITIONAL_CONFIG_KEY]})
+            return [
+                f"additional_config.kvtune: block_size={config.block_size} must equal vLLM's --block-size, "
+                f"but --block-size is not given; add --block-size {config.block_size}"
+            ]
+        settings_from(additional_config, vllm_block_size)
+    except ConfigError as e:
+        prefix = "additional_config.kvtune: "
+        return [str(e) if str(e).startswith(prefix) else f"{prefix}{e}"]
+    return []

@@ -39,8 +39,8 @@ for stage in "$@"; do
       | grep -E "^_+ test_captured.*bf16|bf16 summary|^E .*(step [0-9]+:|selection differs|values differ)|passed|failed|FAILED|Error" \
       | tail -30 ;;
   plugin)
-    log "gpu tests: the vLLM plugin's pages under kvtune's kernels"
-    timeout ${PLUGIN_S:-60} python3 -m pytest tests/test_vllm_plugin.py -m gpu -q -p no:cacheprovider -rf 2>&1 | tail -5 ;;
+    log "gpu tests: the vLLM plugin's CUDA step and kvtune's kernels over its pages"
+    timeout ${PLUGIN_S:-300} python3 -m pytest tests/test_vllm_plugin.py -m gpu -q -p no:cacheprovider -rf 2>&1 | tail -5 ;;
   busy)
     log "engine: profiled kernel time against the unprofiled wall, default budget"
     timeout ${BUSY_S:-130} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ --requests 96 \
