@@ -188,23 +188,31 @@ def _mixed_options(td, stages: int = 3, pdl: bool = True):
     return replace(td.default_options(8), gluon_mixed=True, gluon_stages=stages, gluon_pdl=pdl)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("stages", "pdl"), [(3, True), (2, False), (0, True)])
-def test_mixed_gluon_gpu(gpu_kernels, shape: Shape, dtype: torch.dtype, stages: int, pdl: bool) -> None:
-    """The mixed path on an INT8 pool with a third of its blocks demoted matches the reference (rings of
-    3 and 2 blocks or none, the merge a programmatic dependent or not)."""
-    td = gpu_kernels.triton_decode
+def _check_mixed(td, shape: Shape, dtype: torch.dtype, stages: int = 3, pdl: bool = True) -> None:
     inp = make_decode(shape, 8, dtype, "cuda", demote=True)
     opts = _mixed_options(td, stages, pdl)
-    assert (
-        td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts).kernel == "gluon_mixed"
-    )
+    plan = td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)
+    assert plan.kernel == "gluon_mixed" and plan.stages4 == min(stages, 2)
     want = hybrid_decode_attention_ref(**inp)
     poison_allocator("cuda")
     got = td.hybrid_decode_attention_triton(**inp, options=opts)
     assert_decode_close(got, want, inp["num_cold"], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_gluon_gpu(gpu_kernels, shape: Shape, dtype: torch.dtype) -> None:
+    """The mixed path on an INT8 pool with a third of its blocks demoted matches the reference (head dims
+    64 and 128, blocks of 16, 32 and 64 tokens, 1 to 8 query heads per KV head, long and short tables)."""
+    _check_mixed(gpu_kernels.triton_decode, shape, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("stages", "pdl"), [(2, False), (0, True)])
+def test_mixed_gluon_variants_gpu(gpu_kernels, stages: int, pdl: bool) -> None:
+    """A ring of 2 blocks with the merge launched after both builds end; no ring (blocks into registers)."""
+    _check_mixed(gpu_kernels.triton_decode, GPU_SHAPES[0], torch.bfloat16, stages, pdl)
 
 
 @pytest.mark.gpu

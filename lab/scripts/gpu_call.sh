@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise mixed ...)
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -37,6 +37,13 @@ for stage in "$@"; do
     log "gpu tests: graphs against eager"
     timeout ${GRAPHS_S:-90} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_graphs.py 2>&1 | tee "$OUT/graphs.log" \
       | grep -E "step [0-9]+:|passed|failed|FAILED|Error" | tail -20 ;;
+  mixed)
+    log "gpu tests: sparse INT8 on the mixed Gluon path (gluon_mixed)"
+    timeout ${MIXED_TESTS_S:-70} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_gluon_mixed.py 2>&1 \
+      | tee "$OUT/mixed_tests.log" | tail -8
+    log "sparse INT8 split kernel vs gluon_mixed, INT4, unquantized, SDPA (graphs, launches)"
+    timeout ${MIXED_BENCH_S:-80} python3 benchmarks/decode_attention.py --mixed --out "$OUT/mixed" > "$OUT/mixed.log" 2>&1
+    grep -E "rel err|Traceback|Error" "$OUT/mixed.log" | tail -6; cat "$OUT/mixed/mixed.md" 2>/dev/null || tail -5 "$OUT/mixed.log" ;;
   plugin)
     log "gpu tests: the vLLM plugin's pages under kvtune's kernels"
     timeout ${PLUGIN_S:-60} python3 -m pytest tests/test_vllm_plugin.py -m gpu -q -p no:cacheprovider -rf 2>&1 | tail -5 ;;
