@@ -22,6 +22,7 @@ import torch
 
 from kvtune.kernels.bits_partition_ref import empty_partition, partition_by_bits_ref, partition_width
 from kvtune.kernels.decode_attention import hybrid_decode_attention_ref
+from kvtune.kernels.requant import requantize_int4_ref
 from kvtune.tests.test_triton_kernels import Shape, assert_decode_close, make_decode, poison_allocator
 from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, fixtures
 
@@ -103,16 +104,22 @@ def test_partition_kernel_interpreted(kernels, b: int, h: int, m: int) -> None:
     "shape", [Shape(1, 1, 1, 32, 8, 3, 16), Shape(2, 2, 3, 32, 24, 5, 40), Shape(3, 2, 4, 64, 16, 7, 24)],
     ids=str,
 )  # fmt: skip
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_mixed_launch_interpreted(kernels, monkeypatch, shape: Shape, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "demoted"), [(torch.float16, "third"), (torch.float32, "third"),
+                                               (torch.float16, "none"), (torch.float16, "all")])  # fmt: skip
+def test_mixed_launch_interpreted(
+    kernels, monkeypatch, shape: Shape, dtype: torch.dtype, demoted: str
+) -> None:
     """The mixed launcher end to end but for the Gluon kernel (it cannot run here): the split kernel, which
     honours per-block bits, writes each build's partials into that build's slots over the half of the split
     table it is given (its ids, counts, row stride and block-lse row), and the merge must then match the
-    reference, block mass included (found through the partition's positions)."""
+    reference, block mass included (found through the partition's positions). Also where one half is empty:
+    nothing demoted, or every block."""
     td = kernels.triton_decode
-    inp = make_decode(shape, 8, dtype, "cpu", demote=True)
+    inp = make_decode(shape, 8, dtype, "cpu", demote=demoted == "third")
     pool, hot_k = inp["pool"], inp["hot_k"]
-    assert (pool.block_bits == 4).any() and (pool.block_bits == 8).any()
+    if demoted == "all":
+        requantize_int4_ref(pool, torch.arange(pool.num_blocks))
+    assert {"none": {8}, "all": {4}, "third": {4, 8}}[demoted] == set(pool.block_bits.tolist())
     opts = replace(td.default_options(8), cvt=1, min_blocks_per_split=2, gluon_mixed=True, gluon_pdl=False)
     meta = td.launch_plan(inp["q"], hot_k, pool, inp["block_table"], opts, kernel="split").meta
     no_hot = torch.zeros_like(inp["hot_len"])
@@ -253,8 +260,6 @@ def test_mixed_gluon_on_a_sparse_table_gpu(gpu_kernels) -> None:
     pool, table = inp["pool"], inp["block_table"]
     demoted = table[:, :, 20:].flatten()
     demoted = demoted[demoted >= 0].long()
-    from kvtune.kernels.requant import requantize_int4_ref
-
     requantize_int4_ref(pool, demoted.unique())
     want = hybrid_decode_attention_ref(**inp)
     poison_allocator("cuda")
