@@ -8,7 +8,12 @@ and 4 x 128K rows, with each part's time, bytes and bandwidth (the selection: Qu
 the L2 blocks; the attention: the hot zone, the L1 blocks and the selected ones); the copy bandwidth (read +
 write) of the same card. Writes ``results.json`` and ``table.md`` under ``--out`` and prints the table last.
 
-    python benchmarks/decode_attention.py --out $OUT [--sweep] [--quick] [--graphs]
+``--mixed`` times only the sparse rows, sparse INT8 both ways (its mixed 8/4-bit table on the Triton split
+kernel, the default, and on the Gluon kernel, ``gluon_mixed``), sparse INT4 and unquantized beside them and
+SDPA, each as CUDA graph replays and as launches, after checking both INT8 ways against the fp32 reference
+on a pool with demoted blocks; it writes ``mixed.json`` and ``mixed.md``.
+
+    python benchmarks/decode_attention.py --out $OUT [--sweep] [--quick] [--graphs] [--mixed]
 """
 
 from __future__ import annotations
@@ -184,6 +189,18 @@ def check(options: DecodeKernelOptions, bits: int) -> float:
     return err if abs(total - 1) < 1e-3 else float("inf")
 
 
+def check_mixed(options: DecodeKernelOptions) -> float:
+    """:func:`check` on an 8-bit pool with a third of its blocks demoted to 4 bits (the sparse tier's L2)."""
+    inp = make_inputs(Case(3, 1000 + 37, 8))
+    pool = inp["pool"]
+    pool.block_bits[torch.randperm(pool.num_blocks, device=DEVICE)[: pool.num_blocks // 3]] = 4
+    out, mass, hot = run_hybrid(inp, options)
+    ref = reference(inp)
+    err = float((out.float() - ref).norm() / ref.norm())
+    total = float(mass.sum(-1).mean() + hot.mean())
+    return err if abs(total - 1) < 1e-3 else float("inf")
+
+
 def sdpa_case(batch: int, length: int) -> tuple[float, float]:
     q = torch.randn((batch, HQ, 1, D), device=DEVICE, dtype=DTYPE)
     k = torch.randn((batch, H, length, D), device=DEVICE, dtype=DTYPE)
@@ -238,14 +255,17 @@ def sparse_case(case: Case, options: DecodeKernelOptions) -> dict:
     selection_ms = bench(select)
     selected = select()
     attention_ms = bench(lambda: attend(selected))
-    splits = launch_plan(inp["q"], inp["hot_k"], pool, selected[0], options).splits
-    attn = hybrid_bytes(case, 0, splits, False) + B * H * (
+    plan = launch_plan(inp["q"], inp["hot_k"], pool, selected[0], options)
+    splits = plan.splits
+    slots = 2 * splits if plan.kernel == "gluon_mixed" else splits  # each build's partials
+    attn = hybrid_bytes(case, 0, slots, False) + B * H * (
         l1 * cold_block_bytes(case.bits, case.bits == 8)
         + k_blocks * cold_block_bytes(4 if case.bits == 8 else case.bits, case.bits == 8)
     )
     quest = B * H * (nc - l1) * (2 * D * 2 + 4)
     return dict(
-        ms=ms, tbs=(attn + quest) / ms / 1e9, bytes=attn + quest, splits=splits, selection_ms=selection_ms,
+        ms=ms, tbs=(attn + quest) / ms / 1e9, bytes=attn + quest, splits=splits, kernel=plan.kernel,
+        selection_ms=selection_ms,
         attention_ms=attention_ms, selection_bytes=quest, selection_tbs=quest / selection_ms / 1e9,
         attention_bytes=attn, attention_tbs=attn / attention_ms / 1e9,
     )  # fmt: skip
@@ -357,6 +377,82 @@ def pick_splits(opt: DecodeKernelOptions, bits: int, rows: list) -> DecodeKernel
     return min(totals, key=lambda k: totals[k])
 
 
+# --mixed: the sparse columns timed, sparse INT8 both ways (its table mixes 8- and 4-bit blocks)
+def mixed_variants() -> dict[str, DecodeKernelOptions]:
+    split8 = default_options(8)
+    return {
+        "sparse8": split8,
+        "sparse8_gluon_mixed": replace(split8, gluon_mixed=True),
+        "sparse4": default_options(4),
+        "sparse0": default_options(0),
+    }
+
+
+def compare_mixed(out: Path, smoke: bool = False) -> dict:
+    """Sparse INT8 on the split kernel and on the mixed Gluon path, with sparse INT4, unquantized and SDPA,
+    at the sparse shapes, as graph replays and as launches (``--mixed``; ``smoke``: one tiny shape)."""
+    global GRAPHS, SPARSE_TOKENS, SPARSE_SHAPES
+    if smoke:
+        SPARSE_TOKENS, SPARSE_SHAPES = 128, [(1, 1024)]
+    variants = mixed_variants()
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
+    results: dict = dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=[],
+                         options={k: asdict(o) for k, o in variants.items()})  # fmt: skip
+    broken: dict[str, str] = {}  # a way that fails its check is reported, not timed
+    for key in ("sparse8", "sparse8_gluon_mixed"):
+        try:
+            err = check_mixed(variants[key])
+        except Exception as exc:  # a build that fails to compile or launch on this card
+            err, broken[key] = float("inf"), f"{type(exc).__name__}: {str(exc)[:300]}"
+        if not err < 2e-2:
+            broken.setdefault(key, f"rel err {err:.2e}")
+        results.setdefault("errors", {})[key] = err
+        log(f"{key}: rel err {err:.2e} on an 8-bit pool with demoted blocks {broken.get(key, '')}")
+    results["broken"] = broken
+    for timing in ("graphs", "launches") if DEVICE == "cuda" else ("launches",):
+        GRAPHS = timing == "graphs"
+        for batch, length in SPARSE_SHAPES:
+            row: dict = dict(timing=timing, batch=batch, length=length)
+            row["sdpa_ms"], row["sdpa_tbs"] = sdpa_case(batch, length)
+            for key, opt in variants.items():
+                case = Case(batch, length, int(key[6]), l1_blocks=(length - HOT) // BS // 8)
+                row[key] = None if key in broken else sparse_case(case, opt)
+            results["rows"].append(row)
+            log(json.dumps(row))
+    (out / "mixed.json").write_text(json.dumps(results, indent=1))
+    table = format_mixed(results)
+    (out / "mixed.md").write_text(table + "\n")
+    print(table)
+    return results
+
+
+def format_mixed(results: dict) -> str:
+    errors = results.get("errors", {})
+    lines = [
+        f"{results['device']}, torch {results['torch']}, triton {results['triton']}. Sparse tier (L1 1/8 + "
+        f"top {SPARSE_TOKENS}): median ms of the whole step (selection + attention), (x SDPA); attention "
+        "alone: ms, TB/s on its bytes; kernel that attended. Rel. err on a pool with demoted blocks: "
+        + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
+        "",
+        "| B x L | timing | SDPA bf16 | sparse INT8, split | sparse INT8, gluon_mixed | sparse INT4 "
+        "| sparse unq. |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results["rows"]:
+        cells = [f"{r['batch']} x {r['length'] // 1024}K", r["timing"], f"{r['sdpa_ms']:.3f}"]
+        for key in ("sparse8", "sparse8_gluon_mixed", "sparse4", "sparse0"):
+            x = r[key]
+            if x is None:
+                cells.append(f"not timed ({results['broken'][key]})")
+                continue
+            cells.append(
+                f"{x['ms']:.3f} ({x['ms'] / r['sdpa_ms']:.2f}x); attn {x['attention_ms']:.3f} "
+                f"{x['attention_tbs']:.2f} TB/s; {x['kernel']}"
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def profile(args: argparse.Namespace) -> int:
     """One case, a few launches, for a profiler (ncu) to read: options from an earlier results.json."""
     chosen = json.loads(args.options_from.read_text())["chosen"][f"int{args.profile}"]
@@ -386,11 +482,19 @@ def main() -> int:
         "--profile", type=int, choices=(0, 4, 8), help="only launch 64x8K with these bits (for ncu)"
     )
     ap.add_argument("--options-from", type=Path, help="results.json whose chosen options --profile uses")
+    ap.add_argument(
+        "--mixed",
+        action="store_true",
+        help="only the sparse rows: sparse INT8 on the split kernel and on gluon_mixed, graphs and launches",
+    )
     args = ap.parse_args()
     if args.profile is not None:
         return profile(args)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    if args.mixed:
+        compare_mixed(args.out, args.smoke)
+        return 0
     global GRAPHS
     GRAPHS = args.graphs and DEVICE == "cuda"
     if args.smoke:

@@ -18,7 +18,7 @@ from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.triton_common import tileable_head_dim
 
-DecodeKernel = Literal["reference", "split", "gluon"]
+DecodeKernel = Literal["reference", "split", "gluon", "gluon_mixed"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,11 @@ class DecodeKernelOptions:
     gluon: pure 8-bit and 4-bit pools on CUDA take the Gluon kernel for the cold blocks
         (``gluon_decode``: one warp per program, every register placed by hand), and the merge kernel
         attends the hot zone before it merges (:func:`decode_kernel`).
+    gluon_mixed: 8-bit pools read with per-block bits (``mixed``) on CUDA take the Gluon kernel too: a
+        partition kernel splits each table row by block bits (``bits_partition_ref``), the 8-bit build reads
+        the 8-bit blocks and the 4-bit build the demoted ones (``gluon_stages``, at most 2: the 4-bit ring's
+        fastest), each into its own partials, and the merge combines both with the hot zone. Off by
+        default until measured on a GPU (``benchmarks/decode_attention.py --mixed``).
     gluon_stages: the Gluon kernel copies blocks j + 1 .. j + s - 1 into a ring of s blocks in shared memory
         (``cp.async``) while a program computes block j; 0 loads each block into registers when the program
         starts it.
@@ -71,6 +76,7 @@ class DecodeKernelOptions:
     maxnreg: int | None = None
     v_pairs: bool = False
     gluon: bool = False
+    gluon_mixed: bool = False
     gluon_stages: int = 2
     # named constants
     num_stages: int = 2
@@ -85,7 +91,8 @@ class DecodeKernelOptions:
 # An 8-bit pool is read with per-block bits (a demoted block may sit in it); ``PURE_INT8`` is for 8-bit pools
 # where no block is ever demoted, which the Gluon kernel can take.
 _DEFAULTS = {
-    8: DecodeKernelOptions(cvt=2, mixed=True, programs_per_sm=8, maxnreg=128),
+    # gluon_stages 3: the 8-bit ring's depth where ``gluon_mixed`` is turned on (as in ``PURE_INT8``)
+    8: DecodeKernelOptions(cvt=2, mixed=True, programs_per_sm=8, maxnreg=128, gluon_stages=3),
     # INT4: 2 stages and a 128-register cap fit 4 programs per multiprocessor (3 stages or no cap: 3).
     4: DecodeKernelOptions(
         cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128, gluon=True
@@ -134,6 +141,9 @@ def decode_kernel(
       pool's defaults, :func:`options_for`) ask for it (``gluon``) and ``gluon_decode.supported``
       holds: a CUDA fp16/bf16 model, a 4-bit pool or an 8-bit one read without per-block bits, head dim 64
       or 128, blocks of 16, 32 or 64 tokens, at most 8 query heads per KV head.
+    * ``"gluon_mixed"``: an 8-bit pool read with per-block bits, where the options ask for it
+      (``gluon_mixed``) and ``gluon_decode.supported_mixed`` holds (as above, for 8-bit codes): the table
+      split by bits, the Gluon 8-bit and 4-bit builds over their parts, then the merge.
     * ``"split"``: otherwise, the Triton split kernel (cold blocks and hot zone), then the merge kernel.
 
     ``triton_decode.hybrid_decode_attention_triton`` asks with ``triton=True``: called directly (tests,
@@ -149,4 +159,10 @@ def decode_kernel(
         q, pool.bits, mixed, pool.k.shape[2], tuple(pool.k.stride()), block_table.shape[1]
     ):
         return "gluon"
+    if (
+        opts.gluon_mixed
+        and mixed
+        and gluon_decode.supported_mixed(q, pool.k.shape[2], tuple(pool.k.stride()), block_table.shape[1])
+    ):
+        return "gluon_mixed"
     return "split"

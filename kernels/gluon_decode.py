@@ -31,6 +31,11 @@ Blocks j + 1 .. j + s - 1 are in flight while block j is computed: ``cp.async`` 
 and the loads back in the operands' layouts meet every bank once); the block ids travel in the same commit
 groups, ``s`` blocks ahead, so no iteration waits on the load of its next id.
 
+An 8-bit pool whose blocks may be demoted to 4 bits (``gluon_mixed``) lists both widths in one table row:
+the launcher splits the row by bits first (``triton_bits_partition``), then runs the 8-bit build and the
+4-bit build (``ROW = D``: a demoted block's codes fill the first ``D/2`` bytes of its 8-bit rows) over their
+halves, each into its own partial slots (``part0``, ``part_stride``).
+
 The hot zone (model precision) and the merge stay with the Triton kernels: the launcher runs this kernel
 over the cold blocks, then ``_merge_kernel``, which attends the hot zone and then merges; launched as a
 programmatic dependent, it attends the hot zone while this kernel runs.
@@ -444,11 +449,11 @@ def _attend(s8, c8, vc, vs, vmn, m_i, l_i, vm_i, acc, acc_h, acc_b, ones, lse_pt
 
 # Sizes that follow the batch and the sequence lengths are not specialized (a value of 1 or a multiple of 16
 # would otherwise compile the kernel again in the middle of a replay).
-@gluon.jit(do_not_specialize=["blocks_per_split", "num_splits", "M"])
+@gluon.jit(do_not_specialize=["blocks_per_split", "num_splits", "M", "part_stride", "part0"])
 def _cold_kernel(
     q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table_ptr, num_cold_ptr,
     part_acc_ptr, part_ml_ptr, blk_lse_ptr,
-    qk_scale, blocks_per_split, num_splits, M,
+    qk_scale, blocks_per_split, num_splits, M, part_stride, part0,
     s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh,
     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, T: gl.constexpr, KIND: gl.constexpr,
     LK: gl.constexpr, LQ: gl.constexpr, LKM: gl.constexpr, LV: gl.constexpr, LP: gl.constexpr,
@@ -456,10 +461,12 @@ def _cold_kernel(
     ROWS: gl.constexpr, K_ORDER: gl.constexpr, Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr,
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
-    KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr,
+    KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, ROW: gl.constexpr,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
-    partial (m, l, acc) in the layout of ``_split_kernel``'s partials, and each block's lse."""
+    partial (m, l, acc) in the layout of ``_split_kernel``'s partials (slot ``part0 + split`` of the row's
+    ``part_stride``), and each block's lse. ``ROW``: bytes from one code row to the next (``C``; ``D`` for
+    the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each row)."""
     pid_s = gl.program_id(0)
     bh = gl.program_id(1)
     if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
@@ -491,10 +498,10 @@ def _cold_kernel(
     ones = gl.full([16, T], 1.0, gl.float16, layout=A_OP)
     tk = gl.arange(0, T, layout=gl.SliceLayout(1, LK))
     ck = gl.arange(0, C, layout=gl.SliceLayout(0, LK))
-    k_off = tk[:, None] * C + ck[None, :]
+    k_off = tk[:, None] * ROW + ck[None, :]
     tv = gl.arange(0, T, layout=gl.SliceLayout(1, LV))
     cv = gl.arange(0, C, layout=gl.SliceLayout(0, LV))
-    v_off = tv[:, None] * C + cv[None, :]
+    v_off = tv[:, None] * ROW + cv[None, :]
     ckm = gl.arange(0, C, layout=gl.SliceLayout(1, LKM))
     kmz = gl.zeros([C, NP], gl.float16, layout=LKM)
 
@@ -520,7 +527,7 @@ def _cold_kernel(
         zero1 = gl.arange(0, 1, layout=one)
         tc = gl.arange(0, T, layout=gl.SliceLayout(1, COPY))
         cc = gl.arange(0, C, layout=gl.SliceLayout(0, COPY))
-        v_copy = tc[:, None] * C + cc[None, :]  # consecutive lanes along whole rows
+        v_copy = tc[:, None] * ROW + cc[None, :]  # consecutive lanes along whole rows
         k_copy = v_copy if KROWS else k_off
         cd = gl.arange(0, D, layout=gl.BlockedLayout([max(D // 32, 2)], [32], [1], [0]))
         ct = gl.arange(0, T, layout=gl.BlockedLayout([2], [32], [1], [0]))
@@ -581,7 +588,7 @@ def _cold_kernel(
                 blk_lse_ptr + (row + j) * G, rows, G, C, T, KIND, LV, LP, LP4, TC_BITS, V_ORDER, False,
             )  # fmt: skip
     # partials: acc - 1024 sum(p * vscale) + sum(p * vmin), channels back in memory order
-    part = (bh * num_splits + pid_s).to(gl.int64)
+    part = (bh * part_stride + part0 + pid_s).to(gl.int64)
     bias = gl.max(acc_b, 0)
     vmo = gl.convert_layout(vm_i, gl.SliceLayout(0, MMA))
     mo = gl.arange(0, C, layout=gl.SliceLayout(1, MMA))
@@ -667,11 +674,22 @@ def supported(q: torch.Tensor, pool_bits: int, mixed: bool, block_size: int, cod
     )
 
 
+def supported_mixed(
+    q: torch.Tensor, block_size: int, code_stride: tuple[int, ...], num_kv_heads: int
+) -> bool:
+    """Whether the mixed path (an 8-bit pool read with per-block bits: its table split by bits, the 8-bit
+    and the 4-bit builds over their parts) takes a launch: the conditions of :func:`supported` for an 8-bit
+    pool read as pure; its demoted blocks are read as 4-bit codes in the first half of 8-bit rows."""
+    return supported(q, 8, False, block_size, code_stride, num_kv_heads)
+
+
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
-                stages: int = 2, pdl: bool = False, key_rows: bool = True,
-                table_ahead: bool = True) -> object:  # fmt: skip
+                stages: int = 2, pdl: bool = False, key_rows: bool = True, table_ahead: bool = True,
+                row: int | None = None) -> object:  # fmt: skip
     """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H) with its runtime ``args`` (in order); ``pdl``:
-    the next launch on the stream, a programmatic dependent, may start at once."""
+    the next launch on the stream, a programmatic dependent, may start at once; ``row``: bytes between code
+    rows (None: the pool's own width, ``D * kind / 8``; ``D`` for 4-bit codes in an 8-bit pool)."""
     channels = D if kind == 8 else D // 2
     constants = build_constants(channels, T, stages, key_rows, table_ahead)
-    return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, num_warps=1, **constants)
+    return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, ROW=row or channels, num_warps=1,
+                              **constants)  # fmt: skip

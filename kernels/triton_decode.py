@@ -22,7 +22,9 @@ once (GPU only, ``cvt=2``).
 ``exp2(lse_block - lse_total)`` averaged over the group, and the hot zone's mass. Where the Gluon kernel
 (``gluon_decode``) reads the cold blocks of a pure 8-bit or 4-bit pool, the merge attends the hot zone
 itself before it merges, launched as a programmatic dependent so that it does so while the cold blocks
-stream.
+stream. An 8-bit pool with demoted blocks takes the Gluon kernel where ``gluon_mixed`` asks: its table split
+by bits (``triton_bits_partition``), the 8-bit and the 4-bit builds over their halves, and the merge finds
+each block's lse through the split's positions (``MAPPED``).
 
 Which of these kernels takes a launch is decided by :func:`kvtune.kernels.decode_choice.decode_kernel`, with
 the options of :class:`~kvtune.kernels.decode_choice.DecodeKernelOptions`.
@@ -41,12 +43,14 @@ import triton.language as tl
 
 from kvtune.kernels import gluon_decode
 from kvtune.kernels.arch import HOPPER, Arch, arch_of
+from kvtune.kernels.bits_partition_ref import BitsPartition
 from kvtune.kernels.decode_choice import PURE_INT8 as PURE_INT8
 from kvtune.kernels.decode_choice import DecodeKernel, decode_kernel, options_for
 from kvtune.kernels.decode_choice import DecodeKernelOptions as DecodeKernelOptions
 from kvtune.kernels.decode_choice import default_options as default_options
 from kvtune.kernels.decode_ref import hybrid_decode_attention_ref
 from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.triton_bits_partition import partition_by_bits_triton
 from kvtune.kernels.triton_common import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -364,18 +368,20 @@ def _split_kernel(
     tl.store(part_ml_ptr + part * 2 * G + G + g, l_i, mask=gmask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "M"])
+@triton.jit(do_not_specialize=["num_splits", "M", "lse_w"])
 def _merge_kernel(
     part_acc_ptr, part_ml_ptr, blk_lse_ptr, hot_lse_ptr, num_cold_ptr, out_ptr, mass_ptr, hot_mass_ptr,
     q_ptr, hot_k_ptr, hot_v_ptr, hot_slot_ptr, hot_len_ptr, qk_scale,
-    num_splits, M, s_ob, s_oh, s_qb, s_qh, s_hs, s_hh, s_ht,
+    num_splits, M, s_ob, s_oh, s_qb, s_qh, s_hs, s_hh, s_ht, pos_ptr, lse_w,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
     HOT: tl.constexpr = False, WAIT: tl.constexpr = False, HOT_T: tl.constexpr = 64,
-    PREC: tl.constexpr = "tf32",
+    PREC: tl.constexpr = "tf32", MAPPED: tl.constexpr = False,
 ):  # fmt: skip
     """Merge the splits of one (sequence, KV head): output rows, per-block mass, hot mass. ``HOT``: the hot
     zone is attended here first (the splits hold the cold blocks only) and ``WAIT``: this launch is a
-    programmatic dependent of the splits' launch, so the hot zone overlaps it and only the merge waits."""
+    programmatic dependent of the splits' launch, so the hot zone overlaps it and only the merge waits.
+    The block lse rows are ``lse_w`` wide; ``MAPPED`` (the table split by bits): entry ``j``'s lse is at
+    ``pos[row, j]`` of its row, else at ``j``."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -426,7 +432,11 @@ def _merge_kernel(
     for j0 in range(0, M, MB):
         j = j0 + tl.arange(0, MB)
         valid = j < nc
-        lb = tl.load(blk_lse_ptr + (row + j)[:, None] * G + g[None, :], mask=valid[:, None] & gmask[None, :],
+        if MAPPED:
+            at = bh.to(tl.int64) * lse_w + tl.load(pos_ptr + row + j, mask=valid, other=0)
+        else:
+            at = bh.to(tl.int64) * lse_w + j
+        lb = tl.load(blk_lse_ptr + at[:, None] * G + g[None, :], mask=valid[:, None] & gmask[None, :],
                      other=float("-inf"))  # fmt: skip
         tl.store(mass_ptr + row + j, tl.sum(tl.exp2(lb - lse[None, :]), 1) / G, mask=j < M)
 
@@ -451,6 +461,7 @@ class DecodePlan(NamedTuple):
     key: tuple[object, ...]  # the Gluon build's occupancy key in ``_RESIDENT`` (() for the split kernel)
     splits: int
     per: int  # cold blocks per split
+    stages4: int = 0  # ``gluon_mixed``: the ring depth of the 4-bit build (the 8-bit one's: options)
 
 
 def launch_plan(
@@ -485,16 +496,21 @@ def launch_plan(
         num_warps=opts.num_warps, num_stages=opts.num_stages,
         **({"maxnreg": opts.maxnreg} if opts.maxnreg else {}),
     )  # fmt: skip
-    if kernel != "gluon":
+    if kernel not in ("gluon", "gluon_mixed"):
         splits, per = plan_splits(B * H, M, q.device, opts)
         return DecodePlan(kernel, opts, meta, (), splits, per)
+    # (gluon_mixed: the 8-bit build's occupancy plans both builds' splits)
     key = ("gluon", str(q.device), bits, D, pool.k.shape[2], G, opts.gluon_stages, opts.gluon_key_rows,
            opts.gluon_table_ahead)  # fmt: skip
     # The wave model with the build's occupancy, once known: on the H200 it beat every programs-per-SM target
     # for the Gluon kernel.
     plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm)
     splits, per = plan_splits(B * H, M, q.device, plan, _RESIDENT.get(key))
-    return DecodePlan(kernel, opts, meta, key, splits, per)
+    stages4 = 0
+    if kernel == "gluon_mixed":
+        asked = min(options_for(pool, options).gluon_stages, 2)
+        stages4 = gluon_decode.ring_stages(arch, D, pool.k.shape[2], 4, asked)
+    return DecodePlan(kernel, opts, meta, key, splits, per, stages4)
 
 
 def plan_splits(
@@ -575,7 +591,7 @@ def _resolved(
     elif cvt == 2 and interpreting:
         cvt = 1
     stages = options.gluon_stages
-    if bits in (4, 8) and options.gluon:
+    if bits in (4, 8) and (options.gluon or options.gluon_mixed):
         stages = gluon_decode.ring_stages(arch, head_dim, block_size, bits, stages)
     return replace(options, cvt=cvt, gluon_pdl=options.gluon_pdl and arch.pdl, gluon_stages=stages)
 
@@ -611,6 +627,33 @@ def _check_inputs(q: torch.Tensor, hot_k: torch.Tensor, hot_v: torch.Tensor, poo
             f"hybrid_decode_attention: `{broken[0]}` must hold (q {tuple(q.shape)}, hot_k "
             f"{tuple(hot_k.shape)}, block_table {tuple(block_table.shape)} {block_table.dtype})"
         )
+
+
+def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_acc: torch.Tensor,
+                  part_ml: torch.Tensor, blk_lse: torch.Tensor, qk_scale: float, plan: DecodePlan,
+                  pdl: bool) -> object:  # fmt: skip
+    """``gluon_mixed``: the 8-bit build over the first half of each split row (partial slots ``0 ..
+    splits - 1``), then the 4-bit build over the second half (slots ``splits ..``; its 4-bit codes fill the
+    first ``D / 2`` bytes of the pool's ``D``-byte rows), each block's lse where ``parts.positions`` points.
+    Only the second launch lets the merge start early (``pdl``): the merge's wait then follows both.
+    Returns the 8-bit build (its occupancy plans the splits)."""
+    B, _, D = q.shape
+    H = parts.table.shape[1]
+    w = parts.table.shape[2] // 2
+    splits, opts = plan.splits, plan.options
+    head = (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale)
+    strides = (q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0),
+               pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1))  # fmt: skip
+    launched = []
+    for i, (kind, stages) in enumerate(((8, opts.gluon_stages), (4, plan.stages4))):
+        launched.append(gluon_decode.launch_cold(
+            (splits, B * H),
+            (*head, parts.table[..., i * w:], parts.counts[i], part_acc, part_ml, blk_lse[:, i * w:],
+             qk_scale, plan.per, splits, 2 * w, 2 * splits, i * splits, *strides),
+            H=H, G=q.shape[1] // H, D=D, T=pool.k.shape[2], kind=kind, stages=stages, pdl=pdl and i == 1,
+            key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead, row=D,
+        ))  # fmt: skip
+    return launched[0]
 
 
 def hybrid_decode_attention_triton(
@@ -651,32 +694,34 @@ def hybrid_decode_attention_triton(
     opts, meta, key, splits, per = plan.options, plan.meta, plan.key, plan.splits, plan.per
     # Where the Gluon kernel takes the cold blocks, the merge attends the hot zone (``gluon_pdl``: as a
     # programmatic dependent, while the Gluon kernel runs); elsewhere the split kernel's last split does.
-    gluon = kernel == "gluon"
+    gluon = kernel in ("gluon", "gluon_mixed")
     pdl = gluon and opts.gluon_pdl
     dev = q.device
-    part_acc = torch.empty((B * H * splits, G, D), dtype=torch.float32, device=dev)
-    part_ml = torch.empty((B * H * splits, 2, G), dtype=torch.float32, device=dev)
-    blk_lse = torch.empty((B * H, max(M, 1), G), dtype=torch.float32, device=dev)
-    # the hot zone's lse, written by the split kernel's last split (the merge that attends it reads none)
-    hot_lse = part_ml if gluon else torch.empty((B * H, G), dtype=torch.float32, device=dev)
     table = block_table.contiguous()
     ncold = num_cold.to(torch.int32).contiguous()
+    # gluon_mixed: the table split by block bits; the two builds' partials side by side in each row's slots
+    parts = partition_by_bits_triton(table, ncold, pool.block_bits) if kernel == "gluon_mixed" else None
+    slots = 2 * splits if parts is not None else splits
+    lse_w = parts.table.shape[2] if parts is not None else M
+    part_acc = torch.empty((B * H * slots, G, D), dtype=torch.float32, device=dev)
+    part_ml = torch.empty((B * H * slots, 2, G), dtype=torch.float32, device=dev)
+    blk_lse = torch.empty((B * H, max(lse_w, 1), G), dtype=torch.float32, device=dev)
+    # the hot zone's lse, written by the split kernel's last split (the merge that attends it reads none)
+    hot_lse = part_ml if gluon else torch.empty((B * H, G), dtype=torch.float32, device=dev)
     hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
     qk_scale = sm_scale * LOG2E
-    if gluon:
+    if parts is not None:
+        compiled = _launch_mixed(q, pool, parts, part_acc, part_ml, blk_lse, qk_scale, plan, pdl)
+    elif gluon:
         compiled = gluon_decode.launch_cold(
             (splits, B * H),
             (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, table, ncold,
-             part_acc, part_ml, blk_lse, qk_scale, per, splits, M,
+             part_acc, part_ml, blk_lse, qk_scale, per, splits, M, splits, 0,
              q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1),
              pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
             H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, stages=opts.gluon_stages, pdl=pdl,
             key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead,
         )  # fmt: skip
-        if key not in _RESIDENT and dev.type == "cuda":
-            resident = _resident_of(compiled, dev)
-            if resident:
-                _RESIDENT[key] = resident
     else:
         _split_kernel[(splits, B * H)](
             q, hot_k, hot_v, hot_slot, hot_len,
@@ -688,6 +733,10 @@ def hybrid_decode_attention_triton(
             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
             **meta,
         )  # fmt: skip
+    if gluon and key not in _RESIDENT and dev.type == "cuda":
+        resident = _resident_of(compiled, dev)
+        if resident:
+            _RESIDENT[key] = resident
     out = torch.empty_like(q)
     mass = torch.empty((B, H, M), dtype=torch.float32, device=dev)
     hot_mass = torch.empty((B, H), dtype=torch.float32, device=dev)
@@ -695,9 +744,10 @@ def hybrid_decode_attention_triton(
     _merge_kernel[(B * H,)](
         part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass,
         q, hot_k, hot_v, hot_slot, hot_len, qk_scale,
-        splits, M, out.stride(0), out.stride(1),
+        slots, M, out.stride(0), out.stride(1),
         q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
+        parts.positions if parts is not None else ncold, lse_w,
         H=H, G=G, GP=max(16, next_pow2(G)) if gluon else next_pow2(G), D=D, MB=64, HOT=gluon,
-        **hot_args,
+        MAPPED=parts is not None, **hot_args,
     )  # fmt: skip
     return out, mass, hot_mass

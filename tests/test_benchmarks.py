@@ -14,11 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _smoke(script: str, out: Path) -> None:
+def _smoke(script: str, out: Path, *extra: str) -> None:
     """Run a benchmark script's ``--smoke`` mode under the Triton interpreter, writing into ``out``."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # this tree's kvtune
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
@@ -33,6 +34,18 @@ def test_decode_attention_smoke(tmp_path: Path) -> None:
     (parts,) = [line for line in table.splitlines() if line.startswith("Sparse step")]
     assert parts.count("TB/s") == 6 and parts.count(" MB, ") == 6  # each part's bytes and bandwidth
     assert (tmp_path / "results.json").exists()
+
+
+def test_decode_attention_mixed_smoke(tmp_path: Path) -> None:
+    """``--mixed``: sparse INT8 both ways (the split kernel, ``gluon_mixed``: the split kernel here too, the
+    Gluon kernel needing CUDA) checked on a pool with demoted blocks, beside sparse INT4, unquantized and
+    SDPA."""
+    _smoke("decode_attention.py", tmp_path, "--mixed")
+    table = (tmp_path / "mixed.md").read_text()
+    (row,) = [line for line in table.splitlines() if line.startswith("| 1 x 1K | launches |")]
+    assert row.count("x SDPA") == 0 and row.count("x);") == 4 and row.count("TB/s") == 4
+    assert "sparse8 " in table and "sparse8_gluon_mixed " in table
+    assert (tmp_path / "mixed.json").exists()
 
 
 def test_pool_read_smoke(tmp_path: Path) -> None:

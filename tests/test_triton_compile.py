@@ -76,6 +76,22 @@ def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64
                    gluon=True, gluon_stages=stages)  # fmt: skip
 
 
+def _gluon_mixed(d: int = 128, bs: int = 64, b: int = 3, m: int = 9, stages: int = 3, heads: int = 8,
+                 group: int = 4, arch: Any = None) -> Callable[[], Any]:  # fmt: skip
+    """The launches of the mixed Gluon path (an 8-bit pool with demoted blocks: the partition kernel, the
+    8-bit and the 4-bit builds, the merge); the launcher is told it applies, as for ``_gluon``."""
+    return _decode(8, demotable=True, heads=heads, group=group, d=d, b=b, m=m, bs=bs, kernel="gluon_mixed",
+                   arch=arch, gluon_mixed=True, gluon_stages=stages)  # fmt: skip
+
+
+def _partition(b: int = 3, m: int = 9, heads: int = 8) -> Callable[[], Any]:
+    from kvtune.kernels.triton_bits_partition import partition_by_bits_triton
+
+    table = (torch.arange(b * heads * m, dtype=torch.int32) % 40).view(b, heads, m)
+    count = torch.full((b, heads), m, dtype=torch.int32)
+    return lambda: partition_by_bits_triton(table, count, _pool(8).block_bits)
+
+
 def _quest(bits: int, b: int = 2, m: int = 9) -> Callable[[], Any]:
     from kvtune.kernels.triton_quest import quest_scores_triton
 
@@ -151,6 +167,12 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "decode int4 gluon smollm2 heads": lambda: _gluon(4, heads=3, group=3, d=64, bs=32),
     **{f"decode int{bits} gluon stages {s}": (lambda bits=bits, s=s: _gluon(bits, stages=s))
        for bits in (8, 4) for s in (0, 3)},
+    **{f"decode int8 gluon mixed d{d} bs{bs}": (lambda d=d, bs=bs: _gluon_mixed(d, bs))
+       for d in (64, 128) for bs in (16, 32, 64)},
+    "decode int8 gluon mixed smollm2 heads": lambda: _gluon_mixed(64, 32, heads=3, group=3),
+    **{f"decode int8 gluon mixed stages {s}": (lambda s=s: _gluon_mixed(stages=s)) for s in (0, 2)},
+    "bits partition": _partition,
+    "bits partition 16 x 543": lambda: _partition(b=16, m=543),
     "quest int8": lambda: _quest(8),
     "quest int4": lambda: _quest(4),
     "quest unquantized": lambda: _quest(0),
@@ -197,6 +219,8 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         **{f"decode int{bits}{' mixed' * dem} block {big}": (lambda bits=bits, dem=dem: _decode(
             bits, dem, bs=big, m=3, kernel="split", arch=arch))
            for bits, dem in ((8, True), (4, False), (0, False))},
+        **{f"decode int8 gluon mixed d{d} bs{bs}": (lambda d=d, bs=bs: _gluon_mixed(d, bs, arch=arch))
+           for d, bs in ((128, 64), (64, 16))},
         "quest int8": lambda: _quest(8),
         "seal int4 in an 8-bit pool": lambda: _seal(8, 4),
         "seal int8 from hot zones": lambda: _seal(8, 8, from_hot_zones=True),
@@ -287,6 +311,8 @@ SIZED: dict[str, Callable[[int, int], Callable[[], Any]]] = {
     "decode unquantized": lambda b, m: _decode(0, False, b=b, m=m),
     "decode int8 gluon": lambda b, m: _gluon(8, b=b, m=m),
     "decode int4 gluon": lambda b, m: _gluon(4, b=b, m=m),
+    "decode int8 gluon mixed": lambda b, m: _gluon_mixed(b=b, m=m),
+    "decode int8 gluon mixed smollm2 heads": lambda b, m: _gluon_mixed(64, 32, b=b, m=m, heads=3, group=3),
     "quest": lambda b, m: _quest(8, b, m),
     "sparse table": _sparse_table,
     "access update": lambda b, m: _access(b, m, now_ms=1234.5 + b),
@@ -305,6 +331,8 @@ def test_changing_sizes_compile_once(case: str) -> None:
     for b, m in SIZES:
         for launch in record_launches(SIZED[case](b, m)):
             name, key, options = specialization(launch)
+            if "KIND" in launch.kwargs:  # one build per code width (the mixed path launches two)
+                name = f"{name} KIND={launch.kwargs['KIND']}"
             keys.setdefault(name, set()).add((key, options))
     assert keys, "the launcher launched no kernel"
     for name, seen in keys.items():
@@ -452,3 +480,22 @@ def test_plan_splits_uses_the_wave_model_only_when_the_occupancy_is_known() -> N
     assert plan_splits(8, 200, cpu, base) == (8, 25)  # occupancy not read yet: 16 x 4 programs over 8 rows
     splits, per = plan_splits(8, 200, cpu, base, resident=4)
     assert splits == wave_splits(8, 200, 50, 16, 64) and splits * per >= 200 > (splits - 1) * per
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
+def test_the_mixed_path_plans_each_builds_ring(arch: str) -> None:
+    """The mixed Gluon path launches the partition kernel, the 8-bit build with the 8-bit ring the
+    architecture allows, the 4-bit build (its codes in the first half of the pool's 8-bit rows) with the
+    4-bit one, then the merge; each build takes the shared memory its plan counts."""
+    from kvtune.kernels.gluon_decode import ring_bytes
+
+    a = ARCHS[arch]
+    launches = record_launches(_gluon_mixed(arch=a))
+    names = [x.fn.__name__ for x in launches]
+    assert names == ["_partition_kernel", "_cold_kernel", "_cold_kernel", "_merge_kernel"], names
+    for cold, bits in zip(launches[1:3], (8, 4), strict=True):
+        assert cold.kwargs["KIND"] == bits and cold.kwargs["ROW"] == 128
+        stages = cold.kwargs["STAGES"]
+        assert stages == EXPECTED_STAGES[bits][arch]
+        assert compile_launch(cold, target_of(a)).metadata.shared == ring_bytes(128, 64, bits, stages)
+    assert launches[3].kwargs["MAPPED"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise mixed ...)
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -38,6 +38,13 @@ for stage in "$@"; do
     timeout ${GRAPHS_S:-90} python3 -m pytest -m gpu -q -p no:cacheprovider -rfP tests/test_graphs.py 2>&1 | tee "$OUT/graphs.log" \
       | grep -E "^_+ test_captured.*bf16|bf16 summary|^E .*(step [0-9]+:|selection differs|values differ)|passed|failed|FAILED|Error" \
       | tail -30 ;;
+  mixed)
+    log "gpu tests: sparse INT8 on the mixed Gluon path (gluon_mixed)"
+    timeout ${MIXED_TESTS_S:-70} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_gluon_mixed.py 2>&1 \
+      | tee "$OUT/mixed_tests.log" | tail -8
+    log "sparse INT8 split kernel vs gluon_mixed, INT4, unquantized, SDPA (graphs, launches)"
+    timeout ${MIXED_BENCH_S:-80} python3 benchmarks/decode_attention.py --mixed --out "$OUT/mixed" > "$OUT/mixed.log" 2>&1
+    grep -E "rel err|Traceback|Error" "$OUT/mixed.log" | tail -6; cat "$OUT/mixed/mixed.md" 2>/dev/null || tail -5 "$OUT/mixed.log" ;;
   plugin)
     log "gpu tests: the vLLM plugin's CUDA step and kvtune's kernels over its pages"
     timeout ${PLUGIN_S:-300} python3 -m pytest tests/test_vllm_plugin.py -m gpu -q -p no:cacheprovider -rf 2>&1 | tail -5 ;;
