@@ -9,17 +9,25 @@ import torch
 
 from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.sparse_table_choice import SelectOptions
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, compact, sparse_block_table_ref
 
 __all__ = ["L1", "L2", "ByteCount", "compact", "sparse_block_table", "sparse_block_table_ref"]
 
 
 def sparse_block_table(
-    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
+    q: torch.Tensor,
+    pool: ColdPool,
+    blocks: torch.Tensor,
+    tier: torch.Tensor,
+    k_blocks: int,
+    count: ByteCount,
+    options: SelectOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See :func:`sparse_block_table_ref`; Triton on CUDA."""
+    """See :func:`sparse_block_table_ref`; Triton on CUDA (``options``: which Triton kernels,
+    :func:`kvtune.kernels.sparse_table_choice.select_kernel`; None: the default)."""
     if use_triton(q):
         from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 
-        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
+        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, options)
     return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)
