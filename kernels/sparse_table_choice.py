@@ -36,11 +36,14 @@ class SelectOptions:
         (``"split"`` of :func:`select_kernel`). Off by default until measured on a GPU
         (``benchmarks/decode_attention.py --quest``).
     programs_per_sm: the split plan aims at this many scoring programs per multiprocessor.
+    maxnreg: register cap per thread of the span kernel (None: the compiler's choice, 184 at head dim 128
+        and top 32, one program of 8 warps per multiprocessor; 128: two, with 32 bytes of spills).
     splits: scoring programs per row (None: planned by :func:`split_plan`; tests and sweeps set it).
     """
 
     split: bool = False
     programs_per_sm: int = 2
+    maxnreg: int | None = 128
     splits: int | None = None
 
     def __post_init__(self) -> None:
@@ -48,6 +51,8 @@ class SelectOptions:
             raise ValueError(
                 f"`programs_per_sm >= 1` must hold, but got programs_per_sm={self.programs_per_sm}"
             )
+        if self.maxnreg is not None and not 32 <= self.maxnreg <= 255:
+            raise ValueError(f"`32 <= maxnreg <= 255` must hold (or None), but got maxnreg={self.maxnreg}")
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"`splits >= 1` must hold (or None: planned), but got splits={self.splits}")
 

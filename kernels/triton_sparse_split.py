@@ -209,12 +209,13 @@ def sparse_block_table_split(
     topk = next_pow2(k_blocks)
     keys = torch.empty((B * H, plan.splits, topk), dtype=torch.int64, device=dev)
     scratch = torch.empty((B * H, plan.splits, plan.span + topk), dtype=torch.int64, device=dev)
+    cap = {"maxnreg": options.maxnreg} if options.maxnreg else {}
     _span_kernel[(B * H, plan.splits + 1)](
         q, pool.k_min, pool.k_scale, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total,
         keys, scratch, M, W, k_blocks, plan.span, plan.splits, count.quest_cost, q.stride(0), q.stride(1),
         pool.k_min.stride(0), pool.k_min.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=CHUNK,
         SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote,
-        FILL=FILL, num_warps=NUM_WARPS, num_stages=1,
+        FILL=FILL, num_warps=NUM_WARPS, num_stages=1, **cap,
     )  # fmt: skip
     _merge_spans_kernel[(B * H,)](
         keys, blocks, count.cost, table, n1, count.total, M, W, k_blocks, plan.splits, H=H,
