@@ -1,8 +1,8 @@
 """Which Triton kernels build the sparse tier's table, and how the split Quest selection is planned.
 
-Plain Python (no Triton import), like :mod:`kvtune.kernels.decode_choice`: the launcher
-(:func:`kvtune.kernels.triton_sparse_table.sparse_block_table_triton`) asks :func:`select_kernel`, and the
-split launcher (:mod:`kvtune.kernels.triton_sparse_split`) plans with :func:`split_plan`.
+Plain Python (no Triton import), like :mod:`kvtune.kernels.decode_choice`: the dispatcher
+(:func:`kvtune.kernels.sparse_table.sparse_block_table`) asks :func:`select_kernel`, and the split launcher
+(:func:`kvtune.kernels.triton_sparse_split.sparse_block_table_split_triton`) plans with :func:`split_plan`.
 
 * ``"single"``: one launch, one program per (sequence, KV head) that splits the row, scores every L2 block
   of it and keeps the top-k (:mod:`kvtune.kernels.triton_sparse_table`).

@@ -26,16 +26,34 @@ split_plan`); the merge's ranking is ``(splits x TOPK)^2`` comparisons, so a row
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
-from kvtune.kernels.sparse_table_choice import CHUNK, SelectOptions, max_splits, split_plan
+from kvtune.kernels.sparse_table_choice import (
+    CHUNK,
+    DEFAULT_SELECT,
+    SelectOptions,
+    max_splits,
+    select_kernel,
+    split_plan,
+)
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount
 from kvtune.kernels.triton_common import next_pow2
-from kvtune.kernels.triton_sparse_table import FILL, NONE, NUM_WARPS, SPLIT, _bounds, _merge_top, _scan_chunk
+from kvtune.kernels.triton_sparse_table import (
+    FILL,
+    NONE,
+    NUM_WARPS,
+    SPLIT,
+    _bounds,
+    _merge_top,
+    _scan_chunk,
+    sparse_block_table_triton,
+    table_outputs,
+)
 
 MERGE_WARPS = 4
 
@@ -188,28 +206,35 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def sparse_block_table_split(
+def sparse_block_table_split_triton(
     q: torch.Tensor,
     pool: ColdPool,
     blocks: torch.Tensor,
     tier: torch.Tensor,
     k_blocks: int,
     count: ByteCount,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    options: SelectOptions,
+    options: SelectOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fills ``out`` = (table [B, H, M + k_blocks], num [B, H], n1 [B, H], int32) as
-    :func:`~kvtune.kernels.triton_sparse_table.sparse_block_table_triton` does, in two launches; its checks
-    done (``k_blocks > 0``, ``q`` unit stride on D, B > 0)."""
-    table, num, n1 = out
+    """:func:`~kvtune.kernels.triton_sparse_table.sparse_block_table_triton`'s contract and results (the same
+    table, counts and bytes) in two launches, planned with ``options`` (None: the defaults;
+    ``options.split`` is not read). With nothing to select (``k_blocks`` 0) or a head dim the kernels do
+    not tile, the single-program launcher's path."""
+    opts = DEFAULT_SELECT if options is None else options
+    if select_kernel(k_blocks, q.shape[2], replace(opts, split=True)) != "split":
+        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
+    table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count)
     B, M = blocks.shape
+    if B == 0:
+        return table, num, n1
+    if q.stride(2) != 1:
+        q = q.contiguous()
     H = pool.layout.num_kv_heads
-    W, dev = table.shape[2], q.device
-    plan = split_plan(B * H, M, k_blocks, _num_sms(dev), options)
+    W, dev = M + k_blocks, q.device
+    plan = split_plan(B * H, M, k_blocks, _num_sms(dev), opts)
     topk = next_pow2(k_blocks)
     keys = torch.empty((B * H, plan.splits, topk), dtype=torch.int64, device=dev)
     scratch = torch.empty((B * H, plan.splits, plan.span + topk), dtype=torch.int64, device=dev)
-    cap = {"maxnreg": options.maxnreg} if options.maxnreg else {}
+    cap = {"maxnreg": opts.maxnreg} if opts.maxnreg else {}
     _span_kernel[(B * H, plan.splits + 1)](
         q, pool.k_min, pool.k_scale, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total,
         keys, scratch, M, W, k_blocks, plan.span, plan.splits, count.quest_cost, q.stride(0), q.stride(1),

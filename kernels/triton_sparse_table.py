@@ -44,9 +44,8 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
-from kvtune.kernels.sparse_table_choice import DEFAULT_SELECT, SelectOptions, select_kernel
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, sparse_block_table_ref
-from kvtune.kernels.triton_common import cdiv, next_pow2
+from kvtune.kernels.triton_common import cdiv, next_pow2, tileable_head_dim
 
 SPLIT = 512  # blocks per step of the split (2 ids and tiers per thread)
 CHUNK = 64  # L2 blocks per step of the selection: [64, D] tiles of key mins and scales (32 KB at D 128)
@@ -234,30 +233,11 @@ def _pair(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, .
     return buf[:n].view(shape), buf[stride : stride + n].view(shape)
 
 
-def sparse_block_table_triton(
-    q: torch.Tensor,
-    pool: ColdPool,
-    blocks: torch.Tensor,
-    tier: torch.Tensor,
-    k_blocks: int,
-    count: ByteCount,
-    options: SelectOptions | None = None,
+def table_outputs(
+    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract of :func:`kvtune.kernels.sparse_table_ref.sparse_block_table_ref`, in one launch.
-
-    The selected L2 blocks of a (sequence, KV head) are the reference's top-k, best first, equal bounds
-    ordered by the reference's tie rule (later in the row first); bounds within float rounding of each other
-    may be ordered differently. In an 8-bit pool that may hold demoted blocks each block's own
-    bits give its levels and byte cost; in any other pool every block has the pool's bits
-    (:mod:`kvtune.kernels.layout`), which the kernel uses without reading ``block_bits``.
-
-    ``options`` (None: the default, one launch) may ask for the split selection
-    (:func:`kvtune.kernels.sparse_table_choice.select_kernel`, :mod:`kvtune.kernels.triton_sparse_split`):
-    the same table, counts and bytes in two launches.
-    """
-    kernel = select_kernel(k_blocks, q.shape[2], options)
-    if kernel is None:
-        return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)
+    """A table launch's checks (ValueError naming the rule that does not hold) and its outputs, unwritten:
+    table [B, H, M + k_blocks], num_cold and num_l1 [B, H], int32."""
     B, M = blocks.shape
     H = pool.layout.num_kv_heads
     rules = {
@@ -272,19 +252,33 @@ def sparse_block_table_triton(
     broken = [rule for rule, ok in rules.items() if not ok]
     if broken:
         raise ValueError(f"sparse_block_table: `{broken[0]}` must hold (blocks {tuple(blocks.shape)})")
+    table = torch.empty((B, H, M + k_blocks), dtype=torch.int32, device=q.device)
+    num, n1 = _pair((B, H), q.device)
+    return table, num, n1
+
+
+def sparse_block_table_triton(
+    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contract of :func:`kvtune.kernels.sparse_table_ref.sparse_block_table_ref`, in one launch.
+
+    The selected L2 blocks of a (sequence, KV head) are the reference's top-k, best first, equal bounds in
+    the reference's order (later in the row first); bounds within float rounding of each other may be
+    ordered differently. In an 8-bit pool that may hold demoted blocks each block's own bits give its levels
+    and byte cost; in any other pool every block has the pool's bits (:mod:`kvtune.kernels.layout`), which
+    the kernel uses without reading ``block_bits``.
+    """
+    if not tileable_head_dim(q.shape[2]):
+        return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)
+    table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count)
+    B, M = blocks.shape
+    H = pool.layout.num_kv_heads
     dev = q.device
     W = M + k_blocks
-    table = torch.empty((B, H, W), dtype=torch.int32, device=dev)
-    num, n1 = _pair((B, H), dev)
     if B == 0:
         return table, num, n1
     if q.stride(2) != 1:
         q = q.contiguous()
-    if kernel == "split":
-        from kvtune.kernels.triton_sparse_split import sparse_block_table_split
-
-        return sparse_block_table_split(q, pool, blocks, tier, k_blocks, count, (table, num, n1),
-                                        options or DEFAULT_SELECT)  # fmt: skip
     topk = next_pow2(k_blocks)
     scratch = torch.empty((B * H, 2 * M + topk if k_blocks else 0), dtype=torch.int64, device=dev)
     _sparse_table_kernel[(B * H,)](

@@ -148,6 +148,7 @@ def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True,
     """The sparse tier's table; ``split``: with the split Quest selection (the span and merge kernels)."""
     from kvtune.kernels.sparse_table import ByteCount
     from kvtune.kernels.sparse_table_choice import SelectOptions
+    from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
     from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 
     count = ByteCount(torch.zeros(9, dtype=torch.int64), 4096, torch.zeros((), dtype=torch.int64))
@@ -155,8 +156,10 @@ def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True,
     tier = torch.ones(40, dtype=torch.int8)
     q = torch.zeros(b, heads * group, d, dtype=torch.bfloat16)
     pool = _pool(bits, heads, d, demotable=demotable)
-    opts = SelectOptions(split=True) if split else None
-    return lambda: sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, opts)
+    if split:
+        opts = SelectOptions(split=True)
+        return lambda: sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, opts)
+    return lambda: sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
 
 
 def _sparse_split(**kw: Any) -> Callable[[], Any]:

@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 # model dtype -> (rtol, atol) against the reference (RoPE and SiLU·up: the float32 reference rounded once)
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
-MODULES = ("triton_elementwise", "triton_access", "triton_sparse_table")
+MODULES = ("triton_elementwise", "triton_access", "triton_sparse_table", "triton_sparse_split")
 
 
 kernels, gpu_kernels = fixtures(MODULES)
@@ -163,6 +163,13 @@ def _assert_selected(got: list[int], want: list[int], bound: dict[int, float], w
     assert descending, f"{where}: not best first"
 
 
+def _launch(k, options: Any) -> Any:
+    """The single-program launcher (options None), else the split one planned with ``options``."""
+    if options is None:
+        return k.triton_sparse_table.sparse_block_table_triton
+    return lambda *args: k.triton_sparse_split.sparse_block_table_split_triton(*args, options)
+
+
 def check_sparse_table(k, b: int, h: int, g: int, d: int, m: int, k_blocks: int, pool_kind: str, device: str,
                        seed: int, options: Any = None) -> None:  # fmt: skip
     """Random tiers over scattered blocks (a shared prefix, -1 padding, a row without L2 blocks, a row with
@@ -202,8 +209,7 @@ def check_sparse_table(k, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
     q = torch.randn(b, h * g, d, generator=gen, device=device)
     cost = torch.arange(9, device=device, dtype=torch.int64) * 1000 + 7
     got_n, want_n = (ByteCount(cost, 11, torch.zeros((), dtype=torch.int64, device=device)) for _ in range(2))
-    table, num, n1 = k.triton_sparse_table.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, got_n,
-                                                                     options)  # fmt: skip
+    table, num, n1 = _launch(k, options)(q, pool, blocks, tier, k_blocks, got_n)
     want_table, want_num, want_n1 = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, want_n)
     if options is not None:  # the same table as the default kernel's, bit for bit
         single_n = ByteCount(cost, 11, torch.zeros((), dtype=torch.int64, device=device))
@@ -268,10 +274,13 @@ def test_split_selection_interpreted(kernels, b: int, h: int, g: int, d: int, m:
                        options=_split(splits))  # fmt: skip
 
 
+# 16 x 32K-like rows (Llama-3-8B heads, top 32) and SmolLM2-like heads; spans planned, and 5 wanted (4 at 512)
+GPU_SPLITS = [(*t, pool, splits) for t in (GPU_TABLES[0], GPU_TABLES[2])
+              for pool in ("int8 mixed", "int4", "unquantized") for splits in (None, 5)]  # fmt: skip
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(("b", "h", "g", "d", "m", "k_blocks"), [t for t in GPU_TABLES if t[5] > 0])
-@pytest.mark.parametrize("pool_kind", list(POOLS))
-@pytest.mark.parametrize("splits", [None, 5])
+@pytest.mark.parametrize(("b", "h", "g", "d", "m", "k_blocks", "pool_kind", "splits"), GPU_SPLITS)
 def test_split_selection_gpu(gpu_kernels, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
                              pool_kind: str, splits: int | None) -> None:  # fmt: skip
     check_sparse_table(gpu_kernels, b, h, g, d, m, k_blocks, pool_kind, "cuda", seed=b + m,
@@ -318,7 +327,7 @@ def check_ties(k, levels: int, k_blocks: int, kernel: str, device: str) -> None:
         got = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, got_n)
     else:
         options = _split(2) if kernel == "split" else None
-        got = k.triton_sparse_table.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, got_n, options)
+        got = _launch(k, options)(q, pool, blocks, tier, k_blocks, got_n)
     want = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, want_n)
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)) and int(got_n.total) == int(
         want_n.total
@@ -346,7 +355,7 @@ def test_reference_tie_rule(levels: int, k_blocks: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("levels", [1, 3])
-@pytest.mark.parametrize("k_blocks", [5, 64])
+@pytest.mark.parametrize("k_blocks", [5])
 @pytest.mark.parametrize("kernel", ["single", "split"])
 def test_ties_gpu(gpu_kernels, levels: int, k_blocks: int, kernel: str) -> None:
     check_ties(gpu_kernels, levels, k_blocks, kernel, "cuda")
@@ -373,8 +382,7 @@ def test_split_selection_in_a_cuda_graph_gpu(gpu_kernels, b: int, m: int) -> Non
     )
 
     def run() -> tuple[torch.Tensor, ...]:
-        launch = gpu_kernels.triton_sparse_table.sparse_block_table_triton
-        return launch(q, pool, blocks, tier, 32, count, _split(None))
+        return _launch(gpu_kernels, _split(None))(q, pool, blocks, tier, 32, count)
 
     run()  # compiles outside the capture
     torch.cuda.synchronize()
