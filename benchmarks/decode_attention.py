@@ -477,6 +477,7 @@ QUEST_VARIANTS: dict[str, SelectOptions | None] = {
     "split": SelectOptions(split=True),  # the split selection's defaults
     "split pps 1": SelectOptions(split=True, programs_per_sm=1),
     "split pps 4": SelectOptions(split=True, programs_per_sm=4),
+    "split pps 8": SelectOptions(split=True, programs_per_sm=8),  # one chunk per span at 16 x 32K
     "split no cap": SelectOptions(split=True, maxnreg=None),
 }
 

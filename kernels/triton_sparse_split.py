@@ -17,10 +17,16 @@ follow the batch and the row width only (capturable in a CUDA graph), one compil
    number of keys above it (keys are distinct); the keys of rank below ``k`` are the row's top-k, and each
    goes to place ``n1 + rank`` of the table with its block's id; their bytes are added to the count.
 
-Ties: keys order by bound, then by position (later first), in both kernels, so the tables are the same.
-The split count is planned from the rows and the multiprocessors (:func:`~kvtune.kernels.sparse_table_choice.
-split_plan`); the merge's ranking is ``(splits x TOPK)^2`` comparisons, so a row has at most
-:func:`~kvtune.kernels.sparse_table_choice.max_splits` spans.
+Ties: keys order by bound, then by position (later first), in both kernels, so the tables are the same
+(the bounds are the same sums over the same ``[64, D]`` tiles of 8 warps, so the same floats).
+
+Why: the single kernel scores a row's L2 blocks one chunk after another in one program per row, 128
+programs at 16 sequences x 8 KV heads (about one per multiprocessor of an H200, each waiting on its chunks'
+loads in turn). Here a row's chunks are spread over ``splits`` programs (planned from the rows and the
+multiprocessors, :func:`~kvtune.kernels.sparse_table_choice.split_plan`), capped at 128 registers per thread
+(``SelectOptions.maxnreg``) so two programs of 8 warps share a multiprocessor. The merge ranks
+``splits x TOPK`` keys by ``(splits x TOPK)^2`` comparisons, so a row has at most
+:func:`~kvtune.kernels.sparse_table_choice.max_splits` spans (256 keys).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from kvtune.kernels.triton_sparse_table import (
     table_outputs,
 )
 
-MERGE_WARPS = 4
+MERGE_WARPS = 8  # the [256, 64] comparisons of a rank step: 64 per thread
 
 
 @triton.jit
@@ -71,16 +77,20 @@ def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr
     c2 = tl.zeros([], tl.int32)
     read = tl.zeros([SPLIT], tl.int64)
     js = tl.arange(0, SPLIT)
-    for j0 in range(0, M, SPLIT):
-        blk = tl.load(blocks_ptr + row + j0 + js, mask=j0 + js < M, other=-1)
-        t = tl.load(tier_ptr + tl.where(blk >= 0, blk, 0), mask=blk >= 0, other=0)
+    blk = tl.load(blocks_ptr + row + js, mask=js < M, other=-1)
+    for j0 in range(0, M, SPLIT):  # the next step's ids load while a step's tiers (and bits) do
+        blk_n = tl.load(blocks_ptr + row + j0 + SPLIT + js, mask=j0 + SPLIT + js < M, other=-1)
+        at = tl.where(blk >= 0, blk, 0)
+        t = tl.load(tier_ptr + at, mask=blk >= 0, other=0)
+        if MIXED:  # every listed block's bits, loaded beside its tier
+            bits = tl.load(bits_ptr + at, mask=blk >= 0, other=0).to(tl.int32)
         is1 = (blk >= 0) & (t == T1)
         tl.store(out + c1 + tl.cumsum(is1.to(tl.int32), 0) - 1, blk.to(tl.int32), mask=is1)
         if MIXED:
-            bits = tl.load(bits_ptr + tl.where(is1, blk, 0), mask=is1, other=0).to(tl.int32)
             read += tl.load(cost_ptr + bits, mask=is1, other=0)
         c1 += tl.sum(is1.to(tl.int32), 0)
         c2 += tl.sum(((blk >= 0) & (t == T2)).to(tl.int32), 0)
+        blk = blk_n
     ns = tl.minimum(c2, K)
     for p0 in range(c1 + ns, W, FILL):
         pad = p0 + tl.arange(0, FILL)

@@ -54,7 +54,7 @@ def test_decode_attention_quest_smoke(tmp_path: Path) -> None:
     _smoke("decode_attention.py", tmp_path, "--quest")
     table = (tmp_path / "quest.md").read_text()
     (row,) = [line for line in table.splitlines() if line.startswith("| 1 x 1K | launches |")]
-    assert row.count(" µs") == 0 and row.count(") [") == 5 and "differ" not in row
+    assert row.count(" µs") == 0 and row.count(") [") == 6 and "differ" not in row
     (step,) = [line for line in table.splitlines() if line.startswith("Sparse INT8 step at 1 x 1K")]
     assert "single " in step and "split " in step and step.count("x SDPA") == 2
     assert (tmp_path / "quest.json").exists()
