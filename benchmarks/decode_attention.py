@@ -8,12 +8,19 @@ and 4 x 128K rows, with each part's time, bytes and bandwidth (the selection: Qu
 the L2 blocks; the attention: the hot zone, the L1 blocks and the selected ones); the copy bandwidth (read +
 write) of the same card. Writes ``results.json`` and ``table.md`` under ``--out`` and prints the table last.
 
+``--quest`` times the sparse tier's selection (the table: the row split by tier, Quest's bound of every L2
+block, the top-k) with the single-program kernel and with the split selection (``SelectOptions(split=True)``
+and a few variants of it), at 16 x 32K and 4 x 128K, sparse INT8 (L2 blocks demoted to 4 bits), as graph
+replays and as launches, after checking each split variant's table, counts and bytes against the single
+kernel's bit for bit; and the whole sparse INT8 step both ways beside SDPA. It writes ``quest.json`` and
+``quest.md``.
+
 ``--mixed`` times only the sparse rows, sparse INT8 both ways (its mixed 8/4-bit table on the Triton split
 kernel, the default, and on the Gluon kernel, ``gluon_mixed``), sparse INT4 and unquantized beside them and
 SDPA, each as CUDA graph replays and as launches, after checking both INT8 ways against the fp32 reference
 on a pool with demoted blocks; it writes ``mixed.json`` and ``mixed.md``.
 
-    python benchmarks/decode_attention.py --out $OUT [--sweep] [--quick] [--graphs] [--mixed]
+    python benchmarks/decode_attention.py --out $OUT [--sweep] [--quick] [--graphs] [--mixed] [--quest]
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import triton.testing
 from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import dequantize_blocks_ref
 from kvtune.kernels.sparse_table import L1, L2, ByteCount
+from kvtune.kernels.sparse_table_choice import SelectOptions, split_plan
 from kvtune.kernels.triton_decode import (
     PURE_INT8,
     DecodeKernelOptions,
@@ -42,6 +50,7 @@ from kvtune.kernels.triton_decode import (
     hybrid_decode_attention_triton,
     launch_plan,
 )
+from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
 from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 
 HQ, H, D = 32, 8, 128
@@ -219,12 +228,21 @@ def hybrid_case(case: Case, options: DecodeKernelOptions) -> dict:
     return dict(ms=ms, tbs=nbytes / ms / 1e9, bytes=nbytes, splits=splits)
 
 
-def sparse_case(case: Case, options: DecodeKernelOptions) -> dict:
+def select_table(q, pool, blocks, tier, k_blocks, count, selection: SelectOptions | None) -> tuple:
+    """The sparse tier's table on the Triton kernels: the single-program launcher (``selection`` None), or
+    the split selection planned with ``selection``."""
+    if selection is None:
+        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
+    return sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, selection)
+
+
+def sparse_case(case: Case, options: DecodeKernelOptions, selection: SelectOptions | None = None) -> dict:
     """L1 = the newest `l1_blocks` cold blocks, the rest in L2 (4-bit in an 8-bit pool); attend L1 + top-k.
 
     The selection is the cache's per-layer one (``sparse_block_table_triton``: each sequence's whole row of
     cold blocks split by tier, Quest's bound and top-k of the L2 ones, the table, its byte count), and the
-    attention reads that table (L1 blocks, then the selected ones, -1 padded to the row's width + k)."""
+    attention reads that table (L1 blocks, then the selected ones, -1 padded to the row's width + k);
+    ``selection``: the selection's kernels (None: the default)."""
     inp = make_inputs(case)
     B, nc, l1 = case.batch, case.cold, case.l1_blocks or 0
     k_blocks = SPARSE_TOKENS // BS
@@ -239,7 +257,7 @@ def sparse_case(case: Case, options: DecodeKernelOptions) -> dict:
                       torch.zeros((), device=DEVICE, dtype=torch.int64))  # fmt: skip
 
     def select():
-        table, num_cold, _ = sparse_block_table_triton(inp["q"], pool, blocks, tier, k_blocks, count)
+        table, num_cold, _ = select_table(inp["q"], pool, blocks, tier, k_blocks, count, selection)
         return table, num_cold
 
     def attend(selected):
@@ -453,6 +471,116 @@ def format_mixed(results: dict) -> str:
     return "\n".join(lines)
 
 
+# --quest: the sparse tier's selection with the single-program kernel and with the split selection
+QUEST_VARIANTS: dict[str, SelectOptions | None] = {
+    "single": None,  # the default: one program per (sequence, KV head)
+    "split": SelectOptions(split=True),  # the split selection's defaults
+    "split pps 1": SelectOptions(split=True, programs_per_sm=1),
+    "split pps 4": SelectOptions(split=True, programs_per_sm=4),
+    "split pps 8": SelectOptions(split=True, programs_per_sm=8),  # one chunk per span at 16 x 32K
+    "split no cap": SelectOptions(split=True, maxnreg=None),
+}
+
+
+def quest_inputs(case: Case) -> tuple[torch.Tensor, ColdPool, torch.Tensor, torch.Tensor]:
+    """q, the pool, the rows of cold blocks and the tiers of :func:`sparse_case` for an 8-bit case: the
+    oldest blocks in L2, demoted to 4 bits."""
+    inp = make_inputs(case)
+    pool, nc, l1 = inp["pool"], case.cold, case.l1_blocks or 0
+    blocks = inp["block_table"][:, 0, :].long().contiguous()  # [B, nc], oldest first
+    l2_blocks = blocks[:, : nc - l1].flatten()
+    tier = torch.full((pool.num_blocks,), L1, device=DEVICE, dtype=torch.int8)
+    tier[l2_blocks] = L2
+    pool.block_bits[l2_blocks] = 4
+    return inp["q"], pool, blocks, tier
+
+
+def selection_case(case: Case, variants: dict[str, SelectOptions | None]) -> dict:
+    """Each variant's selection on one case: µs and TB/s on Quest's key bounds (fp16 mins and scales of
+    every L2 block and KV head), its plan; not timed (the reason instead) where its table, counts or bytes
+    differ from the single kernel's."""
+    q, pool, blocks, tier = quest_inputs(case)
+    k_blocks = SPARSE_TOKENS // BS
+    bounds = case.batch * (case.cold - (case.l1_blocks or 0)) * H * 2 * D * 2
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE == "cuda" else 4
+
+    def select(opt: SelectOptions | None) -> tuple[tuple[torch.Tensor, ...], ByteCount]:
+        count = ByteCount(torch.arange(9, device=DEVICE, dtype=torch.int64) * 1000 + 7, H * 2 * 2 * D,
+                          torch.zeros((), device=DEVICE, dtype=torch.int64))  # fmt: skip
+        return select_table(q, pool, blocks, tier, k_blocks, count, opt), count
+
+    want, want_count = select(None)
+    row: dict = {}
+    for name, opt in variants.items():
+        got, got_count = select(opt)
+        same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        if not same or int(got_count.total) != int(want_count.total):
+            row[name] = dict(error="table, counts or bytes differ from the single kernel's")
+            continue
+        us = bench(lambda opt=opt: select(opt)) * 1e3
+        width = blocks.shape[1]
+        splits, span = split_plan(blocks.shape[0] * H, width, k_blocks, sms, opt) if opt else (1, width)
+        row[name] = dict(us=us, bounds_bytes=bounds, tbs=bounds / us / 1e6, splits=splits, span=span)
+    return row
+
+
+def compare_quest(out: Path, smoke: bool = False) -> dict:
+    """The selection both ways (and variants of the split one) at the sparse shapes, graph replays and
+    launches; the whole sparse INT8 step both ways beside SDPA (graphs). ``smoke``: one tiny shape."""
+    global GRAPHS, SPARSE_TOKENS, SPARSE_SHAPES
+    if smoke:
+        SPARSE_TOKENS, SPARSE_SHAPES = 128, [(1, 1024)]
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
+    variants = {k: asdict(o) if o else None for k, o in QUEST_VARIANTS.items()}
+    results: dict = dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=[],
+                         variants=variants)  # fmt: skip
+    for timing in ("graphs", "launches") if DEVICE == "cuda" else ("launches",):
+        GRAPHS = timing == "graphs"
+        for batch, length in SPARSE_SHAPES:
+            case = Case(batch, length, 8, l1_blocks=(length - HOT) // BS // 8)
+            row: dict = dict(timing=timing, batch=batch, length=length)
+            row["selection"] = selection_case(case, QUEST_VARIANTS)
+            if timing == "graphs" or DEVICE == "cpu":
+                row["sdpa_ms"], _ = sdpa_case(batch, length)
+                for key, select in (("step_single", None), ("step_split", SelectOptions(split=True))):
+                    row[key] = sparse_case(case, default_options(8), select)
+            results["rows"].append(row)
+            log(json.dumps(row))
+    (out / "quest.json").write_text(json.dumps(results, indent=1))
+    table = format_quest(results)
+    (out / "quest.md").write_text(table + "\n")
+    print(table)
+    return results
+
+
+def format_quest(results: dict) -> str:
+    names = list(QUEST_VARIANTS)
+    lines = [
+        f"{results['device']}, torch {results['torch']}, triton {results['triton']}. Quest selection of the "
+        f"sparse INT8 tier (L1 1/8 + top {SPARSE_TOKENS}; L2 blocks 4-bit): median µs, (TB/s on the key "
+        "bounds, 512 B per L2 block and KV head), [spans per row]",
+        "",
+        "| B x L | timing | " + " | ".join(names) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in names) + " |",
+    ]
+    for r in results["rows"]:
+        cells = [f"{r['batch']} x {r['length'] // 1024}K", r["timing"]]
+        for n in names:
+            x = r["selection"][n]
+            cells.append(x["error"] if "error" in x else f"{x['us']:.1f} ({x['tbs']:.2f}) [{x['splits']}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    for r in results["rows"]:
+        if "step_split" in r:
+            ways = [
+                f"{way} {x['ms']:.3f} ms ({x['ms'] / r['sdpa_ms']:.2f}x SDPA; selection "
+                f"{x['selection_ms'] * 1e3:.1f} µs)"
+                for way, x in (("single", r["step_single"]), ("split", r["step_split"]))
+            ]
+            lines.append(f"\nSparse INT8 step at {r['batch']} x {r['length'] // 1024}K ({r['timing']}): "
+                         + ", ".join(ways))  # fmt: skip
+    return "\n".join(lines)
+
+
 def profile(args: argparse.Namespace) -> int:
     """One case, a few launches, for a profiler (ncu) to read: options from an earlier results.json."""
     chosen = json.loads(args.options_from.read_text())["chosen"][f"int{args.profile}"]
@@ -487,6 +615,11 @@ def main() -> int:
         action="store_true",
         help="only the sparse rows: sparse INT8 on the split kernel and on gluon_mixed, graphs and launches",
     )
+    ap.add_argument(
+        "--quest",
+        action="store_true",
+        help="only the selection: the single-program kernel against the split one, graphs and launches",
+    )
     args = ap.parse_args()
     if args.profile is not None:
         return profile(args)
@@ -494,6 +627,9 @@ def main() -> int:
     torch.manual_seed(0)
     if args.mixed:
         compare_mixed(args.out, args.smoke)
+        return 0
+    if args.quest:
+        compare_quest(args.out, args.smoke)
         return 0
     global GRAPHS
     GRAPHS = args.graphs and DEVICE == "cuda"

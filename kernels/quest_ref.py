@@ -38,14 +38,20 @@ def quest_topk_ref(
     q: [B, Hq, D]; l2_table: [B, M2] int32 block ids (first ``l2_count[b]`` valid, then -1); l2_count: [B]
     int32.
     Returns [B, H, k_blocks] int32 block ids in decreasing bound order, -1 where fewer than ``k_blocks``
-    exist.
+    exist. Ties: of blocks with equal bounds the one later in ``l2_table`` comes first (and is kept where
+    the ``k_blocks``-th place falls among them), as in the Triton kernels' keys.
     """
     bsz, h = q.shape[0], pool.layout.num_kv_heads
     out = torch.full((bsz, h, k_blocks), -1, dtype=torch.int32, device=q.device)
-    kk = min(k_blocks, l2_table.shape[1])
+    m2 = l2_table.shape[1]
+    kk = min(k_blocks, m2)
     if kk == 0:
         return out
-    values, idx = quest_scores_ref(q, pool, l2_table, l2_count).topk(kk, dim=-1)
+    # a stable descending sort of the reversed list: equal bounds keep the reversed order, later first
+    values, rev = (
+        quest_scores_ref(q, pool, l2_table, l2_count).flip(-1).sort(dim=-1, descending=True, stable=True)
+    )
+    values, idx = values[..., :kk], m2 - 1 - rev[..., :kk]
     ids = torch.gather(l2_table[:, None, :].expand(bsz, h, -1), 2, idx)
     out[..., :kk] = torch.where(torch.isfinite(values), ids, -1).to(torch.int32)
     return out

@@ -1,6 +1,7 @@
 """A layer's attention table when some of its blocks are in L2: the launcher (rule, reference, tier codes and
 :class:`ByteCount`: :mod:`kvtune.kernels.sparse_table_ref`; on CUDA the Triton kernel of
-:mod:`kvtune.kernels.triton_sparse_table`, imported on first use).
+:mod:`kvtune.kernels.triton_sparse_table`, or the split selection of :mod:`kvtune.kernels.triton_sparse_split`
+where the options ask for it (:mod:`kvtune.kernels.sparse_table_choice`), imported on first use).
 """
 
 from __future__ import annotations
@@ -9,15 +10,27 @@ import torch
 
 from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.sparse_table_choice import SelectOptions, select_kernel
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, compact, sparse_block_table_ref
 
 __all__ = ["L1", "L2", "ByteCount", "compact", "sparse_block_table", "sparse_block_table_ref"]
 
 
 def sparse_block_table(
-    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
+    q: torch.Tensor,
+    pool: ColdPool,
+    blocks: torch.Tensor,
+    tier: torch.Tensor,
+    k_blocks: int,
+    count: ByteCount,
+    options: SelectOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See :func:`sparse_block_table_ref`; Triton on CUDA."""
+    """See :func:`sparse_block_table_ref`; Triton on CUDA (``options``: which Triton kernels,
+    :func:`kvtune.kernels.sparse_table_choice.select_kernel`; None: the default)."""
+    if use_triton(q) and select_kernel(k_blocks, q.shape[2], options) == "split":
+        from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
+
+        return sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, options)
     if use_triton(q):
         from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 

@@ -233,18 +233,11 @@ def _pair(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, .
     return buf[:n].view(shape), buf[stride : stride + n].view(shape)
 
 
-def sparse_block_table_triton(
+def table_outputs(
     q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract of :func:`kvtune.kernels.sparse_table_ref.sparse_block_table_ref`, in one launch.
-
-    The selected L2 blocks of a (sequence, KV head) are the reference's top-k as a set, best first; blocks
-    of equal bound may be chosen differently. In an 8-bit pool that may hold demoted blocks each block's own
-    bits give its levels and byte cost; in any other pool every block has the pool's bits
-    (:mod:`kvtune.kernels.layout`), which the kernel uses without reading ``block_bits``.
-    """
-    if not tileable_head_dim(q.shape[2]):
-        return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)
+    """A table launch's checks (ValueError naming the rule that does not hold) and its outputs, unwritten:
+    table [B, H, M + k_blocks], num_cold and num_l1 [B, H], int32."""
     B, M = blocks.shape
     H = pool.layout.num_kv_heads
     rules = {
@@ -259,10 +252,29 @@ def sparse_block_table_triton(
     broken = [rule for rule, ok in rules.items() if not ok]
     if broken:
         raise ValueError(f"sparse_block_table: `{broken[0]}` must hold (blocks {tuple(blocks.shape)})")
+    table = torch.empty((B, H, M + k_blocks), dtype=torch.int32, device=q.device)
+    num, n1 = _pair((B, H), q.device)
+    return table, num, n1
+
+
+def sparse_block_table_triton(
+    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contract of :func:`kvtune.kernels.sparse_table_ref.sparse_block_table_ref`, in one launch.
+
+    The selected L2 blocks of a (sequence, KV head) are the reference's top-k, best first, equal bounds in
+    the reference's order (later in the row first); bounds within float rounding of each other may be
+    ordered differently. In an 8-bit pool that may hold demoted blocks each block's own bits give its levels
+    and byte cost; in any other pool every block has the pool's bits (:mod:`kvtune.kernels.layout`), which
+    the kernel uses without reading ``block_bits``.
+    """
+    if not tileable_head_dim(q.shape[2]):
+        return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)
+    table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count)
+    B, M = blocks.shape
+    H = pool.layout.num_kv_heads
     dev = q.device
     W = M + k_blocks
-    table = torch.empty((B, H, W), dtype=torch.int32, device=dev)
-    num, n1 = _pair((B, H), dev)
     if B == 0:
         return table, num, n1
     if q.stride(2) != 1:

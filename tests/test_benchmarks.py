@@ -48,6 +48,18 @@ def test_decode_attention_mixed_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "mixed.json").exists()
 
 
+def test_decode_attention_quest_smoke(tmp_path: Path) -> None:
+    """``--quest``: the selection with the single-program kernel and every split variant, each checked against
+    the single kernel's table first and timed; the whole sparse INT8 step both ways."""
+    _smoke("decode_attention.py", tmp_path, "--quest")
+    table = (tmp_path / "quest.md").read_text()
+    (row,) = [line for line in table.splitlines() if line.startswith("| 1 x 1K | launches |")]
+    assert row.count(" µs") == 0 and row.count(") [") == 6 and "differ" not in row
+    (step,) = [line for line in table.splitlines() if line.startswith("Sparse INT8 step at 1 x 1K")]
+    assert "single " in step and "split " in step and step.count("x SDPA") == 2
+    assert (tmp_path / "quest.json").exists()
+
+
 def test_pool_read_smoke(tmp_path: Path) -> None:
     """The read-ceiling pass checks each launch's XOR of the words it read before timing it."""
     _smoke("pool_read.py", tmp_path)

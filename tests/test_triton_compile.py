@@ -143,8 +143,12 @@ def _access(b: int = 3, m: int = 9, now_ms: float = 1234.5) -> Callable[[], Any]
 
 
 def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True, k_blocks: int = 4,
-                  heads: int = 8, group: int = 4, d: int = 128) -> Callable[[], Any]:  # fmt: skip
+                  heads: int = 8, group: int = 4, d: int = 128,
+                  split: bool = False) -> Callable[[], Any]:  # fmt: skip
+    """The sparse tier's table; ``split``: with the split Quest selection (the span and merge kernels)."""
     from kvtune.kernels.sparse_table import ByteCount
+    from kvtune.kernels.sparse_table_choice import SelectOptions
+    from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
     from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 
     count = ByteCount(torch.zeros(9, dtype=torch.int64), 4096, torch.zeros((), dtype=torch.int64))
@@ -152,7 +156,14 @@ def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True,
     tier = torch.ones(40, dtype=torch.int8)
     q = torch.zeros(b, heads * group, d, dtype=torch.bfloat16)
     pool = _pool(bits, heads, d, demotable=demotable)
+    if split:
+        opts = SelectOptions(split=True)
+        return lambda: sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, opts)
     return lambda: sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
+
+
+def _sparse_split(**kw: Any) -> Callable[[], Any]:
+    return _sparse_table(split=True, **kw)
 
 
 CASES: dict[str, Callable[[], Callable[[], Any]]] = {
@@ -192,6 +203,14 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "sparse table top 1": lambda: _sparse_table(k_blocks=1),
     "sparse table without selection": lambda: _sparse_table(k_blocks=0),
     "sparse table smollm2 heads": lambda: _sparse_table(bits=4, demotable=False, heads=3, group=3, d=64),
+    "sparse split": _sparse_split,
+    "sparse split int8 pure": lambda: _sparse_split(bits=8, demotable=False),
+    "sparse split int4": lambda: _sparse_split(bits=4, demotable=False),
+    "sparse split unquantized": lambda: _sparse_split(bits=0, demotable=False),
+    "sparse split 16 x 512, top 32": lambda: _sparse_split(b=16, m=512, k_blocks=32),
+    "sparse split top 100": lambda: _sparse_split(k_blocks=100),
+    "sparse split top 1": lambda: _sparse_split(k_blocks=1),
+    "sparse split smollm2 heads": lambda: _sparse_split(bits=4, demotable=False, heads=3, group=3, d=64),
 }  # fmt: skip
 
 
@@ -229,6 +248,9 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         "access update": _access,
         "sparse table": _sparse_table,
         "sparse table int4": lambda: _sparse_table(bits=4, demotable=False),
+        "sparse split": _sparse_split,
+        "sparse split int4": lambda: _sparse_split(bits=4, demotable=False),
+        "sparse split 16 x 512, top 32": lambda: _sparse_split(b=16, m=512, k_blocks=32),
     }  # fmt: skip
 
 
@@ -315,6 +337,8 @@ SIZED: dict[str, Callable[[int, int], Callable[[], Any]]] = {
     "decode int8 gluon mixed smollm2 heads": lambda b, m: _gluon_mixed(64, 32, b=b, m=m, heads=3, group=3),
     "quest": lambda b, m: _quest(8, b, m),
     "sparse table": _sparse_table,
+    "sparse split": lambda b, m: _sparse_split(b=b, m=m),
+    "sparse split, rows of several spans": lambda b, m: _sparse_split(b=b, m=64 * m + 1),
     "access update": lambda b, m: _access(b, m, now_ms=1234.5 + b),
     "step kernels, seal, requantize": _step_sized,
 }
@@ -338,6 +362,33 @@ def test_changing_sizes_compile_once(case: str) -> None:
     for name, seen in keys.items():
         varying = sorted({a[0] for args in zip(*(k for k, _ in seen)) if len(set(args)) > 1 for a in args})
         assert len(seen) == 1, f"{case}: {name} compiles {len(seen)} times across sizes; varying: {varying}"
+
+
+# ---- the sparse table's kernels: the split selection where the options ask for it, and only there
+@pytest.mark.parametrize(
+    ("split", "k_blocks", "kernels"),
+    [(False, 4, ["_sparse_table_kernel"]), (True, 4, ["_span_kernel", "_merge_spans_kernel"]),
+     (True, 0, ["_sparse_table_kernel"])],  # k_blocks 0: nothing to select
+)  # fmt: skip
+def test_the_sparse_table_takes_the_split_selection_where_asked(
+    monkeypatch: pytest.MonkeyPatch, split: bool, k_blocks: int, kernels: list[str]
+) -> None:
+    """Through the dispatcher (Triton forced for CPU tensors, launches recorded): the default options launch
+    the single-program kernel, ``SelectOptions(split=True)`` the span and merge kernels."""
+    from kvtune.kernels import sparse_table
+    from kvtune.kernels.sparse_table_choice import SelectOptions
+
+    monkeypatch.setattr(sparse_table, "use_triton", lambda t: True)
+    count = sparse_table.ByteCount(
+        torch.zeros(9, dtype=torch.int64), 4096, torch.zeros((), dtype=torch.int64)
+    )
+    q, pool = torch.zeros(2, 32, 128, dtype=torch.bfloat16), _pool(8)
+    blocks, tier = (torch.arange(18) % 40).view(2, 9), torch.ones(40, dtype=torch.int8)
+    opts = SelectOptions(split=True) if split else None
+    launches = record_launches(
+        lambda: sparse_table.sparse_block_table(q, pool, blocks, tier, k_blocks, count, opts)
+    )
+    assert [x.fn.__name__ for x in launches] == kernels
 
 
 # ---- the engine's warm-up compiles every kernel that a timed replay launches

@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 # model dtype -> (rtol, atol) against the reference (RoPE and SiLU·up: the float32 reference rounded once)
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
-MODULES = ("triton_elementwise", "triton_access", "triton_sparse_table")
+MODULES = ("triton_elementwise", "triton_access", "triton_sparse_table", "triton_sparse_split")
 
 
 kernels, gpu_kernels = fixtures(MODULES)
@@ -163,11 +163,19 @@ def _assert_selected(got: list[int], want: list[int], bound: dict[int, float], w
     assert descending, f"{where}: not best first"
 
 
+def _launch(k, options: Any) -> Any:
+    """The single-program launcher (options None), else the split one planned with ``options``."""
+    if options is None:
+        return k.triton_sparse_table.sparse_block_table_triton
+    return lambda *args: k.triton_sparse_split.sparse_block_table_split_triton(*args, options)
+
+
 def check_sparse_table(k, b: int, h: int, g: int, d: int, m: int, k_blocks: int, pool_kind: str, device: str,
-                       seed: int) -> None:  # fmt: skip
+                       seed: int, options: Any = None) -> None:  # fmt: skip
     """Random tiers over scattered blocks (a shared prefix, -1 padding, a row without L2 blocks, a row with
     one, blocks of equal bounds): the L1 blocks in order, the reference's selection (as sets), counts and
-    bytes equal, -1 after the count."""
+    bytes equal, -1 after the count. ``options`` (a ``SelectOptions``): the kernels it selects, whose table,
+    counts and bytes must also equal the default kernel's exactly."""
     from kvtune.kernels.layout import ColdLayout
     from kvtune.kernels.quant import seal_blocks_ref
     from kvtune.kernels.quest import quest_scores_ref
@@ -201,8 +209,13 @@ def check_sparse_table(k, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
     q = torch.randn(b, h * g, d, generator=gen, device=device)
     cost = torch.arange(9, device=device, dtype=torch.int64) * 1000 + 7
     got_n, want_n = (ByteCount(cost, 11, torch.zeros((), dtype=torch.int64, device=device)) for _ in range(2))
-    table, num, n1 = k.triton_sparse_table.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, got_n)
+    table, num, n1 = _launch(k, options)(q, pool, blocks, tier, k_blocks, got_n)
     want_table, want_num, want_n1 = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, want_n)
+    if options is not None:  # the same table as the default kernel's, bit for bit
+        single_n = ByteCount(cost, 11, torch.zeros((), dtype=torch.int64, device=device))
+        single = k.triton_sparse_table.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, single_n)
+        assert all(torch.equal(x, y) for x, y in zip((table, num, n1), single, strict=True))
+        assert int(got_n.total) == int(single_n.total)
     for name, x, y in (("table", table, want_table), ("num_cold", num, want_num), ("num_l1", n1, want_n1)):
         assert x.dtype == y.dtype == torch.int32 and x.shape == y.shape, name
     assert torch.equal(num, want_num) and torch.equal(n1, want_n1)
@@ -243,6 +256,149 @@ def test_sparse_block_table_interpreted(kernels, b: int, h: int, g: int, d: int,
 def test_sparse_block_table_gpu(gpu_kernels, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
                                 pool_kind: str) -> None:  # fmt: skip
     check_sparse_table(gpu_kernels, b, h, g, d, m, k_blocks, pool_kind, "cuda", seed=b + m)
+
+
+# ---- the split selection (several programs score a row's L2 blocks, a second launch merges their top-k)
+def _split(splits: int | None) -> Any:
+    from kvtune.kernels.sparse_table_choice import SelectOptions
+
+    return SelectOptions(split=True, splits=splits)
+
+
+@pytest.mark.parametrize(("b", "h", "g", "d", "m", "k_blocks"), [t for t in CPU_TABLES if t[5] > 0])
+@pytest.mark.parametrize("pool_kind", ["int8 mixed", "int4"])
+@pytest.mark.parametrize("splits", [None, 3])  # planned (a CPU plans with 4 multiprocessors), or 3 at most
+def test_split_selection_interpreted(kernels, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
+                                     pool_kind: str, splits: int | None) -> None:  # fmt: skip
+    check_sparse_table(kernels, b, h, g, d, m, k_blocks, pool_kind, "cpu", seed=b * 100 + m,
+                       options=_split(splits))  # fmt: skip
+
+
+# 16 x 32K-like rows (Llama-3-8B heads, top 32) and SmolLM2-like heads; spans planned, and 5 wanted (4 at 512)
+GPU_SPLITS = [(*t, pool, splits) for t in (GPU_TABLES[0], GPU_TABLES[2])
+              for pool in ("int8 mixed", "int4", "unquantized") for splits in (None, 5)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("b", "h", "g", "d", "m", "k_blocks", "pool_kind", "splits"), GPU_SPLITS)
+def test_split_selection_gpu(gpu_kernels, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
+                             pool_kind: str, splits: int | None) -> None:  # fmt: skip
+    check_sparse_table(gpu_kernels, b, h, g, d, m, k_blocks, pool_kind, "cuda", seed=b + m,
+                       options=_split(splits))  # fmt: skip
+
+
+def _tied_rows(levels: int, device: str, m: int = 70, h: int = 2, g: int = 2, d: int = 32) -> tuple[Any, ...]:
+    """q, an 8-bit pool with demoted blocks whose key bounds take ``levels`` values (each block a copy of
+    one of the first ``levels`` blocks), blocks [4, m], tiers: row 0 all L2, row 1 empty, row 2 three L2
+    blocks (fewer than k), row 3 random tiers."""
+    from kvtune.kernels.layout import ColdLayout
+    from kvtune.kernels.quant import seal_blocks_ref
+    from kvtune.kernels.requant import requantize_int4_ref
+    from kvtune.kernels.sparse_table import L1, L2
+
+    gen = torch.Generator(device=device).manual_seed(levels)
+    n = 4 * m + levels
+    pool = ColdLayout(8, h, d, 8, torch.float32).allocate(n, device)
+    kv = torch.randn(2, n, 8, h, d, generator=gen, device=device)
+    seal_blocks_ref(pool, torch.arange(n, device=device), kv[0], kv[1], 8)
+    requantize_int4_ref(pool, torch.arange(1, n, 2, device=device))
+    src = torch.randint(0, levels, (n,), generator=gen, device=device)
+    for name in ("k_min", "k_scale", "block_bits"):
+        getattr(pool, name).copy_(getattr(pool, name)[src])
+    blocks = torch.randperm(n, generator=gen, device=device)[: 4 * m].view(4, m)
+    blocks[1] = -1
+    tier = torch.randint(L1, L2 + 1, (n,), generator=gen, device=device).to(torch.int8)
+    tier[blocks[0]] = L2
+    tier[blocks[2]] = L1
+    tier[blocks[2, [5, m // 2, m - 1]]] = L2
+    return torch.randn(4, h * g, d, generator=gen, device=device), pool, blocks, tier
+
+
+def check_ties(k, levels: int, k_blocks: int, kernel: str, device: str) -> None:
+    """The tie rule: of equal bounds the block later in the row first, and kept where the k-th place falls
+    among them. With one level the selection is the row's last k_blocks L2 blocks, newest first; with three
+    the table equals the reference's exactly (its order among equal bounds is the rule alone)."""
+    from kvtune.kernels.sparse_table import ByteCount, sparse_block_table_ref
+
+    q, pool, blocks, tier = _tied_rows(levels, device)
+    cost = torch.arange(9, device=device, dtype=torch.int64) * 1000 + 7
+    got_n, want_n = (ByteCount(cost, 11, torch.zeros((), dtype=torch.int64, device=device)) for _ in range(2))
+    if kernel == "reference":
+        got = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, got_n)
+    else:
+        options = _split(2) if kernel == "split" else None
+        got = _launch(k, options)(q, pool, blocks, tier, k_blocks, got_n)
+    want = sparse_block_table_ref(q, pool, blocks, tier, k_blocks, want_n)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)) and int(got_n.total) == int(
+        want_n.total
+    )
+    table, num, n1 = got
+    assert num[1].tolist() == n1[1].tolist() == [0, 0] and (table[1] == -1).all()  # the empty row
+    assert (num[2] - n1[2]).tolist() == [min(3, k_blocks)] * 2  # fewer L2 blocks than k
+    if levels == 1:  # row 0 is all L2 blocks of one bound
+        newest = blocks[0].flip(0)[:k_blocks].to(torch.int32)
+        assert all(torch.equal(table[0, j, :k_blocks], newest) for j in range(table.shape[1]))
+
+
+@pytest.mark.parametrize("levels", [1, 3])
+@pytest.mark.parametrize("k_blocks", [5, 64])
+@pytest.mark.parametrize("kernel", ["single", "split"])
+def test_ties_interpreted(kernels, levels: int, k_blocks: int, kernel: str) -> None:
+    check_ties(kernels, levels, k_blocks, kernel, "cpu")
+
+
+@pytest.mark.parametrize("levels", [1, 3])
+@pytest.mark.parametrize("k_blocks", [5, 64])
+def test_reference_tie_rule(levels: int, k_blocks: int) -> None:
+    check_ties(None, levels, k_blocks, "reference", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("levels", [1, 3])
+@pytest.mark.parametrize("k_blocks", [5])
+@pytest.mark.parametrize("kernel", ["single", "split"])
+def test_ties_gpu(gpu_kernels, levels: int, k_blocks: int, kernel: str) -> None:
+    check_ties(gpu_kernels, levels, k_blocks, kernel, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("b", "m"), [(16, 511), (4, 2047)])  # 16 x 32K and 4 x 128K in blocks of 64
+def test_split_selection_in_a_cuda_graph_gpu(gpu_kernels, b: int, m: int) -> None:
+    """Both launches of the split selection captured in a CUDA graph: a replay on new queries and tiers
+    gives the table, counts and bytes of an eager launch of the default kernel on the same inputs."""
+    from kvtune.kernels.layout import ColdLayout
+    from kvtune.kernels.sparse_table import L1, L2, ByteCount
+
+    h, dev = 8, "cuda"
+    pool = ColdLayout(64, h, 128, 8, torch.bfloat16).allocate(b * m, dev)
+    pool.k_min.normal_()
+    pool.k_scale.uniform_(0.001, 0.01)
+    pool.block_bits[torch.randperm(b * m, device=dev)[: b * m // 2]] = 4
+    blocks = torch.randperm(b * m, device=dev).view(b, m)
+    q = torch.randn(b, 4 * h, 128, device=dev, dtype=torch.bfloat16)
+    tier = torch.full((b * m,), L2, device=dev, dtype=torch.int8)
+    count = ByteCount(
+        torch.arange(9, device=dev) * 1000 + 7, 4096, torch.zeros((), dtype=torch.int64, device=dev)
+    )
+
+    def run() -> tuple[torch.Tensor, ...]:
+        return _launch(gpu_kernels, _split(None))(q, pool, blocks, tier, 32, count)
+
+    run()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    q.normal_()
+    tier[blocks[:, -m // 8 :]] = L1  # the newest eighth of each row to L1
+    count.total.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = int(count.total)
+    eager_n = ByteCount(count.cost, 4096, torch.zeros((), dtype=torch.int64, device=dev))
+    eager = gpu_kernels.triton_sparse_table.sparse_block_table_triton(q, pool, blocks, tier, 32, eager_n)
+    assert all(torch.equal(x, y) for x, y in zip(captured, eager, strict=True))
+    assert replayed == int(eager_n.total) > 0
 
 
 # ---- the whole cache on the Triton kernels

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise mixed ...)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise mixed quest ...)
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -45,6 +45,13 @@ for stage in "$@"; do
     log "sparse INT8 split kernel vs gluon_mixed, INT4, unquantized, SDPA (graphs, launches)"
     timeout ${MIXED_BENCH_S:-80} python3 benchmarks/decode_attention.py --mixed --out "$OUT/mixed" > "$OUT/mixed.log" 2>&1
     grep -E "rel err|Traceback|Error" "$OUT/mixed.log" | tail -6; cat "$OUT/mixed/mixed.md" 2>/dev/null || tail -5 "$OUT/mixed.log" ;;
+  quest)
+    log "gpu tests: the split Quest selection against the single kernel and the reference, ties, a captured graph"
+    timeout ${QUEST_TESTS_S:-55} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton_step.py \
+      -k "split_selection or ties" 2>&1 | tee "$OUT/quest_tests.log" | tail -8
+    log "Quest selection: single-program kernel vs split (graphs, launches), 16x32K and 4x128K"
+    timeout ${QUEST_BENCH_S:-65} python3 benchmarks/decode_attention.py --quest --out "$OUT/quest" > "$OUT/quest.log" 2>&1
+    grep -E "Traceback|Error" "$OUT/quest.log" | tail -4; cat "$OUT/quest/quest.md" 2>/dev/null || tail -5 "$OUT/quest.log" ;;
   plugin)
     log "gpu tests: the vLLM plugin's CUDA step and kvtune's kernels over its pages"
     timeout ${PLUGIN_S:-300} python3 -m pytest tests/test_vllm_plugin.py -m gpu -q -p no:cacheprovider -rf 2>&1 | tail -5 ;;

@@ -1,0 +1,93 @@
+"""Which Triton kernels build the sparse tier's table, and how the split Quest selection is planned.
+
+Plain Python (no Triton import), like :mod:`kvtune.kernels.decode_choice`: the dispatcher
+(:func:`kvtune.kernels.sparse_table.sparse_block_table`) asks :func:`select_kernel`, and the split launcher
+(:func:`kvtune.kernels.triton_sparse_split.sparse_block_table_split_triton`) plans with :func:`split_plan`.
+
+* ``"single"``: one launch, one program per (sequence, KV head) that splits the row, scores every L2 block
+  of it and keeps the top-k (:mod:`kvtune.kernels.triton_sparse_table`).
+* ``"split"``: the row's positions are cut into ``splits`` spans of ``span`` positions; one program per
+  (span, sequence, KV head) scores the span's L2 blocks and keeps its own top-k keys, one more per (sequence,
+  KV head) writes the L1 blocks, the counts and the padding; a second launch merges the spans' keys into
+  the row's top-k (:mod:`kvtune.kernels.triton_sparse_split`). Same table, same order, same ties.
+
+Both order the selected blocks by decreasing bound; of blocks with equal bounds the one later in the row
+(newer) comes first, and is kept where the k-th place falls among them
+(:func:`kvtune.kernels.quest_ref.quest_topk_ref`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from kvtune.kernels.triton_common import cdiv, next_pow2, tileable_head_dim
+
+SelectKernel = Literal["single", "split"]
+CHUNK = 64  # L2 positions a program scores at a time (the kernels' ``MB``)
+MERGE_KEYS = 256  # keys the merge ranks at once: splits x next_pow2(k_blocks) at most
+
+
+@dataclass(frozen=True)
+class SelectOptions:
+    """How the Triton kernels select the L2 blocks of the sparse tier's table.
+
+    split: score each row's L2 blocks with several programs, then merge their top-k in a second launch
+        (``"split"`` of :func:`select_kernel`). Off by default until measured on a GPU
+        (``benchmarks/decode_attention.py --quest``).
+    programs_per_sm: the split plan aims at this many scoring programs per multiprocessor.
+    maxnreg: register cap per thread of the span kernel (None: the compiler's choice, 184 at head dim 128
+        and top 32, one program of 8 warps per multiprocessor; 128: two, with 32 bytes of spills).
+    splits: scoring programs per row (None: planned by :func:`split_plan`; tests and sweeps set it).
+    """
+
+    split: bool = False
+    programs_per_sm: int = 2
+    maxnreg: int | None = 128
+    splits: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.programs_per_sm < 1:
+            raise ValueError(
+                f"`programs_per_sm >= 1` must hold, but got programs_per_sm={self.programs_per_sm}"
+            )
+        if self.maxnreg is not None and not 32 <= self.maxnreg <= 255:
+            raise ValueError(f"`32 <= maxnreg <= 255` must hold (or None), but got maxnreg={self.maxnreg}")
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"`splits >= 1` must hold (or None: planned), but got splits={self.splits}")
+
+
+DEFAULT_SELECT = SelectOptions()
+
+
+class SplitPlan(NamedTuple):
+    """A split launch: ``splits`` spans of ``span`` row positions (a multiple of :data:`CHUNK`) per row."""
+
+    splits: int
+    span: int
+
+
+def max_splits(k_blocks: int) -> int:
+    """The most spans a row may have: the merge ranks ``splits x next_pow2(k_blocks)`` keys at once."""
+    return max(1, MERGE_KEYS // next_pow2(k_blocks))
+
+
+def split_plan(rows: int, width: int, k_blocks: int, sms: int, options: SelectOptions) -> SplitPlan:
+    """Spans per row for ``rows`` (sequence, KV head) rows of ``width`` positions on ``sms``
+    multiprocessors: about ``options.programs_per_sm`` scoring programs per multiprocessor, at least one
+    chunk per span, at most :func:`max_splits`. Depends on sizes only (no data): capturable."""
+    chunks = max(1, cdiv(width, CHUNK))
+    wanted = options.splits or cdiv(options.programs_per_sm * sms, max(rows, 1))
+    splits = max(1, min(wanted, chunks, max_splits(k_blocks)))
+    span = cdiv(chunks, splits) * CHUNK
+    return SplitPlan(cdiv(chunks * CHUNK, span), span)
+
+
+def select_kernel(k_blocks: int, head_dim: int, options: SelectOptions | None = None) -> SelectKernel | None:
+    """The Triton kernels that build the table, None where the reference must (a head dim the kernels do
+    not tile). ``"split"`` where the options ask for it (None: :data:`DEFAULT_SELECT`) and there is
+    something to select (``k_blocks > 0``)."""
+    if not tileable_head_dim(head_dim):
+        return None
+    opts = DEFAULT_SELECT if options is None else options
+    return "split" if opts.split and k_blocks > 0 else "single"

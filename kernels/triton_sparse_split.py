@@ -1,0 +1,259 @@
+"""The sparse tier's table with Quest's selection split over several programs per row (``"split"`` of
+:func:`kvtune.kernels.sparse_table_choice.select_kernel`): two launches, no host synchronisation, sizes that
+follow the batch and the row width only (capturable in a CUDA graph), one compiled kernel for every size.
+
+1. ``_span_kernel``, programs ``(row, s)`` for ``row = (sequence b, KV head h)``:
+
+   * ``s = 0`` splits the row as the single-program kernel does (:mod:`kvtune.kernels.triton_sparse_table`):
+     the L1 blocks in order to the table, the counts (``num = n1 + min(k, L2 blocks)``), the -1 padding
+     after the selected places, and the bytes of the L1 blocks and of Quest (by ``h == 0``);
+   * ``s = 1 .. splits`` scores the L2 blocks among the row's positions ``[(s - 1) * span, s * span)``, 64
+     at a time, with the single kernel's bound and keys (``_scan_chunk``), and writes the span's
+     ``k`` largest keys (``-2^63`` after them) to ``keys[row, s - 1]``.
+
+   The key of a block holds its position in the row, not in the row's list of L2 blocks: both order the
+   L2 blocks alike, so keys compare as in the single kernel, and the merge reads the id from the row.
+2. ``_merge_spans_kernel``, one program per row: a key's rank among the row's ``splits x TOPK`` keys is the
+   number of keys above it (keys are distinct); the keys of rank below ``k`` are the row's top-k, and each
+   goes to place ``n1 + rank`` of the table with its block's id; their bytes are added to the count.
+
+Ties: keys order by bound, then by position (later first), in both kernels, so the tables are the same
+(the bounds are the same sums over the same ``[64, D]`` tiles of 8 warps, so the same floats).
+
+Why: the single kernel scores a row's L2 blocks one chunk after another in one program per row, 128
+programs at 16 sequences x 8 KV heads (about one per multiprocessor of an H200, each waiting on its chunks'
+loads in turn). Here a row's chunks are spread over ``splits`` programs (planned from the rows and the
+multiprocessors, :func:`~kvtune.kernels.sparse_table_choice.split_plan`), capped at 128 registers per thread
+(``SelectOptions.maxnreg``) so two programs of 8 warps share a multiprocessor. The merge ranks
+``splits x TOPK`` keys by ``(splits x TOPK)^2`` comparisons, so a row has at most
+:func:`~kvtune.kernels.sparse_table_choice.max_splits` spans (256 keys).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.sparse_table_choice import (
+    CHUNK,
+    DEFAULT_SELECT,
+    SelectOptions,
+    max_splits,
+    select_kernel,
+    split_plan,
+)
+from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount
+from kvtune.kernels.triton_common import next_pow2
+from kvtune.kernels.triton_sparse_table import (
+    FILL,
+    NONE,
+    NUM_WARPS,
+    SPLIT,
+    _bounds,
+    _merge_top,
+    _scan_chunk,
+    sparse_block_table_triton,
+    table_outputs,
+)
+
+MERGE_WARPS = 8  # the [256, 64] comparisons of a rank step: 64 per thread
+
+
+@triton.jit
+def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, bh, M, W, K,
+            quest_cost, H: tl.constexpr, SPLIT: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+            POOL_BITS: tl.constexpr, MIXED: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+    """Row bh's L1 blocks in order to its table, -1 after the selected places, the counts, and the bytes
+    of the L1 blocks and of Quest (Quest's by h == 0), as the single-program kernel's steps 1 and 3."""
+    b = bh // H
+    row = b.to(tl.int64) * M
+    out = table_ptr + bh.to(tl.int64) * W
+    c1 = tl.zeros([], tl.int32)
+    c2 = tl.zeros([], tl.int32)
+    read = tl.zeros([SPLIT], tl.int64)
+    js = tl.arange(0, SPLIT)
+    blk = tl.load(blocks_ptr + row + js, mask=js < M, other=-1)
+    for j0 in range(0, M, SPLIT):  # the next step's ids load while a step's tiers (and bits) do
+        blk_n = tl.load(blocks_ptr + row + j0 + SPLIT + js, mask=j0 + SPLIT + js < M, other=-1)
+        at = tl.where(blk >= 0, blk, 0)
+        t = tl.load(tier_ptr + at, mask=blk >= 0, other=0)
+        if MIXED:  # every listed block's bits, loaded beside its tier
+            bits = tl.load(bits_ptr + at, mask=blk >= 0, other=0).to(tl.int32)
+        is1 = (blk >= 0) & (t == T1)
+        tl.store(out + c1 + tl.cumsum(is1.to(tl.int32), 0) - 1, blk.to(tl.int32), mask=is1)
+        if MIXED:
+            read += tl.load(cost_ptr + bits, mask=is1, other=0)
+        c1 += tl.sum(is1.to(tl.int32), 0)
+        c2 += tl.sum(((blk >= 0) & (t == T2)).to(tl.int32), 0)
+        blk = blk_n
+    ns = tl.minimum(c2, K)
+    for p0 in range(c1 + ns, W, FILL):
+        pad = p0 + tl.arange(0, FILL)
+        tl.store(out + pad, tl.full([FILL], -1, tl.int32), mask=pad < W)
+    tl.store(num_ptr + bh, c1 + ns)
+    tl.store(n1_ptr + bh, c1)
+    total = tl.where(bh % H == 0, c2.to(tl.int64) * quest_cost, 0)
+    if MIXED:
+        total += tl.sum(read, 0)
+    else:
+        total += c1.to(tl.int64) * tl.load(cost_ptr + POOL_BITS)
+    tl.atomic_add(bytes_ptr, total)
+
+
+@triton.jit
+def _query_sums(q_ptr, b, h, s_qb, s_qh, G: tl.constexpr, D: tl.constexpr, POOL_BITS: tl.constexpr,
+                MIXED: tl.constexpr):  # fmt: skip
+    """S = sum_g q_g and P = sum_g max(q_g, 0) over KV head h's query group (P times the levels unless
+    MIXED)."""
+    d = tl.arange(0, D)
+    q_row = q_ptr + b.to(tl.int64) * s_qb + (h * G) * s_qh + d
+    qs = tl.zeros([D], tl.float32)
+    qp = tl.zeros([D], tl.float32)
+    for g in tl.static_range(G):
+        qg = tl.load(q_row + g * s_qh).to(tl.float32)
+        qs += qg
+        qp += tl.maximum(qg, 0.0)
+    if not MIXED:  # every block has the pool's levels: fold them into P
+        qp = qp * (1.0 if POOL_BITS == 0 else (1 << POOL_BITS) - 1.0)
+    return qs, qp
+
+
+@triton.jit
+def _score_span(q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, keys_ptr, scratch_ptr, bh, s, M,
+                K, SPAN, P, s_qb, s_qh, s_kn, s_kh, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                MB: tl.constexpr, TOPK: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr,
+                MIXED: tl.constexpr):  # fmt: skip
+    """The K largest keys of the L2 blocks at row positions [s * SPAN, (s + 1) * SPAN) of row bh (descending,
+    NONE after) to keys[bh, s]; candidates and merges as in the single kernel's step 2."""
+    b = bh // H
+    h = bh % H
+    row = blocks_ptr + b.to(tl.int64) * M
+    qs, qp = _query_sums(q_ptr, b, h, s_qb, s_qh, G, D, POOL_BITS, MIXED)
+    slot = bh.to(tl.int64) * P + s
+    cands = scratch_ptr + slot * (SPAN + TOPK)  # keys above the K-th best when they were scored
+    best_buf = cands + SPAN
+    kmin_h = kmin_ptr + h * s_kh
+    kscale_h = kscale_ptr + h * s_kh
+    jj = tl.arange(0, MB)
+    best = tl.full([TOPK], NONE, tl.int64)
+    floor = tl.full([], NONE, tl.int64)
+    wp = tl.zeros([], tl.int32)
+    rp = tl.zeros([], tl.int32)
+    start = s * SPAN
+    end = tl.minimum(start + SPAN, M)
+    blk = tl.load(row + start + jj, mask=start + jj < end, other=-1)
+    t = tl.load(tier_ptr + tl.where(blk >= 0, blk, 0), mask=blk >= 0, other=0)
+    for c0 in range(start, end, MB):
+        blk = tl.where((blk >= 0) & (t == T2), blk, -1)  # the L2 blocks of the chunk
+        lo, sc, bits = _bounds(kmin_h, kscale_h, bits_ptr, blk, s_kn, D, POOL_BITS, MIXED)
+        p = c0 + MB + jj  # the next chunk's ids and tiers load while this one is scored
+        blk_n = tl.load(row + p, mask=p < end, other=-1)
+        t = tl.load(tier_ptr + tl.where(blk_n >= 0, blk_n, 0), mask=blk_n >= 0, other=0)
+        best, floor, wp, rp = _scan_chunk(lo, sc, bits, blk, c0, qs, qp, best, floor, wp, rp, cands, best_buf,
+                                          K, TOPK, MB, MIXED)  # fmt: skip
+        blk = blk_n
+    if wp > rp:  # the last candidates
+        tl.debug_barrier()
+        last = tl.load(cands + rp + jj, mask=rp + jj < wp, other=NONE)
+        best = _merge_top(best, last, K, best_buf, TOPK)
+    tl.store(keys_ptr + slot * TOPK + tl.arange(0, TOPK), best)
+
+
+@triton.jit(do_not_specialize=["M", "W", "K", "SPAN", "P"])  # sizes follow the batch and lengths
+def _span_kernel(
+    q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr,
+    bytes_ptr, keys_ptr, scratch_ptr, M, W, K, SPAN, P, quest_cost, s_qb, s_qh, s_kn, s_kh,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, MB: tl.constexpr, SPLIT: tl.constexpr,
+    TOPK: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr, MIXED: tl.constexpr,
+    FILL: tl.constexpr,
+):  # fmt: skip
+    """Program (row, 0): the row's L1 blocks, counts, padding and bytes; (row, s > 0): span s - 1's top-K."""
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    if s == 0:
+        _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, bh, M, W, K,
+                quest_cost, H, SPLIT, T1, T2, POOL_BITS, MIXED, FILL)  # fmt: skip
+    else:
+        _score_span(q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, keys_ptr, scratch_ptr, bh,
+                    s - 1, M, K, SPAN, P, s_qb, s_qh, s_kn, s_kh, H, G, D, MB, TOPK, T2, POOL_BITS,
+                    MIXED)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M", "W", "K", "P"])
+def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes_ptr, M, W, K, P,
+                        H: tl.constexpr, TOPK: tl.constexpr, NK: tl.constexpr, MB: tl.constexpr):  # fmt: skip
+    """Row bh's top-K of its spans' keys to table places n1 + rank (rank: the keys above; keys are
+    distinct), with their bytes (``cost[bits]``, the bits in the key)."""
+    bh = tl.program_id(0)
+    n = P * TOPK
+    base = keys_ptr + bh.to(tl.int64) * n
+    e = tl.arange(0, NK)
+    key = tl.load(base + e, mask=e < n, other=NONE)
+    rank = tl.zeros([NK], tl.int32)
+    for c in tl.static_range(NK // MB):
+        if c * MB < n:
+            o = c * MB + tl.arange(0, MB)
+            other = tl.load(base + o, mask=o < n, other=NONE)
+            rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
+    sel = (key != NONE) & (rank < K)
+    pos = (key >> 4) & 0xFFFFFFF
+    ids = tl.load(blocks_ptr + (bh // H).to(tl.int64) * M + pos, mask=sel, other=-1)
+    c1 = tl.load(n1_ptr + bh)
+    tl.store(table_ptr + bh.to(tl.int64) * W + c1 + rank, ids.to(tl.int32), mask=sel)
+    tl.atomic_add(bytes_ptr, tl.sum(tl.load(cost_ptr + (key & 15), mask=sel, other=0), 0))
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (a CPU, the interpreter's or a recorded launch: 4)."""
+    if device.type != "cuda":
+        return 4
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def sparse_block_table_split_triton(
+    q: torch.Tensor,
+    pool: ColdPool,
+    blocks: torch.Tensor,
+    tier: torch.Tensor,
+    k_blocks: int,
+    count: ByteCount,
+    options: SelectOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~kvtune.kernels.triton_sparse_table.sparse_block_table_triton`'s contract and results (the same
+    table, counts and bytes) in two launches, planned with ``options`` (None: the defaults;
+    ``options.split`` is not read). With nothing to select (``k_blocks`` 0) or a head dim the kernels do
+    not tile, the single-program launcher's path."""
+    opts = DEFAULT_SELECT if options is None else options
+    if select_kernel(k_blocks, q.shape[2], replace(opts, split=True)) != "split":
+        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
+    table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count)
+    B, M = blocks.shape
+    if B == 0:
+        return table, num, n1
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    H = pool.layout.num_kv_heads
+    W, dev = M + k_blocks, q.device
+    plan = split_plan(B * H, M, k_blocks, _num_sms(dev), opts)
+    topk = next_pow2(k_blocks)
+    keys = torch.empty((B * H, plan.splits, topk), dtype=torch.int64, device=dev)
+    scratch = torch.empty((B * H, plan.splits, plan.span + topk), dtype=torch.int64, device=dev)
+    cap = {"maxnreg": opts.maxnreg} if opts.maxnreg else {}
+    _span_kernel[(B * H, plan.splits + 1)](
+        q, pool.k_min, pool.k_scale, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total,
+        keys, scratch, M, W, k_blocks, plan.span, plan.splits, count.quest_cost, q.stride(0), q.stride(1),
+        pool.k_min.stride(0), pool.k_min.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=CHUNK,
+        SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote,
+        FILL=FILL, num_warps=NUM_WARPS, num_stages=1, **cap,
+    )  # fmt: skip
+    _merge_spans_kernel[(B * H,)](
+        keys, blocks, count.cost, table, n1, count.total, M, W, k_blocks, plan.splits, H=H,
+        TOPK=topk, NK=max_splits(k_blocks) * topk, MB=CHUNK, num_warps=MERGE_WARPS,
+    )  # fmt: skip
+    return table, num, n1

@@ -1,0 +1,73 @@
+"""Which Triton kernels build the sparse tier's table, and the split selection's plan (plain Python)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtune.kernels.sparse_table_choice import (
+    CHUNK,
+    DEFAULT_SELECT,
+    SelectOptions,
+    SplitPlan,
+    max_splits,
+    select_kernel,
+    split_plan,
+)
+
+SPLIT = SelectOptions(split=True)
+
+
+@pytest.mark.parametrize(
+    ("k_blocks", "head_dim", "options", "kernel"),
+    [
+        (32, 128, None, "single"),  # off by default
+        (32, 128, DEFAULT_SELECT, "single"),
+        (32, 128, SPLIT, "split"),
+        (1, 64, SPLIT, "split"),
+        (0, 128, SPLIT, "single"),  # nothing to select: the single kernel writes the L1 table
+        (32, 48, SPLIT, None),  # a head dim the kernels do not tile: the reference
+        (32, 48, None, None),
+    ],
+)
+def test_select_kernel(
+    k_blocks: int, head_dim: int, options: SelectOptions | None, kernel: str | None
+) -> None:
+    assert select_kernel(k_blocks, head_dim, options) == kernel
+
+
+# (rows, row width, k_blocks, multiprocessors, options) -> plan
+PLANS = [
+    ((128, 511, 32, 132, SPLIT), SplitPlan(3, 192)),  # 16 x 32K, 8 KV heads, on an H200: 384 scoring programs
+    ((32, 2047, 32, 132, SPLIT), SplitPlan(8, 256)),  # 4 x 128K: 9 wanted, 8 at most for top 32 (256 keys)
+    ((8, 2047, 32, 132, SPLIT), SplitPlan(8, 256)),
+    ((128, 9, 32, 132, SPLIT), SplitPlan(1, CHUNK)),  # one chunk per row: one span
+    ((1024, 511, 32, 132, SPLIT), SplitPlan(1, 8 * CHUNK)),  # rows enough for the card
+    ((4, 2047, 100, 132, SPLIT), SplitPlan(2, 1024)),  # top 100 (128 keys per span): 2 spans at most
+    ((4, 2047, 300, 132, SPLIT), SplitPlan(1, 2048)),
+    (
+        (128, 511, 32, 132, SelectOptions(split=True, programs_per_sm=4)),
+        SplitPlan(4, 128),
+    ),  # 5 wanted: 2 chunks each
+    ((128, 511, 32, 132, SelectOptions(split=True, splits=2)), SplitPlan(2, 256)),
+    ((6, 70, 8, 4, SPLIT), SplitPlan(2, CHUNK)),  # a CPU plans with 4 multiprocessors
+    ((0, 0, 8, 4, SPLIT), SplitPlan(1, CHUNK)),
+]
+
+
+@pytest.mark.parametrize(("args", "plan"), PLANS, ids=str)
+def test_split_plan(args: tuple, plan: SplitPlan) -> None:
+    got = split_plan(*args)
+    assert got == plan
+    width, k_blocks = args[1:3]
+    assert got.span % CHUNK == 0 and (got.splits - 1) * got.span < max(width, 1) <= got.splits * got.span
+    assert got.splits <= max_splits(k_blocks)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [("programs_per_sm", 0, "programs_per_sm >= 1"), ("splits", 0, "splits >= 1"),
+     ("maxnreg", 16, "32 <= maxnreg <= 255"), ("maxnreg", 300, "32 <= maxnreg <= 255")],
+)  # fmt: skip
+def test_select_options_are_checked(field: str, value: int, rule: str) -> None:
+    with pytest.raises(ValueError, match=f"`{rule}`.*{field}={value}"):
+        SelectOptions(**{field: value})
