@@ -46,7 +46,7 @@ from kvtune.tuner.protocol import (
 )
 
 if TYPE_CHECKING:
-    from kvtune.engine.engine import Deadline
+    from kvtune.engine.engine import Deadline, Stop
     from kvtune.engine.metrics import RequestTiming
 
 # The unloaded replay: the trace's arrivals slowed this much (requests that arrive together in the trace, a
@@ -188,13 +188,14 @@ class TrialWorker:
         knobs: EngineKnobs | None = None,
         deadline: Deadline | None = None,
         timings: list[RequestTiming] | None = None,
+        stop: Stop | None = None,
     ) -> dict[str, Any]:
         """One replay of ``requests`` under ``config`` (also used by validation): its metrics; ``timings``
-        receives the per-request times."""
+        receives the per-request times; ``stop`` may end it early (:meth:`Engine.replay`)."""
         replayer = self._replayer(knobs)
         self._prime(replayer, config, requests, warmup, deadline)
         metrics = replayer.replay(
-            config, requests, time_scale, warmup=warmup, deadline=deadline, timings=timings
+            config, requests, time_scale, warmup=warmup, deadline=deadline, timings=timings, stop=stop
         )
         return dict(metrics.to_dict())
 
