@@ -21,6 +21,19 @@ over the windows and the mean search time. The JSON (rewritten after every searc
 
     python benchmarks/capacity_noise.py --model random:llama-3.1-8b --kv-budget 1073741824 \\
         --length-scale 0.25 --requests 96 --json noise.json
+
+``--grid`` measures every rule from one set of replays instead (``capacity_grid.py`` says how each rule reads
+them): each window's first chunk replayed ``--repeats`` times at each of ``--grid-rates`` rates spaced by
+``--grid-step`` (default the search's 2.5 %) around ``--grid-center`` (default: window 0's capacity by a first
+search with the study's rule), each replay stopped only once every rule has failed, every request's TTFT and
+TPOT kept. Printed: the planned replays (and, after the first, their estimated time), each replay's verdicts,
+and after each repeat, per rule (``p90``, ``p99``, ``attainment``, ``pooledW``, ``attainment+pooledW``,
+``confirm``) each window's capacities, median and spread, the largest and the median spread, and how many
+grids were non-monotone (a pass above a failure) or out of the grid. The JSON is rewritten after every replay.
+
+    python benchmarks/capacity_noise.py --grid --grid-center 3.0 --grid-rates 9 --grid-step 0.06 \\
+        --model random:llama-3.1-8b --kv-budget 1073741824 --length-scale 0.25 --requests 96 --windows 3 \\
+        --repeats 2 --json grid.json
 """
 
 from __future__ import annotations
@@ -33,13 +46,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from capacity_grid import (
+    GridReplay,
+    GridStop,
+    grid_rates,
+    passes,
+    replay_to_json,
+    rule_capacities,
+    rule_summary,
+    rules,
+)
+
 from kvtune.engine.engine import DEFAULT_BASELINE, resolve_device
 from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.engine.scheduler import CLOCKS, SchedulerConfig
 from kvtune.engine.traces import LengthPolicy, Request, read_trace
 from kvtune.studies.names import CAPACITY_CLOCK, CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD, SLO_PERCENTILE
-from kvtune.tuner.capacity import CapacitySearch, Slo, derive_slo, saturation_rate
-from kvtune.tuner.worker import TrialWorker, local_worker
+from kvtune.tuner.capacity import CapacitySearch, Slo, decision_margin, derive_slo, saturation_rate
+from kvtune.tuner.worker import TrialWorker, gc_paused, local_worker
 from kvtune.tuner.workload import rebase
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +107,12 @@ def _args() -> argparse.Namespace:
     p.add_argument("--clock", choices=CLOCKS, default=CAPACITY_CLOCK, help="the engine's clock (a study's)")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--grid", action="store_true", help="every rule from one set of replays on a rate grid")
+    p.add_argument("--grid-rates", type=int, default=9, help="rates of the grid (default 9)")
+    p.add_argument("--grid-step", type=float, default=CAPACITY_GRANULARITY,
+                   help="the grid's relative step (default the search's 2.5 %%)")  # fmt: skip
+    p.add_argument("--grid-center", type=float, default=None,
+                   help="the grid's centre (× the trace's rate; default: a p90 search)")  # fmt: skip
     return p.parse_args()
 
 
@@ -137,6 +167,9 @@ def main() -> None:
     slo = Slo.from_record(record)
     print(f"{args.model} on {device}, {Path(args.workload).name}: {args.windows} windows of {args.requests} "
           f"requests · {slo.describe()} · {args.clock} clock", flush=True)  # fmt: skip
+    if args.grid:
+        grid(args, worker, windows, slo, record)
+        return
     results: dict[str, Any] = {"args": vars(args), "slo": record, "routes": {}}
     summary = []
     for name in args.routes.split(","):
@@ -163,6 +196,95 @@ def main() -> None:
         worker.release()
     print("noise per route (spread of the baseline's capacity over repeated searches of one window):")
     print("\n".join(summary))
+
+
+def grid(
+    args: argparse.Namespace, worker: TrialWorker, windows: list[tuple[tuple[Request, ...], ...]], slo: Slo,
+    record: dict[str, Any],
+) -> None:  # fmt: skip
+    """``--grid``: each window replayed ``--repeats`` times at every rate of the grid, the rules judged on
+    those replays (``capacity_grid.py``)."""
+    center, first = args.grid_center, None
+    if center is None:
+        top = saturation_rate(windows[0][:1], record)
+        first = search(worker, windows[0], slo, ROUTES["p90"], top, args.start)
+        center = first["capacity"]
+        print(f"  centre: window 0 searched by the p90 rule, {center:.3f}x ({len(first['probes'])} probes) · "
+              f"{first['wall_s']:.1f} s", flush=True)  # fmt: skip
+        if center <= 0:
+            raise SystemExit("the search found no passing rate to centre the grid on: give --grid-center")
+    rates = grid_rates(center, args.grid_rates, args.grid_step)
+    total = len(rates) * len(windows) * args.repeats
+    print(f"grid: {len(rates)} rates {rates[0]:.3f}-{rates[-1]:.3f}x by {100 * args.grid_step:.1f} % × "
+          f"{len(windows)} windows × {args.repeats} repeats = {total} replays", flush=True)  # fmt: skip
+    saturation = [saturation_rate(c[:1], record) for c in windows]
+    if any(s is not None and rates[-1] > s for s in saturation):
+        print(f"  note: above a window's saturation rate ({saturation}) a rate replays it at once")
+    plan = {"rates": list(rates), "step": args.grid_step, "center": center, "center_search": first,
+            "saturation_rates": saturation, "replays_planned": total}  # fmt: skip
+    results: dict[str, Any] = {"args": vars(args), "mode": "grid", "slo": record, "grid": plan, "replays": [],
+                               "rules": {}}  # fmt: skip
+    done: list[GridReplay] = []
+    pooled = sum(len(c[0]) for c in windows)
+    for k in range(args.repeats):
+        for w, chunks in enumerate(windows):
+            for rate in rates:
+                prior = [r for r in done if r.repeat == k and r.rate == rate]
+                one, wall = grid_replay(worker, chunks[0], (w, k, rate), slo, pooled, prior)
+                done.append(one)
+                if len(done) == 1:
+                    print(f"planned: {total} replays × {wall:.1f} s (the first, at the lowest rate) ≈ "
+                          f"{total * wall:.0f} s", flush=True)  # fmt: skip
+                print(_replay_line(one, slo, wall), flush=True)
+                results["replays"].append(replay_to_json(one, wall))
+                caps = rule_capacities(done, slo, rates, len(windows))
+                results["rules"] = {name: rule_summary(c) | {"capacities": c} for name, c in caps.items()}
+                _write(args, results)
+        print(f"after repeat {k}:\n" + _grid_summary(results["rules"], args.grid_step), flush=True)
+
+
+def grid_replay(
+    worker: TrialWorker, requests: tuple[Request, ...], where: tuple[int, int, float], slo: Slo, pooled: int,
+    prior: list[GridReplay],
+) -> tuple[GridReplay, float]:  # fmt: skip
+    """One replay of the baseline at ``where`` = (window, repeat, rate), as a worker's probe replays (its
+    priming, no garbage collection inside), stopped only once every rule has failed; its wall time."""
+    window, repeat, rate = where
+    stop, timings = GridStop(slo, len(requests), pooled, prior), []  # type: ignore[var-annotated]
+    t0 = time.perf_counter()
+    with gc_paused():
+        worker.replay(DEFAULT_BASELINE, requests, 1.0 / rate, WARMUP_REQUESTS, timings=timings, stop=stop)
+    wall = time.perf_counter() - t0
+    return GridReplay(window, repeat, rate, len(requests), tuple(timings), stop.fired, stop.p90.fired), wall
+
+
+def _replay_line(one: GridReplay, slo: Slo, wall: float) -> str:
+    head = f"  window {one.window} #{one.repeat} ×{one.rate:.3f}:"
+    if one.stopped:
+        return f"{head} stopped, every rule failed ({len(one.timings)}/{one.requests} served) · {wall:.1f} s"
+    judged = rules(slo, 1)
+    verdicts = " ".join(f"{n} {'pass' if passes([one], judged[n].slo) else 'FAIL'}"
+                        for n in ("p90", "p99", "attainment"))  # fmt: skip
+    margin = decision_margin(one.timings, judged["p90"].slo)
+    return f"{head} {verdicts} · P90 margin {margin:+.3f} · {wall:.1f} s"
+
+
+def _grid_summary(summary: dict[str, Any], step: float) -> str:
+    """Per rule: each window's capacities, median and spread; the largest and the median spread."""
+    lines = []
+    pct = lambda x: "  —  " if x is None else f"{100 * x:5.1f}"
+    for name, s in summary.items():
+        for w, fig in s["windows"].items():
+            caps = ", ".join(f"{c:.3f}" for c in fig["capacities"])
+            lines.append(f"  {name:<20} window {w}: {caps} · median {fig['median']:.3f}x, spread "
+                         f"{pct(fig['spread'])} %")  # fmt: skip
+        lines.append(f"GRID {name:<20} spread max {pct(s['spread_max'])} %, median "
+                     f"{pct(s['spread_median'])} % · non-monotone {s['non_monotone']}, out of grid "
+                     f"{s['out_of_grid']}")  # fmt: skip
+    lines.append(f"resolution: capacities are grid rates {100 * step:.1f} % apart (a spread below one step "
+                 f"reads 0 %); out of grid: the lowest rate failed (0) or every rate passed (a lower "
+                 f"bound)")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:

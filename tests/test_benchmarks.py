@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -205,3 +206,146 @@ def test_capacity_noise_smoke(tmp_path: Path) -> None:
     assert "ROUTE attainment spread max   0.0 %" in run.stdout
     runs = json.loads(out.read_text())["routes"]["attainment"]
     assert len(runs) == 1 and runs[0]["probes"] and runs[0]["capacity"] > 0
+
+
+def _capacity_grid() -> Any:
+    """``benchmarks/capacity_grid.py`` (the pure half of ``capacity_noise.py --grid``) as a module."""
+    import importlib.util
+
+    if "capacity_grid" in sys.modules:
+        return sys.modules["capacity_grid"]
+    spec = importlib.util.spec_from_file_location("capacity_grid", ROOT / "benchmarks" / "capacity_grid.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules["capacity_grid"] = importlib.util.module_from_spec(spec)  # dataclasses need it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_capacity_noise_grid_smoke(tmp_path: Path) -> None:
+    """``--grid``: two windows replayed twice at three rates, limits derived from the unloaded replay; the
+    JSON keeps every replay and each rule's capacities, which are those the replays' times give."""
+    import json
+
+    out = tmp_path / "grid.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "capacity_noise.py"), "--grid", "--model", "random:tiny",
+         "--requests", "6", "--windows", "2", "--repeats", "2", "--grid-rates", "3", "--grid-step", "0.5",
+         "--grid-center", "1", "--length-scale", "0.03", "--kv-budget", "2e8", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "= 12 replays" in run.stdout and "planned: 12 replays ×" in run.stdout
+    assert "GRID confirm" in run.stdout and "resolution: capacities are grid rates 50.0 % apart" in run.stdout
+    data = json.loads(out.read_text())
+    rates = data["grid"]["rates"]
+    assert rates == pytest.approx([2 / 3, 1.0, 1.5]) and len(data["replays"]) == 12
+    for r in data["replays"]:
+        assert len(r["ttft_ms"]) == len(r["tpot_ms"]) == r["completed"] <= r["requests"] == 6
+        assert r["stopped"] or r["completed"] == 6
+    names = ["p90", "p99", "attainment", "pooled2", "attainment+pooled2", "confirm"]
+    assert list(data["rules"]) == names
+    grid = _capacity_grid()
+    slo = grid.Slo.from_record(data["slo"])
+    replays = [grid.replay_from_json(r) for r in data["replays"]]
+    again = grid.rule_capacities(replays, slo, rates, 2)
+    for name in names:
+        caps = data["rules"][name]["capacities"]
+        assert caps == again[name] and len(caps) == (2 if "pooled" in name else 4)
+        assert all(c["capacity"] in (0.0, *rates) for c in caps)
+        assert set(data["rules"][name]["windows"]) == ({"pooled"} if "pooled" in name else {"0", "1"})
+
+
+def _window(grid: Any, slow: int, ttft: float = 50.0) -> tuple[Any, ...]:
+    """20 requests' times: ``slow`` of them with a TTFT of 1 s, the others ``ttft`` ms; every TPOT 5 ms."""
+    return tuple(grid.Times(1000.0 if i < slow else ttft, 5.0) for i in range(20))
+
+
+# Under TTFT <= 100 ms, TPOT <= 10 ms over 20 requests, a replay with `slow` requests of 1 s passes: P90 while
+# slow <= 1, P99 while slow == 0, attainment (>= 90 %) while slow <= 2. Per (window, repeat), slow per rate:
+SLOW = {(0, 0): [0, 1, 2, 0], (0, 1): [0, 0, 3, 3], (1, 0): [0, 0, 0, 2], (1, 1): [1, 1, 1, 1]}
+RATES = [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected", "non_monotone"),
+    [
+        ("p90", [2.0, 2.0, 3.0, 4.0], [[4.0], [], [], []]),
+        ("p99", [1.0, 2.0, 3.0, 0.0], [[4.0], [], [], []]),
+        ("attainment", [4.0, 2.0, 4.0, 4.0], [[], [], [], []]),
+        ("confirm", [2.0, 2.0, 3.0, 4.0], [[4.0], [], [], []]),  # no margin near the limits: the P90's
+        # pooled over both windows (40 requests): P90 fails from 4 slow ones, attainment from 5
+        ("pooled2", [4.0, 2.0], [[], []]),
+        ("attainment+pooled2", [4.0, 4.0], [[], []]),
+    ],
+)
+def test_grid_rule_capacities(rule: str, expected: list[float], non_monotone: list[list[float]]) -> None:
+    """Each rule's capacity per (window, repeat), or per repeat when pooled: the highest grid rate passing
+    with every lower one passing; a pass above a failure is reported, never counted."""
+    grid = _capacity_grid()
+    slo = grid.Slo(100.0, 10.0, 90.0)
+    replays = [
+        grid.GridReplay(w, k, rate, 20, _window(grid, slow))
+        for (w, k), row in SLOW.items()
+        for rate, slow in zip(RATES, row, strict=True)
+    ]
+    caps = grid.rule_capacities(replays, slo, RATES, 2)[rule]
+    assert [c["capacity"] for c in caps] == expected
+    assert [c["non_monotone"] for c in caps] == non_monotone
+    assert [c["above_grid"] for c in caps] == [c == 4.0 for c in expected]
+    assert [c["below_grid"] for c in caps] == [c == 0.0 for c in expected]
+    summary = grid.rule_summary(caps)
+    assert summary["non_monotone"] == sum(1 for n in non_monotone if n)
+    if "pooled" not in rule:
+        w0 = sorted(expected[:2])
+        assert summary["windows"]["0"]["spread"] == pytest.approx((w0[1] - w0[0]) / (sum(w0) / 2))
+
+
+@pytest.mark.parametrize(
+    ("third", "p90", "confirm"),
+    [
+        ((0, 50.0), [2.0, 1.0, 2.0], [2.0, 2.0, 2.0]),  # 2 of 3 pass at rate 2: the near pass
+        ((2, 50.0), [2.0, 1.0, 1.0], [1.0, 1.0, 1.0]),  # 1 of 3: the near draws fail
+    ],
+)
+def test_grid_confirm_majority(third: tuple[int, float], p90: list[float], confirm: list[float]) -> None:
+    """``confirm``: a replay within 10 % of a limit takes the strict majority of the P90 verdicts of the
+    repeats' replays of its window at its rate; one that is not near keeps its own."""
+    grid = _capacity_grid()
+    slo = grid.Slo(100.0, 10.0, 90.0)
+    at_two = [_window(grid, 0, 95.0), _window(grid, 0, 105.0), _window(grid, *third)]  # near pass, near fail
+    replays = [grid.GridReplay(0, k, 1.0, 20, _window(grid, 0)) for k in range(3)]
+    replays += [grid.GridReplay(0, k, 2.0, 20, times) for k, times in enumerate(at_two)]
+    caps = grid.rule_capacities(replays, slo, [1.0, 2.0], 1)
+    assert [c["capacity"] for c in caps["p90"]] == p90
+    assert [c["capacity"] for c in caps["confirm"]] == confirm
+
+
+@pytest.mark.parametrize(
+    ("violators", "prior", "fired"),
+    [
+        (2, "none", False),  # P99 failed, P90 (3 of 20) not yet
+        (3, "none", False),  # every window rule failed, the pooled ones (5 of 40) not yet
+        (5, "none", True),
+        (3, "two slow", True),  # with the earlier window's two
+        (3, "stopped", True),  # the earlier window failed every pooled rule
+        (2, "stopped", False),
+    ],
+)
+def test_grid_stop(violators: int, prior: str, fired: bool) -> None:
+    """A grid replay stops only once every rule has certainly failed, the pooled ones counting the same
+    repeat's earlier windows at the rate."""
+    from types import SimpleNamespace
+
+    grid = _capacity_grid()
+    slo = grid.Slo(100.0, 10.0, 90.0)
+    before = {
+        "none": [],
+        "two slow": [grid.GridReplay(0, 0, 1.0, 20, _window(grid, 2))],
+        "stopped": [grid.GridReplay(0, 0, 1.0, 20, _window(grid, 0)[:5], stopped=True)],
+    }[prior]
+    seq = lambda late: SimpleNamespace(
+        arrival_ms=0.0, token_ms=[] if late else [10.0, 15.0], request=SimpleNamespace(output_length=2)
+    )
+    seqs = [seq(i < violators) for i in range(20)]
+    stop = grid.GridStop(slo, 20, 40, before)
+    assert stop(500.0, seqs) is fired and stop.p90.fired is (violators >= 3)
