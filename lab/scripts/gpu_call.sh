@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise mixed quest ...)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest ...)
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -69,6 +69,12 @@ for stage in "$@"; do
     timeout ${NOISE_S:-200} python3 benchmarks/capacity_noise.py --model random:llama-3.1-8b --kv-budget 1073741824 \
       --length-scale 0.25 --requests 96 --windows 3 --repeats ${NOISE_REPEATS:-3} --routes ${ROUTES:-p90,attainment} \
       --json "$OUT/noise.json" > "$OUT/noise.log" 2>&1; grep -v -i warn "$OUT/noise.log" | tail -25 ;;
+  grid)
+    log "every probe rule's noise from one set of replays: 3 windows x ${GRID_REPEATS:-2} repeats x ${GRID_RATES:-9} rates"
+    timeout ${GRID_S:-540} python3 benchmarks/capacity_noise.py --grid --grid-center ${GRID_CENTER:-3.0} \
+      --grid-rates ${GRID_RATES:-9} --grid-step ${GRID_STEP:-0.06} --model random:llama-3.1-8b --kv-budget 1073741824 \
+      --length-scale 0.25 --requests 96 --windows 3 --repeats ${GRID_REPEATS:-2} --json "$OUT/grid.json" \
+      > "$OUT/grid.log" 2>&1; grep -E "^(grid|planned|after|GRID|resolution)|^  [a-z0-9+]+ +window|Error" "$OUT/grid.log" | tail -26 ;;
   esac
 done
 log done
