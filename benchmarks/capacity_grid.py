@@ -185,16 +185,17 @@ def spread(capacities: Sequence[float]) -> float:
 
 def rule_summary(capacities: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One rule's figures over its (window, repeat) capacities: each window's capacities, median and spread
-    (None with one repeat), the largest and the median spread over the windows, and the count of
-    non-monotone and out-of-grid grids."""
-    by_window: dict[Any, list[float]] = {}
+    (None with one repeat, or when a capacity is out of the grid: a bound, not a measure), the largest and
+    the median spread over the windows that have one, and the count of non-monotone and out-of-grid grids."""
+    by_window: dict[Any, list[Mapping[str, Any]]] = {}
     for c in capacities:
-        by_window.setdefault(c["window"], []).append(float(c["capacity"]))
-    windows = {
-        str(w): {"capacities": caps, "median": statistics.median(caps),
-                 "spread": spread(caps) if len(caps) > 1 else None}
-        for w, caps in by_window.items()
-    }  # fmt: skip
+        by_window.setdefault(c["window"], []).append(c)
+    windows = {}
+    for w, got in by_window.items():
+        caps = [float(c["capacity"]) for c in got]
+        bounded = any(c["below_grid"] or c["above_grid"] for c in got)
+        windows[str(w)] = {"capacities": caps, "median": statistics.median(caps), "out_of_grid": bounded,
+                           "spread": spread(caps) if len(caps) > 1 and not bounded else None}  # fmt: skip
     spreads = [w["spread"] for w in windows.values() if w["spread"] is not None]
     return {
         "windows": windows,

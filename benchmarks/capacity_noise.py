@@ -276,14 +276,15 @@ def _grid_summary(summary: dict[str, Any], step: float) -> str:
     for name, s in summary.items():
         for w, fig in s["windows"].items():
             caps = ", ".join(f"{c:.3f}" for c in fig["capacities"])
+            bound = " (out of the grid: a bound)" if fig["out_of_grid"] else ""
             lines.append(f"  {name:<20} window {w}: {caps} · median {fig['median']:.3f}x, spread "
-                         f"{pct(fig['spread'])} %")  # fmt: skip
+                         f"{pct(fig['spread'])} %{bound}")  # fmt: skip
         lines.append(f"GRID {name:<20} spread max {pct(s['spread_max'])} %, median "
                      f"{pct(s['spread_median'])} % · non-monotone {s['non_monotone']}, out of grid "
                      f"{s['out_of_grid']}")  # fmt: skip
     lines.append(f"resolution: capacities are grid rates {100 * step:.1f} % apart (a spread below one step "
                  f"reads 0 %); out of grid: the lowest rate failed (0) or every rate passed (a lower "
-                 f"bound)")  # fmt: skip
+                 f"bound), no spread")  # fmt: skip
     return "\n".join(lines)
 
 
