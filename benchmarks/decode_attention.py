@@ -437,9 +437,13 @@ def compare_mixed(out: Path, smoke: bool = False) -> dict:
                 row[key] = None if key in broken else sparse_case(case, opt)
             results["rows"].append(row)
             log(json.dumps(row))
-    (out / "mixed.json").write_text(json.dumps(results, indent=1))
-    table = format_mixed(results)
-    (out / "mixed.md").write_text(table + "\n")
+    return _save(out, "mixed", results, format_mixed(results))
+
+
+def _save(out: Path, name: str, results: dict, table: str) -> dict:
+    """``results`` as ``name``.json and its table as ``name``.md under ``out``; the table printed."""
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{name}.md").write_text(table + "\n")
     print(table)
     return results
 
@@ -546,11 +550,7 @@ def compare_quest(out: Path, smoke: bool = False) -> dict:
                     row[key] = sparse_case(case, default_options(8), select)
             results["rows"].append(row)
             log(json.dumps(row))
-    (out / "quest.json").write_text(json.dumps(results, indent=1))
-    table = format_quest(results)
-    (out / "quest.md").write_text(table + "\n")
-    print(table)
-    return results
+    return _save(out, "quest", results, format_quest(results))
 
 
 def format_quest(results: dict) -> str:

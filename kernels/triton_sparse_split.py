@@ -56,6 +56,7 @@ from kvtune.kernels.triton_sparse_table import (
     SPLIT,
     _bounds,
     _merge_top,
+    _query_sums,
     _scan_chunk,
     sparse_block_table_triton,
     table_outputs,
@@ -103,24 +104,6 @@ def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr
     else:
         total += c1.to(tl.int64) * tl.load(cost_ptr + POOL_BITS)
     tl.atomic_add(bytes_ptr, total)
-
-
-@triton.jit
-def _query_sums(q_ptr, b, h, s_qb, s_qh, G: tl.constexpr, D: tl.constexpr, POOL_BITS: tl.constexpr,
-                MIXED: tl.constexpr):  # fmt: skip
-    """S = sum_g q_g and P = sum_g max(q_g, 0) over KV head h's query group (P times the levels unless
-    MIXED)."""
-    d = tl.arange(0, D)
-    q_row = q_ptr + b.to(tl.int64) * s_qb + (h * G) * s_qh + d
-    qs = tl.zeros([D], tl.float32)
-    qp = tl.zeros([D], tl.float32)
-    for g in tl.static_range(G):
-        qg = tl.load(q_row + g * s_qh).to(tl.float32)
-        qs += qg
-        qp += tl.maximum(qg, 0.0)
-    if not MIXED:  # every block has the pool's levels: fold them into P
-        qp = qp * (1.0 if POOL_BITS == 0 else (1 << POOL_BITS) - 1.0)
-    return qs, qp
 
 
 @triton.jit

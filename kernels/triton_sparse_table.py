@@ -113,6 +113,24 @@ def _scan_chunk(lo, sc, bits, blk, c0, qs, qp, best, floor, wp, rp, cands, best_
     return best, floor, wp, rp
 
 
+@triton.jit
+def _query_sums(q_ptr, b, h, s_qb, s_qh, G: tl.constexpr, D: tl.constexpr, POOL_BITS: tl.constexpr,
+                MIXED: tl.constexpr):  # fmt: skip
+    """S = sum_g q_g and P = sum_g max(q_g, 0) over KV head h's query group (P times the levels unless
+    MIXED)."""
+    d = tl.arange(0, D)
+    q_row = q_ptr + b.to(tl.int64) * s_qb + (h * G) * s_qh + d
+    qs = tl.zeros([D], tl.float32)
+    qp = tl.zeros([D], tl.float32)
+    for g in tl.static_range(G):
+        qg = tl.load(q_row + g * s_qh).to(tl.float32)
+        qs += qg
+        qp += tl.maximum(qg, 0.0)
+    if not MIXED:  # every block has the pool's levels: fold them into P
+        qp = qp * (1.0 if POOL_BITS == 0 else (1 << POOL_BITS) - 1.0)
+    return qs, qp
+
+
 @triton.jit(do_not_specialize=["M", "W", "K"])  # sizes follow the batch and lengths: one compiled kernel
 def _sparse_table_kernel(
     q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr,
@@ -132,16 +150,7 @@ def _sparse_table_kernel(
     cands = l2_list + M  # keys above the K-th best when they were scored, merged or not yet
     best_buf = cands + M  # the best keys after the last merge, descending
     if SELECT:  # the group's query sums, loaded while the split runs
-        d = tl.arange(0, D)
-        q_row = q_ptr + b.to(tl.int64) * s_qb + (h * G) * s_qh + d
-        qs = tl.zeros([D], tl.float32)
-        qp = tl.zeros([D], tl.float32)
-        for g in tl.static_range(G):
-            qg = tl.load(q_row + g * s_qh).to(tl.float32)
-            qs += qg
-            qp += tl.maximum(qg, 0.0)
-        if not MIXED:  # every block has the pool's levels: fold them into P
-            qp = qp * (1.0 if POOL_BITS == 0 else (1 << POOL_BITS) - 1.0)
+        qs, qp = _query_sums(q_ptr, b, h, s_qb, s_qh, G, D, POOL_BITS, MIXED)
 
     # 1. split: L1 blocks in order to the table, L2 blocks in order to the list (the tiers of the next chunk
     # and the ids of the one after in flight while a chunk is split)

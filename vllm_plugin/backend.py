@@ -39,10 +39,10 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
 
 from kvtune.cache_impl.layout import ModelKVShape, cold_layout
-from kvtune.vllm_plugin.decode import Batch
+from kvtune.vllm_plugin.decode import Batch, Geometry
 from kvtune.vllm_plugin.pages import PageLayout, cold_pool_view, hot_views
 from kvtune.vllm_plugin.settings import PluginSettings, settings_from
-from kvtune.vllm_plugin.step import StepPlan, run_layer
+from kvtune.vllm_plugin.step import run_layer
 
 HOT_SUFFIX = ".kvtune_hot"
 
@@ -95,12 +95,11 @@ class KvtuneCPUBackend(CPUAttentionBackend):
 
 @dataclass
 class KvtuneMetadata:
-    """One group's metadata of one step; ``plans`` (``batches``) memoizes the step plan (the CUDA backend's
-    batch) for the layers after the first."""
+    """One group's metadata of one step; ``batches`` memoizes the step's :class:`Batch` (and with it the host
+    plan) for the layers after the first, keyed by the hot group's metadata."""
 
     common: CommonAttentionMetadata
-    plans: dict[int, StepPlan] = field(default_factory=dict)
-    batches: dict[int, Batch] = field(default_factory=dict)  # the CUDA backend's, keyed like ``plans``
+    batches: dict[int, Batch] = field(default_factory=dict)
 
 
 class KvtuneBuilder(AttentionMetadataBuilder[KvtuneMetadata]):
@@ -268,6 +267,25 @@ class KvtuneImpl(AttentionImpl):
         self.run(attn_metadata, hot_meta, kv_cache, hot_cache, query, key, value, output)
         return output
 
+    def batch(self, cold_meta: KvtuneMetadata, hot_meta: KvtuneMetadata) -> Batch:
+        """The step's :class:`~kvtune.vllm_plugin.decode.Batch`, built by the first layer (host values and
+        vLLM's tensors only) and kept in the cold group's metadata for the others."""
+        key = id(hot_meta)
+        if key not in cold_meta.batches:
+            c, h, s = cold_meta.common, hot_meta.common, self.settings
+            r = c.num_reqs
+            cold_meta.batches[key] = Batch(
+                geo=Geometry(s.hot_tokens, s.block_size, self.page.hot_block_size, s.bits),
+                query_start_cpu=c.query_start_loc_cpu[: r + 1],
+                seq_lens=c.seq_lens[:r],
+                cold_table=c.block_table_tensor[:r],
+                hot_table=h.block_table_tensor[:r],
+                hot_slots=h.slot_mapping,
+                max_query_len=int(c.max_query_len),
+                num_tokens=int(c.num_actual_tokens),
+            )
+        return cold_meta.batches[key]
+
     def run(
         self,
         cold_meta: KvtuneMetadata,
@@ -281,7 +299,7 @@ class KvtuneImpl(AttentionImpl):
     ) -> None:
         """The step of this layer over its pages (``kv_cache``: cold, ``hot_cache``: hot) given both groups'
         metadata: :func:`kvtune.vllm_plugin.step.run_layer`."""
-        plan = _plan(self.settings, self.page, cold_meta, hot_meta)
+        plan = self.batch(cold_meta, hot_meta).plan
         hot_k, hot_v = hot_views(hot_cache, self.head_size)
         n = cold_meta.common.num_actual_tokens
         run_layer(
@@ -295,23 +313,3 @@ class KvtuneImpl(AttentionImpl):
             self.scale,
             output[:n],
         )
-
-
-def _plan(settings: PluginSettings, page: PageLayout, cold: KvtuneMetadata, hot: KvtuneMetadata) -> StepPlan:
-    """The step's plan, built by the first layer and memoized in the cold group's metadata."""
-    key = id(hot)
-    if key not in cold.plans:
-        c, h = cold.common, hot.common
-        r = c.num_reqs
-        cold.plans[key] = StepPlan(
-            query_start=c.query_start_loc_cpu[: r + 1].tolist(),
-            seq_lens=c.seq_lens[:r].cpu().tolist(),
-            cold_table=c.block_table_tensor[:r].cpu(),
-            hot_table=h.block_table_tensor[:r],
-            hot_slots=h.slot_mapping.long(),
-            hot_tokens=settings.hot_tokens,
-            block_size=settings.block_size,
-            hot_block=page.hot_block_size,
-            bits=settings.bits,
-        )
-    return cold.plans[key]

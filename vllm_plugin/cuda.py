@@ -45,7 +45,7 @@ from kvtune.vllm_plugin.backend import (
     KvtuneMetadata,
     page_layout,
 )
-from kvtune.vllm_plugin.decode import Batch, Geometry, layer_step
+from kvtune.vllm_plugin.decode import layer_step
 from kvtune.vllm_plugin.pages import cold_pool_view, hot_views
 from kvtune.vllm_plugin.settings import cuda_refusals
 
@@ -82,25 +82,6 @@ class KvtuneCudaImpl(KvtuneImpl):
     """One attention layer over the hybrid cache on CUDA: :func:`kvtune.vllm_plugin.decode.layer_step`."""
 
     hot_layer_cls: ClassVar[type[HotLayer]] = KvtuneCudaHotLayer
-
-    def batch(self, cold_meta: KvtuneMetadata, hot_meta: KvtuneMetadata) -> Batch:
-        """The step's :class:`~kvtune.vllm_plugin.decode.Batch`, built by the first layer (host values and
-        vLLM's tensors only) and kept in the cold group's metadata for the others."""
-        key = id(hot_meta)
-        if key not in cold_meta.batches:
-            c, h, s = cold_meta.common, hot_meta.common, self.settings
-            r = c.num_reqs
-            cold_meta.batches[key] = Batch(
-                geo=Geometry(s.hot_tokens, s.block_size, self.page.hot_block_size, s.bits),
-                query_start_cpu=c.query_start_loc_cpu[: r + 1],
-                seq_lens=c.seq_lens[:r],
-                cold_table=c.block_table_tensor[:r],
-                hot_table=h.block_table_tensor[:r],
-                hot_slots=h.slot_mapping,
-                max_query_len=int(c.max_query_len),
-                num_tokens=int(c.num_actual_tokens),
-            )
-        return cold_meta.batches[key]
 
     def run(
         self,

@@ -36,7 +36,7 @@ import torch
 from kvtune.kernels.decode_attention import hybrid_decode_attention
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import seal_blocks
-from kvtune.vllm_plugin.step import StepPlan, attend, seal, write_hot
+from kvtune.vllm_plugin.step import StepPlan, run_layer
 
 NULL_BLOCK = 0  # vLLM's null block: the first block of the pool, never allocated to a request
 
@@ -201,20 +201,15 @@ def mixed_layer(
     requests of one new token attend through :func:`attend_zone` (one kernel launch for all of them)
     instead of one dense attention each; their blocks are sealed with the plan's."""
     plan = batch.plan
-    write_hot(plan, hot_k, hot_v, k, v)
-    seal(plan, plan.early, pool, hot_k, hot_v)
-    single = [r for r in range(plan.num_reqs) if plan.query_len(r) == 1]
-    for row in range(plan.num_reqs):
-        a, b = plan.query_start[row], plan.query_start[row + 1]
-        if b - a > 1:
-            out[a:b] = attend(plan, row, pool, hot_k, hot_v, q[a:b], sm_scale).to(out.dtype)
-    if single:
+
+    def attend_singles(single: list[int]) -> None:
         rows = torch.tensor(single, device=q.device)
         tokens = torch.tensor([plan.query_start[r] for r in single], device=q.device)
         table = batch.cold_table[rows]
         zone = decode_zone(batch.geo, hot_k, hot_v, batch.seq_lens[rows], table, batch.hot_table[rows])
         out[tokens] = attend_zone(pool, q[tokens], zone, table, sm_scale).to(out.dtype)
-    seal(plan, plan.late, pool, hot_k, hot_v)
+
+    run_layer(plan, pool, hot_k, hot_v, q, k, v, sm_scale, out, attend_singles)
 
 
 @dataclass(frozen=True)

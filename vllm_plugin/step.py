@@ -20,7 +20,7 @@ already sealed (a shared prefix) writes the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -170,12 +170,17 @@ def run_layer(
     v: torch.Tensor,
     sm_scale: float,
     out: torch.Tensor,
+    attend_singles: Callable[[list[int]], None] | None = None,
 ) -> None:
-    """Steps 1-4 of the module docstring for one layer; writes ``out`` [T, Hq, D]."""
+    """Steps 1-4 of the module docstring for one layer; writes ``out`` [T, Hq, D]. ``attend_singles``: attends
+    the requests of one new token (their rows, all at once) in place of one dense attention each."""
     write_hot(plan, hot_k, hot_v, k, v)
     seal(plan, plan.early, pool, hot_k, hot_v)
+    singles = [] if attend_singles is None else [r for r in range(plan.num_reqs) if plan.query_len(r) == 1]
     for row in range(plan.num_reqs):
         a, b = plan.query_start[row], plan.query_start[row + 1]
-        if b > a:
+        if b > a and not (singles and b - a == 1):
             out[a:b] = attend(plan, row, pool, hot_k, hot_v, q[a:b], sm_scale).to(out.dtype)
+    if singles and attend_singles is not None:
+        attend_singles(singles)
     seal(plan, plan.late, pool, hot_k, hot_v)
