@@ -230,12 +230,12 @@ def grid(
         for w, chunks in enumerate(windows):
             for rate in rates:
                 prior = [r for r in done if r.repeat == k and r.rate == rate]
-                one, wall = grid_replay(worker, chunks[0], (w, k, rate), slo, pooled, prior)
+                one, wall, compiled = grid_replay(worker, chunks[0], (w, k, rate), slo, pooled, prior)
                 done.append(one)
                 if len(done) == 1:
                     print(f"planned: {total} replays × {wall:.1f} s (the first, at the lowest rate) ≈ "
                           f"{total * wall:.0f} s", flush=True)  # fmt: skip
-                print(_replay_line(one, slo, wall), flush=True)
+                print(_replay_line(one, slo, wall) + compiled, flush=True)
                 results["replays"].append(replay_to_json(one, wall))
                 caps = rule_capacities(done, slo, rates, len(windows))
                 results["rules"] = {name: rule_summary(c) | {"capacities": c} for name, c in caps.items()}
@@ -246,16 +246,21 @@ def grid(
 def grid_replay(
     worker: TrialWorker, requests: tuple[Request, ...], where: tuple[int, int, float], slo: Slo, pooled: int,
     prior: list[GridReplay],
-) -> tuple[GridReplay, float]:  # fmt: skip
+) -> tuple[GridReplay, float, str]:  # fmt: skip
     """One replay of the baseline at ``where`` = (window, repeat, rate), as a worker's probe replays (its
-    priming, no garbage collection inside), stopped only once every rule has failed; its wall time."""
+    priming, no garbage collection inside), stopped only once every rule has failed; its wall time and
+    the Triton compilations inside it (left out of its clock), as printed."""
     window, repeat, rate = where
     stop, timings = GridStop(slo, len(requests), pooled, prior), []  # type: ignore[var-annotated]
     t0 = time.perf_counter()
     with gc_paused():
-        worker.replay(DEFAULT_BASELINE, requests, 1.0 / rate, WARMUP_REQUESTS, timings=timings, stop=stop)
+        metrics = worker.replay(DEFAULT_BASELINE, requests, 1.0 / rate, WARMUP_REQUESTS, timings=timings,
+                                stop=stop)  # fmt: skip
     wall = time.perf_counter() - t0
-    return GridReplay(window, repeat, rate, len(requests), tuple(timings), stop.fired, stop.p90.fired), wall
+    n = metrics.get("compiles", 0)
+    compiled = f" · {n} compilations, {metrics.get('compile_ms', 0.0):.0f} ms left out" if n else ""
+    one = GridReplay(window, repeat, rate, len(requests), tuple(timings), stop.fired, stop.p90.fired)
+    return one, wall, compiled
 
 
 def _replay_line(one: GridReplay, slo: Slo, wall: float) -> str:

@@ -41,7 +41,7 @@ import triton.testing
 
 from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import dequantize_blocks_ref
-from kvtune.kernels.sparse_table import L1, L2, ByteCount
+from kvtune.kernels.sparse_table import L1, L2, ByteCount, sparse_block_table
 from kvtune.kernels.sparse_table_choice import SelectOptions, split_plan
 from kvtune.kernels.triton_decode import (
     PURE_INT8,
@@ -50,8 +50,6 @@ from kvtune.kernels.triton_decode import (
     hybrid_decode_attention_triton,
     launch_plan,
 )
-from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
-from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 
 HQ, H, D = 32, 8, 128
 HOT, BS = 64, 64
@@ -229,11 +227,9 @@ def hybrid_case(case: Case, options: DecodeKernelOptions) -> dict:
 
 
 def select_table(q, pool, blocks, tier, k_blocks, count, selection: SelectOptions | None) -> tuple:
-    """The sparse tier's table on the Triton kernels: the single-program launcher (``selection`` None), or
-    the split selection planned with ``selection``."""
-    if selection is None:
-        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
-    return sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, selection)
+    """The sparse tier's table as the cache builds it (``sparse_block_table``): the kernels ``selection``
+    asks for (None: the default, split where the rows are few for the card)."""
+    return sparse_block_table(q, pool, blocks, tier, k_blocks, count, selection)
 
 
 def sparse_case(case: Case, options: DecodeKernelOptions, selection: SelectOptions | None = None) -> dict:
@@ -476,8 +472,9 @@ def format_mixed(results: dict) -> str:
 
 
 # --quest: the sparse tier's selection with the single-program kernel and with the split selection
+SINGLE = SelectOptions(split=False)
 QUEST_VARIANTS: dict[str, SelectOptions | None] = {
-    "single": None,  # the default: one program per (sequence, KV head)
+    "single": SINGLE,  # one program per (sequence, KV head)
     "split": SelectOptions(split=True),  # the split selection's defaults
     "split pps 1": SelectOptions(split=True, programs_per_sm=1),
     "split pps 4": SelectOptions(split=True, programs_per_sm=4),
@@ -513,7 +510,7 @@ def selection_case(case: Case, variants: dict[str, SelectOptions | None]) -> dic
                           torch.zeros((), device=DEVICE, dtype=torch.int64))  # fmt: skip
         return select_table(q, pool, blocks, tier, k_blocks, count, opt), count
 
-    want, want_count = select(None)
+    want, want_count = select(SINGLE)
     row: dict = {}
     for name, opt in variants.items():
         got, got_count = select(opt)
@@ -523,7 +520,8 @@ def selection_case(case: Case, variants: dict[str, SelectOptions | None]) -> dic
             continue
         us = bench(lambda opt=opt: select(opt)) * 1e3
         width = blocks.shape[1]
-        splits, span = split_plan(blocks.shape[0] * H, width, k_blocks, sms, opt) if opt else (1, width)
+        split = opt.split is not False
+        splits, span = split_plan(blocks.shape[0] * H, width, k_blocks, sms, opt) if split else (1, width)
         row[name] = dict(us=us, bounds_bytes=bounds, tbs=bounds / us / 1e6, splits=splits, span=span)
     return row
 
@@ -546,7 +544,7 @@ def compare_quest(out: Path, smoke: bool = False) -> dict:
             row["selection"] = selection_case(case, QUEST_VARIANTS)
             if timing == "graphs" or DEVICE == "cpu":
                 row["sdpa_ms"], _ = sdpa_case(batch, length)
-                for key, select in (("step_single", None), ("step_split", SelectOptions(split=True))):
+                for key, select in (("step_single", SINGLE), ("step_split", SelectOptions(split=True))):
                     row[key] = sparse_case(case, default_options(8), select)
             results["rows"].append(row)
             log(json.dumps(row))

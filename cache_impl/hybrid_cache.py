@@ -55,6 +55,7 @@ from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
 from kvtune.kernels.requant import requantize_int4
 from kvtune.kernels.sparse_table import ByteCount, sparse_block_table
+from kvtune.kernels.sparse_table_choice import SelectOptions
 
 __all__ = ["CacheFullError", "CacheLayout", "DecodePlan", "HybridCache", "ModelKVShape", "kv_bytes_for"]
 
@@ -196,7 +197,11 @@ class HybridCache:
             seal_blocks(pool, block[0], k, v, self.config.quantization_bits, block[0])
             if self.config.sparse_top_k == 0:
                 continue
-            sparse_block_table(q, pool, block, self.tiers.tier[layer], self.config.sparse_blocks, scratch)
+            for split in (True, False):  # the selection is split where rows are few (the step's size)
+                select = SelectOptions(split=split)
+                sparse_block_table(
+                    q, pool, block, self.tiers.tier[layer], self.config.sparse_blocks, scratch, select
+                )
             if pool.bits == 8:
                 requantize_int4(pool, block[0])
         for pool in self.pools:

@@ -39,6 +39,7 @@ import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
+from kvtune.engine.compiles import CompileWatch
 from kvtune.engine.graphs import DecodeGraphs
 from kvtune.engine.graphs import attention_ms as graphs_attention_ms
 from kvtune.engine.metrics import (
@@ -226,6 +227,13 @@ class _Run:
     captures_before: int = 0  # graphs captured by earlier replays on the same cache
     timings: list[RequestTiming] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
+    compiles: CompileWatch = field(default_factory=CompileWatch)  # Triton compilations inside the replay
+    compile_mark: float = 0.0  # their milliseconds when the current iteration started
+
+    def stall_ms(self) -> float:
+        """Milliseconds of compilation since the current iteration started (then marked again)."""
+        ms, self.compile_mark = self.compiles.ms - self.compile_mark, self.compiles.ms
+        return ms
 
     def add(self, key: str, value: float) -> None:
         self.counters[key] = self.counters.get(key, 0.0) + value
@@ -360,10 +368,20 @@ class Engine:
         slots = self.scheduler_config.max_num_seqs if max_seqs is None else max_seqs
         return HybridCache(self.config, self.model.kv_shape, self.budget_bytes, self.device, max_seqs=slots)
 
+    def keeps_cache_for(self, requests: Sequence[Request]) -> bool:
+        """Whether a replay of ``requests`` would reuse the cache and graphs kept from the last replay (a
+        repeat, another rate of the same window and config) rather than build new ones."""
+        fitted, _ = LengthPolicy(self.spec.max_context).apply(requests)
+        kept = self._kept[0]
+        return kept is not None and kept.key == self._cache_key(self.settings_for(fitted))
+
+    def _cache_key(self, settings: EngineSettings) -> tuple[Any, ...]:
+        return (self.config.to_json(None), self.budget_bytes, self.device, settings)
+
     def _cache_for(self, settings: EngineSettings) -> tuple[HybridCache, DecodeGraphs | None, bool]:
         """The cache (and graphs) of a replay with ``settings``: the kept ones when config, budget and
         settings match, else new ones (the kept ones freed first). The flag says whether they are new."""
-        key = (self.config.to_json(None), self.budget_bytes, self.device, settings)
+        key = self._cache_key(settings)
         kept = self._kept[0]
         if kept is not None and kept.key == key:
             return kept.cache, kept.graphs, False
@@ -434,7 +452,7 @@ class Engine:
             captures_before=graphs.captures if graphs is not None else 0,
         )
         scheduler.on_preempt = outputs.detach
-        with torch.inference_mode():
+        with torch.inference_mode(), run.compiles:
             while arrivals or run.scheduler.has_work():
                 if deadline is not None:
                     deadline.check()
@@ -468,7 +486,7 @@ class Engine:
     def _mixed_iteration(self, run: _Run, progress: Progress | None) -> None:
         """The decode token of every running sequence whose prompt is done, then prompt chunks filling the
         rest of ``max_num_batched_tokens``: one forward (a static/graph step when there is no chunk)."""
-        start = self.timer.mark()
+        start = self._start(run)
         slots = self._decode_slots(run, progress)
         reserved = run.cache.blocks_needed_for_slots(slots) if slots.size else 0
         budget = run.scheduler.config.max_num_batched_tokens - len(slots)
@@ -487,15 +505,29 @@ class Engine:
         step of every running sequence whose prompt is done."""
         self._admit(run, progress)
         for seq, n in run.scheduler.prefill_chunks():
-            self._forward(run, np.zeros(0, dtype=np.int64), [(seq, n)], self.timer.mark(), progress)
+            self._forward(run, np.zeros(0, dtype=np.int64), [(seq, n)], self._start(run), progress)
         self._track_memory(run)
-        start = self.timer.mark()
+        start = self._start(run)
         slots = self._decode_slots(run, progress)
         if slots.size:
             self._decode(run, slots, start, progress)
             self._track_memory(run)
         else:
             self._land(run, progress)
+
+    def _start(self, run: _Run) -> Any:
+        """An iteration's first mark; the compilations inside it are counted from here."""
+        run.stall_ms()
+        return self.timer.mark()
+
+    def _stalled(self, run: _Run) -> float:
+        """The milliseconds of Triton compilation inside the iteration so far: left out of the wall clock
+        here and, by the caller, out of the iteration's device time (:mod:`kvtune.engine.compiles`)."""
+        ms = run.stall_ms()
+        if ms > 0:
+            run.clock.exclude(ms)
+            run.add("compile_ms", ms)
+        return ms
 
     def _admit(self, run: _Run, progress: Progress | None, **kwargs: Any) -> None:
         refused_before = len(run.scheduler.refused)
@@ -536,7 +568,7 @@ class Engine:
         end = self.timer.mark()
         next_np = next_tokens.cpu().numpy()  # synchronizes
         self.timer.synchronize()
-        run.clock.advance(self._count_step(run, (start, model_start, model_end, end)))
+        run.clock.advance(self._count_step(run, (start, model_start, model_end, end), self._stalled(run)))
         run.add("eager_forward_ms", self.timer.elapsed_ms(model_start, model_end))
         run.add("eager_launch_ms", launch_ms)
         self._add_attention(run, run.timed.take_attention_ms(), 0)
@@ -557,6 +589,8 @@ class Engine:
         bytes_before = self._attention_bytes(run, timed=timed)
         info = graphs.prepare(slots, run.outputs.last_tokens(slots), run.clock.now_ms())
         captured_ms = graphs.take_capture_ms()  # left out of the clock and of this step's time
+        if captured_ms:
+            run.stall_ms()  # compilations during a capture are part of its time
         run.clock.exclude(captured_ms)
         run.add("graph_capture_ms", captured_ms)
         model_start = self.timer.mark()
@@ -567,7 +601,7 @@ class Engine:
         tokens, ready = graphs.tokens_to_host(info)
         flight = _InFlight(
             slots, run.outputs.launch(slots), tokens, ready, (start, model_start, model_end, end),
-            captured_ms, graphs.attention_marks() if timed else None, bytes_before,
+            captured_ms + self._stalled(run), graphs.attention_marks() if timed else None, bytes_before,
         )  # fmt: skip
         run.peak("peak_running", len(slots))
         self._land(run, progress)
@@ -592,10 +626,11 @@ class Engine:
 
     def _count_step(self, run: _Run, marks: tuple[Any, Any, Any, Any], captured_ms: float = 0.0) -> float:
         """A decode step's counters from its marks (iteration start, forward start and end, iteration end;
-        completed), less the capture time spent inside it; returns the step's time."""
+        completed), less the capture and compilation time spent inside it; returns the step's time."""
         start, model_start, model_end, end = marks
         model_ms = self.timer.elapsed_ms(model_start, model_end)
         step_ms = max(0.0, self.timer.elapsed_ms(start, end) - captured_ms)
+        model_ms = min(model_ms, step_ms)
         run.add("decode_steps", 1)
         run.add("decode_ms", step_ms)
         run.add("model_ms", model_ms)
@@ -634,9 +669,9 @@ class Engine:
             cache.end_step(plan)
         end = self.timer.mark()
         next_np = next_tokens.cpu().numpy()  # synchronizes
-        iteration_ms = self.timer.elapsed_ms(start, end)
+        iteration_ms = max(0.0, self.timer.elapsed_ms(start, end) - self._stalled(run))
         run.clock.advance(iteration_ms)
-        model_ms = self.timer.elapsed_ms(model_start, model_end)
+        model_ms = min(self.timer.elapsed_ms(model_start, model_end), iteration_ms)
         run.add("prefill_ms", model_ms)
         run.add("forward_ms", model_ms)
         run.add("prefill_chunks", len(chunks))
@@ -727,6 +762,8 @@ class Engine:
             mixed_iterations=int(c.get("mixed_iterations", 0)),
             graph_captures=graphs.captures - run.captures_before if graphs is not None else 0,
             graph_capture_ms=c.get("graph_capture_ms", 0.0),
+            compiles=run.compiles.count,
+            compile_ms=c.get("compile_ms", 0.0),
             eager_forward_ms=c.get("eager_forward_ms", 0.0),
             eager_launch_ms=c.get("eager_launch_ms", 0.0),
             max_num_seqs=st.max_num_seqs,

@@ -95,6 +95,8 @@ class EngineCounters:
     mixed_iterations: int = 0  # iterations with decode tokens and prompt chunks in one forward
     graph_captures: int = 0
     graph_capture_ms: float = 0.0  # left out of the replay's clock
+    compiles: int = 0  # Triton compilations inside the measured replay (kvtune.engine.compiles)
+    compile_ms: float = 0.0  # ... their host time inside iterations, left out of the replay's clock
     eager_forward_ms: float = 0.0  # device time of the forwards launched op by op (not graph replays)
     eager_launch_ms: float = 0.0  # host time spent launching those forwards
     # the engine's options as this replay resolved them (max_num_seqs: the derived value when not given)
@@ -140,6 +142,8 @@ class ReplayMetrics:
     mixed_iterations: int = 0
     graph_captures: int = 0
     graph_capture_ms: float = 0.0
+    compiles: int = 0
+    compile_ms: float = 0.0
     # forwards' device time / the replay's duration: the share of the replay the device works (CUDA events
     # around each forward; gaps inside a forward launched op by op count as work, see launch_ratio)
     device_busy: float = math.nan
@@ -220,6 +224,8 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         mixed_iterations=c.mixed_iterations,
         graph_captures=c.graph_captures,
         graph_capture_ms=c.graph_capture_ms,
+        compiles=c.compiles,
+        compile_ms=c.compile_ms,
         device_busy=c.forward_ms / c.duration_ms if c.duration_ms > 0 else math.nan,
         launch_ratio=c.eager_launch_ms / c.eager_forward_ms if c.eager_forward_ms > 0 else math.nan,
         max_num_seqs=c.max_num_seqs,

@@ -46,6 +46,11 @@ class Replayer:
             self._engine = Engine(self.loaded, config, self.budget_bytes, self.device, options.scheduler)
         return self._engine.with_config(config)
 
+    def keeps_cache_for(self, config: HybridConfig, requests: Sequence[Request]) -> bool:
+        """Whether a replay of ``requests`` under ``config`` would reuse the kept cache
+        (:meth:`Engine.keeps_cache_for`)."""
+        return self._engine is not None and self.engine(config).keeps_cache_for(requests)
+
     def release(self) -> None:
         """Free the cache and graphs the last replay kept (:meth:`Engine.replay` keeps them for a repeat)."""
         if self._engine is not None:

@@ -97,3 +97,11 @@ def arch_of(device: torch.device) -> Arch:
         shared_per_program=int(getattr(props, "shared_memory_per_block_optin", base.shared_per_program)),
         regs_per_sm=int(getattr(props, "regs_per_multiprocessor", base.regs_per_sm)),
     )
+
+
+@functools.lru_cache(maxsize=16)
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (a CPU, the interpreter's or a recorded launch, plans with 4)."""
+    if device.type != "cuda":
+        return 4
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)

@@ -46,8 +46,10 @@ class DecodeKernelOptions:
     gluon_mixed: 8-bit pools read with per-block bits (``mixed``) on CUDA take the Gluon kernel too: a
         partition kernel splits each table row by block bits (``bits_partition_ref``), the 8-bit build reads
         the 8-bit blocks and the 4-bit build the demoted ones (``gluon_stages``, at most 2: the 4-bit ring's
-        fastest), each into its own partials, and the merge combines both with the hot zone. Off by
-        default until measured on a GPU (``benchmarks/decode_attention.py --mixed``).
+        fastest), each into its own partials, and the merge combines both with the hot zone. On by
+        default for 8-bit pools: on an H200 (graph replays, 16 x 32K, L1 1/8 + top 2,048) the sparse INT8
+        step took 0.094 ms against 0.178 ms on the split kernel, the same 0.175 ms at 4 x 128K
+        (``benchmarks/decode_attention.py --mixed``).
     gluon_stages: the Gluon kernel copies blocks j + 1 .. j + s - 1 into a ring of s blocks in shared memory
         (``cp.async``) while a program computes block j; 0 loads each block into registers when the program
         starts it.
@@ -91,8 +93,11 @@ class DecodeKernelOptions:
 # An 8-bit pool is read with per-block bits (a demoted block may sit in it); ``PURE_INT8`` is for 8-bit pools
 # where no block is ever demoted, which the Gluon kernel can take.
 _DEFAULTS = {
-    # gluon_stages 3: the 8-bit ring's depth where ``gluon_mixed`` is turned on (as in ``PURE_INT8``)
-    8: DecodeKernelOptions(cvt=2, mixed=True, programs_per_sm=8, maxnreg=128, gluon_stages=3),
+    # gluon_mixed: the Gluon builds over the table split by bits; gluon_stages 3, the 8-bit ring's depth (as
+    # in ``PURE_INT8``); the split kernel's options stay for what the Gluon kernel does not take
+    8: DecodeKernelOptions(
+        cvt=2, mixed=True, programs_per_sm=8, maxnreg=128, gluon_mixed=True, gluon_stages=3
+    ),
     # INT4: 2 stages and a 128-register cap fit 4 programs per multiprocessor (3 stages or no cap: 3).
     4: DecodeKernelOptions(
         cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128, gluon=True
@@ -140,7 +145,8 @@ def decode_kernel(
       kernel, which attends the hot zone before it merges. Taken where the options (``options``; None: the
       pool's defaults, :func:`options_for`) ask for it (``gluon``) and ``gluon_decode.supported``
       holds: a CUDA fp16/bf16 model, a 4-bit pool or an 8-bit one read without per-block bits, head dim 64
-      or 128, blocks of 16, 32 or 64 tokens, at most 8 query heads per KV head.
+      or 128, blocks of 16, 32 or 64 tokens, at most 8 query heads per KV head, every pool field 16-byte
+      aligned with strides of multiples of 16 elements (``gluon_decode.aligned``).
     * ``"gluon_mixed"``: an 8-bit pool read with per-block bits, where the options ask for it
       (``gluon_mixed``) and ``gluon_decode.supported_mixed`` holds (as above, for 8-bit codes): the table
       split by bits, the Gluon 8-bit and 4-bit builds over their parts, then the merge.
@@ -155,13 +161,19 @@ def decode_kernel(
 
     opts = options_for(pool, options)
     mixed = pool.bits == 8 and opts.mixed
-    if opts.gluon and gluon_decode.supported(
-        q, pool.bits, mixed, pool.k.shape[2], tuple(pool.k.stride()), block_table.shape[1]
+    aligned = gluon_decode.aligned(pool)
+    if (
+        opts.gluon
+        and aligned
+        and gluon_decode.supported(
+            q, pool.bits, mixed, pool.k.shape[2], tuple(pool.k.stride()), block_table.shape[1]
+        )
     ):
         return "gluon"
     if (
         opts.gluon_mixed
         and mixed
+        and aligned
         and gluon_decode.supported_mixed(q, pool.k.shape[2], tuple(pool.k.stride()), block_table.shape[1])
     ):
         return "gluon_mixed"

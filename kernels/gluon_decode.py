@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from triton.experimental import gluon
@@ -52,6 +53,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kvtune.kernels.arch import Arch
+
+if TYPE_CHECKING:
+    from kvtune.kernels.layout import ColdPool
 
 _MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 MMA = gl.constexpr(_MMA)
@@ -672,6 +676,14 @@ def supported(q: torch.Tensor, pool_bits: int, mixed: bool, block_size: int, cod
         and code_stride[-1] == 1
         and code_stride[-2] == d * pool_bits // 8
     )
+
+
+def aligned(pool: ColdPool) -> bool:
+    """Whether the kernel's async copies can be 4 bytes or wider over ``pool``: every field 16-byte aligned,
+    its block and head strides multiples of 16 elements (Triton proves alignment only from arguments
+    divisible by 16). A pool laid out otherwise (a page view with odd strides) takes the split kernel."""
+    fields = (pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale)
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0 for t in fields)
 
 
 def supported_mixed(

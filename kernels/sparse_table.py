@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtune.kernels.arch import num_sms
 from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.sparse_table_choice import SelectOptions, select_kernel
@@ -27,7 +28,8 @@ def sparse_block_table(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`sparse_block_table_ref`; Triton on CUDA (``options``: which Triton kernels,
     :func:`kvtune.kernels.sparse_table_choice.select_kernel`; None: the default)."""
-    if use_triton(q) and select_kernel(k_blocks, q.shape[2], options) == "split":
+    rows = q.shape[0] * pool.layout.num_kv_heads
+    if use_triton(q) and select_kernel(k_blocks, q.shape[2], options, rows, num_sms(q.device)) == "split":
         from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
 
         return sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, options)

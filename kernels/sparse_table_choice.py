@@ -33,15 +33,16 @@ class SelectOptions:
     """How the Triton kernels select the L2 blocks of the sparse tier's table.
 
     split: score each row's L2 blocks with several programs, then merge their top-k in a second launch
-        (``"split"`` of :func:`select_kernel`). Off by default until measured on a GPU
-        (``benchmarks/decode_attention.py --quest``).
+        (``"split"`` of :func:`select_kernel`); None: where the rows are few for the card (:func:`few_rows`:
+        on an H200, 32 rows took 32 µs split against 53 µs single, 128 rows 31 µs against 23 µs;
+        ``benchmarks/decode_attention.py --quest``); True / False: always / never.
     programs_per_sm: the split plan aims at this many scoring programs per multiprocessor.
     maxnreg: register cap per thread of the span kernel (None: the compiler's choice, 184 at head dim 128
         and top 32, one program of 8 warps per multiprocessor; 128: two, with 32 bytes of spills).
     splits: scoring programs per row (None: planned by :func:`split_plan`; tests and sweeps set it).
     """
 
-    split: bool = False
+    split: bool | None = None
     programs_per_sm: int = 2
     maxnreg: int | None = 128
     splits: int | None = None
@@ -83,11 +84,21 @@ def split_plan(rows: int, width: int, k_blocks: int, sms: int, options: SelectOp
     return SplitPlan(cdiv(chunks * CHUNK, span), span)
 
 
-def select_kernel(k_blocks: int, head_dim: int, options: SelectOptions | None = None) -> SelectKernel | None:
+def few_rows(rows: int, sms: int) -> bool:
+    """Whether ``rows`` (sequence, KV head) rows leave most of ``sms`` multiprocessors idle under the
+    single-program kernel (one program per row): at most one row per two multiprocessors."""
+    return 0 < 2 * rows <= sms
+
+
+def select_kernel(
+    k_blocks: int, head_dim: int, options: SelectOptions | None = None, rows: int = 0, sms: int = 0
+) -> SelectKernel | None:
     """The Triton kernels that build the table, None where the reference must (a head dim the kernels do
-    not tile). ``"split"`` where the options ask for it (None: :data:`DEFAULT_SELECT`) and there is
-    something to select (``k_blocks > 0``)."""
+    not tile). ``"split"`` where there is something to select (``k_blocks > 0``) and the options ask for it
+    (None: :data:`DEFAULT_SELECT`; ``split`` None: where :func:`few_rows` holds for ``rows`` on ``sms``
+    multiprocessors, unknown sizes 0)."""
     if not tileable_head_dim(head_dim):
         return None
     opts = DEFAULT_SELECT if options is None else options
-    return "split" if opts.split and k_blocks > 0 else "single"
+    split = few_rows(rows, sms) if opts.split is None else opts.split
+    return "split" if split and k_blocks > 0 else "single"

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels import gluon_decode
-from kvtune.kernels.arch import HOPPER, Arch, arch_of
+from kvtune.kernels.arch import HOPPER, Arch, arch_of, num_sms
 from kvtune.kernels.bits_partition_ref import BitsPartition
 from kvtune.kernels.decode_choice import PURE_INT8 as PURE_INT8
 from kvtune.kernels.decode_choice import DecodeKernel, decode_kernel, options_for
@@ -445,13 +445,6 @@ def _merge_kernel(
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 class DecodePlan(NamedTuple):
     """One launch of :func:`hybrid_decode_attention_triton` as planned (:func:`launch_plan`)."""
 
@@ -520,10 +513,10 @@ def plan_splits(
     wave model (:func:`wave_splits`) where ``resident`` (programs of the build resident per multiprocessor)
     is given, else by ``options.programs_per_sm``. The split kernel always plans by the target; the Gluon
     kernel by the wave model once its build's occupancy is known."""
-    target = options.programs_per_sm * _num_sms(device)
+    target = options.programs_per_sm * num_sms(device)
     most = max(1, cdiv(m, options.min_blocks_per_split))
     if resident:
-        splits = wave_splits(bh, max(m, 1), most, resident * _num_sms(device), target)
+        splits = wave_splits(bh, max(m, 1), most, resident * num_sms(device), target)
     else:
         splits = max(1, min(cdiv(target, bh), most))
     per = max(1, cdiv(m, splits))

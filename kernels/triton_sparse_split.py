@@ -31,13 +31,13 @@ multiprocessors, :func:`~kvtune.kernels.sparse_table_choice.split_plan`), capped
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
+from kvtune.kernels.arch import num_sms
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.sparse_table_choice import (
     CHUNK,
@@ -191,14 +191,6 @@ def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes
     tl.atomic_add(bytes_ptr, tl.sum(tl.load(cost_ptr + (key & 15), mask=sel, other=0), 0))
 
 
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (a CPU, the interpreter's or a recorded launch: 4)."""
-    if device.type != "cuda":
-        return 4
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def sparse_block_table_split_triton(
     q: torch.Tensor,
     pool: ColdPool,
@@ -223,7 +215,7 @@ def sparse_block_table_split_triton(
         q = q.contiguous()
     H = pool.layout.num_kv_heads
     W, dev = M + k_blocks, q.device
-    plan = split_plan(B * H, M, k_blocks, _num_sms(dev), opts)
+    plan = split_plan(B * H, M, k_blocks, num_sms(dev), opts)
     topk = next_pow2(k_blocks)
     keys = torch.empty((B * H, plan.splits, topk), dtype=torch.int64, device=dev)
     scratch = torch.empty((B * H, plan.splits, plan.span + topk), dtype=torch.int64, device=dev)

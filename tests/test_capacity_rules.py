@@ -151,6 +151,33 @@ def test_a_pooled_probe_judges_the_union_of_its_windows() -> None:
     assert pooled["passed"] and pooled["margin"] == pytest.approx(10 / 11 - 0.9)
 
 
+def test_every_new_cache_is_primed_before_it_is_measured(monkeypatch) -> None:
+    """A probe on a cache the engine does not keep (a new config, a window of other lengths) first serves
+    its window at once, unmeasured; a probe that reuses the kept cache (another rate of the same window and
+    config) does not."""
+    from kvtune.engine.replay import Replayer
+    from kvtune.engine.traces import Request
+    from kvtune.tuner.worker import TrialWorker
+
+    quality = QualitySettings(model="random:tiny", text_path="unused")
+    spec = WorkerSpec(model="random:tiny", device="cpu", quality=quality, threads=1, budget_bytes=1 << 26)
+    worker = TrialWorker(spec)
+    scales: list[float] = []
+    replay = Replayer.replay
+    monkeypatch.setattr(
+        Replayer,
+        "replay",
+        lambda self, c, r, t, *a, **k: (scales.append(t), replay(self, c, r, t, *a, **k))[1],
+    )
+    short = tuple(Request(i, 50.0 * i, 8, 4) for i in range(4))
+    longer = tuple(Request(i, 50.0 * i, 8, 9) for i in range(4))  # other lengths: another cache
+    slo = Slo(1e6, 1e6, 90.0)
+    config, other = HybridConfig("hybrid_v2", 16, 16, 0), HybridConfig("hybrid_v2", 16, 16, 8)
+    for probe in [(config, short, 1.0), (config, short, 2.0), (config, longer, 1.0), (other, longer, 1.0)]:
+        worker.probe_config(probe[0], None, (probe[1],), probe[2], slo, 1)
+    assert scales == [0.0, 1.0, 0.5, 0.0, 1.0, 0.0, 1.0]  # primed (0: at once) before 1st, 3rd and 4th
+
+
 # ---- decisions beyond the noise --------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("failed_at", "noise", "pruned"),

@@ -151,9 +151,9 @@ def test_mixed_launch_interpreted(
 
 # ---- the dispatcher
 def test_decode_kernel_takes_the_mixed_path_only_when_asked_and_supported(monkeypatch) -> None:
-    """``decode_kernel``: an 8-bit pool read with per-block bits takes ``gluon_mixed`` only where its option
-    is on (off by default) and the Gluon kernel applies (it needs CUDA: told so here, then not); pure
-    pools keep their own choice."""
+    """``decode_kernel``: an 8-bit pool read with per-block bits takes ``gluon_mixed`` where its option is
+    on (the default) and the Gluon kernel applies (it needs CUDA: told so here, then not); pure pools keep
+    their own choice."""
     from kvtune.kernels import gluon_decode
     from kvtune.kernels.decode_attention import decode_kernel
     from kvtune.kernels.decode_choice import PURE_INT8, default_options
@@ -163,13 +163,18 @@ def test_decode_kernel_takes_the_mixed_path_only_when_asked_and_supported(monkey
     pure4 = make_decode(shape, 4, torch.float16, "cpu", demote=False)
     plain = make_decode(shape, 0, torch.float16, "cpu", demote=False)
     args = {n: (x["q"], x["pool"], x["block_table"]) for n, x in (("8", mixed), ("4", pure4), ("0", plain))}
-    on = replace(default_options(8), gluon_mixed=True)
-    assert not default_options(8).gluon_mixed and not PURE_INT8.gluon_mixed
+    on, off = default_options(8), replace(default_options(8), gluon_mixed=False)
+    assert on.gluon_mixed and not PURE_INT8.gluon_mixed
     assert decode_kernel(*args["8"], triton=True, options=on) == "split"  # CPU tensors: no Gluon
     assert decode_kernel(*args["8"], options=on) == "reference"  # CPU tensors: no Triton
     monkeypatch.setattr(gluon_decode, "supported", lambda q, bits, mixed, *_: bits == 4 or not mixed)
-    assert decode_kernel(*args["8"], triton=True) == "split"  # the default: off
-    assert decode_kernel(*args["8"], triton=True, options=on) == "gluon_mixed"
+    monkeypatch.setattr(gluon_decode, "aligned", lambda pool: True)  # blocks of 24: strides of 24 elements
+    assert decode_kernel(*args["8"], triton=True) == "gluon_mixed"  # the default: on
+    assert decode_kernel(*args["8"], triton=True, options=off) == "split"
+    monkeypatch.setattr(gluon_decode, "aligned", lambda pool: False)  # e.g. a page view with odd strides
+    assert decode_kernel(*args["8"], triton=True) == "split"
+    assert decode_kernel(*args["4"], triton=True) == "split"
+    monkeypatch.setattr(gluon_decode, "aligned", lambda pool: True)
     assert decode_kernel(*args["8"], triton=True, options=replace(on, mixed=False, gluon=True)) == "gluon"
     assert decode_kernel(*args["4"], triton=True, options=replace(default_options(4), gluon_mixed=True)) == (
         "gluon"
@@ -265,3 +270,15 @@ def test_mixed_gluon_on_a_sparse_table_gpu(gpu_kernels) -> None:
     poison_allocator("cuda")
     got = td.hybrid_decode_attention_triton(**inp, options=_mixed_options(td))
     assert_decode_close(got, want, inp["num_cold"], torch.bfloat16)
+
+
+def test_aligned_pools_only_take_the_gluon_kernel() -> None:
+    """``gluon_decode.aligned``: a pool allocated by kvtune with blocks of 16 or 64 tokens is aligned; a
+    view whose block stride is not a multiple of 16 elements (a vLLM page of an odd width) is not."""
+    from kvtune.kernels import gluon_decode
+
+    for block in (16, 64):
+        pool = make_decode(Shape(2, 2, 3, 64, block, 5, 40), 8, torch.float16, "cpu")["pool"]
+        assert gluon_decode.aligned(pool)
+    odd = replace(pool, k_min=torch.zeros(22, 2 * 64 + 8, dtype=torch.float16)[:, :128].view(22, 2, 64))
+    assert not gluon_decode.aligned(odd)

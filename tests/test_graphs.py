@@ -464,6 +464,49 @@ def test_replay_on_the_device_clock_lasts_its_iterations(tiny):
     assert metrics["clock"] == "device" and metrics["completed"] == 5
 
 
+@pytest.mark.parametrize("clock", ["wall", "device"])
+def test_a_compilation_inside_a_forward_is_left_out_of_the_clock(tiny, monkeypatch, clock):
+    """A Triton compilation met inside a measured forward (the host stands still, the device idles between
+    the forward's marks) is left out of either clock, counted and timed in the metrics: simulated here by a
+    call of the JIT's compile method (which sleeps 0.4 s in place of compiling) in the first prompt
+    forward, as Triton's JIT calls it on a new specialization."""
+    import time
+
+    from triton.runtime.jit import JITFunction
+
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    config = _config(8)
+    requests = [Request(i, 0.0, 30 + 7 * i, 12 + i) for i in range(3)]
+    budget = kv_bytes_for(config, tiny.model.kv_shape, [80] * 3)
+    engine = Engine(tiny, config, budget, CPU, SchedulerConfig(clock=clock, max_num_batched_tokens=64))
+    steady = engine.replay(requests, 0.0, warmup_requests=0).to_dict()
+    calls = {"n": 0}
+    prefill, mixed = tiny.model.prefill, tiny.model.forward_mixed
+    monkeypatch.setattr(JITFunction, "_do_compile", lambda self, *args: time.sleep(0.4))
+
+    def stall_once() -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            JITFunction._do_compile(None, "key", {}, 0, {}, None, {}, False)
+
+    monkeypatch.setattr(tiny.model, "prefill", lambda *a, **k: (stall_once(), prefill(*a, **k))[1])
+    monkeypatch.setattr(tiny.model, "forward_mixed", lambda *a, **k: (stall_once(), mixed(*a, **k))[1])
+    compile_method = JITFunction._do_compile
+    stalled = engine.replay(requests, 0.0, warmup_requests=0).to_dict()
+    assert calls["n"] > 1 and JITFunction._do_compile is compile_method  # restored after the replay
+    assert stalled["compiles"] == 1 and 400 <= stalled["compile_ms"] < 1000
+    assert steady["compiles"] == 0 and steady["compile_ms"] == 0
+    # without the exclusion every request would wait 400 ms more for its first token
+    assert stalled["ttft_p99_ms"] < steady["ttft_p99_ms"] + 200, (
+        stalled["ttft_p99_ms"],
+        steady["ttft_p99_ms"],
+    )
+    assert stalled["duration_s"] < steady["duration_s"] + 0.2
+
+
 def test_engine_keeps_its_cache_between_replays_of_one_config(tiny):
     """A second replay of the same requests and config reuses the cache and graphs (no warm-up, same
     results); another config frees them and builds its own."""

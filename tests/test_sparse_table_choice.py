@@ -20,7 +20,7 @@ SPLIT = SelectOptions(split=True)
 @pytest.mark.parametrize(
     ("k_blocks", "head_dim", "options", "kernel"),
     [
-        (32, 128, None, "single"),  # off by default
+        (32, 128, None, "single"),  # rows unknown: the single kernel
         (32, 128, DEFAULT_SELECT, "single"),
         (32, 128, SPLIT, "split"),
         (1, 64, SPLIT, "split"),
@@ -33,6 +33,24 @@ def test_select_kernel(
     k_blocks: int, head_dim: int, options: SelectOptions | None, kernel: str | None
 ) -> None:
     assert select_kernel(k_blocks, head_dim, options) == kernel
+
+
+@pytest.mark.parametrize(
+    ("rows", "sms", "options", "kernel"),
+    [
+        (32, 132, None, "split"),  # 4 x 128K, 8 KV heads, on an H200: the split selection was faster
+        (66, 132, None, "split"),
+        (67, 132, None, "single"),
+        (128, 132, None, "single"),  # 16 x 32K: the single kernel was faster
+        (32, 132, SelectOptions(split=False), "single"),
+        (128, 132, SPLIT, "split"),
+        (0, 132, None, "single"),
+    ],
+)
+def test_the_default_splits_where_rows_are_few(
+    rows: int, sms: int, options: SelectOptions | None, kernel: str
+) -> None:
+    assert select_kernel(32, 128, options, rows, sms) == kernel
 
 
 # (rows, row width, k_blocks, multiprocessors, options) -> plan

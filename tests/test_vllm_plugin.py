@@ -28,9 +28,10 @@ import torch
 
 from kvtune.cache_impl.config import ConfigError, HybridConfig
 from kvtune.cache_impl.layout import ModelKVShape, cold_layout
+from kvtune.kernels.decode_choice import decode_kernel
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
 from kvtune.vllm_plugin.decode import NULL_BLOCK, Batch, layer_step
-from kvtune.vllm_plugin.pages import PageLayout, cold_pool_view, num_blocks_for
+from kvtune.vllm_plugin.pages import PAGE_ALIGN, PageLayout, cold_pool_view, num_blocks_for
 from kvtune.vllm_plugin.settings import VersionError, check_vllm_version, settings_from
 from kvtune.vllm_plugin.step import run_layer, sealed_blocks
 from tests.vllm_step_testlib import Run, Step, drive, page_layout, schedule
@@ -131,8 +132,25 @@ def test_sealing_into_vllm_pages_matches_kvtunes_pool(bits: int, dtype: torch.dt
 def test_page_sizes(bits: int, dtype: torch.dtype, hot_block: int) -> None:
     page = _page(bits, dtype)
     assert page.cold.bytes_per_block <= page.page_bytes < page.cold.bytes_per_block + BLOCK
+    assert page.page_bytes % PAGE_ALIGN == 0
     assert page.hot_block_size == hot_block
     assert hot_block * page.hot_token_bytes <= page.page_bytes
+
+
+@pytest.mark.parametrize("block", [16, 32, 64])
+@pytest.mark.parametrize("bits", [0, 8, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pages_suit_the_gluon_kernel(block: int, bits: int, head_dim: int) -> None:
+    """Every field of a page view starts 16-byte aligned and steps a multiple of 16 elements per block (and
+    per head), as the Gluon decode kernel's async copies need; the smallest such page."""
+    config = HybridConfig.from_dict({**_block(bits), "block_size": block})
+    page = PageLayout(cold_layout(config, ModelKVShape(1, 3, head_dim, 3, torch.bfloat16)))
+    assert page.page_bytes - page.cold.bytes_per_block < max(block, PAGE_ALIGN)
+    pool = cold_pool_view(page, torch.zeros(4, page.page_bytes, dtype=torch.uint8))
+    base = pool.k.data_ptr()
+    for t in (pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale):
+        assert (t.data_ptr() - base) % 16 == 0
+        assert t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0, t.stride()
 
 
 @pytest.mark.parametrize(
@@ -543,6 +561,9 @@ def test_the_cuda_step_on_the_gpu_against_the_reference(bits: int, dim: int) -> 
     steps = schedule(STEP_PROMPTS, STEP_CHUNK, STEP_DECODES)
     gpu, ref = Run(page, STEP_HOT, STEP_BLOCKS, "cuda"), Run(page, STEP_HOT, STEP_BLOCKS, "cpu")
     heads_q = STEP_HEADS * STEP_GROUP
+    q = torch.zeros(1, heads_q, dim, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(1, STEP_HEADS, 1, dtype=torch.int32, device="cuda")
+    assert decode_kernel(q, gpu.pool(), table, triton=True) == "gluon"  # the pages suit the fast kernel
     got, decodes = drive(gpu, steps, _backend_step("cuda", dim), heads_q, seed=bits)
     want, _ = drive(ref, steps, _backend_step("cpu", dim), heads_q, seed=bits)
     assert sum(decodes) == STEP_DECODES

@@ -104,7 +104,6 @@ class TrialWorker:
         self._probes: list[dict[str, Any]] = []
         self._replayers: dict[Any, Any] = {}  # scheduler config -> Replayer (the engine knobs of a trial)
         self._deadline: Deadline | None = None  # the trial's time limit (Workload.time_limit_s)
-        self._primed = False  # the process's first replay was served, unmeasured (_prime)
 
     # ---- facts ---------------------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -203,15 +202,15 @@ class TrialWorker:
         self, replayer: Any, config: HybridConfig, requests: tuple[Request, ...], warmup: int,
         deadline: Deadline | None,
     ) -> None:  # fmt: skip
-        """Once per worker process, before its first measured replay: serve ``requests`` all at once,
-        unmeasured. A process's first replay pays what no later one does (the allocator growing to the
-        prefill's shapes, first launches of the library kernels behind them): measured on an H200, the
-        first of four identical replays ran 23 % slower, the other three within 0.5 % of each other. The
-        cache it leaves is the one the next replay of ``config`` reuses."""
-        if self._primed:
-            return
-        self._primed = True
-        replayer.replay(config, requests, 0.0, warmup=warmup, deadline=deadline)
+        """Before a measured replay on a new cache (a new config, or a window of other lengths): serve
+        ``requests`` all at once, unmeasured. The first replay on a cache pays what no later one does (the
+        CUDA graphs of every batch size captured, the allocator growing to the prefill's shapes, first
+        launches of the library kernels behind them): measured on an H200, the first of four identical
+        replays ran 23 % slower, and near capacity the first replay of a new window collapsed (P90 TTFT
+        847 ms, every slot full) where three repeats passed with P90 TTFT 113-119 ms. The cache it leaves
+        is the one the measured replay reuses."""
+        if not replayer.keeps_cache_for(config, requests):
+            replayer.replay(config, requests, 0.0, warmup=warmup, deadline=deadline)
 
     def probe_config(
         self,
@@ -232,11 +231,11 @@ class TrialWorker:
         if not rate > 0:
             raise ValueError(f"`rate > 0` must hold, but got rate={rate}")
         replayer, runs, passed, aborted = self._replayer(knobs), [], True, False
-        self._prime(replayer, config, windows[0], warmup, deadline)
         pooled: list[RequestTiming] = []
         shared = ProbeStop(slo, sum(len(w) for w in windows)) if slo.pooled else None
         margins = []
         for requests in windows:
+            self._prime(replayer, config, requests, warmup, deadline)
             stop = shared or ProbeStop(slo, len(requests))
             timings: list[RequestTiming] = []
             stop.next_window()

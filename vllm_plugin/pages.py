@@ -12,20 +12,25 @@ Every attention layer gets two caches from vLLM's one block pool::
     └──────────────────────────────────────────┘
 
 The cold page is :attr:`kvtune.kernels.layout.ColdLayout.bytes_per_block` bytes rounded up to a whole
-number of bytes per token (``page_bytes = bs · ceil(bytes_per_block / bs)``). vLLM pads the hot page to
-the cold page (``page_size_padded``), so both groups share one pool of equal pages and
-``num_blocks = kv_cache_memory_bytes // (num_layers · page_bytes)`` (one page per layer and block).
-:func:`cold_pool_view` returns a :class:`~kvtune.kernels.layout.ColdPool` whose fields are strided views of
-the page bytes, so kvtune's own seal and dequantize run on vLLM's memory unchanged.
+number of bytes per token and to a multiple of :data:`PAGE_ALIGN` bytes: every field's block stride is then
+a multiple of 16 elements, so the Gluon decode kernel's async copies of the fp16 scales can be 4 bytes or
+wider. vLLM pads the hot page to the cold page (``page_size_padded``), so both groups share one pool of
+equal pages and ``num_blocks = kv_cache_memory_bytes // (num_layers · page_bytes)`` (one page per layer
+and block). :func:`cold_pool_view` returns a :class:`~kvtune.kernels.layout.ColdPool` whose fields are
+strided views of the page bytes, so kvtune's own seal and dequantize run on vLLM's memory unchanged.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kvtune.kernels.layout import SCALE_DTYPE, ColdLayout, ColdPool
+
+PAGE_ALIGN = 32
+"""Bytes a page is a multiple of: fp16 fields then have block strides divisible by 16 elements."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -45,8 +50,11 @@ class PageLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        """``C`` of vLLM's ``[B, 1, bs, C]`` uint8 view of a cold page."""
-        return _cdiv(self.cold.bytes_per_block, self.cold.block_size)
+        """``C`` of vLLM's ``[B, 1, bs, C]`` uint8 view of a cold page: whole bytes per token, ``bs · C`` a
+        multiple of :data:`PAGE_ALIGN`."""
+        bs = self.cold.block_size
+        step = PAGE_ALIGN // math.gcd(bs, PAGE_ALIGN)
+        return step * _cdiv(_cdiv(self.cold.bytes_per_block, bs), step)
 
     @property
     def hot_token_bytes(self) -> int:
