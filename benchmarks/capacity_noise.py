@@ -230,13 +230,13 @@ def grid(
         for w, chunks in enumerate(windows):
             for rate in rates:
                 prior = [r for r in done if r.repeat == k and r.rate == rate]
-                one, wall, compiled = grid_replay(worker, chunks[0], (w, k, rate), slo, pooled, prior)
+                one, wall, counters = grid_replay(worker, chunks[0], (w, k, rate), slo, pooled, prior)
                 done.append(one)
                 if len(done) == 1:
                     print(f"planned: {total} replays × {wall:.1f} s (the first, at the lowest rate) ≈ "
                           f"{total * wall:.0f} s", flush=True)  # fmt: skip
-                print(_replay_line(one, slo, wall) + compiled, flush=True)
-                results["replays"].append(replay_to_json(one, wall))
+                print(_replay_line(one, slo, wall, counters), flush=True)
+                results["replays"].append(replay_to_json(one, wall) | {"counters": counters})
                 caps = rule_capacities(done, slo, rates, len(windows))
                 results["rules"] = {name: rule_summary(c) | {"capacities": c} for name, c in caps.items()}
                 _write(args, results)
@@ -246,10 +246,10 @@ def grid(
 def grid_replay(
     worker: TrialWorker, requests: tuple[Request, ...], where: tuple[int, int, float], slo: Slo, pooled: int,
     prior: list[GridReplay],
-) -> tuple[GridReplay, float, str]:  # fmt: skip
+) -> tuple[GridReplay, float, dict[str, Any]]:  # fmt: skip
     """One replay of the baseline at ``where`` = (window, repeat, rate), as a worker's probe replays (its
     priming, no garbage collection inside), stopped only once every rule has failed; its wall time and
-    the Triton compilations inside it (left out of its clock), as printed."""
+    the counters that tell a collapse (:data:`COUNTERS`)."""
     window, repeat, rate = where
     stop, timings = GridStop(slo, len(requests), pooled, prior), []  # type: ignore[var-annotated]
     t0 = time.perf_counter()
@@ -257,21 +257,34 @@ def grid_replay(
         metrics = worker.replay(DEFAULT_BASELINE, requests, 1.0 / rate, WARMUP_REQUESTS, timings=timings,
                                 stop=stop)  # fmt: skip
     wall = time.perf_counter() - t0
-    n = metrics.get("compiles", 0)
-    compiled = f" · {n} compilations, {metrics.get('compile_ms', 0.0):.0f} ms left out" if n else ""
     one = GridReplay(window, repeat, rate, len(requests), tuple(timings), stop.fired, stop.p90.fired)
-    return one, wall, compiled
+    return one, wall, {k: metrics.get(k) for k in COUNTERS}
 
 
-def _replay_line(one: GridReplay, slo: Slo, wall: float) -> str:
+COUNTERS = (
+    "peak_running",
+    "max_num_seqs",
+    "preemptions",
+    "prefill_share",
+    "decode_steps",
+    "compiles",
+    "compile_ms",
+)
+
+
+def _replay_line(one: GridReplay, slo: Slo, wall: float, counters: dict[str, Any]) -> str:
     head = f"  window {one.window} #{one.repeat} ×{one.rate:.3f}:"
+    slots = f" · slots {counters['peak_running']}/{counters['max_num_seqs']}"
+    if counters.get("compiles"):
+        slots += f" · {counters['compiles']} compilations, {counters['compile_ms']:.0f} ms left out"
     if one.stopped:
-        return f"{head} stopped, every rule failed ({len(one.timings)}/{one.requests} served) · {wall:.1f} s"
+        served = f"{len(one.timings)}/{one.requests} served"
+        return f"{head} stopped, every rule failed ({served}){slots} · {wall:.1f} s"
     judged = rules(slo, 1)
     verdicts = " ".join(f"{n} {'pass' if passes([one], judged[n].slo) else 'FAIL'}"
                         for n in ("p90", "p99", "attainment"))  # fmt: skip
     margin = decision_margin(one.timings, judged["p90"].slo)
-    return f"{head} {verdicts} · P90 margin {margin:+.3f} · {wall:.1f} s"
+    return f"{head} {verdicts} · P90 margin {margin:+.3f}{slots} · {wall:.1f} s"
 
 
 def _grid_summary(summary: dict[str, Any], step: float) -> str:

@@ -21,7 +21,9 @@ Each decode iteration is split into: attention (the ``cache.decode`` calls; in g
 16th replay only, see :mod:`kvtune.engine.metrics`), model math (the rest of the forward) and bookkeeping
 (everything else in the iteration: ``begin_step``/``end_step`` or ``prepare_step``/``finish_step``,
 scheduling, preemption). A warm-up run of the first ``warmup_requests`` requests comes first on the replay's
-cache (then emptied), so first compilations, graph captures and allocator growth stay out of the metrics.
+cache (then emptied), so first compilations, graph captures and allocator growth stay out of the metrics;
+a Triton compilation met inside a measured iteration all the same is left out of the clock
+(:mod:`kvtune.engine.compiles`).
 """
 
 from __future__ import annotations

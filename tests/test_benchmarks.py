@@ -242,6 +242,11 @@ def test_capacity_noise_grid_smoke(tmp_path: Path) -> None:
     for r in data["replays"]:
         assert len(r["ttft_ms"]) == len(r["tpot_ms"]) == r["completed"] <= r["requests"] == 6
         assert r["stopped"] or r["completed"] == 6
+        assert (
+            1 <= r["counters"]["peak_running"] <= r["counters"]["max_num_seqs"]
+            and r["counters"]["compiles"] == 0
+        )
+    assert "· slots " in run.stdout
     names = ["p90", "p99", "attainment", "pooled2", "attainment+pooled2", "confirm"]
     assert list(data["rules"]) == names
     grid = _capacity_grid()

@@ -209,13 +209,14 @@ def test_v_pairs_only_on_pure_8bit_pools_interpreted(kernels) -> None:
 
 def test_decode_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """``decode_kernel``: the reference where Triton may not run (a CPU tensor) or the head dim does not tile;
-    the Gluon kernel where the options ask for it and it applies (told so here: it needs CUDA); else the
-    split kernel."""
+    the Gluon kernel where the options ask for it and it applies (told so here: it needs CUDA and an aligned
+    pool); else the split kernel."""
     from kvtune.kernels import gluon_decode
     from kvtune.kernels.decode_attention import decode_kernel
-    from kvtune.kernels.triton_decode import PURE_INT8
+    from kvtune.kernels.triton_decode import PURE_INT8, default_options
 
     monkeypatch.setattr(gluon_decode, "supported", lambda q, bits, mixed, *_: bits == 4 or not mixed)
+    monkeypatch.setattr(gluon_decode, "aligned", lambda pool: True)  # blocks of 8: strides of 8 elements
     mixed = make_decode(CPU_SHAPES[1], 8, torch.float16, "cpu")
     pure = make_decode(CPU_SHAPES[1], 8, torch.float16, "cpu", demote=False)
     pure["pool"].may_demote = False
@@ -224,7 +225,9 @@ def test_decode_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
                                                                         ("odd", odd))}  # fmt: skip
     assert decode_kernel(*kind["pure"]) == "reference"  # CPU tensors: no Triton
     assert decode_kernel(*kind["odd"], triton=True) == "reference"
-    assert decode_kernel(*kind["mixed"], triton=True) == "split"  # 8-bit pools that may demote a block
+    assert decode_kernel(*kind["mixed"], triton=True) == "gluon_mixed"  # 8-bit pools that may demote a block
+    no_mixed = replace(default_options(8), gluon_mixed=False)
+    assert decode_kernel(*kind["mixed"], triton=True, options=no_mixed) == "split"
     assert decode_kernel(*kind["pure"], triton=True) == "gluon"  # PURE_INT8
     assert decode_kernel(*kind["pure"], triton=True, options=replace(PURE_INT8, gluon=False)) == "split"
 

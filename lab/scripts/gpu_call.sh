@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest ...)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest plugin busy bound collapse)
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -75,6 +75,10 @@ for stage in "$@"; do
       --grid-rates ${GRID_RATES:-9} --grid-step ${GRID_STEP:-0.06} --model random:llama-3.1-8b --kv-budget 1073741824 \
       --length-scale 0.25 --requests 96 --windows 3 --repeats ${GRID_REPEATS:-2} --json "$OUT/grid.json" \
       > "$OUT/grid.log" 2>&1; grep -E "^(grid|planned|after|GRID|resolution)|^  [a-z0-9+]+ +window|Error" "$OUT/grid.log" | tail -26 ;;
+  collapse)
+    log "whole replays near capacity, the first on each new cache primed (window:rate, repeated)"
+    timeout ${COLLAPSE_S:-200} python3 lab/scripts/collapse.py --replays ${COLLAPSE_REPEATS:-3} --at 1:2.376 --at 0:2.830 \
+      2>&1 | grep -v -i warn | tee "$OUT/collapse.log" | tail -8 ;;
   esac
 done
 log done
