@@ -124,7 +124,7 @@ def main() -> None:
     for rate in rates:
         for name, count in _order(args.order):
             config = HybridConfig.from_json_file(CONFIGS / f"{name}.json")
-            for _ in range(count):  # the worker primes its process before its first replay
+            for _ in range(count):  # the worker primes each new cache before its first replay
                 timings: list[RequestTiming] = []
                 with gc_paused(), GpuSampler() as sampler:
                     metrics = worker.replay(config, window, 1.0 / rate, WARMUP_REQUESTS, timings=timings)
