@@ -235,7 +235,7 @@ def select_table(q, pool, blocks, tier, k_blocks, count, selection: SelectOption
 def sparse_case(case: Case, options: DecodeKernelOptions, selection: SelectOptions | None = None) -> dict:
     """L1 = the newest `l1_blocks` cold blocks, the rest in L2 (4-bit in an 8-bit pool); attend L1 + top-k.
 
-    The selection is the cache's per-layer one (``sparse_block_table_triton``: each sequence's whole row of
+    The selection is the cache's per-layer one (``sparse_block_table``: each sequence's whole row of
     cold blocks split by tier, Quest's bound and top-k of the L2 ones, the table, its byte count), and the
     attention reads that table (L1 blocks, then the selected ones, -1 padded to the row's width + k);
     ``selection``: the selection's kernels (None: the default)."""

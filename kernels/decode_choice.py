@@ -161,20 +161,20 @@ def decode_kernel(
 
     opts = options_for(pool, options)
     mixed = pool.bits == 8 and opts.mixed
-    aligned = gluon_decode.aligned(pool)
+    # the two Gluon paths exclude each other (pure pools / mixed ones): the alignment is read at most once
     if (
         opts.gluon
-        and aligned
         and gluon_decode.supported(
             q, pool.bits, mixed, pool.k.shape[2], tuple(pool.k.stride()), block_table.shape[1]
         )
+        and gluon_decode.aligned(pool)
     ):
         return "gluon"
     if (
         opts.gluon_mixed
         and mixed
-        and aligned
         and gluon_decode.supported_mixed(q, pool.k.shape[2], tuple(pool.k.stride()), block_table.shape[1])
+        and gluon_decode.aligned(pool)
     ):
         return "gluon_mixed"
     return "split"
