@@ -13,7 +13,9 @@ rates, to 2.5 %) in one worker process (no Ray), each probe as a study's worker 
 - ``attainment``: at least 90 % of the requests within both limits (a count over all requests);
 - ``pooled3``: P90 over the requests of three consecutive windows replayed in one probe (3 × the requests);
 - ``confirm``: P90, and a rate whose probe lands within 10 % of a limit is drawn three times (majority);
-- ``all``: attainment, pooled over three windows, confirmed near the decision.
+- ``all``: attainment, pooled over three windows, confirmed near the decision;
+- ``draws8``, ``draws12``: P90, bisected to a 10 % bracket, then 8 or 12 probes each at the estimated rate a
+  replay passes half the time, the capacity being that estimate (``--probe-draws``).
 
 Printed: each search's capacity, rates probed and wall time; per route and window the median and the spread
 ((max − min) / median, the study's ``kvtune.noise`` spread); per route the largest and the median spread
@@ -79,6 +81,7 @@ class Route:
     statistic: str = "percentile"
     windows: int = 1
     confirm: int = 1
+    draws: int = 0
 
 
 ROUTES = {
@@ -87,6 +90,8 @@ ROUTES = {
     "pooled3": Route(windows=3),
     "confirm": Route(confirm=3),
     "all": Route(statistic="attainment", windows=3, confirm=3),
+    "draws8": Route(draws=8),
+    "draws12": Route(draws=12),
 }
 
 
@@ -98,6 +103,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=96, help="requests per window (a study's)")
     p.add_argument("--windows", type=int, default=3, help="unseen windows, each searched --repeats times")
     p.add_argument("--repeats", type=int, default=3, help="searches per route and window (default 3)")
+    p.add_argument("--only", default=None, help="comma-separated windows to search (default: every one)")
     p.add_argument("--routes", default=",".join(ROUTES), help=f"comma-separated, of {', '.join(ROUTES)}")
     p.add_argument("--kv-budget", type=float, default=None, help="bytes (default: 0.9 of the free memory)")
     p.add_argument("--length-scale", type=float, default=1.0)
@@ -137,9 +143,8 @@ def search(
 ) -> dict[str, Any]:  # fmt: skip
     """One capacity search of the baseline under ``route`` (as a study's baseline search, from ``start``)."""
     rule = dataclasses.replace(slo, statistic=route.statistic, pooled=route.windows > 1)
-    state = CapacitySearch(
-        start, CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD, max_rate=top, confirm=route.confirm
-    )
+    state = CapacitySearch(start, CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD, max_rate=top,
+                           confirm=route.confirm, draws=route.draws)  # fmt: skip
     windows, probes, t0 = chunks[: route.windows], [], time.perf_counter()
     while (rate := state.next_rate()) is not None:
         record = worker.probe_config(DEFAULT_BASELINE, None, windows, rate, rule, WARMUP_REQUESTS)
@@ -175,7 +180,10 @@ def main() -> None:
     for name in args.routes.split(","):
         route, spreads, walls = ROUTES[name], [], []
         results["routes"][name] = runs = []
+        only = None if args.only is None else {int(w) for w in args.only.split(",")}
         for w, chunks in enumerate(windows):
+            if only is not None and w not in only:
+                continue
             top = saturation_rate(chunks[: route.windows], record)
             caps = []
             for r in range(args.repeats):
@@ -183,8 +191,10 @@ def main() -> None:
                 runs.append(one)
                 caps.append(one["capacity"])
                 walls.append(one["wall_s"])
+                err = one["search"].get("stderr")
+                err = f", ± {100 * err:.1f} %" if err is not None else ""
                 print(f"  {name:<10} window {w} #{r}: capacity {one['capacity']:.3f}x ({len(one['probes'])} "
-                      f"probes) · {one['wall_s']:.1f} s", flush=True)  # fmt: skip
+                      f"probes{err}) · {one['wall_s']:.1f} s", flush=True)  # fmt: skip
                 _write(args, results)
             spreads.append(spread(caps))
             print(f"  {name:<10} window {w}: median {statistics.median(caps):.3f}x, spread "

@@ -4,16 +4,24 @@ the tiny model)."""
 
 from __future__ import annotations
 
+import math
+import random
+import statistics
+from collections.abc import Callable
+
 import pytest
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.metrics import RequestTiming
 from kvtune.tuner.capacity import (
+    DRAWS_BRACKET,
     CapacitySearch,
     ProbeStop,
     Slo,
+    capacity_metrics,
     decision_margin,
     derive_slo,
+    pass_rate_estimate,
     requests_pass,
     violations_to_fail,
     windows_margin,
@@ -123,6 +131,95 @@ def test_agreeing_draws_stop_at_the_majority_and_far_draws_are_not_repeated() ->
 def test_confirm_must_be_odd(confirm: int) -> None:
     with pytest.raises(ValueError, match=f"confirm` must be odd and >= 1, but got confirm={confirm}"):
         CapacitySearch(1.0, confirm=confirm)
+
+
+# ---- draws at the estimated 50 % rate ---------------------------------------------------------------------
+def _logistic(r50: float, scale: float, rng: random.Random) -> Callable[[float], bool]:
+    """A replay whose verdict is a draw: it passes at rate r with probability 1 / (1 + (r / r50) ** (1/s))."""
+    return lambda r: rng.random() < 1.0 / (1.0 + math.exp((math.log(r) - math.log(r50)) / scale))
+
+
+def _search(search: CapacitySearch, replay: Callable[[float], bool]) -> CapacitySearch:
+    while (rate := search.next_rate()) is not None:
+        search = search.record(rate, replay(rate))
+    return search
+
+
+def test_the_pass_rate_estimate_is_the_midpoint_of_one_pass_and_one_failure() -> None:
+    assert pass_rate_estimate([(2.0, True)], 0.05) is None
+    assert pass_rate_estimate([(2.0, False), (4.0, False)], 0.05) is None
+    found = pass_rate_estimate([(2.0, True), (4.0, False)], 0.05)
+    assert found is not None and found[0] == pytest.approx(math.sqrt(8.0), rel=1e-9)
+    # a failure below a pass (a draw) still gives one estimate, between them
+    found = pass_rate_estimate([(2.0, False), (2.2, True), (2.4, False)], 0.05)
+    assert found is not None and 2.0 < found[0] < 2.4
+
+
+def test_the_pass_rate_estimate_finds_the_rate_that_passes_half_the_time() -> None:
+    rng = random.Random(7)
+    replay = _logistic(3.0, 0.05, rng)
+    probes = [(r, replay(r)) for r in (2.4, 2.6, 2.8, 3.0, 3.2, 3.4, 3.6) for _ in range(60)]
+    found = pass_rate_estimate(probes, 0.05)
+    assert found is not None
+    estimate, stderr = found
+    assert abs(estimate / 3.0 - 1.0) < 3 * stderr and stderr < 0.01
+
+
+def test_a_search_with_draws_bisects_to_a_ten_percent_bracket_then_draws_at_the_estimate() -> None:
+    passes_below = lambda r: r < 3.0  # no noise: every draw lands on the edge
+    search = _search(CapacitySearch(1.0, draws=6), passes_below)
+    assert search.bracketed is not None and len(search.probes) == search.bracketed + 6
+    bracket = search.probes[: search.bracketed]
+    assert search.lo is not None and search.hi is not None and search.hi / search.lo - 1 <= DRAWS_BRACKET
+    assert search.lo == max(r for r, ok in bracket if ok)
+    assert search.hi == min(r for r, ok in bracket if not ok)
+    estimate = pass_rate_estimate(search.probes, search.scale)
+    assert estimate is not None and search.capacity == pytest.approx(estimate[0])
+    assert 2.9 < search.capacity < 3.1
+    record = search.to_dict()
+    assert record["draws"] == 6 and record["bracketed"] == search.bracketed and record["stderr"] > 0
+    # without draws the same replays give the highest passing rate, bisected to the granularity
+    plain = _search(CapacitySearch(1.0), passes_below)
+    assert plain.capacity == plain.lo and plain.hi / plain.lo - 1 <= plain.granularity
+
+
+def test_a_search_with_draws_spends_none_when_nothing_passed_or_it_saturated() -> None:
+    never = _search(CapacitySearch(1.0, max_probes=4, draws=8), lambda r: False)
+    assert never.bracketed is None and never.capacity == 0.0 and len(never.probes) == 4
+    always = _search(CapacitySearch(1.0, max_rate=5.0, draws=8), lambda r: True)
+    assert always.saturated and always.bracketed is None and always.capacity == 5.0
+
+
+def test_draws_make_repeated_searches_agree_where_single_draws_scatter() -> None:
+    """Repeated searches of one noisy config (a pass probability 5 % wide in log rate, as measured on an
+    H200): with 12 draws the capacities spread at most two thirds as much as the single-draw bisection's."""
+    rng = random.Random(1)
+    replay = _logistic(3.0, 0.05, rng)
+    spread = lambda caps: statistics.pstdev(math.log(c) for c in caps)
+    plain = [_search(CapacitySearch(1.0, 0.025, 12), replay).capacity for _ in range(150)]
+    drawn = [_search(CapacitySearch(1.0, 0.025, 12, draws=12), replay).capacity for _ in range(150)]
+    assert spread(drawn) < 0.67 * spread(plain)
+    assert abs(statistics.median(drawn) / 3.0 - 1.0) < 0.02  # the estimate is of the 50 % rate
+
+
+def test_draws_and_confirm_are_two_rules() -> None:
+    with pytest.raises(ValueError, match="`confirm` and `draws` are two rules"):
+        CapacitySearch(1.0, confirm=3, draws=4)
+    with pytest.raises(ValueError, match="`draws >= 0` must hold, but got draws=-1"):
+        CapacitySearch(1.0, draws=-1)
+
+
+def test_capacity_metrics_take_the_highest_passing_probe_at_or_below_the_searchs_capacity() -> None:
+    probe = lambda rate, ok, tokens: {"rate": rate, "passed": ok, "mean": {"tokens_per_s": tokens},
+                                      "windows": []}  # fmt: skip
+    probes = [probe(2.0, True, 200.0), probe(3.2, True, 320.0), probe(3.0, False, 0.0),
+              probe(2.8, True, 280.0)]  # fmt: skip
+    _, highest = capacity_metrics(probes)
+    assert highest["capacity"] == 3.2 and highest["capacity_tokens_per_s"] == 320.0
+    _, estimated = capacity_metrics(probes, 2.9)
+    assert estimated["capacity"] == 2.9 and estimated["capacity_tokens_per_s"] == 280.0
+    _, none = capacity_metrics(probes, 0.0)
+    assert none["capacity"] == 0.0 and none["capacity_tokens_per_s"] == 0.0
 
 
 # ---- one pooled probe on the tiny model --------------------------------------------------------------------
@@ -237,14 +334,15 @@ def test_configs_within_the_noise_of_the_best_are_named_as_ties_in_the_claim() -
 @pytest.mark.parametrize(
     ("flags", "rule"),
     [
-        ((), ("percentile", False, 1)),
+        ((), ("percentile", False, 1, 0)),
         (
             ("--probe-statistic", "attainment", "--probe-pool", "--probe-confirm", "3"),
-            ("attainment", True, 3),
+            ("attainment", True, 3, 0),
         ),
+        (("--probe-draws", "8"), ("percentile", False, 1, 8)),
     ],
 )
-def test_the_probe_flags_set_the_jobs_rule(flags: tuple[str, ...], rule: tuple[str, bool, int]) -> None:
+def test_the_probe_flags_set_the_jobs_rule(flags: tuple[str, ...], rule: tuple[str, bool, int, int]) -> None:
     import argparse
     from pathlib import Path
 
@@ -257,4 +355,4 @@ def test_the_probe_flags_set_the_jobs_rule(flags: tuple[str, ...], rule: tuple[s
     trace = str(root / "examples" / "traces" / "azure_conv_sample.csv")
     args = parser.parse_args(["--gpu", "cpu", "--workload", trace, "--model", "random:tiny", *flags])
     job = tune.build_job(args, resolve_gpu("cpu", []), tune.CPU)
-    assert (job.probe.statistic, job.probe.pooled, job.probe.confirm) == rule
+    assert (job.probe.statistic, job.probe.pooled, job.probe.confirm, job.probe.draws) == rule

@@ -27,6 +27,7 @@ from kvtune.tuner.capacity import (
     capacity_metrics,
     derive_slo,
     noise_record,
+    pass_rate_estimate,
     probe_passes,
     should_prune,
     violations_to_fail,
@@ -421,6 +422,31 @@ def test_capacity_study_resumes(capacity_study: tuple[Path, str, float]) -> None
     assert [(t.number, t.state, t.values) for t in after.trials][: len(old)] == old
     assert len(after.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))) == TRIALS + 1
     assert after.user_attrs[ATTR_NOISE] == before.user_attrs[ATTR_NOISE]  # measured once, when created
+
+
+def test_a_study_with_draws_reports_the_estimated_half_pass_rate(ray_cluster: Any, tmp_path: Path) -> None:
+    """``--probe-draws``: the baseline's searches, the trials and validation bisect to a 10 % bracket and
+    then draw at the estimate; each capacity stored is that estimate over the search's probes."""
+    storage = f"sqlite:///{tmp_path}/d.db"
+    out = str(tmp_path / "p.json")
+    assert cli.main(argv(storage, "--trials", "2", "--probe-draws", "3", "--out", out)) == 0
+    study = optuna.load_study(study_name="c", storage=storage)
+    noise = study.user_attrs[ATTR_NOISE]
+    assert noise["draws"] == 3
+    estimate = lambda probes: pass_rate_estimate([(p["rate"], p["passed"]) for p in probes], 0.05)
+    searches = [*noise["searches"], *(r["search"] for side in ("best", "baseline")
+                                      for r in study.user_attrs["kvtune.validation"][side])]  # fmt: skip
+    drawn = [s for s in searches if s["bracketed"] is not None]
+    assert drawn, "no search reached its draws"
+    for s in drawn:
+        assert len(s["probes"]) == s["bracketed"] + 3 and s["draws"] == 3
+        assert s["capacity"] == pytest.approx(min(estimate(s["probes"])[0], s["max_rate"] or math.inf))
+    for t in study.get_trials(states=(TrialState.COMPLETE,)):
+        probes, value = t.user_attrs[ATTR_PROBES], t.values[0]
+        assert value == t.user_attrs["kvtune.metrics"]["capacity"]
+        highest = max((p["rate"] for p in probes if p["passed"]), default=0.0)
+        found = estimate(probes)
+        assert value == pytest.approx(highest) or (found and value == pytest.approx(found[0])), probes
 
 
 @pytest.mark.parametrize(

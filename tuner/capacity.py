@@ -52,6 +52,13 @@ from kvtune.studies.names import (
 )
 
 EXPAND = 2.0  # the rate's factor per bracketing step
+# A search with ``draws`` (:class:`CapacitySearch`) bisects only until its bracket is this wide (hi / lo − 1),
+# then spends its draws at the estimate of the rate a replay passes half the time
+DRAWS_BRACKET = 0.10
+# The scale, in log rate, of a replay's pass probability near capacity, p(r) = 1 / (1 + (r / r50) ** (1 / s)):
+# measured on an H200 (Llama-3.1-8B shape, 1 GiB, 96-request windows), single draws of one window pass with
+# certainty 10-15 % below the rate where they pass half the time and never 10-15 % above it
+PASS_SCALE = 0.05
 
 
 # ---- the limits ----------------------------------------------------------------------------------------
@@ -126,6 +133,17 @@ class Slo:
         )  # fmt: skip
 
 
+def _check_draws(confirm: int, draws: int) -> None:
+    if confirm < 1 or confirm % 2 == 0:
+        raise ValueError(f"`confirm` must be odd and >= 1, but got confirm={confirm}")
+    if draws < 0:
+        raise ValueError(f"`draws >= 0` must hold, but got draws={draws}")
+    if draws and confirm > 1:
+        raise ValueError(
+            f"`confirm` and `draws` are two rules: give one, but got confirm={confirm}, draws={draws}"
+        )
+
+
 @dataclass(frozen=True)
 class ProbeRule:
     """How a study's probes decide (its noise routes): the verdict's ``statistic`` and whether a probe's
@@ -135,14 +153,14 @@ class ProbeRule:
     statistic: str = "percentile"
     pooled: bool = False
     confirm: int = 1
+    draws: int = 0  # single draws at the estimated 50 % rate once the bracket is narrow (CapacitySearch)
 
     def __post_init__(self) -> None:
         if self.statistic not in STATISTICS:
             raise ValueError(
                 f"statistic must be one of {list(STATISTICS)}, but got statistic={self.statistic!r}"
             )
-        if self.confirm < 1 or self.confirm % 2 == 0:
-            raise ValueError(f"`confirm` must be odd and >= 1, but got confirm={self.confirm}")
+        _check_draws(self.confirm, self.draws)
 
     def verdict(self) -> dict[str, Any]:
         """What ``kvtune.slo`` stores of it (:meth:`Slo.rule`)."""
@@ -202,7 +220,16 @@ def _positive(value: Any) -> float | None:
 @dataclass(frozen=True)
 class CapacitySearch:
     """A bracketed search for the highest passing rate (see the module docstring); a value: :meth:`record`
-    returns the next state."""
+    returns the next state.
+
+    With ``draws`` > 0 the capacity is instead **the rate a replay passes half the time**. Near capacity a
+    replay's verdict is a draw: the same window at the same rate passes or collapses from one replay to the
+    next, so the highest rate that passed once lands anywhere in a band some 20 % wide. The search then
+    bisects only until its bracket is :data:`DRAWS_BRACKET` wide, and spends ``draws`` more probes, each at
+    the current maximum-likelihood estimate of that rate under a logistic pass probability of fixed
+    ``scale`` in log rate (:func:`pass_rate_estimate`); its capacity is that estimate over every probe. Each
+    draw lands where a verdict says most, and the estimate's error falls as one over the root of the
+    draws."""
 
     start: float
     granularity: float = CAPACITY_GRANULARITY
@@ -213,6 +240,9 @@ class CapacitySearch:
     near: float = 0.1  # a draw is near the decision when its margin's magnitude is below this
     close: tuple[float, ...] = ()  # the rates with a draw near the decision
     step_down: float | None = None  # the rate after a first failure instead of halving (warm_start's)
+    draws: int = 0  # probes at the estimated 50 % rate once the bracket is DRAWS_BRACKET wide
+    scale: float = PASS_SCALE  # the pass probability's assumed scale in log rate (draws only)
+    bracketed: int | None = None  # the probes of the bracketing phase, once it ended and draws began
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.start) and self.start > 0):
@@ -223,14 +253,21 @@ class CapacitySearch:
             raise ValueError(f"`granularity > 0` must hold, but got granularity={self.granularity}")
         if self.max_probes < 1:
             raise ValueError(f"`max_probes >= 1` must hold, but got max_probes={self.max_probes}")
-        if self.confirm < 1 or self.confirm % 2 == 0:
-            raise ValueError(f"`confirm` must be odd and >= 1, but got confirm={self.confirm}")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"`scale > 0` must hold, but got scale={self.scale}")
+        _check_draws(self.confirm, self.draws)
+
+    @property
+    def _bracketing(self) -> tuple[tuple[float, bool], ...]:
+        """The probes of the bracketing phase (all of them while it lasts)."""
+        return self.probes if self.bracketed is None else self.probes[: self.bracketed]
 
     def verdicts(self) -> dict[float, bool | None]:
-        """Each rate probed, in order, with its verdict: its one draw, or, for a rate with a draw near the
-        decision (``close``), the majority of its ``confirm`` draws once one side has it (None before)."""
+        """Each rate the bracketing probed, in order, with its verdict: its one draw, or, for a rate with a
+        draw near the decision (``close``), the majority of its ``confirm`` draws once one side has it
+        (None before)."""
         draws: dict[float, list[bool]] = {}
-        for rate, passed in self.probes:
+        for rate, passed in self._bracketing:
             draws.setdefault(rate, []).append(passed)
         need = self.confirm // 2 + 1
         out: dict[float, bool | None] = {}
@@ -244,23 +281,41 @@ class CapacitySearch:
 
     @property
     def lo(self) -> float | None:
-        """The highest rate that passed."""
+        """The highest rate that passed (of the bracketing phase)."""
         return max((r for r, ok in self.verdicts().items() if ok), default=None)
 
     @property
     def hi(self) -> float | None:
-        """The lowest rate that failed."""
+        """The lowest rate that failed (of the bracketing phase)."""
         return min((r for r, ok in self.verdicts().items() if ok is False), default=None)
 
     @property
     def capacity(self) -> float:
-        """The capacity found so far: the highest passing rate, 0 when none passed (a lower bound)."""
+        """The capacity found so far: the highest passing rate, 0 when none passed (a lower bound); with
+        draws, once they began, the estimated rate a replay passes half the time."""
+        if self.bracketed is not None:
+            estimate = self.estimate()
+            if estimate is not None:
+                return estimate
         return self.lo or 0.0
+
+    def estimate(self) -> float | None:
+        """The rate a replay passes half the time, estimated from every probe (:func:`pass_rate_estimate`),
+        never above the saturation rate; None before a probe passed and one failed."""
+        found = pass_rate_estimate(self.probes, self.scale)
+        if found is None:
+            return None
+        return found[0] if self.max_rate is None else min(found[0], self.max_rate)
+
+    @property
+    def width(self) -> float:
+        """How narrow the bracketing goes (hi / lo − 1): the granularity, or DRAWS_BRACKET with draws."""
+        return max(self.granularity, DRAWS_BRACKET) if self.draws else self.granularity
 
     @property
     def converged(self) -> bool:
         lo, hi = self.lo, self.hi
-        return lo is not None and hi is not None and hi / lo - 1.0 <= self.granularity
+        return lo is not None and hi is not None and hi / lo - 1.0 <= self.width
 
     @property
     def saturated(self) -> bool:
@@ -270,7 +325,14 @@ class CapacitySearch:
 
     def next_rate(self) -> float | None:
         """The next rate to probe; None when the search is done (converged, saturated, or out of
-        probes)."""
+        probes; with draws, once they are spent)."""
+        if self.bracketed is not None:
+            if len(self.probes) - self.bracketed >= self.draws:
+                return None
+            return self.estimate()
+        return self._bracket_rate()
+
+    def _bracket_rate(self) -> float | None:
         verdicts = self.verdicts()
         pending = [r for r, ok in verdicts.items() if ok is None]
         if pending:  # a draw near the decision: the same rate again
@@ -294,14 +356,20 @@ class CapacitySearch:
     def record(self, rate: float, passed: bool, margin: float | None = None) -> CapacitySearch:
         """The search after a probe at ``rate``; ``margin``: its :func:`decision_margin`, which marks the
         rate for ``confirm`` draws when its magnitude is below ``near`` (None: a probe that stopped early,
-        or one recorded without: never near)."""
+        or one recorded without: never near). With draws, the bracketing ends (and the draws begin) once it
+        has nothing left to probe, a pass below a failure and no saturation."""
         close = self.close
         if margin is not None and abs(margin) < self.near and float(rate) not in close:
             close = (*close, float(rate))
-        return dataclasses.replace(self, probes=(*self.probes, (float(rate), bool(passed))), close=close)
+        after = dataclasses.replace(self, probes=(*self.probes, (float(rate), bool(passed))), close=close)
+        if self.draws and after.bracketed is None and after._bracket_rate() is None:
+            lo, hi = after.lo, after.hi
+            if lo is not None and hi is not None and lo < hi and not after.saturated:
+                after = dataclasses.replace(after, bracketed=len(after.probes))
+        return after
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "capacity": self.capacity,
             "lo": self.lo,
             "hi": self.hi,
@@ -312,12 +380,38 @@ class CapacitySearch:
             "start": self.start,
             "granularity": self.granularity,
             "max_probes": self.max_probes,
-            **(
-                {"confirm": self.confirm, "near": self.near, "confirmed": list(self.close)}
-                if self.confirm > 1
-                else {}
-            ),
         }
+        if self.confirm > 1:
+            out |= {"confirm": self.confirm, "near": self.near, "confirmed": list(self.close)}
+        if self.draws:
+            found = pass_rate_estimate(self.probes, self.scale) if self.bracketed is not None else None
+            out |= {"draws": self.draws, "scale": self.scale, "bracketed": self.bracketed,
+                    "stderr": None if found is None else found[1]}  # fmt: skip
+        return out
+
+
+def pass_rate_estimate(probes: Sequence[tuple[float, bool]], scale: float) -> tuple[float, float] | None:
+    """The rate ``r50`` at which a replay passes half the time, by maximum likelihood over ``probes``
+    ((rate, passed) draws) under p(pass at r) = 1 / (1 + exp((ln r − ln r50) / scale)), and the standard
+    error of ``ln r50`` (about the relative error of ``r50``): ``scale / sqrt(Σ p (1 − p))``. With the
+    scale fixed the log-likelihood is concave in ``ln r50`` and has one maximum as soon as one draw passed
+    and one failed (None before), also when every pass lies below every failure."""
+    if not any(ok for _, ok in probes) or all(ok for _, ok in probes):
+        return None
+    logs = [(math.log(r), ok) for r, ok in probes]
+    p = lambda m, x: 1.0 / (1.0 + math.exp(max(-700.0, min(700.0, (x - m) / scale))))
+    score = lambda m: sum((1.0 if ok else 0.0) - p(m, x) for x, ok in logs)  # decreasing in m
+    low = min(x for x, _ in logs) - 40 * scale
+    high = max(x for x, _ in logs) + 40 * scale
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        if score(mid) > 0:
+            low = mid
+        else:
+            high = mid
+    m = 0.5 * (low + high)
+    information = sum(p(m, x) * (1.0 - p(m, x)) for x, _ in logs)
+    return math.exp(m), scale / math.sqrt(information) if information > 0 else math.inf
 
 
 def warm_start(search: CapacitySearch, best_known: float | None, noise: float = 0.0) -> CapacitySearch:
@@ -538,20 +632,30 @@ def probe_summary(probe: Mapping[str, Any]) -> dict[str, Any]:
     return summary | {k: mean[k] for k in PROBE_DETAILS if _finite(mean.get(k))}
 
 
-def capacity_metrics(probes: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def capacity_metrics(
+    probes: Sequence[Mapping[str, Any]], capacity: float | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The windows and mean metrics of a capacity search: those of its highest passing probe (of its
     lowest-rate probe when none passed), with ``capacity`` (that rate, or 0), ``capacity_tokens_per_s``
     (output tokens/s there, or 0), ``capacity_probes`` and ``capacity_failed_rate`` (the lowest failing
-    rate)."""
+    rate). ``capacity``: the search's own (:attr:`CapacitySearch.capacity`, which a majority of draws or
+    an estimate decides); the metrics are then those of the highest passing probe at or below it (the
+    lowest passing one when none is)."""
     if not probes:
         raise ValueError("a capacity search without a probe")
     passing = [p for p in probes if p["passed"]]
     failed = [float(p["rate"]) for p in probes if not p["passed"]]
+    if capacity is not None and capacity <= 0:
+        passing = []
+    elif capacity is not None and passing:
+        below = [p for p in passing if float(p["rate"]) <= capacity * (1.0 + 1e-9)]
+        passing = below or [min(passing, key=lambda p: p["rate"])]
     at = max(passing, key=lambda p: p["rate"]) if passing else min(probes, key=lambda p: p["rate"])
     tokens = float(at["mean"].get("tokens_per_s", math.nan)) if passing else 0.0
+    found = float(at["rate"]) if passing else 0.0
     mean = {
         **at["mean"],
-        "capacity": float(at["rate"]) if passing else 0.0,
+        "capacity": found if capacity is None else float(capacity),
         "capacity_tokens_per_s": tokens,
         "capacity_probes": len(probes),
         "capacity_failed_rate": min(failed, default=math.nan),

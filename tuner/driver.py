@@ -300,7 +300,8 @@ class TrialLoop:
             run.step = window
             self._submit(run, actor.probe.remote(run.search.next_rate()))
         elif run.stage is Call.FINISH:
-            self._submit(run, actor.finish.remote())
+            capacity = None if run.search is None else run.search.capacity
+            self._submit(run, actor.finish.remote(capacity))
         else:
             self._submit(run, actor.quality.remote(run.config))
 

@@ -467,7 +467,7 @@ def _capacity_attrs(
     runs = [
         SearchRun(r % len(pool.actors), BASELINE, knobs, windows,
                   CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD, max_rate=top,
-                                 confirm=job.probe.confirm))
+                                 confirm=job.probe.confirm, draws=job.probe.draws))
         for r in range(NOISE_REPEATS)
     ]  # fmt: skip
     t0 = time.monotonic()
@@ -490,7 +490,7 @@ def _capacity_attrs(
         BASELINE.to_dict(), granularity=job.granularity, max_probes=CAPACITY_PROBES, start=start,
         max_rate=top, engine=engine, searches=[r["search"] for r in results],
         search_s=(time.monotonic() - t0) / math.ceil(NOISE_REPEATS / len(pool.actors)),
-        confirm=job.probe.confirm,
+        confirm=job.probe.confirm, draws=job.probe.draws,
     )  # fmt: skip
     return {ATTR_SLO: slo_record, ATTR_NOISE: noise}
 
@@ -523,7 +523,8 @@ def _capacity_plan(job: TuneJob, attrs: dict[str, Any]) -> tuple[Slo | None, Cap
     start = float(noise["median"]) if noise["median"] > 0 else float(noise["start"])
     top = noise.get("max_rate")  # a study stored before the saturation rate has none
     search = CapacitySearch(start, float(noise["granularity"]), int(noise["max_probes"]), max_rate=top,
-                            confirm=int(noise.get("confirm", 1)))  # fmt: skip
+                            confirm=int(noise.get("confirm", 1)),
+                            draws=int(noise.get("draws", 0)))  # fmt: skip
     return Slo.from_record(attrs[ATTR_SLO]), search
 
 
@@ -631,7 +632,7 @@ def _validate(
         slo, granularity = Slo.from_record(attrs[ATTR_SLO]), float(noise["granularity"])
         measure: Measure = lambda k, first: validate_capacity(
             pool, config, (knobs[0], knobs[1]), requests, slo, starts, granularity, k, alternative,
-            max_rate=top, first=first, confirm=int(noise.get("confirm", 1)),
+            max_rate=top, first=first, confirm=int(noise.get("confirm", 1)), draws=int(noise.get("draws", 0)),
         )  # fmt: skip
         extra |= {"slo": attrs[ATTR_SLO], "noise": noise, "max_rate": top,
                   "ties": ties(study, best, float(noise.get("threshold", 0.0)))}  # fmt: skip

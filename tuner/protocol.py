@@ -8,7 +8,7 @@ actors for ``--gpu cpu``) and drives each trial as this sequence of calls (:clas
     run_window(i), i = 0..W-1     -> dict         that window's ReplayMetrics.to_dict()
       or, for the capacity objective,
     probe(rate), as the search asks -> dict       every window at ``rate`` x the trace's own arrival rate
-    finish()                      -> TrialResult  frozen: the per-window metrics and their mean
+    finish(capacity=None)         -> TrialResult  frozen: the per-window metrics and their mean
     quality(config)               -> dict         QualityResult.to_dict(); skipped when the driver knows it
 
 The capacity objective replaces the windows by probes: :class:`~kvtune.tuner.capacity.CapacitySearch`

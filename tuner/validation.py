@@ -219,7 +219,7 @@ class SearchRun:
     def result(self) -> dict[str, Any]:
         """The metrics at the capacity found (:func:`~kvtune.tuner.capacity.capacity_metrics`), the
         search's state and its probes (:func:`~kvtune.tuner.capacity.probe_summary`)."""
-        _, mean = capacity_metrics(self.probes)
+        _, mean = capacity_metrics(self.probes, self.search.capacity)
         search = self.search.to_dict() | {"probes": [probe_summary(p) for p in self.probes]}
         return {**finite(mean), "search": search}
 
@@ -286,6 +286,7 @@ def validate_capacity(
     max_rate: float | None = None,
     first: int = 0,
     confirm: int = 1,
+    draws: int = 0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The capacity of ``best`` and of ``best.unquantized()`` (with ``knobs`` = (best's, the baseline's)),
     each searched ``repeats`` times on ``requests`` from ``starts`` = (best's, baseline's) warm start: the
@@ -295,8 +296,9 @@ def validate_capacity(
     too in every repeat; the baseline's side of a repeat is then the higher of its two capacities (its
     ``alternatives`` keep both), so the gain is never the baseline's loss from knobs that suit only the
     best config. ``max_rate``: the window's saturation rate, above which no search probes. ``first``: the
-    index of the first repeat (more repeats after ``first`` done: any number of them). ``confirm``: the
-    study's draws of a rate near the decision (:class:`~kvtune.tuner.capacity.CapacitySearch`)."""
+    index of the first repeat (more repeats after ``first`` done: any number of them). ``confirm``,
+    ``draws``: the study's repeated probes near the decision
+    (:class:`~kvtune.tuner.capacity.CapacitySearch`)."""
     if first == 0 and repeats < MIN_REPEATS:
         raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
     base = best.unquantized()
@@ -305,7 +307,8 @@ def validate_capacity(
         sides.append((base, alternative, starts[1]))
     n = len(sides)
     runs: list[list[SearchRun]] = []
-    cold = lambda s: CapacitySearch(s, granularity, CAPACITY_PROBES_COLD, max_rate=max_rate, confirm=confirm)
+    cold = lambda s: CapacitySearch(s, granularity, CAPACITY_PROBES_COLD, max_rate=max_rate, confirm=confirm,
+                                    draws=draws)  # fmt: skip
     for r in range(first, first + repeats):
         worker = r % len(pool.actors)
         runs.append([SearchRun(worker, c, k, (requests,), cold(s)) for c, k, s in sides])

@@ -169,10 +169,12 @@ class TrialWorker:
         self._probes.append(record)
         return record
 
-    def finish(self) -> TrialResult:
+    def finish(self, capacity: float | None = None) -> TrialResult:
+        """The trial's result; ``capacity``: its search's (the driver's), which the capacity objective
+        reports, with the windows of the highest passing probe at or below it."""
         assert self._config is not None and (self._windows or self._probes), "configure() and run first"
         if self._probes:  # the capacity objective: the windows at the highest passing rate
-            at, mean = capacity_metrics(self._probes)
+            at, mean = capacity_metrics(self._probes, capacity)
             return TrialResult(self._config, tuple(at), mean)
         windows = tuple(self._windows)
         return TrialResult(self._config, windows, mean_metrics(windows))

@@ -68,7 +68,8 @@ for stage in "$@"; do
     log "capacity noise per route on unseen windows"
     timeout ${NOISE_S:-200} python3 benchmarks/capacity_noise.py --model random:llama-3.1-8b --kv-budget 1073741824 \
       --length-scale 0.25 --requests 96 --windows 3 --repeats ${NOISE_REPEATS:-3} --routes ${ROUTES:-p90,attainment} \
-      --json "$OUT/noise.json" > "$OUT/noise.log" 2>&1; grep -v -i warn "$OUT/noise.log" | tail -25 ;;
+      ${NOISE_ONLY:+--only $NOISE_ONLY} --json "$OUT/noise${NOISE_TAG:-}.json" > "$OUT/noise${NOISE_TAG:-}.log" 2>&1
+    grep -v -i warn "$OUT/noise${NOISE_TAG:-}.log" | tail -25 ;;
   grid)
     log "every probe rule's noise from one set of replays: 3 windows x ${GRID_REPEATS:-2} repeats x ${GRID_RATES:-9} rates"
     timeout ${GRID_S:-540} python3 benchmarks/capacity_noise.py --grid --grid-center ${GRID_CENTER:-3.0} \

@@ -152,6 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="capacity: draws of a rate whose probe lands within 10 %% of a limit (3: the majority decides)",
     )
     add(
+        "--probe-draws",
+        type=int,
+        default=0,
+        help="capacity: once a search's bracket is 10 %% wide, this many more probes, each at the estimated "
+        "rate a replay passes half the time, which becomes the capacity (0: the highest rate that passed)",
+    )
+    add(
         "--clock",
         choices=CLOCKS,
         default=None,
@@ -226,6 +233,7 @@ LIMITS: Limits = {
     "--slo-ttft-ms": (0, False),
     "--slo-tpot-ms": (0, False),
     "--trial-timeout": (0, False),
+    "--probe-draws": (0, True),
 }
 
 
@@ -235,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     check_numbers(args, LIMITS)
     check_seed(args.seed)
+    if args.probe_draws and args.probe_confirm > 1:
+        raise ValueError("--probe-draws and --probe-confirm are two rules for the same probes: give one")
     if not Path(args.workload).is_file():
         load_trace(args.workload)  # a directory or a missing file: one line
     card = resolve_gpu(args.gpu, _present_gpus())
@@ -316,7 +326,7 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
         trial_time_limit_s=60 * pick(args.trial_timeout, d.trial_timeout_min),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_percentile=args.slo_percentile,
         clock=args.clock, probe=ProbeRule(args.probe_statistic or "percentile", args.probe_pool,
-                                          args.probe_confirm),
+                                          args.probe_confirm, args.probe_draws),
     )  # fmt: skip
 
 
