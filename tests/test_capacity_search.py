@@ -424,12 +424,17 @@ def test_capacity_study_resumes(capacity_study: tuple[Path, str, float]) -> None
     assert after.user_attrs[ATTR_NOISE] == before.user_attrs[ATTR_NOISE]  # measured once, when created
 
 
-def test_a_study_with_draws_reports_the_estimated_half_pass_rate(ray_cluster: Any, tmp_path: Path) -> None:
+def test_a_study_with_draws_reports_the_estimated_half_pass_rate(
+    ray_cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--probe-draws``: the baseline's searches, the trials and validation bisect to a 10 % bracket and
     then draw at the estimate; each capacity stored is that estimate over the search's probes."""
     storage = f"sqlite:///{tmp_path}/d.db"
     out = str(tmp_path / "p.json")
     assert cli.main(argv(storage, "--trials", "2", "--probe-draws", "3", "--out", out)) == 0
+    captured = capsys.readouterr()
+    printed = " ".join((captured.err + captured.out).split())
+    assert "bisected to 10%, then 3 probes at the estimated rate a replay passes half the time" in printed
     study = optuna.load_study(study_name="c", storage=storage)
     noise = study.user_attrs[ATTR_NOISE]
     assert noise["draws"] == 3
@@ -438,6 +443,8 @@ def test_a_study_with_draws_reports_the_estimated_half_pass_rate(ray_cluster: An
                                       for r in study.user_attrs["kvtune.validation"][side])]  # fmt: skip
     drawn = [s for s in searches if s["bracketed"] is not None]
     assert drawn, "no search reached its draws"
+    if any(s["bracketed"] is not None for s in noise["searches"]):  # the table's caption: each search's error
+        assert "each ±" in printed
     for s in drawn:
         assert len(s["probes"]) == s["bracketed"] + 3 and s["draws"] == 3
         assert s["capacity"] == pytest.approx(min(estimate(s["probes"])[0], s["max_rate"] or math.inf))

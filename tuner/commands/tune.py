@@ -49,7 +49,15 @@ from kvtune.studies.names import (
 )
 from kvtune.studies.storage import check_storage, redact
 from kvtune.studies.study import OBJECTIVES, StudyOptions, study_name
-from kvtune.tuner.capacity import SLO_PERCENTILES, STATISTICS, ProbeRule, Slo, at_saturation, within_noise
+from kvtune.tuner.capacity import (
+    DRAWS_BRACKET,
+    SLO_PERCENTILES,
+    STATISTICS,
+    ProbeRule,
+    Slo,
+    at_saturation,
+    within_noise,
+)
 from kvtune.tuner.commands import Limits, check_numbers
 from kvtune.tuner.console import table_console
 from kvtune.tuner.driver import Bounds, Event
@@ -330,6 +338,16 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
     )  # fmt: skip
 
 
+def _search_rule(job: TuneJob) -> str:
+    """How a capacity search ends, for the settings line."""
+    if job.probe.draws:
+        return (
+            f"bisected to {max(job.granularity, DRAWS_BRACKET):.0%}, then {job.probe.draws} probes at the "
+            "estimated rate a replay passes half the time (the capacity)"
+        )
+    return f"searched to {job.granularity:.1%}, at most {CAPACITY_PROBES} probes a trial"
+
+
 def _default_clock(objective: str) -> str:
     """A new study's clock: the device's for the capacity objective (a probe's verdict must not move with the
     host's jitter), the wall's for the fixed-rate objectives (what a user of the engine waits)."""
@@ -423,9 +441,8 @@ def _print_settings(console: Console, job: TuneJob, d: Defaults, checked: Prefli
         console.print(
             f"  capacity: the highest rate (x the trace's) with {pct} TTFT <= "
             f"{show(job.slo_ttft_ms, '5x the unloaded baseline')} and {pct} TPOT <= "
-            f"{show(job.slo_tpot_ms, '10x its decode step')}; searched to {job.granularity:.1%}, at most "
-            f"{CAPACITY_PROBES} probes a trial, from the baseline's capacity (measured {NOISE_REPEATS} "
-            "times when the study is created)"
+            f"{show(job.slo_tpot_ms, '10x its decode step')}; {_search_rule(job)}, from the baseline's "
+            f"capacity (measured {NOISE_REPEATS} times when the study is created)"
         )
     limit = job.trial_time_limit_s
     console.print(
@@ -556,9 +573,11 @@ def capacity_table(study: Any, rows: int = BEST_ROWS) -> Table:
     table = Table(title=f"best trials of {study.study_name} ({len(done)} complete): capacity within {limits}")
     threshold = float(noise.get("threshold", 0.0))
     if noise:
+        errors = [s["stderr"] for s in noise.get("searches", ()) if s.get("stderr") is not None]
+        each = f", each ± {100 * min(errors):.1f}-{100 * max(errors):.1f} %" if errors else ""
         table.caption = (
             f"unquantized baseline (hot 32, block 64): capacity {noise['median']:.3g}x, measured "
-            f"{noise['repeats']} times (spread {100 * noise['spread']:.0f} %); ≈: within the noise "
+            f"{noise['repeats']} times (spread {100 * noise['spread']:.0f} %{each}); ≈: within the noise "
             f"(< {100 * threshold:.0f} %) of the best"
         )
     columns = ("#", "bits", "hot", "block", "top-k", "seqs", "batch tok", "capacity x", "tok/s at it",
