@@ -5,7 +5,7 @@ plain bisection and for 8, 12 and 16 draws at the estimated half-pass rate. Prin
 the 80th percentile of the range of three searches ((max - min) / median, the study's noise), how often it is
 at most 5 %, and the mean search time at 8 s a passing and 5 s a failing probe (run 19's probes). CPU only:
 
-    python lab/scripts/draws_sim.py --scale 0.05 --sets 300
+    python lab/scripts/draws_sim.py --scale 0.05 --sets 400 [--lapse 0.03]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ p.add_argument("--scale", type=float, default=0.05)
 p.add_argument("--r50", type=float, default=2.8)
 p.add_argument("--sets", type=int, default=300, help="sets of three searches per rule")
 p.add_argument("--start", type=float, default=1.0)
+p.add_argument("--lapse", type=float, default=0.0, help="the simulated replays' chance to collapse anyway")
 args = p.parse_args()
 rng = random.Random(0)
 
@@ -30,12 +31,14 @@ def search(draws: int) -> tuple[float, float]:
     state, seconds = CapacitySearch(args.start, 0.025, 12, draws=draws), 0.0
     while (rate := state.next_rate()) is not None:
         passed = rng.random() < 1.0 / (1.0 + math.exp((math.log(rate) - math.log(args.r50)) / args.scale))
+        passed = passed and rng.random() >= args.lapse
         seconds += 8.0 if passed else 5.0
         state = state.record(rate, passed)
     return state.capacity, seconds
 
 
-print(f"scale {args.scale}, r50 {args.r50}, {args.sets} sets of three searches from {args.start}x")
+print(f"scale {args.scale}, r50 {args.r50}, lapse {args.lapse}, {args.sets} sets of three searches from "
+      f"{args.start}x")  # fmt: skip
 for draws in (0, 8, 12, 16):
     ranges, times = [], []
     for _ in range(args.sets):
