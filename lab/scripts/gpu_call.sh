@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest plugin busy bound collapse)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest plugin busy bound step collapse)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
@@ -77,6 +77,10 @@ for stage in "$@"; do
       --grid-rates ${GRID_RATES:-9} --grid-step ${GRID_STEP:-0.06} --model random:llama-3.1-8b --kv-budget 1073741824 \
       --length-scale 0.25 --requests 96 --windows 3 --repeats ${GRID_REPEATS:-2} --json "$OUT/grid.json" \
       > "$OUT/grid.log" 2>&1; grep -E "^(grid|planned|after|GRID|resolution)|^  [a-z0-9+]+ +window|Error" "$OUT/grid.log" | tail -26 ;;
+  step)
+    log "decode step, Llama-3.1-8B shape 32x8K: unquantized, INT8, INT4, INT8 + sparse top-512 (graphs)"
+    timeout ${STEP_S:-200} python3 benchmarks/decode_step.py --shape llama-3.1-8b --batch 32 --context 8192 \
+      --paths graph,graph_sync --json "$OUT/step.json" > "$OUT/step.log" 2>&1; grep -v -i warn "$OUT/step.log" | tail -12 ;;
   collapse)
     log "whole replays near capacity, the first on each new cache primed (window:rate, repeated)"
     timeout ${COLLAPSE_S:-200} python3 lab/scripts/collapse.py --replays ${COLLAPSE_REPEATS:-3} --at 1:2.376 --at 0:2.830 \
