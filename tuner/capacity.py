@@ -38,6 +38,7 @@ This module is pure Python (no engine, no Ray): the driver, the workers and the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -303,10 +304,15 @@ class CapacitySearch:
     def estimate(self) -> float | None:
         """The rate a replay passes half the time, estimated from every probe (:func:`pass_rate_estimate`),
         never above the saturation rate; None before a probe passed and one failed."""
-        found = pass_rate_estimate(self.probes, self.scale)
+        found = self._found
         if found is None:
             return None
         return found[0] if self.max_rate is None else min(found[0], self.max_rate)
+
+    @functools.cached_property
+    def _found(self) -> tuple[float, float] | None:
+        """:func:`pass_rate_estimate` over the probes, once per state (a state never changes)."""
+        return pass_rate_estimate(self.probes, self.scale)
 
     @property
     def width(self) -> float:
@@ -385,7 +391,7 @@ class CapacitySearch:
         if self.confirm > 1:
             out |= {"confirm": self.confirm, "near": self.near, "confirmed": list(self.close)}
         if self.draws:
-            found = pass_rate_estimate(self.probes, self.scale) if self.bracketed is not None else None
+            found = self._found if self.bracketed is not None else None
             out |= {"draws": self.draws, "scale": self.scale, "bracketed": self.bracketed,
                     "stderr": None if found is None else found[1]}  # fmt: skip
         return out
