@@ -15,7 +15,9 @@ rates, to 2.5 %) in one worker process (no Ray), each probe as a study's worker 
 - ``confirm``: P90, and a rate whose probe lands within 10 % of a limit is drawn three times (majority);
 - ``all``: attainment, pooled over three windows, confirmed near the decision;
 - ``draws8``, ``draws12``: P90, bisected to a 10 % bracket, then 8 or 12 probes each at the estimated rate a
-  replay passes half the time, the capacity being that estimate (``--probe-draws``).
+  replay passes half the time, the capacity being that estimate (``--probe-draws``);
+- ``near``: P90, the study's baseline searches on one worker: a window's first search from ``--start``, the
+  later ones started at its capacity, stepping by 1.25× rather than doubling (``near_search``).
 
 Printed: each search's capacity, rates probed and wall time; per route and window the median and the spread
 ((max − min) / median, the study's ``kvtune.noise`` spread); per route the largest and the median spread
@@ -64,7 +66,14 @@ from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.engine.scheduler import CLOCKS, SchedulerConfig
 from kvtune.engine.traces import LengthPolicy, Request, read_trace
 from kvtune.studies.names import CAPACITY_CLOCK, CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD, SLO_PERCENTILE
-from kvtune.tuner.capacity import CapacitySearch, Slo, decision_margin, derive_slo, saturation_rate
+from kvtune.tuner.capacity import (
+    CapacitySearch,
+    Slo,
+    decision_margin,
+    derive_slo,
+    near_search,
+    saturation_rate,
+)
 from kvtune.tuner.worker import TrialWorker, gc_paused, local_worker
 from kvtune.tuner.workload import rebase
 
@@ -82,6 +91,7 @@ class Route:
     windows: int = 1
     confirm: int = 1
     draws: int = 0
+    near: bool = False  # a window's searches after its first start near the first's capacity
 
 
 ROUTES = {
@@ -92,6 +102,7 @@ ROUTES = {
     "all": Route(statistic="attainment", windows=3, confirm=3),
     "draws8": Route(draws=8),
     "draws12": Route(draws=12),
+    "near": Route(near=True),
 }
 
 
@@ -139,12 +150,15 @@ def windows_of(args: argparse.Namespace, max_context: int) -> list[tuple[tuple[R
 
 def search(
     worker: TrialWorker, chunks: tuple[tuple[Request, ...], ...], slo: Slo, route: Route, top: float | None,
-    start: float,
+    start: float, near: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One capacity search of the baseline under ``route`` (as a study's baseline search, from ``start``)."""
+    """One capacity search of the baseline under ``route`` (as a study's baseline search, from ``start``;
+    ``near``: started near that capacity instead)."""
     rule = dataclasses.replace(slo, statistic=route.statistic, pooled=route.windows > 1)
     state = CapacitySearch(start, CAPACITY_GRANULARITY, CAPACITY_PROBES_COLD, max_rate=top,
                            confirm=route.confirm, draws=route.draws)  # fmt: skip
+    if near is not None:
+        state = near_search(state, near)
     windows, probes, t0 = chunks[: route.windows], [], time.perf_counter()
     while (rate := state.next_rate()) is not None:
         record = worker.probe_config(DEFAULT_BASELINE, None, windows, rate, rule, WARMUP_REQUESTS)
@@ -187,7 +201,8 @@ def main() -> None:
             top = saturation_rate(chunks[: route.windows], record)
             caps = []
             for r in range(args.repeats):
-                one = search(worker, chunks, slo, route, top, args.start) | {"window": w}
+                at = caps[0] if route.near and caps else None
+                one = search(worker, chunks, slo, route, top, args.start, at) | {"window": w}
                 runs.append(one)
                 caps.append(one["capacity"])
                 walls.append(one["wall_s"])

@@ -191,21 +191,27 @@ def test_gpu_sampler_summarizes_what_nvidia_smi_printed(
 
 
 def test_capacity_noise_smoke(tmp_path: Path) -> None:
-    """The baseline's capacity searched on an unseen window of the later Azure excerpt, one route, one
-    search: its line, the route's spread and the JSON with every probe."""
+    """The baseline's capacity searched on an unseen window of the later Azure excerpt, two routes, two
+    searches each: their lines, each route's spread and the JSON with every probe; under ``near`` the
+    second search starts at the first's capacity, stepping by 1.25x."""
     import json
 
     out = tmp_path / "noise.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "capacity_noise.py"), "--model", "random:tiny",
-         "--requests", "8", "--windows", "1", "--repeats", "1", "--routes", "attainment", "--length-scale",
-         "0.03", "--kv-budget", "2e8", "--slo-ttft-ms", "1e5", "--slo-tpot-ms", "1e4", "--json", str(out)],
+         "--requests", "8", "--windows", "1", "--repeats", "2", "--routes", "attainment,near",
+         "--length-scale", "0.03", "--kv-budget", "2e8", "--slo-ttft-ms", "1e5", "--slo-tpot-ms", "1e4",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "ROUTE attainment spread max   0.0 %" in run.stdout
-    runs = json.loads(out.read_text())["routes"]["attainment"]
-    assert len(runs) == 1 and runs[0]["probes"] and runs[0]["capacity"] > 0
+    routes = json.loads(out.read_text())["routes"]
+    runs = routes["attainment"]
+    assert len(runs) == 2 and runs[0]["probes"] and runs[0]["capacity"] > 0
+    near = routes["near"]
+    assert "expand" not in near[0]["search"] and near[0]["search"]["start"] == 1.0
+    assert near[1]["search"]["start"] == near[0]["capacity"] and near[1]["search"]["expand"] == 1.25
 
 
 def _capacity_grid() -> Any:

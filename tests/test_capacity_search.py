@@ -21,11 +21,13 @@ from kvtune.studies.names import ATTR_NOISE, ATTR_PROBES, ATTR_SLO
 from kvtune.studies.study import StudyOptions
 from kvtune.tuner import cli
 from kvtune.tuner.capacity import (
+    NEAR_EXPAND,
     CapacitySearch,
     ProbeStop,
     Slo,
     capacity_metrics,
     derive_slo,
+    near_search,
     noise_record,
     pass_rate_estimate,
     probe_passes,
@@ -69,6 +71,30 @@ def test_warm_start_first_probe_and_probe_count() -> None:
         assert search.converged and len(search.probes) <= 8
     search, _ = search_to_end(CapacitySearch(start=1.0), 1.0)  # the baseline itself
     assert search.probes[:2] == ((1.0, True), (2.0, False))
+
+
+@pytest.mark.parametrize("truth", [2.0, 2.9, 3.3, 4.4, 9.0])
+def test_a_search_started_near_its_answer_steps_by_a_quarter(truth: float) -> None:
+    """Started at a capacity measured before (3.0x), a search brackets by 1.25x steps and converges to the
+    same granularity in fewer probes than from 1.0x, none of them far below the answer."""
+    near, _ = search_to_end(near_search(CapacitySearch(1.0, 0.025, 12), 3.0), truth)
+    cold, _ = search_to_end(CapacitySearch(1.0, 0.025, 12), truth)
+    assert near.probes[0] == (3.0, truth >= 3.0) and near.expand == NEAR_EXPAND
+    second = near.probes[1][0]
+    assert second == pytest.approx(3.0 * NEAR_EXPAND if truth >= 3.0 else 3.0 / NEAR_EXPAND)
+    assert near.converged and near.lo is not None and near.hi is not None
+    assert near.lo <= truth < near.hi and near.hi / near.lo - 1 <= 0.025
+    assert min(r for r, _ in near.probes) >= min(3.0, truth / NEAR_EXPAND**2) / (1 + 1e-9)
+    if abs(math.log(truth / 3.0)) < math.log(1.5):  # within ±50 %: fewer probes than a cold search
+        assert len(near.probes) < len(cold.probes)
+    assert near.to_dict()["expand"] == NEAR_EXPAND and "expand" not in cold.to_dict()
+
+
+def test_a_search_near_nothing_stays_as_it_was() -> None:
+    search = CapacitySearch(1.0)
+    assert near_search(search, 0.0) is search and near_search(search, math.inf) is search
+    with pytest.raises(ValueError, match=r"`expand > 1` must hold, but got expand=1\.0"):
+        CapacitySearch(1.0, expand=1.0)
 
 
 def test_probe_budget_stops_an_unbracketed_search() -> None:
@@ -293,9 +319,10 @@ def test_an_overloaded_probe_stops_early_and_a_light_one_passes() -> None:
 
 
 def test_validation_searches_the_baseline_at_its_other_knobs_and_keeps_the_better(ray_cluster: Any) -> None:
-    """On capacity the unquantized baseline of a validation repeat is searched with the best trial's knobs
-    resolved for it and with the defaults; its side of the repeat is the higher capacity of the two, both
-    kept, and the knobs with the higher median are the baseline's."""
+    """On capacity the unquantized baseline of validation's first round is searched with the best trial's
+    knobs resolved for it and with the defaults; its side of the repeat is the higher capacity of the two,
+    both kept; the later repeats search it only at the knobs that carried more there, and the knobs with
+    the higher median are the baseline's."""
     from kvtune.engine.traces import Request
     from kvtune.tests.tuner_fakes import tiny_spec
     from kvtune.tuner.job import _baseline_engines
@@ -315,16 +342,13 @@ def test_validation_searches_the_baseline_at_its_other_knobs_and_keeps_the_bette
         pool.stop()
     assert len(best) == len(base) == 3
     assert all(b["engine"] == knobs[0].to_dict() and "alternatives" not in b for b in best)
-    for run in base:
-        caps = [a["capacity"] for a in run["alternatives"]]
-        assert [a["engine"] for a in run["alternatives"]] == [
-            knobs[1].to_dict(),
-            EngineKnobs(128, 8).to_dict(),
-        ]
-        assert (
-            run["capacity"] == max(caps)
-            and run["engine"] == run["alternatives"][caps.index(max(caps))]["engine"]
-        )
+    lead = base[0]  # one worker: the first round is the first repeat
+    caps = [a["capacity"] for a in lead["alternatives"]]
+    assert [a["engine"] for a in lead["alternatives"]] == [knobs[1].to_dict(), EngineKnobs(128, 8).to_dict()]
+    assert lead["capacity"] == max(caps)
+    assert lead["engine"] == lead["alternatives"][caps.index(max(caps))]["engine"]
+    won = lead["alternatives"][1 if caps[1] > caps[0] else 0]["engine"]
+    assert all("alternatives" not in run and run["engine"] == won for run in base[1:])
     engines = [{"max_num_seqs": 1}, {"max_num_seqs": 8}]
     chosen = _baseline_engines(
         [{"alternatives": [{"capacity": 1.0}, {"capacity": c}]} for c in (2, 3, 0.5)], engines
@@ -373,6 +397,29 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
         p["rate"] <= top for s in noise["searches"] for p in s["probes"]
     )
     assert attrs["kvtune.validation"]["max_rate"] > 0
+    # on one worker the baseline's searches after the first start near its capacity; so do validation's
+    searches = noise["searches"]
+    assert noise["cold_search_s"] > 0 and noise["search_s"] > 0
+    if searches[0]["converged"]:
+        assert all(s["start"] == searches[0]["capacity"] and s["expand"] == NEAR_EXPAND for s in searches[1:])
+    validation = attrs["kvtune.validation"]
+    best_value = study.trials[validation["trial"]].values[0]
+    for side, start in (("best", best_value), ("baseline", noise["median"])):
+        runs = validation[side]
+        assert all(r["search"]["expand"] == NEAR_EXPAND for r in runs)
+        # the first round (one repeat per worker) starts at the study's capacity
+        lead = runs[: next((i for i, r in enumerate(runs) if r["search"]["start"] != start), len(runs))]
+        # each column (the baseline's knobs, the defaults) of the first round: its later repeats' start
+        k = len(runs[0].get("alternatives", [None]))  # searches of this side in a repeat
+        own = lambda r: [{"capacity": r["capacity"], "converged": r["search"]["converged"]}]
+        entries = [e for r in lead for e in r.get("alternatives", own(r))]
+        ok = lambda e: e["converged"] and e["capacity"] > 0
+        found = [[e["capacity"] for e in entries[i::k] if ok(e)] for i in range(k)]
+        later = {start} | {float(np.median(f)) for f in found if f}
+        assert lead and all(r["search"]["start"] == pytest.approx(start) for r in lead)
+        first = runs[len(lead) : 3]  # the rest of the first 3 repeats (more may follow, nearer still)
+        assert all(any(r["search"]["start"] == pytest.approx(c) for c in later) for r in first), (
+            [r["search"]["start"] for r in runs], later)  # fmt: skip
     finished = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert len(finished) == TRIALS

@@ -25,6 +25,9 @@ def test_the_plan_reserves_validations_rounds_and_one_trial_before_the_end(worke
     assert plan.validation_s() == pytest.approx(1.25 * rounds * 2 * 10.0)
     assert plan.search_deadline() == pytest.approx(1000.0 + 600.0 - EXPORT_S - plan.validation_s() - 12.5)
     assert "search about" in plan.describe(now=1100.0) and "100 s spent" in plan.describe(now=1100.0)
+    # the baseline at two knobs in the first round only: three searches a repeat there, two after it
+    knobs = BudgetPlan(600.0, 1000.0, 10.0, sides=3, first=3, workers=workers, later=2)
+    assert knobs.validation_s() == pytest.approx(1.25 * (3 + 2 * (rounds - 1)) * 10.0)
 
 
 def test_a_fixed_rate_plan_keeps_a_share_for_validation_and_a_budget_must_be_positive() -> None:

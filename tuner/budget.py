@@ -29,7 +29,8 @@ MARGIN = 1.25  # estimates are multiplied by this before they are reserved
 class BudgetPlan:
     """The split of ``budget_s`` seconds from ``started`` (a monotonic time): ``search_s`` is one capacity
     search of the baseline on one worker (None: not measured, a fixed-rate objective), ``sides`` the
-    searches of one validation repeat, ``first`` validation's first repeats over ``workers`` workers."""
+    searches of one validation repeat in its first round (``later``: in the rounds after it; None: as many),
+    ``first`` validation's first repeats over ``workers`` workers."""
 
     budget_s: float
     started: float
@@ -37,6 +38,7 @@ class BudgetPlan:
     sides: int = 2
     first: int = 3
     workers: int = 1
+    later: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.budget_s) and self.budget_s > 0):
@@ -52,7 +54,8 @@ class BudgetPlan:
         if self.search_s is None:
             return FIXED_RESERVE * self.budget_s
         rounds = math.ceil(self.first / self.workers)
-        return MARGIN * rounds * self.sides * self.search_s
+        later = self.sides if self.later is None else self.later
+        return MARGIN * (self.sides + (rounds - 1) * later) * self.search_s
 
     def search_deadline(self) -> float:
         """The time after which no trial starts: validation and one more trial's searching still fit."""

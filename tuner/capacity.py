@@ -11,7 +11,8 @@ The driver finds it with :class:`CapacitySearch`, one probe (one replay at one r
 - **warm start** at the unquantized baseline's capacity (measured when the study starts), or at the best
   capacity of the study's feasible trials once that is higher (:func:`warm_start`);
 - **bracket**: double the rate after a pass, halve it after a failure, until a passing rate ``lo`` and a
-  failing rate ``hi`` are known;
+  failing rate ``hi`` are known (a search started near its answer, :func:`near_search`, steps by
+  :data:`NEAR_EXPAND` instead: the probes far below capacity, the slowest to replay, are skipped);
 - **bisect** at the geometric midpoint ``sqrt(lo * hi)`` until ``hi / lo - 1 <= granularity`` (2.5 %);
 - at most ``max_probes`` probes (8; the baseline's own, not warm-started, search gets 12);
 - never above ``max_rate``, the **saturation rate** (:func:`saturation_rate`): there every window's requests
@@ -53,6 +54,9 @@ from kvtune.studies.names import (
 )
 
 EXPAND = 2.0  # the rate's factor per bracketing step
+# ... of a search started near its answer (:func:`near_search`): the baseline's searches after its first,
+# validation's, each from a capacity already measured of that config; two steps of it span ±50 %
+NEAR_EXPAND = 1.25
 # A search with ``draws`` (:class:`CapacitySearch`) bisects only until its bracket is this wide (hi / lo − 1),
 # then spends its draws at the estimate of the rate a replay passes half the time
 DRAWS_BRACKET = 0.10
@@ -245,6 +249,7 @@ class CapacitySearch:
     draws: int = 0  # probes at the estimated 50 % rate once the bracket is DRAWS_BRACKET wide
     scale: float = PASS_SCALE  # the pass probability's assumed scale in log rate (draws only)
     bracketed: int | None = None  # the probes of the bracketing phase, once it ended and draws began
+    expand: float = EXPAND  # the rate's factor per bracketing step (NEAR_EXPAND: started near the answer)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.start) and self.start > 0):
@@ -257,6 +262,8 @@ class CapacitySearch:
             raise ValueError(f"`max_probes >= 1` must hold, but got max_probes={self.max_probes}")
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"`scale > 0` must hold, but got scale={self.scale}")
+        if not (math.isfinite(self.expand) and self.expand > 1):
+            raise ValueError(f"`expand > 1` must hold, but got expand={self.expand}")
         _check_draws(self.confirm, self.draws)
 
     @property
@@ -353,9 +360,9 @@ class CapacitySearch:
         if lo is None:
             assert hi is not None
             down = self.step_down
-            return down if down is not None and down < hi and down not in verdicts else hi / EXPAND
+            return down if down is not None and down < hi and down not in verdicts else hi / self.expand
         if hi is None:
-            return min(lo * EXPAND, top)
+            return min(lo * self.expand, top)
         if lo >= hi:  # a pass above a failure: cannot happen while probes stay inside (lo, hi)
             return None
         return math.sqrt(lo * hi)
@@ -388,6 +395,8 @@ class CapacitySearch:
             "granularity": self.granularity,
             "max_probes": self.max_probes,
         }
+        if self.expand != EXPAND:
+            out["expand"] = self.expand
         if self.confirm > 1:
             out |= {"confirm": self.confirm, "near": self.near, "confirmed": list(self.close)}
         if self.draws:
@@ -419,6 +428,17 @@ def pass_rate_estimate(probes: Sequence[tuple[float, bool]], scale: float) -> tu
     m = 0.5 * (low + high)
     information = sum(p(m, x) * (1.0 - p(m, x)) for x, _ in logs)
     return math.exp(m), scale / math.sqrt(information) if information > 0 else math.inf
+
+
+def near_search(search: CapacitySearch, rate: float) -> CapacitySearch:
+    """``search`` (before its first probe) started at ``rate``, a capacity already measured of the same
+    config on the same window, stepping by :data:`NEAR_EXPAND` rather than doubling: it brackets the answer
+    in a probe or two around ``rate`` instead of climbing to it from a low rate, whose replays (small
+    batches, many iterations) are the slowest of a search. A ``rate`` that is not positive and finite (no
+    capacity was found) leaves ``search`` as it is."""
+    if not (math.isfinite(rate) and rate > 0):
+        return search
+    return dataclasses.replace(search, start=float(rate), expand=NEAR_EXPAND)
 
 
 def warm_start(search: CapacitySearch, best_known: float | None, noise: float = 0.0) -> CapacitySearch:

@@ -14,9 +14,10 @@ The capacity objective adds two measurements when a new study starts, both of th
 (hot 32, block 64) and both stored with the study: its **unloaded** latencies (the first search window at
 1/1000 of its rate: one request at a time, but for the trace's own bursts of simultaneous arrivals), from
 which the latency limits are derived unless given (``kvtune.slo``: 5 × its P99 TTFT and 10 × its median
-TPOT), and its **capacity, searched** :data:`~kvtune.studies.names.NOISE_REPEATS` **times** from the
-calibrated rate (``kvtune.noise``): their median is every trial's warm start, their spread the study's noise
-floor.
+TPOT), and its **capacity, searched** :data:`~kvtune.studies.names.NOISE_REPEATS` **times**
+(``kvtune.noise``; on one worker the first from the calibrated rate, the others started near its answer,
+:func:`~kvtune.tuner.capacity.near_search`): their median is every trial's warm start, their spread the
+study's noise floor.
 Validation then searches the capacity of the best config and of its baseline on the held-out requests.
 """
 
@@ -83,6 +84,7 @@ from kvtune.tuner.capacity import (
     Slo,
     at_saturation,
     derive_slo,
+    near_search,
     noise_record,
     saturation_rate,
 )
@@ -92,10 +94,10 @@ from kvtune.tuner.preflight import Preflight, preflight
 from kvtune.tuner.protocol import BASELINE, EngineKnobs, QualitySettings, WorkerInfo, WorkerSpec, Workload
 from kvtune.tuner.study_note import name_objectives, publish
 from kvtune.tuner.validation import (
-    Measure,
     RepeatPlan,
     SearchRun,
     best_trial,
+    better_knobs,
     repeat_to_interval,
     run_searches,
     ties,
@@ -254,7 +256,7 @@ def _run(
     slo, search = _capacity_plan(job, study.user_attrs)
     workload = Workload(windows, time_scale, time_limit_s=job.trial_time_limit_s, slo=slo)
     loop = TrialLoop(study, job.options, pool, workload, suggest, job.bounds, events, knobs, search)
-    plan = _budget_plan(job, study.user_attrs, started, len(pool.actors))
+    plan = _budget_plan(job, study.user_attrs, started, len(pool.actors), bool(space.batched_tokens))
     deadline = None if plan is None else plan.search_deadline()
     say(f"baseline done in {phases['baseline_s']:.0f} s" + (f"; {plan.describe()}" if plan else ""))
     loop.run(job.trials, deadline)
@@ -308,14 +310,20 @@ def _phase_events(events: Callable[[Event], None] | None) -> Callable[[str], Non
     return say
 
 
-def _budget_plan(job: TuneJob, attrs: dict[str, Any], started: float, workers: int) -> BudgetPlan | None:
-    """The split of the time budget (None: no budget), from the baseline's search time when measured."""
+def _budget_plan(
+    job: TuneJob, attrs: dict[str, Any], started: float, workers: int, knobs: bool = False
+) -> BudgetPlan | None:
+    """The split of the time budget (None: no budget), from the baseline's search time when measured.
+    ``knobs``: the space searches engine knobs, so validation's baseline may be searched at two in its
+    first round (three searches a repeat there, two after it:
+    :func:`~kvtune.tuner.validation.validate_capacity`)."""
     if job.time_budget_s is None:
         return None
     noise = attrs.get(ATTR_NOISE) or {}
     search_s = noise.get("search_s") if job.capacity else None
-    sides = 2 if job.capacity else 1
-    return BudgetPlan(job.time_budget_s, started, search_s, sides, job.repeats, workers)
+    sides = (3 if knobs else 2) if job.capacity else 1
+    later = 2 if job.capacity else 1
+    return BudgetPlan(job.time_budget_s, started, search_s, sides, job.repeats, workers, later)
 
 
 def capacity_warnings(attrs: dict[str, Any], capacities: Sequence[float] = ()) -> tuple[str, ...]:
@@ -464,15 +472,10 @@ def _capacity_attrs(
     knobs = EngineKnobs.from_dict(engine) if engine is not None else None
     top = saturation_rate(windows, slo_record)
     start = 1.0 / time_scale  # the rate at which the baseline runs at CALIBRATION_LOAD of its saturation
-    runs = [
-        SearchRun(r % len(pool.actors), BASELINE, knobs, windows,
-                  CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD, max_rate=top,
-                                 confirm=job.probe.confirm, draws=job.probe.draws))
-        for r in range(NOISE_REPEATS)
-    ]  # fmt: skip
-    t0 = time.monotonic()
+    cold = CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD, max_rate=top,
+                          confirm=job.probe.confirm, draws=job.probe.draws)  # fmt: skip
     try:
-        run_searches(pool, runs, Slo.from_record(slo_record))
+        runs, times = _baseline_searches(pool, cold, knobs, windows, Slo.from_record(slo_record))
     except ray.exceptions.RayTaskError as e:
         raise ValueError(f"searching the baseline's capacity failed ({_last_line(e)})") from None
     results = [r.result() for r in runs]
@@ -488,18 +491,60 @@ def _capacity_attrs(
     noise = noise_record(
         [r["capacity"] for r in results], [r["capacity_tokens_per_s"] or 0.0 for r in results],
         BASELINE.to_dict(), granularity=job.granularity, max_probes=CAPACITY_PROBES, start=start,
-        max_rate=top, engine=engine, searches=[r["search"] for r in results],
-        search_s=(time.monotonic() - t0) / math.ceil(NOISE_REPEATS / len(pool.actors)),
+        max_rate=top, engine=engine, searches=[r["search"] for r in results], **times,
         confirm=job.probe.confirm, draws=job.probe.draws,
     )  # fmt: skip
     return {ATTR_SLO: slo_record, ATTR_NOISE: noise}
 
 
+def _baseline_searches(
+    pool: WorkerPool,
+    cold: CapacitySearch,
+    knobs: EngineKnobs | None,
+    windows: tuple[tuple[Request, ...], ...],
+    slo: Slo,
+) -> tuple[list[SearchRun], dict[str, float]]:
+    """The baseline's :data:`NOISE_REPEATS` capacity searches: with fewer workers than searches, the first
+    from ``cold``'s start, then the others :func:`~kvtune.tuner.capacity.near_search` its capacity (a
+    search from a low rate spends most of its time on the replays far below capacity; the later searches
+    skip them and still draw every verdict anew); with enough workers, all at once from the start. The
+    times: ``search_s`` is one search as validation's and the trials' warm-started ones will cost (the near
+    searches' when there are any), ``cold_search_s`` the first's."""
+    workers = len(pool.actors)
+    run = lambda r, search: SearchRun(r % workers, BASELINE, knobs, windows, search)
+    t0 = time.monotonic()
+    if workers >= NOISE_REPEATS:
+        runs = run_searches(pool, [run(r, cold) for r in range(NOISE_REPEATS)], slo)
+        return runs, {"search_s": time.monotonic() - t0}
+    first = run_searches(pool, [run(0, cold)], slo)
+    t1 = time.monotonic()
+    at = first[0].search.capacity if first[0].search.converged else 0.0
+    later = [run(r, near_search(cold, at)) for r in range(1, NOISE_REPEATS)]
+    later = run_searches(pool, later, slo, interleave=False)
+    near_s = (time.monotonic() - t1) / math.ceil((NOISE_REPEATS - 1) / workers)
+    return first + later, {"search_s": near_s, "cold_search_s": t1 - t0}
+
+
+def _median_capacity(runs: list[dict[str, Any]], default: float) -> float:
+    """The median capacity of validation's repeats of one side so far (``default`` before any found one)."""
+    found = [float(r["capacity"]) for r in runs if (r.get("capacity") or 0.0) > 0]
+    return statistics.median(found) if found else default
+
+
+def _other_knobs_won(base_runs: list[dict[str, Any]]) -> bool:
+    """Whether the baseline's default knobs carried more than the best trial's resolved for it, over the
+    repeats that searched both (:func:`~kvtune.tuner.validation.better_knobs`)."""
+    both = [r["alternatives"] for r in base_runs if len(r.get("alternatives") or ()) == 2]
+    return better_knobs([a[0] for a in both], [a[1] for a in both])
+
+
 def _baseline_engines(runs: list[dict[str, Any]], engines: list[dict[str, Any]]) -> dict[str, Any]:
-    """``baseline_engine``: of the baseline's knobs searched in every repeat (the best trial's resolved for
-    it, the defaults), those with the higher median capacity; ``baseline_engines``: both, with it."""
+    """``baseline_engine``: of the baseline's knobs searched in the first round (the best trial's resolved
+    for it, the defaults), those with the higher median capacity there; ``baseline_engines``: both, with
+    it."""
+    both = [r for r in runs if len(r.get("alternatives") or ()) == len(engines)]
     medians = [
-        statistics.median((r["alternatives"][i].get("capacity") or 0.0) for r in runs)
+        statistics.median((r["alternatives"][i].get("capacity") or 0.0) for r in both) if both else 0.0
         for i in range(len(engines))
     ]
     chosen = max(range(len(engines)), key=lambda i: (medians[i], -i))
@@ -630,10 +675,22 @@ def _validate(
                 alternative, engines = EngineKnobs.from_dict(default), [base_engine, default]
         top = saturation_rate((requests,), attrs[ATTR_SLO])  # the held-out window's own
         slo, granularity = Slo.from_record(attrs[ATTR_SLO]), float(noise["granularity"])
-        measure: Measure = lambda k, first: validate_capacity(
-            pool, config, (knobs[0], knobs[1]), requests, slo, starts, granularity, k, alternative,
-            max_rate=top, first=first, confirm=int(noise.get("confirm", 1)), draws=int(noise.get("draws", 0)),
-        )  # fmt: skip
+        measured: list[list[dict[str, Any]]] = [[], []]  # both sides' repeats so far
+
+        def measure(k: int, first: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+            at = tuple(_median_capacity(m, s) for m, s in zip(measured, starts))  # later rounds: near these
+            base_knobs, other = knobs[1], alternative
+            if other is not None and measured[1]:  # after the first call: the baseline's better knobs only
+                base_knobs, other = (other if _other_knobs_won(measured[1]) else base_knobs), None
+            b, u = validate_capacity(
+                pool, config, (knobs[0], base_knobs), requests, slo, (at[0], at[1]), granularity, k,
+                other, max_rate=top, first=first, confirm=int(noise.get("confirm", 1)),
+                draws=int(noise.get("draws", 0)),
+            )  # fmt: skip
+            measured[0].extend(b)
+            measured[1].extend(u)
+            return b, u
+
         extra |= {"slo": attrs[ATTR_SLO], "noise": noise, "max_rate": top,
                   "ties": ties(study, best, float(noise.get("threshold", 0.0)))}  # fmt: skip
     else:

@@ -41,7 +41,14 @@ from kvtune.studies.names import (
 from kvtune.studies.records import finite
 from kvtune.studies.study import OBJECTIVES, StudyOptions
 from kvtune.tuner import export
-from kvtune.tuner.capacity import CapacitySearch, Slo, capacity_metrics, probe_summary, within_noise
+from kvtune.tuner.capacity import (
+    CapacitySearch,
+    Slo,
+    capacity_metrics,
+    near_search,
+    probe_summary,
+    within_noise,
+)
 from kvtune.tuner.pool import WorkerPool
 from kvtune.tuner.protocol import EngineKnobs
 
@@ -289,15 +296,19 @@ def validate_capacity(
     draws: int = 0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The capacity of ``best`` and of ``best.unquantized()`` (with ``knobs`` = (best's, the baseline's)),
-    each searched ``repeats`` times on ``requests`` from ``starts`` = (best's, baseline's) warm start: the
-    metrics at each capacity found, with the ``worker`` that ran the repeat and the ``engine`` knobs.
+    each searched ``repeats`` times on ``requests``: the metrics at each capacity found, with the ``worker``
+    that ran the repeat and the ``engine`` knobs. Every search starts near a capacity already measured
+    (:func:`~kvtune.tuner.capacity.near_search`): the first round's (one repeat per worker) at ``starts`` =
+    (best's, baseline's) capacities in the study, the later repeats at the median of what the first round
+    found on these requests.
 
     ``alternative``: other engine knobs for the baseline than ``knobs[1]`` (the space's defaults), searched
-    too in every repeat; the baseline's side of a repeat is then the higher of its two capacities (its
+    too in the first round; the baseline's side of a repeat there is the higher of its two capacities (its
     ``alternatives`` keep both), so the gain is never the baseline's loss from knobs that suit only the
-    best config. ``max_rate``: the window's saturation rate, above which no search probes. ``first``: the
-    index of the first repeat (more repeats after ``first`` done: any number of them). ``confirm``,
-    ``draws``: the study's repeated probes near the decision
+    best config, and the later repeats search the baseline only at the knobs whose first-round capacities
+    were higher (:func:`better_knobs`). ``max_rate``: the window's saturation rate, above which no search
+    probes. ``first``: the index of the first repeat (more repeats after ``first`` done: any number of
+    them). ``confirm``, ``draws``: the study's repeated probes near the decision
     (:class:`~kvtune.tuner.capacity.CapacitySearch`)."""
     if first == 0 and repeats < MIN_REPEATS:
         raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
@@ -305,26 +316,55 @@ def validate_capacity(
     sides = [(best, knobs[0], starts[0]), (base, knobs[1], starts[1])]
     if alternative is not None:
         sides.append((base, alternative, starts[1]))
-    n = len(sides)
-    runs: list[list[SearchRun]] = []
-    cold = lambda s: CapacitySearch(s, granularity, CAPACITY_PROBES_COLD, max_rate=max_rate, confirm=confirm,
-                                    draws=draws)  # fmt: skip
-    for r in range(first, first + repeats):
-        worker = r % len(pool.actors)
-        runs.append([SearchRun(worker, c, k, (requests,), cold(s)) for c, k, s in sides])
-    # one side's whole search after another (each config's cache serves all its probes); which side goes
-    # first rotates from one repeat to the next
-    order = [run for r, row in enumerate(runs, first) for run in row[r % n :] + row[: r % n]]
-    run_searches(pool, order, slo, interleave=False)
+    workers = len(pool.actors)
+    search = lambda s: near_search(CapacitySearch(s, granularity, CAPACITY_PROBES_COLD, max_rate=max_rate,
+                                                  confirm=confirm, draws=draws), s)  # fmt: skip
+
+    Side = tuple[HybridConfig, EngineKnobs | None, float]
+
+    def round_of(indices: Sequence[int], sides: Sequence[Side]) -> list[list[SearchRun]]:
+        n = len(sides)
+        rows = [[SearchRun(r % workers, c, k, (requests,), search(a)) for c, k, a in sides] for r in indices]
+        # one side's whole search after another (each config's cache serves all its probes); which side
+        # goes first rotates from one repeat to the next
+        order = [run for r, row in zip(indices, rows) for run in row[r % n :] + row[: r % n]]
+        run_searches(pool, order, slo, interleave=False)
+        return rows
+
+    # the first round (one repeat per worker) starts at the study's capacities; the repeats after it start
+    # near what that round measured on these requests
+    indices = list(range(first, first + repeats))
+    runs = round_of(indices[:workers], sides)
+    if indices[workers:]:
+        later = [(c, k, _measured_or(s, [row[i] for row in runs])) for i, (c, k, s) in enumerate(sides)]
+        if len(later) > 2:  # the baseline at the knobs that carried more in the first round
+            column = [[_result(row[i]) for row in runs] for i in (1, 2)]
+            keep = 2 if better_knobs(column[0], column[1]) else 1
+            later = [later[0], later[keep]]
+        runs += round_of(indices[workers:], later)
     where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(first, first + repeats)]
     best_runs, base_runs = [], []
     for row, w in zip(runs, where):
         best_runs.append({**_result(row[0]), "worker": w})
         options = [_result(run) for run in row[1:]]
         chosen = max(options, key=lambda m: m.get("capacity") or 0.0)
-        alternatives = [{"engine": m["engine"], "capacity": m.get("capacity")} for m in options]
-        base_runs.append({**chosen, "worker": w} | ({"alternatives": alternatives} if n > 2 else {}))
+        alternatives = [{"engine": m["engine"], "capacity": m.get("capacity"),
+                         "converged": m["search"]["converged"]} for m in options]  # fmt: skip
+        base_runs.append({**chosen, "worker": w} | ({"alternatives": alternatives} if len(row) > 2 else {}))
     return best_runs, base_runs
+
+
+def better_knobs(own: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -> bool:
+    """Whether the baseline's ``other`` knobs carried more than its ``own`` (the best trial's, resolved for
+    it) over the same repeats: a higher median capacity (a tie keeps ``own``)."""
+    median = lambda runs: statistics.median((r.get("capacity") or 0.0) for r in runs) if runs else 0.0
+    return median(other) > median(own)
+
+
+def _measured_or(start: float, runs: Sequence[SearchRun]) -> float:
+    """The median capacity of the converged searches among ``runs`` (``start`` when none converged)."""
+    found = [run.search.capacity for run in runs if run.search.converged and run.search.capacity > 0]
+    return statistics.median(found) if found else start
 
 
 def _result(run: SearchRun) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 # Source this at the start of a run on a GPU machine that has torch + triton but not kvtune, ray or optuna:
 #   . lab/scripts/device_env.sh
 # It installs the carried wheels in .whl/ (see README: device wheels) into /tmp/site and reassembles
-# the SmolLM2 GGUF (98 MB) from two halves carried in .weights/a/part1 and .weights/b/part2 (one call each:
-# a call carries at most 64 MiB) or left in /tmp/weights by earlier calls on the same machine.
+# the SmolLM2 GGUF (98 MB) from parts carried in .weights/*/part<N> (one call each: a call carries at most
+# 64 MiB, the wheels 52 MB of it) or left in /tmp/weights by earlier calls on the same machine; the first
+# part's folder holds `parts`, the number of parts, and the whole file's sha256.
 # The checkout itself goes on PYTHONPATH: kvtune/ links the top-level folders into the namespace.
 set -u
 repo=$(pwd)
@@ -13,12 +14,15 @@ if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once per machine: a run
 fi
 export PYTHONPATH="$repo:/tmp/site" RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 mkdir -p /tmp/weights
-for p in a/part1 b/part2; do
-  [ -f ".weights/$p" ] && cp ".weights/$p" "/tmp/weights/$(basename $p)"
+for f in .weights/*/part* .weights/*/parts; do
+  [ -f "$f" ] && cp "$f" "/tmp/weights/$(basename "$f")"
 done
-if [ -f /tmp/weights/part1 ] && [ -f /tmp/weights/part2 ]; then
-  cat /tmp/weights/part1 /tmp/weights/part2 > /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf
-  echo "gguf sha256: $(sha256sum /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-16)"
+n=$(cut -d' ' -f1 /tmp/weights/parts 2>/dev/null || echo 0)
+if [ "$n" -gt 0 ] && [ "$(ls /tmp/weights/part[0-9]* 2>/dev/null | wc -l)" -eq "$n" ]; then
+  for i in $(seq 1 "$n"); do cat "/tmp/weights/part$i"; done > /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf
+  sum=$(sha256sum /tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)
+  [ "$sum" = "$(cut -d' ' -f2 /tmp/weights/parts)" ] && echo "gguf sha256 ${sum:0:16}: as carried" \
+    || echo "warning: the reassembled gguf's sha256 ${sum:0:16} is not the carried one" >&2
   export KVTUNE_SMOLLM2_GGUF=/tmp/weights/SmolLM2-135M-Instruct.Q4_1.gguf
   python3 -c "import gguf" 2>/dev/null || echo "warning: no gguf package: add its wheel to .whl/ (README)" >&2
 fi

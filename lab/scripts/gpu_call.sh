@@ -5,8 +5,11 @@
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
-[ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PWD:/tmp/site; }
+if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once per machine (device_env.sh's flag too)
+  rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl && touch /tmp/site/.installed
+fi
+[ -f /tmp/site/.installed ] && export PYTHONPATH=$PWD:/tmp/site  # a later call on a warm machine, no .whl
 T0=$(date +%s)
 log() { echo "== $(date +%T) (+$(( $(date +%s) - T0 )) s) $*" | tee -a "$OUT/summary.log"; }
 C=examples/configs; CFG="$C/q_unquantized.json $C/q_int8.json $C/q_int4.json"

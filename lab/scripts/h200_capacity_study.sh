@@ -16,15 +16,16 @@
 #        256 MiB: memory-bound the same way.
 # Each study writes OUTDIR/<name>.db (the Optuna study), OUTDIR/preset_<name>.json and OUTDIR/<name>.log, then
 # prints its trials per hour.
-# Environment: MINUTES (search time budget, 6; validation and the preset follow), TRIALS (20), REQUESTS (96
-# per window: the sample's first 75 % holds 121), RESUME=1, LLAMA_BUDGET (1GiB), SMOL_BUDGET (256MiB), the
+# Environment: TRACE (the workload, default the Azure sample; examples/traces/azure_conv_later.csv is the
+# unseen one), MINUTES (--time-budget: the whole run, 6), TRIALS (20), REQUESTS (96 per window: the sample's
+# first 75 % holds 121), RESUME=1, LLAMA_BUDGET (1GiB), SMOL_BUDGET (256MiB), the
 # quality measurement QWINDOWS (2) x (QPREFILL 1024 + QDECODE tokens: 64 for llama, 128 for smol), CLOCK (kvtune --clock; unset: device,
 # kvtune's default for capacity), SLO_PERCENTILE (kvtune --slo-percentile; unset: 90).
 set -u
 out=${1:?usage: lab/scripts/h200_capacity_study.sh OUTDIR [llama|smol|both]}
 which=${2:-both}
 mkdir -p "$out"
-TRACE=examples/traces/azure_conv_sample.csv
+export TRACE=${TRACE:-examples/traces/azure_conv_sample.csv}
 MINUTES=${MINUTES:-6}
 TRIALS=${TRIALS:-20}
 REQUESTS=${REQUESTS:-96}
@@ -41,7 +42,8 @@ from kvtune.tuner.commands.tune import parse_bytes
 model, budget, scale = sys.argv[1], parse_bytes(sys.argv[2]), float(sys.argv[3])
 spec = SHAPES["smollm2-135m" if model == "smollm2" else model.removeprefix("random:")]  # no weights loaded
 shape = ModelKVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.num_heads, torch.bfloat16)
-reqs = read_trace("examples/traces/azure_conv_sample.csv").requests
+import os
+reqs = read_trace(os.environ.get("TRACE", "examples/traces/azure_conv_sample.csv")).requests
 mean = scale * sum(r.input_length + r.output_length for r in reqs) / len(reqs)
 fits = {b: sequences_for_budget(HybridConfig("hybrid_v2", 32, 64, b), shape, budget, mean) for b in (0, 8, 4)}
 print(f"  KV budget {sys.argv[2]} at a mean length of {mean:.0f} tokens holds "
@@ -55,7 +57,7 @@ study() {  # name model budget length-scale [extra options]
   log "capacity study $name: $model, KV budget $budget, lengths x$scale, $TRIALS trials, $MINUTES min, GPUs ${CUDA_VISIBLE_DEVICES:-all}"
   holds "$model" "$budget" "$scale" 2>/dev/null
   local start=$SECONDS
-  timeout $(( MINUTES * 60 + 420 )) python3 -m kvtune --gpu h200 --model "$model" --workload $TRACE \
+  timeout "$(awk "BEGIN { print int($MINUTES * 60 + 420) }")" python3 -m kvtune --gpu h200 --model "$model" --workload $TRACE \
     --objective capacity --kv-budget "$budget" --length-scale "$scale" --requests "$REQUESTS" --windows 1 \
     --trials "$TRIALS" --time-budget "$MINUTES" --quality-windows "${QWINDOWS:-2}" \
     --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey ${CLOCK:+--clock $CLOCK} ${SLO_PERCENTILE:+--slo-percentile $SLO_PERCENTILE} \

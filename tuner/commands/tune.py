@@ -209,7 +209,8 @@ def _add_more(parser: argparse.ArgumentParser) -> None:
         "--time-budget",
         type=float,
         default=None,
-        help="minutes after which no new trial starts; the best so far is then validated and exported",
+        help="minutes for the whole run (baseline, search, validation, export): the search stops early "
+        "enough for validation to fit, and the preset says what was cut",
     )
     add("--no-export", action="store_true", help="do not write a preset")
     add(
