@@ -135,7 +135,8 @@ def _args() -> argparse.Namespace:
 
 def windows_of(args: argparse.Namespace, max_context: int) -> list[tuple[tuple[Request, ...], ...]]:
     """Per window: three consecutive chunks of ``--requests`` requests from the start of its part of the
-    trace (a route replays the first, or all three pooled), each re-based to arrive from 0 ms."""
+    trace (a route replays the first, or all three pooled), each re-based to arrive from 0 ms; a part that
+    holds fewer than three whole chunks gives as many as it holds (a pooled route then refuses it)."""
     trace = read_trace(args.workload)
     policy = LengthPolicy(max_context, "clip", args.length_scale, None)
     out = []
@@ -144,7 +145,13 @@ def windows_of(args: argparse.Namespace, max_context: int) -> list[tuple[tuple[R
         cut = trace.sample(n=3 * args.requests, seed=0, start_fraction=part[0], end_fraction=part[1])
         fitted, _ = policy.apply(cut.requests)
         chunks = [fitted[k * args.requests : (k + 1) * args.requests] for k in range(3)]
-        out.append(tuple(rebase(c) for c in chunks))
+        whole = [c for c in chunks if len(c) == args.requests]
+        if not whole:
+            raise SystemExit(
+                f"{args.workload}: window {i} holds {len(fitted)} requests, fewer than --requests "
+                f"{args.requests}; ask fewer requests or fewer --windows"
+            )
+        out.append(tuple(rebase(c) for c in whole))
     return out
 
 
@@ -198,6 +205,11 @@ def main() -> None:
         for w, chunks in enumerate(windows):
             if only is not None and w not in only:
                 continue
+            if len(chunks) < route.windows:
+                raise SystemExit(
+                    f"route {name}: window {w} holds {len(chunks)} chunk(s) of {args.requests} requests, not "
+                    f"the {route.windows} it pools; ask fewer requests or fewer --windows"
+                )
             top = saturation_rate(chunks[: route.windows], record)
             caps = []
             for r in range(args.repeats):
