@@ -19,6 +19,10 @@ rates, to 2.5 %) in one worker process (no Ray), each probe as a study's worker 
 - ``near``: P90, the study's baseline searches on one worker: a window's first search from ``--start``, the
   later ones started at its capacity, stepping by 1.25× rather than doubling (``near_search``).
 
+``--unloaded N`` replays window 0 unloaded N times and prints each replay's P99 TTFT and median TPOT (the
+limits still come from the first, as a study's do): how far a study's limits move from one process to the
+next.
+
 Printed: each search's capacity, rates probed and wall time; per route and window the median and the spread
 ((max − min) / median, the study's ``kvtune.noise`` spread); per route the largest and the median spread
 over the windows and the mean search time. The JSON (rewritten after every search) keeps every probe.
@@ -119,6 +123,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--kv-budget", type=float, default=None, help="bytes (default: 0.9 of the free memory)")
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--start", type=float, default=1.0, help="the rate each search starts at (× the trace's)")
+    p.add_argument("--unloaded", type=int, default=1,
+                   help="unloaded replays of window 0 (the limits come from the first, as a study's do; the "
+                   "others are printed and kept to show how far they would move)")  # fmt: skip
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--clock", choices=CLOCKS, default=CAPACITY_CLOCK, help="the engine's clock (a study's)")
@@ -190,6 +197,14 @@ def main() -> None:
     windows = windows_of(args, worker.loaded.spec.max_context)
     unloaded = worker.unloaded(DEFAULT_BASELINE, windows[0][0], WARMUP_REQUESTS)
     record = derive_slo(unloaded, args.slo_ttft_ms, args.slo_tpot_ms, percentile=SLO_PERCENTILE)
+    again = [worker.unloaded(DEFAULT_BASELINE, windows[0][0], WARMUP_REQUESTS)
+             for _ in range(args.unloaded - 1)]  # fmt: skip
+    if again:  # how far the limits would move with the unloaded replay repeated in one process
+        keys = ("ttft_p99_ms", "tpot_p50_ms")
+        record["unloaded_repeats"] = [{k: u.get(k) for k in keys} for u in (unloaded, *again)]
+        ms = lambda v: "—" if v is None else f"{v:.2f}"
+        print("unloaded replays: " + "; ".join(f"P99 TTFT {ms(u['ttft_p99_ms'])} ms, median TPOT "
+              f"{ms(u['tpot_p50_ms'])} ms" for u in record["unloaded_repeats"]), flush=True)  # fmt: skip
     slo = Slo.from_record(record)
     print(f"{args.model} on {device}, {Path(args.workload).name}: {args.windows} windows of {args.requests} "
           f"requests · {slo.describe()} · {args.clock} clock", flush=True)  # fmt: skip

@@ -201,12 +201,15 @@ def test_capacity_noise_smoke(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "benchmarks" / "capacity_noise.py"), "--model", "random:tiny",
          "--requests", "8", "--windows", "1", "--repeats", "2", "--routes", "attainment,near",
          "--length-scale", "0.03", "--kv-budget", "2e8", "--slo-ttft-ms", "1e5", "--slo-tpot-ms", "1e4",
-         "--json", str(out)],
+         "--unloaded", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "ROUTE attainment spread max   0.0 %" in run.stdout
-    routes = json.loads(out.read_text())["routes"]
+    assert run.stdout.count("P99 TTFT") >= 2  # the two unloaded replays
+    results = json.loads(out.read_text())
+    assert len(results["slo"]["unloaded_repeats"]) == 2
+    routes = results["routes"]
     runs = routes["attainment"]
     assert len(runs) == 2 and runs[0]["probes"] and runs[0]["capacity"] > 0
     near = routes["near"]
