@@ -97,7 +97,6 @@ from kvtune.tuner.validation import (
     RepeatPlan,
     SearchRun,
     best_trial,
-    better_knobs,
     repeat_to_interval,
     run_searches,
     ties,
@@ -531,13 +530,6 @@ def _median_capacity(runs: list[dict[str, Any]], default: float) -> float:
     return statistics.median(found) if found else default
 
 
-def _other_knobs_won(base_runs: list[dict[str, Any]]) -> bool:
-    """Whether the baseline's default knobs carried more than the best trial's resolved for it, over the
-    repeats that searched both (:func:`~kvtune.tuner.validation.better_knobs`)."""
-    both = [r["alternatives"] for r in base_runs if len(r.get("alternatives") or ()) == 2]
-    return better_knobs([a[0] for a in both], [a[1] for a in both])
-
-
 def _baseline_engines(runs: list[dict[str, Any]], engines: list[dict[str, Any]]) -> dict[str, Any]:
     """``baseline_engine``: of the baseline's knobs searched in the first round (the best trial's resolved
     for it, the defaults), those with the higher median capacity there; ``baseline_engines``: both, with
@@ -681,7 +673,8 @@ def _validate(
             at = tuple(_median_capacity(m, s) for m, s in zip(measured, starts))  # later rounds: near these
             base_knobs, other = knobs[1], alternative
             if other is not None and measured[1]:  # after the first call: the baseline's better knobs only
-                base_knobs, other = (other if _other_knobs_won(measured[1]) else base_knobs), None
+                won = _baseline_engines(measured[1], engines)["baseline_engine"] is engines[1]
+                base_knobs, other = (other if won else base_knobs), None
             b, u = validate_capacity(
                 pool, config, (knobs[0], base_knobs), requests, slo, (at[0], at[1]), granularity, k,
                 other, max_rate=top, first=first, confirm=int(noise.get("confirm", 1)),

@@ -322,9 +322,10 @@ def validate_capacity(
 
     Side = tuple[HybridConfig, EngineKnobs | None, float]
 
-    def round_of(indices: Sequence[int], sides: Sequence[Side]) -> list[list[SearchRun]]:
-        n = len(sides)
-        rows = [[SearchRun(r % workers, c, k, (requests,), search(a)) for c, k, a in sides] for r in indices]
+    def round_of(indices: Sequence[int], round_sides: Sequence[Side]) -> list[list[SearchRun]]:
+        n = len(round_sides)
+        rows = [[SearchRun(r % workers, c, k, (requests,), search(a)) for c, k, a in round_sides]
+                for r in indices]  # fmt: skip
         # one side's whole search after another (each config's cache serves all its probes); which side
         # goes first rotates from one repeat to the next
         order = [run for r, row in zip(indices, rows) for run in row[r % n :] + row[: r % n]]
@@ -335,18 +336,18 @@ def validate_capacity(
     # near what that round measured on these requests
     indices = list(range(first, first + repeats))
     runs = round_of(indices[:workers], sides)
+    results = [[_result(run) for run in row] for row in runs]
     if indices[workers:]:
         later = [(c, k, _measured_or(s, [row[i] for row in runs])) for i, (c, k, s) in enumerate(sides)]
         if len(later) > 2:  # the baseline at the knobs that carried more in the first round
-            column = [[_result(row[i]) for row in runs] for i in (1, 2)]
-            keep = 2 if better_knobs(column[0], column[1]) else 1
+            keep = 2 if better_knobs([row[1] for row in results], [row[2] for row in results]) else 1
             later = [later[0], later[keep]]
-        runs += round_of(indices[workers:], later)
+        results += [[_result(run) for run in row] for row in round_of(indices[workers:], later)]
     where = [_worker_name(pool.infos[r % len(pool.infos)]) for r in range(first, first + repeats)]
     best_runs, base_runs = [], []
-    for row, w in zip(runs, where):
-        best_runs.append({**_result(row[0]), "worker": w})
-        options = [_result(run) for run in row[1:]]
+    for row, w in zip(results, where):
+        best_runs.append({**row[0], "worker": w})
+        options = row[1:]
         chosen = max(options, key=lambda m: m.get("capacity") or 0.0)
         alternatives = [{"engine": m["engine"], "capacity": m.get("capacity"),
                          "converged": m["search"]["converged"]} for m in options]  # fmt: skip
