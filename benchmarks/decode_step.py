@@ -164,6 +164,13 @@ class Stepper:
         return float(ms)
 
 
+def l2_share(cache: HybridCache) -> float:
+    """The share of the in-use (layer, block) pairs that sit in L2 (the sparse tier) now."""
+    stats = cache.stats()
+    pairs = stats["blocks_in_use"] * cache.shape.num_layers
+    return stats["l2_blocks"] / pairs if pairs else 0.0
+
+
 def config_name(config: HybridConfig) -> str:
     return f"q{config.quantization_bits}-hot{config.hot_tokens}-bs{config.block_size}-k{config.sparse_top_k}"
 
@@ -208,12 +215,14 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
     wall = ((time.perf_counter() - start) * 1000 - captured_ms) / args.steps
     device_ms = stepper.device_ms()
     t0 += args.steps
+    plans_before = stepper.cache.counters["plans"]
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         for t in range(3):
             stepper.step(t0 + t)
         stepper.land()
         sync()
     stepper.events.clear()
+    plans_after = stepper.cache.counters["plans"]
     t0 += 3
     if args.host_profile is not None:
         name = f"{config_name(config)}-{stepper.path}.txt"
@@ -226,7 +235,13 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
     else:  # a CPU run counts the top-level operators instead of kernels
         kernels = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
         kernel_ms = 0.0
-    launches = sum(1 for e in events if any(c in e.name for c in LAUNCH_CALLS))
+    launched = [e for e in events if any(c in e.name for c in LAUNCH_CALLS)]
+    launches = len(launched)
+    # what launched them: the operator (or the graph launch itself) directly above each launch call
+    by_op: dict[str, int] = {}
+    for e in launched:
+        name = e.cpu_parent.name if e.cpu_parent is not None else e.name
+        by_op[name] = by_op.get(name, 0) + 1
     gpu_ms = device_ms if device_ms is not None else kernel_ms
     return {
         "wall_ms": wall,
@@ -235,6 +250,9 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
         "wall_over_gpu": wall / gpu_ms if gpu_ms > 0 else None,
         "kernels": len(kernels) / 3,
         "launches": launches / 3,
+        "launches_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),  # over the 3 profiled steps
+        "tier_plans_profiled": plans_after - plans_before,  # tier planning steps among the 3 profiled
+        "l2_share": l2_share(stepper.cache),  # of the blocks in use, every layer: what a sparse step skips
         "captures": graphs.captures if graphs is not None else 0,
         "captures_timed": (graphs.captures if graphs is not None else 0) - captures,  # left out of wall_ms
         "captured_ms_timed": captured_ms,
