@@ -194,7 +194,14 @@ def derive_slo(
     record: dict[str, Any] = {"rule": rule, "unloaded": None, "percentile": float(percentile)}
     record |= dict(verdict or {})
     if unloaded is not None:
-        keys = ("ttft_p99_ms", "tpot_p50_ms", "step_ms", "completed", "unprimed_ttft_p99_ms")
+        keys = (
+            "ttft_p99_ms",
+            "tpot_p50_ms",
+            "step_ms",
+            "completed",
+            "unprimed_ttft_p99_ms",
+            "ttft_p99_repeats",
+        )
         record["unloaded"] = {k: unloaded.get(k) for k in keys}
     derived: dict[str, float] = {}
     if unloaded is not None:
