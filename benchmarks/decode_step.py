@@ -37,6 +37,7 @@ import argparse
 import cProfile
 import io
 import json
+import math
 import os
 import pstats
 import time
@@ -51,10 +52,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
+from kvtune.cache_impl.tiers import Migrations
 from kvtune.engine.graphs import DecodeGraphs
 from kvtune.engine.model import LoadedModel, load_model
 from kvtune.kernels import decode_attention
 from kvtune.kernels.backend import HAS_TRITON, kernel_choice
+from kvtune.kernels.sparse_table import L2
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 DEFAULT_CONFIGS = ("q_unquantized", "q_int8", "q_int4", "q_int8_sparse512_fast")
@@ -164,6 +167,27 @@ class Stepper:
         return float(ms)
 
 
+def demote_oldest(cache: HybridCache, batch: int, l1_share: float) -> None:
+    """Every layer's cold blocks of each sequence but the newest ``l1_share`` of them into L2, through the
+    cache's own migration (an 8-bit pool re-quantizes them to 4 bits), as decode_attention.py sets the
+    sparse tier up. The engine's access rule keeps a block in L1 while its attention mass is above its
+    row's mean, which random weights spread evenly, so without this a sparse config's step reads every
+    block and measures only its machinery (run 21b: no block in L2 after 126 steps)."""
+    blocks = []
+    for seq in range(batch):
+        owned = list(cache._seqs[seq].blocks)
+        keep = math.ceil(len(owned) * l1_share)
+        blocks.extend(owned[: len(owned) - keep])
+    if not blocks:
+        return
+    ids = np.asarray(sorted(set(blocks)), dtype=np.int64)
+    layers = cache.shape.num_layers
+    todo = Migrations(
+        np.repeat(np.arange(layers), len(ids)), np.tile(ids, layers), np.full(layers * len(ids), L2)
+    )
+    cache.tiers.apply(todo, cache.pools)
+
+
 def l2_share(cache: HybridCache) -> float:
     """The share of the in-use (layer, block) pairs that sit in L2 (the sparse tier) now."""
     stats = cache.stats()
@@ -200,6 +224,9 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
     sync()
     stepper.events.clear()
     t0 += warmup
+    if config.sparse_top_k and args.l1_share < 1:
+        demote_oldest(stepper.cache, stepper.batch, args.l1_share)
+    l2_timed = l2_share(stepper.cache)
     graphs = stepper.graphs
     if graphs is not None:
         graphs.take_capture_ms()
@@ -252,7 +279,8 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
         "launches": launches / 3,
         "launches_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),  # over the 3 profiled steps
         "tier_plans_profiled": plans_after - plans_before,  # tier planning steps among the 3 profiled
-        "l2_share": l2_share(stepper.cache),  # of the blocks in use, every layer: what a sparse step skips
+        "l2_share": l2_timed,  # of the blocks in use, every layer, when the timed steps start
+        "l2_share_after": l2_share(stepper.cache),  # ... after them (tier planning promotes what is read)
         "captures": graphs.captures if graphs is not None else 0,
         "captures_timed": (graphs.captures if graphs is not None else 0) - captures,  # left out of wall_ms
         "captured_ms_timed": captured_ms,
@@ -279,12 +307,22 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--host-profile", type=Path, default=None, help="folder for cProfile reports of the host")
     p.add_argument(
+        "--l1-share",
+        type=float,
+        default=0.125,
+        help="sparse configs: the newest share of each sequence's cold blocks left in L1 before the timed "
+        "steps, the rest demoted to L2 (default 1/8, as decode_attention.py; 1: as the access rule leaves "
+        "them)",
+    )
+    p.add_argument(
         "--prime",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="measure the first config once, unreported, before the reported runs (default on)",
     )
     args = p.parse_args()
+    if not 0 <= args.l1_share <= 1:
+        p.error(f"--l1-share: expected a share in [0, 1], got {args.l1_share}")
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
     if not set(paths) <= {"eager", "graph", "graph_sync", "torch"}:
         p.error(f"--paths: expected eager, graph, graph_sync or torch, got {paths}")

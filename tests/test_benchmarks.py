@@ -3,6 +3,7 @@ first place a mistake in them shows."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,13 +78,17 @@ def test_decode_step_smoke(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "decode_step.py"), "--model", "random:tiny",
-         "--batch", "2", "--length", "96", "--steps", "2", "--json", str(out), str(configs / "q_int8.json"),
+         "--batch", "2", "--length", "400", "--steps", "2", "--json", str(out), str(configs / "q_int8.json"),
          str(configs / "q_int8_sparse512_fast.json")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "q_int8_sparse512_fast" in run.stdout and "speed-up" in run.stdout
-    assert out.exists()
+    rows = {(r["config"], r["path"]): r for r in json.loads(out.read_text())["rows"]}
+    # the sparse config is timed with all but the newest 1/8 of each sequence's blocks in L2
+    assert 0.5 < rows[("q_int8_sparse512_fast", "graph")]["l2_share"] < 1
+    assert rows[("q_int8", "graph")]["l2_share"] == 0.0
+    assert all("launches_by_op" in r for r in rows.values())
 
 
 def test_replay_compare_smoke(tmp_path: Path) -> None:
