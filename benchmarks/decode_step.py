@@ -53,6 +53,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
 from kvtune.cache_impl.tiers import Migrations
+from kvtune.engine.engine import l2_share as engine_l2_share
 from kvtune.engine.graphs import DecodeGraphs
 from kvtune.engine.model import LoadedModel, load_model
 from kvtune.kernels import decode_attention
@@ -190,9 +191,8 @@ def demote_oldest(cache: HybridCache, batch: int, l1_share: float) -> None:
 
 def l2_share(cache: HybridCache) -> float:
     """The share of the in-use (layer, block) pairs that sit in L2 (the sparse tier) now."""
-    stats = cache.stats()
-    pairs = stats["blocks_in_use"] * cache.shape.num_layers
-    return stats["l2_blocks"] / pairs if pairs else 0.0
+    share = engine_l2_share(cache)
+    return 0.0 if share is None else share
 
 
 def config_name(config: HybridConfig) -> str:

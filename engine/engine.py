@@ -56,6 +56,7 @@ from kvtune.engine.outputs import SlotOutputs
 from kvtune.engine.scheduler import Scheduler, SchedulerConfig
 from kvtune.engine.scheduler import Sequence as Seq
 from kvtune.engine.traces import LengthCounts, LengthPolicy, Request, prompt_token_ids, read_trace
+from kvtune.kernels.sparse_table import L2
 
 Progress = Callable[[int, int], None]
 # (engine clock in ms, every sequence of the replay in arrival order) -> True to end the replay now: a
@@ -732,11 +733,16 @@ class Engine:
 
     def _track_memory(self, run: _Run) -> None:
         run.peak("peak_kv_bytes", float(kv_bytes_in_use(run.cache)))
+        if self.config.sparse_top_k > 0:
+            share = l2_share(run.cache)
+            if share is not None:
+                run.peak("l2_peak_share", share)
 
     def _counters(self, run: _Run, clipped: int) -> EngineCounters:
         c, s, st = run.counters, run.scheduler, run.settings
         debug = dict(run.cache.debug_stats()) if self.config.kv_cache_debug else {}
         graphs = run.graphs
+        sparse = self.config.sparse_top_k > 0
         attention_bytes = (
             c.get("attention_bytes", 0.0) if graphs is not None else run.cache.attention_bytes_read
         )
@@ -774,7 +780,20 @@ class Engine:
             cuda_graphs=st.cuda_graphs,
             mixed=st.mixed,
             clock=self.scheduler_config.clock,
+            l2_peak_share=c.get("l2_peak_share", 0.0) if sparse else math.nan,
+            migrations=int(getattr(run.cache, "counters", {}).get("migrations_done", 0)) if sparse else 0,
         )
+
+
+def l2_share(cache: Any) -> float | None:
+    """The share of the in-use (layer, block) pairs that sit in L2 now, from the cache's host mirror of
+    the tiers (None for a cache without tiers)."""
+    tiers, blocks = getattr(cache, "tiers", None), getattr(cache, "blocks", None)
+    if tiers is None or blocks is None:
+        return None
+    in_use = blocks.refcount > 0  # a freed block keeps its tier until it is sealed again
+    pairs = int(in_use.sum()) * tiers.tier_host.shape[0]
+    return float((tiers.tier_host[:, in_use] == L2).sum()) / pairs if pairs else 0.0
 
 
 def kv_bytes_in_use(cache: Any) -> int:

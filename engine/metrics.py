@@ -106,6 +106,10 @@ class EngineCounters:
     cuda_graphs: bool = False  # ... captured and replayed as CUDA graphs
     mixed: bool = False
     clock: str = "wall"  # what the replay's clock counted (SchedulerConfig.clock)
+    # a sparse config's tier: the largest share of the in-use (layer, block) pairs in L2 at once, and the
+    # migrations applied (NaN / 0 without a sparse tier)
+    l2_peak_share: float = math.nan
+    migrations: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,10 @@ class ReplayMetrics:
     cuda_graphs: bool = False
     mixed: bool = False
     clock: str = "wall"
+    # the sparse tier's use: the largest share of in-use (layer, block) pairs in L2 at once (NaN: no sparse
+    # tier; 0: the tier never held a block, so the replay timed its machinery and none of its savings)
+    l2_peak_share: float = math.nan
+    migrations: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {}
@@ -234,6 +242,8 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         cuda_graphs=c.cuda_graphs,
         mixed=c.mixed,
         clock=c.clock,
+        l2_peak_share=c.l2_peak_share,
+        migrations=c.migrations,
     )
 
 
@@ -252,6 +262,11 @@ def _warnings(completed: int, c: EngineCounters) -> tuple[str, ...]:
         if 2 * c.clipped > total:
             most = " (most of the replay: it measures shorter requests than the trace's)"
         out.append(f"{c.clipped} request(s) clipped to a length cap or the model's context{most}")
+    if c.l2_peak_share == 0.0:
+        out.append(
+            "the sparse tier held no block: attention mass stayed above each block's even share (random "
+            "weights spread it so), so this replay timed the tier's selection and none of its savings"
+        )
     return tuple(out)
 
 

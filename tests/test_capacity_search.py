@@ -631,6 +631,20 @@ def test_warnings_name_a_window_too_small_to_load_the_engine() -> None:
     assert "raise --requests" in first and "varied by 90 %" in spread
 
 
+def test_sparse_trials_whose_tier_never_held_a_block_are_named() -> None:
+    """Trials whose replays kept L2 empty (l2_peak_share 0) are named; a sparse trial that used the tier
+    and a dense one (no share recorded) are not."""
+    from kvtune.studies.names import ATTR_METRICS
+    from kvtune.tuner.job import sparse_warnings
+
+    trial = lambda n, metrics: SimpleNamespace(number=n, user_attrs={ATTR_METRICS: metrics})
+    trials = [trial(0, {"l2_peak_share": 0.0}), trial(1, {"l2_peak_share": 0.4}), trial(2, {}),
+              trial(3, {"l2_peak_share": 0.0}), SimpleNamespace(number=4, user_attrs={})]  # fmt: skip
+    (said,) = sparse_warnings(trials)
+    assert said.startswith("2 sparse trial(s) (0, 3) never moved a block to L2")
+    assert sparse_warnings(trials[1:3]) == ()
+
+
 def test_the_table_marks_a_capacity_at_the_saturation_rate() -> None:
     from rich.console import Console
 

@@ -397,3 +397,25 @@ def test_replay_command_refuses_bad_limits_before_loading(tmp_path, capsys, opti
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvtune: error: ") and message in err[0]
+
+
+# ---------------------------------------------------------------------------------------- the sparse tier
+
+
+def test_a_replay_reports_how_much_of_the_cache_the_sparse_tier_held(tiny):
+    """A sparse config reports the largest share of its in-use (layer, block) pairs in L2 and the
+    migrations applied; a config without the tier reports neither (NaN, 0)."""
+    sparse = _config(8, sparse_top_k=32, migration_interval=2, migration_threshold_ms=0.001)
+    requests = _requests(4, input_length=96, output_length=24)
+    m = _replay(tiny, sparse, _budget(sparse, tiny, 8, 160), requests)
+    assert 0 < m["l2_peak_share"] <= 1 and m["migrations"] > 0
+    assert not any("sparse tier held no block" in w for w in m["warnings"])
+    dense = _replay(tiny, _config(8), _budget(_config(8), tiny, 8, 160), requests)
+    assert math.isnan(dense["l2_peak_share"]) and dense["migrations"] == 0
+
+
+@pytest.mark.parametrize(("share", "warned"), [(0.0, True), (0.25, False), (math.nan, False)])
+def test_a_sparse_tier_that_never_held_a_block_is_said(share, warned):
+    timings = [RequestTiming(i, 0.0, (10.0, 12.0)) for i in range(MIN_REQUESTS_FOR_PERCENTILES)]
+    m = summarize(timings, EngineCounters(duration_ms=100.0, decode_steps=2, l2_peak_share=share))
+    assert any("sparse tier held no block" in w for w in m.warnings) is warned

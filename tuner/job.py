@@ -49,6 +49,7 @@ from kvtune.studies.lease import DriverLease
 from kvtune.studies.names import (
     ATTR_ENGINE,
     ATTR_IDENTITY,
+    ATTR_METRICS,
     ATTR_NOISE,
     ATTR_PARETO,
     ATTR_QUALITY_SETTINGS,
@@ -289,12 +290,13 @@ def _run(
             preset = str(export.export_from_study(job.options.storage, job.options.name, job.out))
     best = validation["trial"] if validation else None
     counts = job.sample.length_counts(trace, info.max_context)
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if job.capacity else []
-    capacities = [t.values[0] for t in complete if t.values]
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    capacities = [t.values[0] for t in complete if t.values] if job.capacity else []
     return TuneReport(
         job.options.name, job.options.storage, finished, job.trials, best, validation, preset,
         space.describe(), time_scale, tuple(infos), cut_short,
-        (*quality_coverage(space, job.spec.quality), *capacity_warnings(study.user_attrs, capacities)), rate,
+        (*quality_coverage(space, job.spec.quality), *capacity_warnings(study.user_attrs, capacities),
+         *sparse_warnings(complete)), rate,
         {k: c.to_dict() for k, c in counts.items()}, validations,
     )  # fmt: skip
 
@@ -355,9 +357,23 @@ def capacity_warnings(attrs: dict[str, Any], capacities: Sequence[float] = ()) -
         out.append(
             f"the baseline's capacity varied by {100 * noise['spread']:.0f} % over {noise['repeats']} "
             f"searches (the goal is 5 %): differences below {100 * noise['threshold']:.0f} % are within "
-            "noise; more requests per window lower it"
+            "noise (windows of 3x the requests were measured no quieter on an H200: docs/RESULTS.md)"
         )
     return tuple(out)
+
+
+def sparse_warnings(trials: Sequence[Any]) -> tuple[str, ...]:
+    """Complete trials of sparse configs whose replays never moved a block to L2 (``l2_peak_share`` 0 in
+    their metrics): their objective timed the sparse tier's selection and none of its savings."""
+    idle = [t.number for t in trials if (t.user_attrs.get(ATTR_METRICS) or {}).get("l2_peak_share") == 0.0]
+    if not idle:
+        return ()
+    shown = ", ".join(str(n) for n in idle[:8]) + (", ..." if len(idle) > 8 else "")
+    return (
+        f"{len(idle)} sparse trial(s) ({shown}) never moved a block to L2: attention stayed spread over "
+        "every block (random weights do that), so they measured the sparse tier's cost and none of its "
+        "savings; weigh sparse_top_k on real weights",
+    )
 
 
 def quality_coverage(space: SearchSpace, quality: QualitySettings) -> tuple[str, ...]:
