@@ -734,9 +734,13 @@ class Engine:
     def _track_memory(self, run: _Run) -> None:
         run.peak("peak_kv_bytes", float(kv_bytes_in_use(run.cache)))
         if self.config.sparse_top_k > 0:
-            share = l2_share(run.cache)
-            if share is not None:
-                run.peak("l2_peak_share", share)
+            # the L2 share moves with the migrations: read it (O(layers x blocks) on the host) only after some
+            done = float(getattr(run.cache, "counters", {}).get("migrations_done", 0))
+            if done != run.counters.get("l2_read_at_migrations", -1.0):
+                run.counters["l2_read_at_migrations"] = done
+                share = l2_share(run.cache)
+                if share is not None:
+                    run.peak("l2_peak_share", share)
 
     def _counters(self, run: _Run, clipped: int) -> EngineCounters:
         c, s, st = run.counters, run.scheduler, run.settings
