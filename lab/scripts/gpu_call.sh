@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest plugin busy bound step collapse)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest plugin busy bound step sparse collapse)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
@@ -84,6 +84,13 @@ for stage in "$@"; do
     log "decode step, Llama-3.1-8B shape 32x8K: unquantized, INT8, INT4, INT8 + sparse top-512 (graphs)"
     timeout ${STEP_S:-200} python3 benchmarks/decode_step.py --shape llama-3.1-8b --batch 32 --context 8192 \
       --paths graph,graph_sync --json "$OUT/step.json" > "$OUT/step.log" 2>&1; grep -v -i warn "$OUT/step.log" | tail -12 ;;
+  sparse)
+    log "decode step, dense INT8 against INT8 + sparse top-512 with 7/8 of the blocks in L2: 32x8K, 16x32K, 4x128K (graphs)"
+    for bl in 32:8192 16:32768 4:131072; do
+      timeout ${SPARSE_S:-110} python3 benchmarks/decode_step.py --shape llama-3.1-8b --batch ${bl%%:*} --context ${bl##*:} \
+        --paths graph --json "$OUT/sparse_${bl%%:*}.json" $C/q_int8.json $C/q_int8_sparse512_fast.json \
+        > "$OUT/sparse_${bl%%:*}.log" 2>&1; grep -v -i "warn\|USDT" "$OUT/sparse_${bl%%:*}.log" | tail -3
+    done ;;
   collapse)
     log "whole replays near capacity, the first on each new cache primed (window:rate, repeated)"
     timeout ${COLLAPSE_S:-200} python3 lab/scripts/collapse.py --replays ${COLLAPSE_REPEATS:-3} --at 1:2.376 --at 0:2.830 \
