@@ -1,6 +1,8 @@
-"""The unloaded replay the capacity limits come from, repeated in one process: each measurement's P99 TTFT and
-median TPOT, beside the P99 TTFT of the unmeasured replay that primes it. Run it in several processes to see
-how far the limits move between studies. From the repository root on the GPU:
+"""The unloaded replay the capacity limits come from, repeated in one process: each measurement's P99 TTFT
+and median TPOT, beside the P99 TTFT of the unmeasured replay that primes it, the host's launch time over
+the device time of its op-by-op forwards (above 1: launch-bound, the host's jitter reaches the device
+clock) and the SM clock nvidia-smi saw meanwhile (a lightly loaded GPU may lower it). Run it in several
+processes to see how far the limits move between studies. From the repository root on the GPU:
 
     python lab/scripts/unloaded_limits.py --repeats 3
 """
@@ -14,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from capacity_noise import TEXT, windows_of
+from gpu_state import GpuSampler
 
 from kvtune.engine.engine import DEFAULT_BASELINE, resolve_device
 from kvtune.engine.options import WARMUP_REQUESTS
@@ -34,10 +37,13 @@ window = windows_of(ns, worker.loaded.spec.max_context)[0][0]
 print(f"worker ready in {time.perf_counter() - t0:.1f} s", flush=True)
 for k in range(args.repeats):
     t1 = time.perf_counter()
-    u = worker.unloaded(DEFAULT_BASELINE, window, WARMUP_REQUESTS)
+    with GpuSampler(period_ms=50) as gpu:
+        u = worker.unloaded(DEFAULT_BASELINE, window, WARMUP_REQUESTS)
+    launch = f"launch/device {u.get('launch_ratio', float('nan')):.2f}"
+    clock = GpuSampler.describe(gpu.summary())
     first, each = u["unprimed_ttft_p99_ms"], ", ".join(f"{x:.2f}" for x in u["ttft_p99_repeats"])
     print(
         f"unloaded #{k}: P99 TTFT {u['ttft_p99_ms']:.2f} ms (median of {each}; priming: {first:.2f} ms), "
-        f"median TPOT {u['tpot_p50_ms']:.3f} ms · {time.perf_counter() - t1:.1f} s",
+        f"median TPOT {u['tpot_p50_ms']:.3f} ms · {launch} · {clock} · {time.perf_counter() - t1:.1f} s",
         flush=True,
     )
