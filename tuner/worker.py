@@ -270,10 +270,10 @@ class TrialWorker:
         One unmeasured replay primes the cache, then ``UNLOADED_REPEATS`` are measured and the one with the
         median P99 TTFT is returned (``ttft_p99_repeats``: all of them; ``unprimed_ttft_p99_ms``: the
         priming replay's). The priming of a new cache serves the requests all at once, which leaves the
-        shapes of requests served alone to the first unloaded replay; and a single prompt's forward is
-        launch-bound, so its time carries the host's jitter. On an H200 (96 requests) single replays read
-        a P99 TTFT of 30.7-54.4 ms primed and 44.2-61.6 ms unprimed (106.7 ms against 55.1 and 53.3 with
-        288 requests): the limits, five times that P99, moved with each draw."""
+        shapes of requests served alone to the first unloaded replay; and even primed the P99 TTFT moves
+        between replays. On an H200 (96 requests) single replays read 30.7-57.0 ms primed and 34.9-61.6 ms
+        unprimed (106.7 ms against 55.1 and 53.3 with 288 requests), the median of three 31.8-53.5 ms: the
+        limits, five times that P99, move with each draw (`--slo-ttft-ms` holds them)."""
         cut = lambda r: dataclasses.replace(r, output_length=min(r.output_length, UNLOADED_OUTPUT_TOKENS))
         short = tuple(cut(r) for r in requests)
         first = self.replay(config, short, UNLOADED_TIME_SCALE, warmup)
