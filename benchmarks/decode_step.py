@@ -53,7 +53,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
 from kvtune.cache_impl.tiers import Migrations
-from kvtune.engine.engine import l2_share as engine_l2_share
+from kvtune.engine.engine import l2_share
 from kvtune.engine.graphs import DecodeGraphs
 from kvtune.engine.model import LoadedModel, load_model
 from kvtune.kernels import decode_attention
@@ -189,12 +189,6 @@ def demote_oldest(cache: HybridCache, batch: int, l1_share: float) -> None:
     cache.tiers.apply(todo, cache.pools)
 
 
-def l2_share(cache: HybridCache) -> float:
-    """The share of the in-use (layer, block) pairs that sit in L2 (the sparse tier) now."""
-    share = engine_l2_share(cache)
-    return 0.0 if share is None else share
-
-
 def config_name(config: HybridConfig) -> str:
     return f"q{config.quantization_bits}-hot{config.hot_tokens}-bs{config.block_size}-k{config.sparse_top_k}"
 
@@ -226,7 +220,7 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
     t0 += warmup
     if config.sparse_top_k and args.l1_share < 1:
         demote_oldest(stepper.cache, stepper.batch, args.l1_share)
-    l2_timed = l2_share(stepper.cache)
+    l2_timed = l2_share(stepper.cache) or 0.0
     graphs = stepper.graphs
     if graphs is not None:
         graphs.take_capture_ms()
@@ -280,7 +274,7 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
         "launches_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),  # over the 3 profiled steps
         "tier_plans_profiled": plans_after - plans_before,  # tier planning steps among the 3 profiled
         "l2_share": l2_timed,  # of the blocks in use, every layer, when the timed steps start
-        "l2_share_after": l2_share(stepper.cache),  # ... after them (tier planning promotes what is read)
+        "l2_share_after": l2_share(stepper.cache) or 0.0,  # ... after them (planning promotes what is read)
         "captures": graphs.captures if graphs is not None else 0,
         "captures_timed": (graphs.captures if graphs is not None else 0) - captures,  # left out of wall_ms
         "captured_ms_timed": captured_ms,

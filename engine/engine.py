@@ -230,6 +230,7 @@ class _Run:
     captures_before: int = 0  # graphs captured by earlier replays on the same cache
     timings: list[RequestTiming] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
+    l2_read_at: int = -1  # the cache's migrations count when the L2 share was last read (sparse configs)
     compiles: CompileWatch = field(default_factory=CompileWatch)  # Triton compilations inside the replay
     compile_mark: float = 0.0  # their milliseconds when the current iteration started
 
@@ -735,9 +736,9 @@ class Engine:
         run.peak("peak_kv_bytes", float(kv_bytes_in_use(run.cache)))
         if self.config.sparse_top_k > 0:
             # the L2 share moves with the migrations: read it (O(layers x blocks) on the host) only after some
-            done = float(getattr(run.cache, "counters", {}).get("migrations_done", 0))
-            if done != run.counters.get("l2_read_at_migrations", -1.0):
-                run.counters["l2_read_at_migrations"] = done
+            done = migrations_done(run.cache)
+            if done != run.l2_read_at:
+                run.l2_read_at = done
                 share = l2_share(run.cache)
                 if share is not None:
                     run.peak("l2_peak_share", share)
@@ -785,8 +786,13 @@ class Engine:
             mixed=st.mixed,
             clock=self.scheduler_config.clock,
             l2_peak_share=c.get("l2_peak_share", 0.0) if sparse else math.nan,
-            migrations=int(getattr(run.cache, "counters", {}).get("migrations_done", 0)) if sparse else 0,
+            migrations=migrations_done(run.cache) if sparse else 0,
         )
+
+
+def migrations_done(cache: Any) -> int:
+    """Tier migrations the cache applied since it was last emptied (0 for a cache without tiers)."""
+    return int(getattr(cache, "counters", {}).get("migrations_done", 0))
 
 
 def l2_share(cache: Any) -> float | None:

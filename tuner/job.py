@@ -98,6 +98,7 @@ from kvtune.tuner.validation import (
     RepeatPlan,
     SearchRun,
     best_trial,
+    median_or,
     repeat_to_interval,
     run_searches,
     ties,
@@ -540,12 +541,6 @@ def _baseline_searches(
     return first + later, {"search_s": near_s, "cold_search_s": t1 - t0}
 
 
-def _median_capacity(runs: list[dict[str, Any]], default: float) -> float:
-    """The median capacity of validation's repeats of one side so far (``default`` before any found one)."""
-    found = [float(r["capacity"]) for r in runs if (r.get("capacity") or 0.0) > 0]
-    return statistics.median(found) if found else default
-
-
 def _baseline_engines(runs: list[dict[str, Any]], engines: list[dict[str, Any]]) -> dict[str, Any]:
     """``baseline_engine``: of the baseline's knobs searched in the first round (the best trial's resolved
     for it, the defaults), those with the higher median capacity there; ``baseline_engines``: both, with
@@ -686,7 +681,8 @@ def _validate(
         measured: list[list[dict[str, Any]]] = [[], []]  # both sides' repeats so far
 
         def measure(k: int, first: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-            at = tuple(_median_capacity(m, s) for m, s in zip(measured, starts))  # later rounds: near these
+            # later calls start near the median of what the repeats so far found
+            at = tuple(median_or([r.get("capacity") or 0.0 for r in m], s) for m, s in zip(measured, starts))
             base_knobs, other = knobs[1], alternative
             if other is not None and measured[1]:  # after the first call: the baseline's better knobs only
                 won = _baseline_engines(measured[1], engines)["baseline_engine"] is engines[1]

@@ -338,7 +338,8 @@ def validate_capacity(
     runs = round_of(indices[:workers], sides)
     results = [[_result(run) for run in row] for row in runs]
     if indices[workers:]:
-        later = [(c, k, _measured_or(s, [row[i] for row in runs])) for i, (c, k, s) in enumerate(sides)]
+        converged = lambda i: [row[i].search.capacity for row in runs if row[i].search.converged]
+        later = [(c, k, median_or(converged(i), s)) for i, (c, k, s) in enumerate(sides)]
         if len(later) > 2:  # the baseline at the knobs that carried more in the first round
             keep = 2 if better_knobs([row[1] for row in results], [row[2] for row in results]) else 1
             later = [later[0], later[keep]]
@@ -362,10 +363,10 @@ def better_knobs(own: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]])
     return median(other) > median(own)
 
 
-def _measured_or(start: float, runs: Sequence[SearchRun]) -> float:
-    """The median capacity of the converged searches among ``runs`` (``start`` when none converged)."""
-    found = [run.search.capacity for run in runs if run.search.converged and run.search.capacity > 0]
-    return statistics.median(found) if found else start
+def median_or(capacities: Sequence[float], default: float) -> float:
+    """The median of the positive ``capacities`` (those found), ``default`` when none is."""
+    found = [float(c) for c in capacities if c > 0]
+    return statistics.median(found) if found else default
 
 
 def _result(run: SearchRun) -> dict[str, Any]:
