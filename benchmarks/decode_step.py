@@ -43,6 +43,7 @@ import pstats
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,11 @@ def kernels_choice(choice: str) -> Iterator[None]:
         else:
             os.environ["KVTUNE_KERNELS"] = old
         kernel_choice.cache_clear()
+
+
+def held(config: HybridConfig, hold: bool) -> HybridConfig:
+    """``config`` without tier planning in a benchmark's steps (``--hold-tiers``), for a sparse config."""
+    return replace(config, migration_interval=10**6) if hold and config.sparse_top_k else config
 
 
 def prefilled(
@@ -235,7 +241,14 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
     captured_ms = graphs.take_capture_ms() if graphs is not None else 0.0
     wall = ((time.perf_counter() - start) * 1000 - captured_ms) / args.steps
     device_ms = stepper.device_ms()
+    l2_timed_end = l2_share(stepper.cache) or 0.0
     t0 += args.steps
+    if config.sparse_top_k and config.migration_interval <= 1000:  # a planning step among the profiled
+        while (stepper.cache.stats()["steps"] + 2) % config.migration_interval:
+            stepper.step(t0)
+            t0 += 1
+        stepper.land()
+        sync()
     plans_before = stepper.cache.counters["plans"]
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         for t in range(3):
@@ -274,7 +287,8 @@ def measure(stepper: Stepper, config: HybridConfig, args: argparse.Namespace, t0
         "launches_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),  # over the 3 profiled steps
         "tier_plans_profiled": plans_after - plans_before,  # tier planning steps among the 3 profiled
         "l2_share": l2_timed,  # of the blocks in use, every layer, when the timed steps start
-        "l2_share_after": l2_share(stepper.cache) or 0.0,  # ... after them (planning promotes what is read)
+        "l2_share_timed_end": l2_timed_end,  # ... when they end (planning promotes what is read)
+        "l2_share_after": l2_share(stepper.cache) or 0.0,  # ... after the profiled steps
         "captures": graphs.captures if graphs is not None else 0,
         "captures_timed": (graphs.captures if graphs is not None else 0) - captures,  # left out of wall_ms
         "captured_ms_timed": captured_ms,
@@ -314,6 +328,12 @@ def main() -> None:
         default=True,
         help="measure the first config once, unreported, before the reported runs (default on)",
     )
+    p.add_argument(
+        "--hold-tiers",
+        action="store_true",
+        help="sparse configs: no tier planning in the measured steps (migration_interval 10^6), so they run "
+        "at the L2 share --l1-share set up; the planning and queue still run inside each step",
+    )
     args = p.parse_args()
     if not 0 <= args.l1_share <= 1:
         p.error(f"--l1-share: expected a share in [0, 1], got {args.l1_share}")
@@ -332,18 +352,18 @@ def main() -> None:
     first: dict[str, float] = {}
     max_len = args.length + 2048  # room for every path's steps
     if args.prime:  # a process's first measured steps run slower (seen on an H200): spend them unmeasured
-        config = HybridConfig.from_json_file(configs[0])
+        config = held(HybridConfig.from_json_file(configs[0]), args.hold_tiers)
         cache = prefilled(loaded, config, args.batch, args.length, args.seed, model.startswith("random:"))
         for choice in paths:
             with kernels_choice("torch" if choice == "torch" else "triton"):
                 kind = "eager" if choice == "torch" else choice
                 stepper = Stepper(loaded, cache, args.batch, kind, max_len)
                 measure(stepper, config, argparse.Namespace(**{**vars(args), "host_profile": None}), 0)
-        del cache
+        del cache, stepper  # the stepper's graphs hold the cache: both go before the next one is made
         if args.device == "cuda":
             torch.cuda.empty_cache()
     for path in configs:
-        config = HybridConfig.from_json_file(path)
+        config = held(HybridConfig.from_json_file(path), args.hold_tiers)
         cache = prefilled(loaded, config, args.batch, args.length, args.seed, model.startswith("random:"))
         t0, res = 0, {}
         for choice in paths:
@@ -367,7 +387,7 @@ def main() -> None:
         if "eager" in res and "graph" in res:
             speedup = res["eager"]["wall_ms"] / res["graph"]["wall_ms"]
             print(f"{'':<26} speed-up of the graph step {speedup:.2f}×")
-        del cache
+        del cache, stepper
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.json:

@@ -42,6 +42,7 @@ class BlockPool:
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
         self.evictions = 0
+        self.version = 0  # bumped whenever a block's use (refcount > 0) may have changed
 
     # ---- queries ------------------------------------------------------------------------------------
     def num_free(self) -> int:
@@ -73,6 +74,7 @@ class BlockPool:
         if n > self.num_free():
             raise CacheFullError(f"need {n} free blocks, {self.num_free()} left of {self.num_blocks}")
         out = []
+        self.version += n > 0
         for _ in range(n):
             if self._free:
                 block = self._free.popleft()
@@ -89,6 +91,7 @@ class BlockPool:
         for block in blocks:
             self._lru.pop(block, None)
             self.refcount[block] += 1
+            self.version += 1
 
     def release(self, blocks: Iterable[int]) -> list[int]:
         """Drop one reference of each; returns the blocks that became free."""
@@ -97,6 +100,7 @@ class BlockPool:
             assert self.refcount[block] > 0, f"block {block} released with refcount {self.refcount[block]}"
             self.refcount[block] -= 1
             if self.refcount[block] == 0:
+                self.version += 1
                 freed.append(block)
                 if block in self._hash_of:
                     self._lru[block] = None

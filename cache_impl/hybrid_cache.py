@@ -10,13 +10,15 @@ Decode step: ``begin_step`` (allocates the blocks that seal this step, returns t
 ``block_size`` hot tokens when the zone holds ``hot_tokens + block_size`` → attend over hot + L1 +
 Quest-selected L2 blocks, then update the layer's access statistics from the per-block attention mass) →
 ``end_step`` (prefix registration, tier planning every ``migration_interval`` steps, the migration queue,
-debug statistics).
+debug statistics). Tier planning and migrations run on the device (:mod:`kvtune.cache_impl.tiers`), and
+only in a cache with the sparse tier (without it no block can reach L2).
 
 Static decode step (what a CUDA graph replays, :mod:`kvtune.cache_impl.plan`): ``prepare_step`` (vectorized
 host bookkeeping: the same allocation and lengths as ``begin_step``, written into :class:`StepBuffers` in
 one copy) → ``seal_static`` for the zones that would fill (before the step: the oldest ``block_size`` of
 their ``hot_tokens + block_size − 1`` tokens, every layer at once) → ``decode`` per layer on the static
-plan (append → attend) → ``finish_step`` (what ``end_step`` does). Both orders give attention the same hot
+plan (append → attend) → ``migrate_static`` (the tier planning and migrations, inside the captured step)
+→ ``finish_step`` (the host's share of ``end_step``). Both orders give attention the same hot
 tokens and blocks; a sequence may take either from one step to the next.
 
 Per-sequence decode state (length, hot length, block table) lives in numpy arrays indexed by hot-zone slot,
@@ -48,12 +50,12 @@ from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.debug import DebugStats
 from kvtune.cache_impl.layout import CacheLayout, ModelKVShape, cache_layout, hot_capacity, kv_bytes_for
 from kvtune.cache_impl.plan import DecodePlan, StepBuffers, StepInfo, StepShape
-from kvtune.cache_impl.tiers import L2, MigrationQueue, TierState
+from kvtune.cache_impl.tiers import L2, TierState, threshold_ms
 from kvtune.kernels.access import update_access
 from kvtune.kernels.decode_attention import hybrid_decode_attention
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
-from kvtune.kernels.requant import requantize_int4
+from kvtune.kernels.requant import requantize_int4, requantize_int4_masked
 from kvtune.kernels.sparse_table import ByteCount, sparse_block_table
 from kvtune.kernels.sparse_table_choice import SelectOptions
 
@@ -152,12 +154,14 @@ class HybridCache:
         # K and V hot zones in one tensor [layers, 2, slots, H, C, D], so one copy shifts both after a seal
         self.hot_kv = torch.zeros((n_layers, 2, *hot_shape[1:]), dtype=shape.dtype, device=self.device)
         self.hot_k, self.hot_v = self.hot_kv[:, 0], self.hot_kv[:, 1]
-        self.pools: list[ColdPool] = [lay.cold.allocate(lay.num_blocks, self.device) for _ in range(n_layers)]
+        self.pools: list[ColdPool] = lay.cold.allocate_layers(n_layers, lay.num_blocks, self.device)
         for pool in self.pools:
             pool.may_demote = config.sparse_top_k > 0  # demotion is the only way a block's bits change
         self.blocks = BlockPool(lay.num_blocks)
         self.tiers = TierState(n_layers, lay.num_blocks, self.device)
-        self.queue = MigrationQueue(config)
+        self.sparse = config.sparse_top_k > 0  # tiers are planned and migrated only with the sparse tier
+        self._planned = False  # a plan was made since the cache was emptied (an eager step applies then)
+        self._l2_layers: np.ndarray | None = None  # blocks in L2 per layer at the eager step's start
         self.debug = DebugStats(self.device, enabled=config.kv_cache_debug)
         # every decode call's (layer, table, num_cold) while a list (None: off); uncaptured steps only (tests)
         self.table_log: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
@@ -175,7 +179,7 @@ class HybridCache:
         self._cost_host = self._bytes_per_entry()
         self._cost = self._cost_host.to(self.device)
         self._quest_cost = shape.num_kv_heads * 2 * 2 * shape.head_dim  # an L2 block's key mins + scales
-        self.counters = {"prefix_lookup_blocks": 0, "prefix_hit_blocks": 0, "migrations_done": 0, "plans": 0}
+        self.counters = {"prefix_lookup_blocks": 0, "prefix_hit_blocks": 0, "plans": 0}
 
     def compile_kernels(self) -> None:
         """Launch once, on every layer, the kernels that a short warm-up may not reach: the seal of a block
@@ -204,6 +208,8 @@ class HybridCache:
                 )
             if pool.bits == 8:
                 requantize_int4(pool, block[0])
+        if self.sparse and self.pools[0].bits == 8:  # the device queue's demotion (an empty list: no change)
+            requantize_int4_masked(self.pools, torch.zeros_like(self.tiers.tier, dtype=torch.bool))
         for pool in self.pools:
             pool.block_bits[0] = pool.bits
         if self.device.type == "cuda":  # the access update with a device clock (static steps)
@@ -229,7 +235,7 @@ class HybridCache:
         self._ready[:] = False
         self.blocks = BlockPool(lay.num_blocks)
         self.tiers.clear()
-        self.queue = MigrationQueue(self.config)
+        self._planned, self._l2_layers = False, None
         self.debug = DebugStats(self.device, enabled=self.config.kv_cache_debug)
         for pool in self.pools:
             pool.block_bits.fill_(pool.bits)
@@ -526,6 +532,8 @@ class HybridCache:
         sealing, fresh = self._allocate_seals(slots)
         self.tiers.reset(fresh, now_ms)
         self._now = float(now_ms)
+        # an eager step attends densely in layers whose L2 is empty: read the counts once (synchronizes)
+        self._l2_layers = self.tiers.l2_blocks if self.sparse else None
         write_pos = st.hot_len[slots].copy()
         st.hot_len[slots] += 1
         st.length[slots] += 1
@@ -611,7 +619,6 @@ class HybridCache:
         if not self._ready[slots].all():
             raise ValueError("prepare_step needs fully prefilled sequences")
         sealing, fresh = self._allocate_seals(slots)
-        self.tiers.reset_host(fresh)
         self._now = float(now_ms)
         st.hot_len[sealing] -= bs  # sealed before the step (seal_static): the zone keeps hot_tokens - 1
         positions = st.length[slots]  # of the fed tokens (the length before this step)
@@ -647,8 +654,12 @@ class HybridCache:
         table = buffers.table(rows, width)
         table[:b] = st.table[slots, :width]
         table[pad] = -1
-        buffers.set_now(now_ms, b)
+        due = self.sparse and (self._step + 1) % self.config.migration_interval == 0
+        thr = threshold_ms(self.config, st.length[slots].tolist()) if due else 0.0
+        buffers.set_now(now_ms, b, thr, due)
         buffers.upload(rows, width)
+        if self.sparse:  # after this step's allocations, ordered before its work
+            self.tiers.sync_in_use(self.blocks.refcount, id(self.blocks), self.blocks.version)
         self._count_bytes_host(int(st.hot_len[slots].sum()), int(num_blocks.sum()))
         return StepInfo(b, rows, width, n_seal, seal_rows, slots, sealing, float(now_ms))
 
@@ -666,12 +677,22 @@ class HybridCache:
         zone[:, :, slots, :, : hot - 1] = zone[:, :, slots, :, bs : bs + hot - 1]
         self.tiers.reset_device(blocks, buffers.now_tensor())
 
+    def migrate_static(self, buffers: StepBuffers) -> None:
+        """The tier planning (kept on planning steps only) and this step's migrations of a static step, from
+        the staged clock, threshold and planning flag: device work only, captured with the step."""
+        if not self.sparse:
+            return
+        now, thr, due = buffers.now_tensor(), buffers.thr_tensor(), buffers.due_tensor()
+        self.tiers.plan_pending(self.config, now, thr, due)
+        self.tiers.apply_pending(self.config, self.pools)
+
     def save_step_effects(self, slots: torch.Tensor, write_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What a static step changes besides its own outputs: the hot positions it writes (``slots``,
         ``write_pos``), the access statistics and the byte count. For running a step once and undoing it
         (the warm-up before a CUDA-graph capture)."""
         tiers = self.tiers
         written = self.hot_kv[:, :, slots, :, write_pos].clone()
+        tiers.enabled.fill_(False)  # the warm-up plans but migrates nothing (a demotion cannot be undone)
         return (
             slots,
             write_pos,
@@ -686,12 +707,13 @@ class HybridCache:
         self.hot_kv[:, :, slots, :, write_pos] = written
         self.tiers.last_access.copy_(last_access)
         self.tiers.ema.copy_(ema)
+        self.tiers.enabled.fill_(True)
         self._bytes_dev.copy_(nbytes)
 
     def finish_step(self, info: StepInfo) -> None:
-        """End of a static step: what :meth:`end_step` does (prefix registration of the sealed blocks, tier
-        planning, migrations)."""
-        self._end_step(info.sealed_slots, info.now_ms, lambda: self._st.length[info.slots].tolist())
+        """End of a static step: the host's share of :meth:`end_step` (prefix registration of the sealed
+        blocks; the step's tier work ran on the device, :meth:`migrate_static`)."""
+        self._end_step(info.sealed_slots, info.now_ms, lambda: (), static=True)
 
     def decode(
         self, layer: int, plan: DecodePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -743,7 +765,7 @@ class HybridCache:
         """Cold blocks attended per (sequence, KV head): L1 then Quest-selected L2; [B, H, M] int32, counts,
         and whether the bytes they read are already counted (the sparse path counts them itself). A static
         plan of a sparse config always takes the sparse path (the same shapes whatever the tiers hold)."""
-        if self.config.sparse_top_k == 0 or (self.tiers.l2_blocks[layer] == 0 and not plan.static):
+        if not self.sparse or (not plan.static and (self._l2_layers is None or self._l2_layers[layer] == 0)):
             return plan.cold_table, plan.cold_count, plan.cold_count, False
         count = ByteCount(self._cost, self._quest_cost, self._bytes_dev)
         table, num, n1 = sparse_block_table(
@@ -793,23 +815,41 @@ class HybridCache:
         self._end_step(np.asarray(sealed, dtype=np.int64), plan.now_ms, lambda: plan.lengths)
 
     def _end_step(
-        self, sealed_slots: np.ndarray, now_ms: float, lengths: Callable[[], Sequence[int]]
+        self,
+        sealed_slots: np.ndarray,
+        now_ms: float,
+        lengths: Callable[[], Sequence[int]],
+        static: bool = False,
     ) -> None:
         """:meth:`end_step`: ``sealed_slots`` sealed a block at this step; ``lengths()`` of the step's
-        sequences (asked only when the tiers are planned)."""
+        sequences (asked only when the tiers are planned); ``static``: the tier work ran inside the step."""
         self._step += 1
         for slot in sealed_slots.tolist():
             seq = self._seq_at[slot]
             if seq is not None:
                 self._register(seq, [seq.num_blocks - 1])
-        if self._step % self.config.migration_interval == 0:
-            in_use = self.blocks.refcount > 0
-            self.queue.replace(self.tiers.plan(self.config, now_ms, in_use, lengths()))
+        due = self.sparse and self._step % self.config.migration_interval == 0
+        if due:
             self.counters["plans"] += 1
-        if len(self.queue):
-            done = self.tiers.apply(self.queue.take(self.blocks.refcount), self.pools)
-            self.counters["migrations_done"] += done
+        if self.sparse and not static and (due or self._planned):
+            tiers = self.tiers
+            tiers.sync_in_use(self.blocks.refcount, id(self.blocks), self.blocks.version)
+            if due:
+                tiers.plan_pending(self.config, now_ms, threshold_ms(self.config, lengths()))
+            tiers.apply_pending(self.config, self.pools)
+        self._planned = self._planned or due
         self.debug.end_step()
+
+    @property
+    def migrations_done(self) -> int:
+        """Tier migrations applied since the cache was emptied (synchronizes with the device)."""
+        return int(self.tiers.done)
+
+    @property
+    def l2_peak_share(self) -> float | None:
+        """The largest share of in-use (layer, block) pairs in L2 after any step since the cache was emptied
+        (None without the sparse tier; synchronizes)."""
+        return float(self.tiers.l2_peak) if self.sparse else None
 
     # ---- reports ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -830,8 +870,8 @@ class HybridCache:
             "prefix_lookup_blocks": c["prefix_lookup_blocks"],
             "prefix_hit_blocks": c["prefix_hit_blocks"],
             "prefix_hit_tokens": c["prefix_hit_blocks"] * self.config.block_size,
-            "migrations_done": c["migrations_done"],
-            "migrations_queued": len(self.queue),
+            "migrations_done": self.migrations_done,
+            "migrations_queued": self.tiers.queued(),
             "plans": c["plans"],
             "l2_blocks": int(self.tiers.l2_blocks.sum()),
             "attention_bytes_read": self.attention_bytes_read,
@@ -847,12 +887,11 @@ class HybridCache:
         in_use = self.blocks.refcount > 0
         l2 = (self.tiers.tier_host[:, in_use] == L2).sum()
         occupancy = float(l2) / max(1, int(in_use.sum()) * self.shape.num_layers)
-        self.queue.drop_unused(self.blocks.refcount)
         return {
             **self.debug.report(),
             "l2_occupancy": occupancy,
-            "migrations_done": self.counters["migrations_done"],
-            "migrations_queued": len(self.queue),
+            "migrations_done": self.migrations_done,
+            "migrations_queued": self.tiers.queued(),
         }
 
     def check_integrity(self) -> None:

@@ -110,7 +110,8 @@ class StepBuffers:
     One int64 device buffer holds, for up to ``rows`` rows: hot-zone slots, write positions, hot lengths
     after the append, token positions, sealed-block counts, input tokens (-1: the token the previous step
     left on the device, see :class:`~kvtune.engine.graphs.DecodeGraphs`), the seal entries (slots, fresh
-    blocks), the clock (float64 bits) and the batch (rows in use before padding), then the block table
+    blocks), the clock (float64 bits), the batch (rows in use before padding), the tier threshold (float64
+    bits) and whether the step plans the tiers, then the block table
     ``[rows, width]`` of this step's shape. The host
     fills the staging array and copies the prefix in use once (:meth:`upload`); the plan of a (rows, width)
     shape is a set of views of that buffer (:meth:`plan`), the same tensors on every replay. Padding rows
@@ -139,7 +140,7 @@ class StepBuffers:
         stride = rows + rows % 2
         self.offset = {name: i * stride for i, name in enumerate(self.FIELDS)}
         self.now_offset = len(self.FIELDS) * stride
-        self.table_offset = self.now_offset + 2
+        self.table_offset = self.now_offset + 4
         size = self.table_offset + rows * width
         self.dev = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
@@ -156,10 +157,13 @@ class StepBuffers:
         """The staging block table of a (rows, width) shape, [rows, width]."""
         return self.host[self.table_offset : self.table_offset + rows * width].reshape(rows, width)
 
-    def set_now(self, now_ms: float, batch: int) -> None:
-        """Stage the clock and the batch (the rows before padding)."""
+    def set_now(self, now_ms: float, batch: int, thr_ms: float = 0.0, due: bool = False) -> None:
+        """Stage the clock, the batch (the rows before padding), the tier threshold and whether the step
+        plans the tiers."""
         self.host[self.now_offset] = np.float64(now_ms).view(np.int64)
         self.host[self.now_offset + 1] = batch
+        self.host[self.now_offset + 2] = np.float64(thr_ms).view(np.int64)
+        self.host[self.now_offset + 3] = int(due)
 
     def wait_staging(self) -> None:
         """Block until the last upload has left the staging array (normally long done)."""
@@ -180,6 +184,14 @@ class StepBuffers:
     def now_tensor(self) -> torch.Tensor:
         """The clock as a float64 device scalar (a view of the buffer)."""
         return self.dev[self.now_offset : self.now_offset + 1].view(torch.float64)[0]
+
+    def thr_tensor(self) -> torch.Tensor:
+        """The tier threshold (ms) as a float64 device scalar (a view of the buffer)."""
+        return self.dev[self.now_offset + 2 : self.now_offset + 3].view(torch.float64)[0]
+
+    def due_tensor(self) -> torch.Tensor:
+        """Whether the staged step plans the tiers, as a bool device scalar (computed from the buffer)."""
+        return self.dev[self.now_offset + 3] != 0
 
     def batch_tensor(self) -> torch.Tensor:
         """The batch of the staged step as an int64 device scalar (a view of the buffer)."""

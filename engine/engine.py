@@ -230,7 +230,6 @@ class _Run:
     captures_before: int = 0  # graphs captured by earlier replays on the same cache
     timings: list[RequestTiming] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
-    l2_read_at: int = -1  # the cache's migrations count when the L2 share was last read (sparse configs)
     compiles: CompileWatch = field(default_factory=CompileWatch)  # Triton compilations inside the replay
     compile_mark: float = 0.0  # their milliseconds when the current iteration started
 
@@ -734,14 +733,6 @@ class Engine:
 
     def _track_memory(self, run: _Run) -> None:
         run.peak("peak_kv_bytes", float(kv_bytes_in_use(run.cache)))
-        if self.config.sparse_top_k > 0:
-            # the L2 share moves with the migrations: read it (O(layers x blocks) on the host) only after some
-            done = migrations_done(run.cache)
-            if done != run.l2_read_at:
-                run.l2_read_at = done
-                share = l2_share(run.cache)
-                if share is not None:
-                    run.peak("l2_peak_share", share)
 
     def _counters(self, run: _Run, clipped: int) -> EngineCounters:
         c, s, st = run.counters, run.scheduler, run.settings
@@ -785,19 +776,27 @@ class Engine:
             cuda_graphs=st.cuda_graphs,
             mixed=st.mixed,
             clock=self.scheduler_config.clock,
-            l2_peak_share=c.get("l2_peak_share", 0.0) if sparse else math.nan,
+            l2_peak_share=l2_peak_share(run.cache) if sparse else math.nan,
             migrations=migrations_done(run.cache) if sparse else 0,
         )
 
 
 def migrations_done(cache: Any) -> int:
-    """Tier migrations the cache applied since it was last emptied (0 for a cache without tiers)."""
-    return int(getattr(cache, "counters", {}).get("migrations_done", 0))
+    """Tier migrations the cache applied since it was last emptied (0 for a cache without tiers; reads the
+    device's count)."""
+    return int(getattr(cache, "migrations_done", 0))
+
+
+def l2_peak_share(cache: Any) -> float:
+    """The largest share of in-use (layer, block) pairs in L2 after any step since the cache was emptied,
+    kept on the device by the tier queue (0.0 for a cache without it)."""
+    share = getattr(cache, "l2_peak_share", None)
+    return 0.0 if share is None else float(share)
 
 
 def l2_share(cache: Any) -> float | None:
-    """The share of the in-use (layer, block) pairs that sit in L2 now, from the cache's host mirror of
-    the tiers (None for a cache without tiers)."""
+    """The share of the in-use (layer, block) pairs that sit in L2 now (reads the tiers back; None for a
+    cache without tiers)."""
     tiers, blocks = getattr(cache, "tiers", None), getattr(cache, "blocks", None)
     if tiers is None or blocks is None:
         return None

@@ -245,6 +245,7 @@ class DecodeGraphs:
         slots, staged = buf.view("slots", rows), buf.view("tokens", rows)
         tokens = torch.where(staged >= 0, staged, self.slot_tokens[slots])
         logits = self.model.decode(cache, plan, tokens, buf.view("positions", rows))
+        self.cache.migrate_static(buf)  # the tier planning and migrations, in the same graph
         out = logits.argmax(-1)
         buf.tokens_out[:rows].copy_(out)
         real = self._row_ids[:rows] < buf.batch_tensor()

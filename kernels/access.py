@@ -50,7 +50,10 @@ def update_access(
     last_access.index_put_((ids,), torch.where(hit, now.expand_as(last), last))
 
 
-def inter_access_interval(last_access: torch.Tensor, ema: torch.Tensor, now_ms: float) -> torch.Tensor:
-    """IAI = max(EMA_0.25(intervals), now − last_access); ``now − last_access`` alone before any interval."""
+def inter_access_interval(
+    last_access: torch.Tensor, ema: torch.Tensor, now_ms: float | torch.Tensor
+) -> torch.Tensor:
+    """IAI = max(EMA_0.25(intervals), now − last_access); ``now − last_access`` alone before any interval
+    (``now_ms`` a float, or a device scalar inside a captured step)."""
     since = now_ms - last_access
     return torch.where(torch.isnan(ema), since, torch.maximum(ema, since))

@@ -91,6 +91,24 @@ class ColdLayout:
             block_bits=torch.full((n,), self.bits, dtype=torch.uint8, device=device),
         )
 
+    def allocate_layers(self, num_layers: int, num_blocks: int, device: torch.device | str) -> list[ColdPool]:
+        """One zeroed pool per layer, each field of every layer a slice of one allocation at a constant
+        stride, so a kernel can reach every layer's block from layer 0's pointers (the device-side
+        demotion does); ``block_bits`` rows are padded to 16 bytes (each layer's starts aligned)."""
+        n, h, d, bs, cd = num_blocks, self.num_kv_heads, self.head_dim, self.block_size, self.code_dim
+        cdt, sdt, lay = self.code_dtype, SCALE_DTYPE, num_layers
+        k = torch.zeros((lay, n, h, bs, cd), dtype=cdt, device=device)
+        v = torch.zeros((lay, n, h, bs, cd), dtype=cdt, device=device)
+        k_min = torch.zeros((lay, n, h, d), dtype=sdt, device=device)
+        k_scale = torch.zeros((lay, n, h, d), dtype=sdt, device=device)
+        v_min = torch.zeros((lay, n, h, bs), dtype=sdt, device=device)
+        v_scale = torch.zeros((lay, n, h, bs), dtype=sdt, device=device)
+        bits = torch.full((lay, -(-n // 16) * 16), self.bits, dtype=torch.uint8, device=device)
+        return [
+            ColdPool(self, k[i], v[i], k_min[i], k_scale[i], v_min[i], v_scale[i], bits[i, :n])
+            for i in range(lay)
+        ]
+
 
 @dataclass
 class ColdPool:

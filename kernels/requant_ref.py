@@ -17,8 +17,9 @@ from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant_ref import dequantize_blocks_ref, seal_blocks_ref
 
 
-def requantize_int4_ref(pool: ColdPool, block_ids: torch.Tensor) -> None:
-    """Re-quantize 8-bit blocks ``block_ids`` ``[n]`` int64 of an 8-bit pool to 4 bits in place.
+def requantize_int4_ref(pool: ColdPool, block_ids: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    """Re-quantize 8-bit blocks ``block_ids`` ``[n]`` int64 of an 8-bit pool to 4 bits in place; with
+    ``where`` (bool ``[n]``) only the listed blocks where it is set.
 
     Blocks already at 4 bits are left as they are (no host synchronization: selected with ``torch.where``).
     """
@@ -35,9 +36,12 @@ def requantize_int4_ref(pool: ColdPool, block_ids: torch.Tensor) -> None:
         pool.v_scale[block_ids].clone(),
     )
     keep = pool.block_bits[block_ids] == 4
+    if where is not None:
+        keep = keep | ~where
+        old = (*old, pool.block_bits[block_ids].clone())
     k, v = dequantize_blocks_ref(pool, block_ids)
     seal_blocks_ref(pool, block_ids, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), bits=4)
-    fields = ("k", "v", "k_min", "k_scale", "v_min", "v_scale")
+    fields = ("k", "v", "k_min", "k_scale", "v_min", "v_scale", "block_bits")
     for name, before in zip(fields, old):
         now = getattr(pool, name)[block_ids]
         mask = keep.view(-1, *([1] * (now.dim() - 1)))

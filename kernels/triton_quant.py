@@ -11,6 +11,8 @@ through its reciprocal and can land one fp16 step away.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -172,6 +174,49 @@ def _requant_kernel(
         _seal_tile(v_lo, v_hi, tmask, pv_ptr + dst, vmin_ptr + vq, vsc_ptr + vq, t, c, False, 4, 8, DH)
 
 
+@triton.jit
+def _requant_list_kernel(
+    ids_ptr, count_ptr, pk_ptr, pv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr,
+    num_blocks, l_p, l_k, l_v,
+    s_pn, s_ph, s_kn, s_kh, s_vn, s_vh,
+    BS: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """``_requant_kernel`` over a device-side list: entries ``ids[i] = layer · num_blocks + block`` for
+    ``i < count`` (read here), head ``program_id(1)``, programs striding the list; layer ``l``'s pool
+    starts ``l · l_p`` (codes), ``l · l_k`` (key min/scale), ``l · l_v`` (value min/scale) elements after
+    layer 0's."""
+    h = tl.program_id(1)
+    n = tl.load(count_ptr)
+    DH: tl.constexpr = D // 2
+    t = tl.arange(0, T)
+    c = tl.arange(0, DH)
+    tmask = t < BS
+    for i in range(tl.program_id(0), n, tl.num_programs(0)):
+        flat = tl.load(ids_ptr + i).to(tl.int64)
+        layer = flat // num_blocks
+        bid = flat - layer * num_blocks
+        base = layer * l_p + bid * s_pn + h * s_ph
+        row = base + t[:, None] * D + c[None, :]
+        kq = layer * l_k + bid * s_kn + h * s_kh
+        vq = layer * l_v + bid * s_vn + h * s_vh
+        k_lo = (
+            tl.load(kmin_ptr + kq + c).to(tl.float32)[None, :]
+            + tl.load(pk_ptr + row, mask=tmask[:, None], other=0).to(tl.float32)
+            * tl.load(ksc_ptr + kq + c).to(tl.float32)[None, :]
+        )
+        k_hi = (
+            tl.load(kmin_ptr + kq + DH + c).to(tl.float32)[None, :]
+            + tl.load(pk_ptr + row + DH, mask=tmask[:, None], other=0).to(tl.float32)
+            * tl.load(ksc_ptr + kq + DH + c).to(tl.float32)[None, :]
+        )
+        vmin = tl.load(vmin_ptr + vq + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        vsc = tl.load(vsc_ptr + vq + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        v_lo = vmin + tl.load(pv_ptr + row, mask=tmask[:, None], other=0).to(tl.float32) * vsc
+        v_hi = vmin + tl.load(pv_ptr + row + DH, mask=tmask[:, None], other=0).to(tl.float32) * vsc
+        _seal_tile(k_lo, k_hi, tmask, pk_ptr + base, kmin_ptr + kq, ksc_ptr + kq, t, c, True, 4, 8, DH)
+        _seal_tile(v_lo, v_hi, tmask, pv_ptr + base, vmin_ptr + vq, vsc_ptr + vq, t, c, False, 4, 8, DH)
+
+
 def _check_pool_rows(pool: ColdPool) -> None:
     for name in ("k", "v", "k_min", "k_scale", "v_min", "v_scale"):
         x = getattr(pool, name)
@@ -233,3 +278,61 @@ def requantize_int4_triton(pool: ColdPool, block_ids: torch.Tensor) -> None:
         BS=bs, T=next_pow2(bs), D=D, enable_fp_fusion=False,
     )  # fmt: skip
     pool.block_bits.index_fill_(0, ids.long(), 4)
+
+
+LIST_PROGRAMS = 64  # programs striding the compacted list (per KV head)
+
+
+def _layer_stride(pools: Sequence[ColdPool], name: str) -> int | None:
+    """Elements between consecutive layers' ``name`` tensors when every layer's is a slice of one allocation
+    at a constant stride (:meth:`~kvtune.kernels.layout.ColdLayout.allocate_layers`), else None."""
+    first = getattr(pools[0], name)
+    if len(pools) == 1:
+        return 0
+    step = getattr(pools[1], name).data_ptr() - first.data_ptr()
+    size = first.element_size()
+    for i, pool in enumerate(pools):
+        x = getattr(pool, name)
+        if x.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        if x.data_ptr() != first.data_ptr() + i * step or x.stride() != first.stride():
+            return None
+    return step // size if step % size == 0 else None
+
+
+def requantize_int4_masked_triton(pools: Sequence[ColdPool], mask: torch.Tensor) -> None:
+    """Same contract as ``requantize_int4_masked``: one launch over every layer (pools of one allocation),
+    else one per layer; no host read of the mask."""
+    if pools[0].bits != 8:
+        raise ValueError(f"requantize_int4 needs 8-bit pools, got a {pools[0].bits}-bit one")
+    if not tileable_head_dim(pools[0].k.shape[3]):  # the reference over every block, masked: no host read
+        for layer, pool in enumerate(pools):
+            ids = torch.arange(pool.num_blocks, device=mask.device)
+            requantize_int4_ref(pool, ids, where=mask[layer])
+        return
+    strides = [_layer_stride(pools, name) for name in ("k", "v", "k_min", "k_scale", "v_min", "v_scale")]
+    bits_stride = _layer_stride(pools, "block_bits")
+    same = strides[0] == strides[1] and strides[2] == strides[3] and strides[4] == strides[5]
+    if any(x is None for x in (*strides, bits_stride)) or not same:
+        for layer, pool in enumerate(pools):
+            requantize_int4_masked_triton([pool], mask[layer : layer + 1])
+        return
+    pool = pools[0]
+    for p in pools:
+        _check_pool_rows(p)
+    layers, n = mask.shape
+    bits = torch.as_strided(pool.block_bits, (layers, n), (int(bits_stride or 0), 1))
+    todo = (mask & (bits == 8)).flatten()  # a 4-bit block stays as it is
+    pos = todo.cumsum(0) - 1
+    count = todo.sum()
+    ids = torch.empty(layers * n + 1, dtype=torch.int64, device=mask.device)
+    ids.index_copy_(0, torch.where(todo, pos, layers * n), torch.arange(layers * n, device=mask.device))
+    bs, H, D = pool.k.shape[2], pool.k.shape[1], pool.k.shape[3]
+    _requant_list_kernel[(LIST_PROGRAMS, H)](
+        ids, count, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale,
+        n, strides[0], strides[2], strides[4],
+        pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0), pool.k_min.stride(1),
+        pool.v_min.stride(0), pool.v_min.stride(1),
+        BS=bs, T=next_pow2(bs), D=D, enable_fp_fusion=False,
+    )  # fmt: skip
+    bits.masked_fill_(todo.view(layers, n), 4)

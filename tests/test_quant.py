@@ -7,7 +7,7 @@ import torch
 
 from kvtune.kernels.layout import ColdLayout, key_bounds
 from kvtune.kernels.quant import dequantize_blocks, pack_int4, seal_blocks, unpack_int4
-from kvtune.kernels.requant import requantize_int4
+from kvtune.kernels.requant import requantize_int4, requantize_int4_ref
 
 FP32_SLACK = 1e-5  # relative fp32 rounding of (x − min) / scale and min + code · scale
 
@@ -94,3 +94,19 @@ def test_requantize_int4_in_its_8bit_slot(d: int) -> None:
     assert _within((k4 - k[:1]).abs(), k_half, k[:1])
     assert _within((v4 - v[:1]).abs(), v_half, v[:1])
     assert torch.equal(dequantize_blocks(pool, ids[1:])[0], k8[1:])
+
+
+def test_requantize_int4_where_equals_the_listed_subset() -> None:
+    """The masked reference (every block listed, ``where`` choosing; no host read) equals the reference on
+    the chosen blocks alone, other blocks and block bits untouched."""
+    a, ids, _, _ = _sealed(8, 5, 16, 16, torch.float32)
+    b = type(a)(**{f: getattr(a, f).clone() if isinstance(getattr(a, f), torch.Tensor) else getattr(a, f)
+                   for f in a.__dataclass_fields__})  # fmt: skip
+    requantize_int4(a, ids[:1])  # already 4 bits
+    requantize_int4(b, ids[:1])
+    where = torch.tensor([True, False, True, False, True])
+    requantize_int4_ref(a, ids, where=where)
+    requantize_int4_ref(b, ids[where])
+    for name in ("k", "v", "k_min", "k_scale", "v_min", "v_scale", "block_bits"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.block_bits[ids].tolist() == [4, 8, 4, 8, 4]

@@ -177,3 +177,71 @@ def test_sparse_access_update_equals_reference(seed: int) -> None:
     update_access(last, ema, mass, table, num_cold, 200.0)
     assert acc_ref.any() and torch.equal(last, ref_last)
     torch.testing.assert_close(ema, ref_ema, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("throttling", "explicit"), [(False, None), (True, None), (True, 2)])
+def test_device_queue_follows_the_host_spec(seed: int, throttling: bool, explicit: int | None) -> None:
+    """The cache's device queue (plan_pending, apply_pending) against the host spec (plan, MigrationQueue,
+    apply) over random statistics, tiers and in-use masks: the same tiers, bits, counts and queue after
+    every step, planning every third step."""
+    layers, n, bits = 3, 12, 8
+    cfg = config(
+        sparse_top_k=8,
+        migration_throttling=throttling,
+        max_migrations_per_step=explicit,
+        migration_interval=3,
+        migration_threshold_ms=100.0,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    layout = ColdLayout(8, 2, 16, bits, torch.float32)
+    states = [TierState(layers, n, torch.device("cpu")) for _ in range(2)]
+    pools = [layout.allocate_layers(layers, n, "cpu") for _ in range(2)]
+    kv = torch.randn(layers, 2, n, 8, 2, 16, generator=gen)
+    for layer_pools in pools:
+        for pool, x in zip(layer_pools, kv):
+            seal_blocks(pool, torch.arange(n), x[0], x[1], bits)
+    host, dev = states
+    queue = MigrationQueue(cfg)
+    done, lengths = 0, [700, 300]
+    for step in range(1, 13):
+        now = 50.0 * step
+        touched = torch.rand(layers, n, generator=gen) < 0.3  # accessed since: a fresh interval
+        for state in states:
+            interval = now - state.last_access
+            ema = torch.where(torch.isnan(state.ema), interval, 0.25 * interval + 0.75 * state.ema)
+            state.ema.copy_(torch.where(touched, ema, state.ema))
+            state.last_access.copy_(torch.where(touched, now, state.last_access))
+        refcount = rng.integers(0, 3, n).astype(np.int32)
+        dev.sync_in_use(refcount, 0, step)
+        if step % cfg.migration_interval == 0:
+            queue.replace(host.plan(cfg, now, refcount > 0, lengths))
+            dev.plan_pending(cfg, now, threshold_ms(cfg, lengths))
+        done += host.apply(queue.take(refcount), pools[0])
+        dev.apply_pending(cfg, pools[1])
+        queue.drop_unused(refcount)
+        assert np.array_equal(host.tier_host, dev.tier_host), step
+        assert int(dev.done) == done, step
+        assert dev.queued() == len(queue), step
+        for a, b in zip(*pools):
+            assert torch.equal(a.block_bits, b.block_bits) and torch.equal(a.k, b.k)
+    assert done > 0 and (host.tier_host == L2).any()
+
+
+def test_device_queue_plans_only_when_due() -> None:
+    """A captured step plans at every replay: the result is kept only where ``due`` is set."""
+    cfg = config(sparse_top_k=8, migration_threshold_ms=1.0, migration_interval=2)
+    state = TierState(1, 4, torch.device("cpu"))
+    state.reset([0, 1, 2, 3], now_ms=0.0)
+    state.sync_in_use(np.ones(4, dtype=np.int32), 0, 0)
+    state.plan_pending(cfg, 1e4, 1.0, torch.tensor(False))
+    assert state.queued() == 0 and int(state.budget) == 0
+    state.plan_pending(cfg, 1e4, 1.0, torch.tensor(True))
+    assert state.queued() == 4 and int(state.budget) == 2
+    state.enabled.fill_(False)  # a capture's warm-up: nothing migrates
+    state.apply_pending(cfg, [])
+    assert state.queued() == 4 and int(state.done) == 0
+    state.enabled.fill_(True)
+    state.apply_pending(cfg, [])
+    assert state.queued() == 0 and int(state.done) == 4 and float(state.l2_peak) == 1.0

@@ -118,6 +118,13 @@ def _requantize() -> Callable[[], Any]:
     return lambda: requantize_int4_triton(_pool(8), torch.arange(5))
 
 
+def _requantize_masked() -> Callable[[], Any]:
+    from kvtune.kernels.triton_quant import requantize_int4_masked_triton
+
+    pools = ColdLayout(64, 8, 128, 8, torch.bfloat16).allocate_layers(2, 40, "cpu")
+    return lambda: requantize_int4_masked_triton(pools, torch.ones(2, 40, dtype=torch.bool))
+
+
 def _elementwise(which: str) -> Callable[[], Any]:
     from kvtune.kernels import triton_elementwise as e
 
@@ -192,6 +199,7 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "seal int4": lambda: _seal(4, 4),
     "seal int8 from hot zones": lambda: _seal(8, 8, from_hot_zones=True),
     "requantize": _requantize,
+    "requantize masked": _requantize_masked,
     **{n: (lambda n=n: _elementwise(n)) for n in ("add_rms_norm", "rms_norm", "rope_qkv", "silu_mul")},
     "access update": _access,
     "sparse table": _sparse_table,
@@ -244,6 +252,7 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         "seal int4 in an 8-bit pool": lambda: _seal(8, 4),
         "seal int8 from hot zones": lambda: _seal(8, 8, from_hot_zones=True),
         "requantize": _requantize,
+        "requantize masked": _requantize_masked,
         **{n: (lambda n=n: _elementwise(n)) for n in ("add_rms_norm", "rope_qkv", "silu_mul")},
         "access update": _access,
         "sparse table": _sparse_table,

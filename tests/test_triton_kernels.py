@@ -262,6 +262,11 @@ def test_requantize_interpreted(kernels, block_size: int) -> None:
     check_requant(kernels, Shape(1, 2, 1, 32, block_size, 4, 8), torch.float16, "cpu")
 
 
+@pytest.mark.parametrize("stacked", [True, False])
+def test_requantize_masked_interpreted(kernels, stacked: bool) -> None:
+    check_requant_masked(kernels, Shape(1, 2, 1, 32, 8, 5, 8), torch.float16, "cpu", stacked)
+
+
 # ---- shared checks
 # ---------------------------------------------------------------------------------------------
 def check_quest(kernels, shape: Shape, bits: int, dtype: torch.dtype, device: str, k_blocks: int) -> None:
@@ -376,6 +381,39 @@ def check_requant(kernels, shape: Shape, dtype: torch.dtype, device: str) -> Non
         assert_pools_close(got, want, ids, before)
 
 
+def check_requant_masked(kernels, shape: Shape, dtype: torch.dtype, device: str, stacked: bool) -> None:
+    """The device-side demotion of a [layers, blocks] mask (one launch over pools of one allocation, one per
+    layer otherwise) against the reference on each layer's listed blocks; blocks already at 4 bits stay."""
+    layers, n = 3, shape.max_blocks + 3
+    layout = ColdLayout(shape.block_size, shape.kv_heads, shape.head_dim, 8, dtype)
+
+    def pools() -> list[ColdPool]:
+        if stacked:
+            return layout.allocate_layers(layers, n, device)
+        return [layout.allocate(n, device) for _ in range(layers)]
+
+    got, want = pools(), pools()
+    kv = torch.randn(layers, 2, n, shape.block_size, shape.kv_heads, shape.head_dim, device=device).to(dtype)
+    for a, b, x in zip(got, want, kv):
+        for pool in (a, b):
+            seal_blocks_ref(pool, torch.arange(n, device=device), x[0], x[1], 8)
+            requantize_int4_ref(pool, torch.tensor([0], device=device))  # already 4 bits: must stay as is
+    mask = torch.rand(layers, n, device=device) < 0.5
+    mask[:, 0] = True
+    mask[1] = False  # a layer with nothing to do
+    before = [dequantize_blocks_ref(pool, torch.arange(n, device=device)) for pool in got]
+    kernels.triton_quant.requantize_int4_masked_triton(got, mask)
+    for layer, (a, b) in enumerate(zip(got, want)):
+        ids = mask[layer].nonzero().flatten()
+        if ids.numel():
+            requantize_int4_ref(b, ids)
+        if device == "cpu":
+            assert_pools_equal(a, b)
+        else:
+            k, v = before[layer]
+            assert_pools_close(a, b, torch.arange(n, device=device), (k, v))
+
+
 # ---- GPU: compiled
 # -----------------------------------------------------------------------------------------------
 @pytest.mark.gpu
@@ -475,3 +513,9 @@ def test_seal_gpu(
 @pytest.mark.parametrize("block_size", [64, 24])
 def test_requantize_gpu(gpu_kernels, block_size: int) -> None:
     check_requant(gpu_kernels, Shape(1, 8, 1, 128, block_size, 37, 8), torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stacked", [True, False])
+def test_requantize_masked_gpu(gpu_kernels, stacked: bool) -> None:
+    check_requant_masked(gpu_kernels, Shape(1, 8, 1, 128, 64, 37, 8), torch.bfloat16, "cuda", stacked)

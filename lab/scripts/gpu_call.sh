@@ -86,9 +86,9 @@ for stage in "$@"; do
       --paths graph,graph_sync --json "$OUT/step.json" > "$OUT/step.log" 2>&1; grep -v -i warn "$OUT/step.log" | tail -12 ;;
   sparse)
     log "decode step, dense INT8 against INT8 + sparse top-512 with 7/8 of the blocks in L2: 32x8K, 16x32K, 4x128K (graphs)"
-    for bl in 32:8192 16:32768 4:131072; do
+    for bl in ${SPARSE_SHAPES:-32:8192 16:32768 4:131072}; do
       timeout ${SPARSE_S:-110} python3 benchmarks/decode_step.py --shape llama-3.1-8b --batch ${bl%%:*} --context ${bl##*:} \
-        --paths graph --json "$OUT/sparse_${bl%%:*}.json" $C/q_int8.json $C/q_int8_sparse512_fast.json \
+        --paths graph --json "$OUT/sparse_${bl%%:*}.json" $C/q_int8.json $C/q_int8_sparse512.json $C/q_int8_sparse512_fast.json \
         > "$OUT/sparse_${bl%%:*}.log" 2>&1; grep -v -i "warn\|USDT" "$OUT/sparse_${bl%%:*}.log" | tail -3
     done ;;
   collapse)
