@@ -137,6 +137,33 @@ def _seal_kernel(
 
 
 @triton.jit
+def _requant_block(
+    pk_ptr, pv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, dst, kq, vq, t, c, tmask,
+    D: tl.constexpr, DH: tl.constexpr,
+):  # fmt: skip
+    """Dequantize one 8-bit (block, head) tile (codes at ``dst``, key min/scale at ``kq``, value min/scale at
+    ``vq``) and seal it again at 4 bits in place."""
+    row = dst + t[:, None] * D + c[None, :]
+    # keys: x = min_c + code * scale_c; values: x = min_t + code * scale_t (all loads before any store)
+    k_lo = (
+        tl.load(kmin_ptr + kq + c).to(tl.float32)[None, :]
+        + tl.load(pk_ptr + row, mask=tmask[:, None], other=0).to(tl.float32)
+        * tl.load(ksc_ptr + kq + c).to(tl.float32)[None, :]
+    )
+    k_hi = (
+        tl.load(kmin_ptr + kq + DH + c).to(tl.float32)[None, :]
+        + tl.load(pk_ptr + row + DH, mask=tmask[:, None], other=0).to(tl.float32)
+        * tl.load(ksc_ptr + kq + DH + c).to(tl.float32)[None, :]
+    )
+    vmin = tl.load(vmin_ptr + vq + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
+    vsc = tl.load(vsc_ptr + vq + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
+    v_lo = vmin + tl.load(pv_ptr + row, mask=tmask[:, None], other=0).to(tl.float32) * vsc
+    v_hi = vmin + tl.load(pv_ptr + row + DH, mask=tmask[:, None], other=0).to(tl.float32) * vsc
+    _seal_tile(k_lo, k_hi, tmask, pk_ptr + dst, kmin_ptr + kq, ksc_ptr + kq, t, c, True, 4, 8, DH)
+    _seal_tile(v_lo, v_hi, tmask, pv_ptr + dst, vmin_ptr + vq, vsc_ptr + vq, t, c, False, 4, 8, DH)
+
+
+@triton.jit
 def _requant_kernel(
     ids_ptr, keep_ptr, pk_ptr, pv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr,
     s_pn, s_ph, s_kn, s_kh, s_vn, s_vh,
@@ -146,32 +173,13 @@ def _requant_kernel(
     i = tl.program_id(0)
     h = tl.program_id(1)
     if tl.load(keep_ptr + i) == 0:
-        DH: tl.constexpr = D // 2
         bid = tl.load(ids_ptr + i).to(tl.int64)
         t = tl.arange(0, T)
-        c = tl.arange(0, DH)
-        tmask = t < BS
-        row = bid * s_pn + h * s_ph + t[:, None] * D + c[None, :]
-        kq = bid * s_kn + h * s_kh
-        vq = bid * s_vn + h * s_vh
-        # keys: x = min_c + code * scale_c; values: x = min_t + code * scale_t (all loads before any store)
-        k_lo = (
-            tl.load(kmin_ptr + kq + c).to(tl.float32)[None, :]
-            + tl.load(pk_ptr + row, mask=tmask[:, None], other=0).to(tl.float32)
-            * tl.load(ksc_ptr + kq + c).to(tl.float32)[None, :]
-        )
-        k_hi = (
-            tl.load(kmin_ptr + kq + DH + c).to(tl.float32)[None, :]
-            + tl.load(pk_ptr + row + DH, mask=tmask[:, None], other=0).to(tl.float32)
-            * tl.load(ksc_ptr + kq + DH + c).to(tl.float32)[None, :]
-        )
-        vmin = tl.load(vmin_ptr + vq + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
-        vsc = tl.load(vsc_ptr + vq + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
-        v_lo = vmin + tl.load(pv_ptr + row, mask=tmask[:, None], other=0).to(tl.float32) * vsc
-        v_hi = vmin + tl.load(pv_ptr + row + DH, mask=tmask[:, None], other=0).to(tl.float32) * vsc
-        dst = bid * s_pn + h * s_ph
-        _seal_tile(k_lo, k_hi, tmask, pk_ptr + dst, kmin_ptr + kq, ksc_ptr + kq, t, c, True, 4, 8, DH)
-        _seal_tile(v_lo, v_hi, tmask, pv_ptr + dst, vmin_ptr + vq, vsc_ptr + vq, t, c, False, 4, 8, DH)
+        c = tl.arange(0, D // 2)
+        _requant_block(
+            pk_ptr, pv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, bid * s_pn + h * s_ph,
+            bid * s_kn + h * s_kh, bid * s_vn + h * s_vh, t, c, t < BS, D, D // 2,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -187,34 +195,16 @@ def _requant_list_kernel(
     layer 0's."""
     h = tl.program_id(1)
     n = tl.load(count_ptr)
-    DH: tl.constexpr = D // 2
     t = tl.arange(0, T)
-    c = tl.arange(0, DH)
-    tmask = t < BS
+    c = tl.arange(0, D // 2)
     for i in range(tl.program_id(0), n, tl.num_programs(0)):
         flat = tl.load(ids_ptr + i).to(tl.int64)
         layer = flat // num_blocks
         bid = flat - layer * num_blocks
-        base = layer * l_p + bid * s_pn + h * s_ph
-        row = base + t[:, None] * D + c[None, :]
-        kq = layer * l_k + bid * s_kn + h * s_kh
-        vq = layer * l_v + bid * s_vn + h * s_vh
-        k_lo = (
-            tl.load(kmin_ptr + kq + c).to(tl.float32)[None, :]
-            + tl.load(pk_ptr + row, mask=tmask[:, None], other=0).to(tl.float32)
-            * tl.load(ksc_ptr + kq + c).to(tl.float32)[None, :]
-        )
-        k_hi = (
-            tl.load(kmin_ptr + kq + DH + c).to(tl.float32)[None, :]
-            + tl.load(pk_ptr + row + DH, mask=tmask[:, None], other=0).to(tl.float32)
-            * tl.load(ksc_ptr + kq + DH + c).to(tl.float32)[None, :]
-        )
-        vmin = tl.load(vmin_ptr + vq + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
-        vsc = tl.load(vsc_ptr + vq + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
-        v_lo = vmin + tl.load(pv_ptr + row, mask=tmask[:, None], other=0).to(tl.float32) * vsc
-        v_hi = vmin + tl.load(pv_ptr + row + DH, mask=tmask[:, None], other=0).to(tl.float32) * vsc
-        _seal_tile(k_lo, k_hi, tmask, pk_ptr + base, kmin_ptr + kq, ksc_ptr + kq, t, c, True, 4, 8, DH)
-        _seal_tile(v_lo, v_hi, tmask, pv_ptr + base, vmin_ptr + vq, vsc_ptr + vq, t, c, False, 4, 8, DH)
+        _requant_block(
+            pk_ptr, pv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, layer * l_p + bid * s_pn + h * s_ph,
+            layer * l_k + bid * s_kn + h * s_kh, layer * l_v + bid * s_vn + h * s_vh, t, c, t < BS, D, D // 2,
+        )  # fmt: skip
 
 
 def _check_pool_rows(pool: ColdPool) -> None:

@@ -2,6 +2,7 @@
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
 #   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest plugin busy bound step sparse collapse)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
+# sparse: SPARSE_SHAPES (batch:context ...), SPARSE_HOLD=1 (tiers held as set up: decode_step.py --hold-tiers), SPARSE_S
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -88,7 +89,7 @@ for stage in "$@"; do
     log "decode step, dense INT8 against INT8 + sparse top-512 with 7/8 of the blocks in L2: 32x8K, 16x32K, 4x128K (graphs)"
     for bl in ${SPARSE_SHAPES:-32:8192 16:32768 4:131072}; do
       timeout ${SPARSE_S:-110} python3 benchmarks/decode_step.py --shape llama-3.1-8b --batch ${bl%%:*} --context ${bl##*:} \
-        --paths graph --json "$OUT/sparse_${bl%%:*}.json" $C/q_int8.json $C/q_int8_sparse512.json $C/q_int8_sparse512_fast.json \
+        --paths graph ${SPARSE_HOLD:+--hold-tiers} --json "$OUT/sparse_${bl%%:*}.json" $C/q_int8.json $C/q_int8_sparse512.json $C/q_int8_sparse512_fast.json \
         > "$OUT/sparse_${bl%%:*}.log" 2>&1; grep -v -i "warn\|USDT" "$OUT/sparse_${bl%%:*}.log" | tail -3
     done ;;
   collapse)
