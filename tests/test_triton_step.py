@@ -472,7 +472,8 @@ class _Padded:
 
 def _run_static(seed: int, steps: int) -> tuple[list[torch.Tensor], dict, torch.Tensor]:
     """``_run_cache`` through the static step (what a CUDA graph replays): seals before the step, padded
-    rows, a fixed table width, the clock in the step buffers."""
+    rows, a fixed table width, the clock, threshold and planning flag in the step buffers, the tier work on
+    the device."""
     from kvtune.cache_impl.plan import StepBuffers
 
     cache, q, k, v = _prefilled_cache(seed, steps)
@@ -487,6 +488,7 @@ def _run_static(seed: int, steps: int) -> tuple[list[torch.Tensor], dict, torch.
         rows = [60 + t, 75 + t]
         qp, kp, vp = (torch.cat([x[:, rows], x.new_zeros((2, extra, *x.shape[2:]))], 1) for x in (q, k, v))
         layers = [cache.decode(i, plan, qp[i], kp[i], vp[i])[:2] for i in range(2)]
+        cache.migrate_static(buffers)  # the tier planning and migrations, inside the step (as in its graph)
         outs.append(torch.stack(layers))
         cache.finish_step(info)
     cache.check_integrity()
