@@ -27,7 +27,7 @@ def requantize_int4_ref(pool: ColdPool, block_ids: torch.Tensor, where: torch.Te
         raise ValueError(f"requantize_int4 needs an 8-bit pool, got a {pool.bits}-bit one")
     if block_ids.numel() == 0:
         return
-    old = (
+    old: tuple[torch.Tensor, ...] = (
         pool.k[block_ids].clone(),
         pool.v[block_ids].clone(),
         pool.k_min[block_ids].clone(),
