@@ -273,7 +273,9 @@ class TrialWorker:
         shapes of requests served alone to the first unloaded replay; and even primed the P99 TTFT moves
         between replays. On an H200 (96 requests) single replays read 30.7-57.0 ms primed and 34.9-61.6 ms
         unprimed (106.7 ms against 55.1 and 53.3 with 288 requests), the median of three 31.8-53.5 ms: the
-        limits, five times that P99, move with each draw (`--slo-ttft-ms` holds them)."""
+        limits, five times that P99, move with each draw (`--slo-ttft-ms` holds them). A prompt served alone
+        runs op by op and is launch-bound (host launch time over device time 0.99-1.00, at any SM clock):
+        the host's speed is what moves it."""
         cut = lambda r: dataclasses.replace(r, output_length=min(r.output_length, UNLOADED_OUTPUT_TOKENS))
         short = tuple(cut(r) for r in requests)
         first = self.replay(config, short, UNLOADED_TIME_SCALE, warmup)
