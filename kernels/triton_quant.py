@@ -270,7 +270,7 @@ def requantize_int4_triton(pool: ColdPool, block_ids: torch.Tensor) -> None:
     pool.block_bits.index_fill_(0, ids.long(), 4)
 
 
-LIST_PROGRAMS = 64  # programs striding the compacted list (per KV head)
+LIST_PROGRAMS = 64  # programs striding the compacted list (per KV head); one under the interpreter
 
 
 def _layer_stride(pools: Sequence[ColdPool], name: str) -> int | None:
@@ -318,7 +318,8 @@ def requantize_int4_masked_triton(pools: Sequence[ColdPool], mask: torch.Tensor)
     ids = torch.empty(layers * n + 1, dtype=torch.int64, device=mask.device)
     ids.index_copy_(0, torch.where(todo, pos, layers * n), torch.arange(layers * n, device=mask.device))
     bs, H, D = pool.k.shape[2], pool.k.shape[1], pool.k.shape[3]
-    _requant_list_kernel[(LIST_PROGRAMS, H)](
+    programs = LIST_PROGRAMS if mask.is_cuda else 1  # the interpreter runs every program in Python
+    _requant_list_kernel[(programs, H)](
         ids, count, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale,
         n, strides[0], strides[2], strides[4],
         pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0), pool.k_min.stride(1),
