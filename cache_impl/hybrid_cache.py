@@ -845,6 +845,13 @@ class HybridCache:
         """Tier migrations applied since the cache was emptied (synchronizes with the device)."""
         return int(self.tiers.done)
 
+    def l2_share(self) -> float:
+        """The share of the in-use (layer, block) pairs that sit in L2 now (a freed block keeps its tier until
+        it is sealed again; reads the tiers back)."""
+        in_use = self.blocks.refcount > 0
+        pairs = int(in_use.sum()) * self.shape.num_layers
+        return float((self.tiers.tier_host[:, in_use] == L2).sum()) / pairs if pairs else 0.0
+
     @property
     def l2_peak_share(self) -> float | None:
         """The largest share of in-use (layer, block) pairs in L2 after any step since the cache was emptied
@@ -884,12 +891,9 @@ class HybridCache:
 
     def debug_stats(self) -> dict[str, Any]:
         """Attention shares (hot, L1, L2; means over decode calls), L2 occupancy, migrations, seal errors."""
-        in_use = self.blocks.refcount > 0
-        l2 = (self.tiers.tier_host[:, in_use] == L2).sum()
-        occupancy = float(l2) / max(1, int(in_use.sum()) * self.shape.num_layers)
         return {
             **self.debug.report(),
-            "l2_occupancy": occupancy,
+            "l2_occupancy": self.l2_share(),
             "migrations_done": self.migrations_done,
             "migrations_queued": self.tiers.queued(),
         }

@@ -56,7 +56,6 @@ from kvtune.engine.outputs import SlotOutputs
 from kvtune.engine.scheduler import Scheduler, SchedulerConfig
 from kvtune.engine.scheduler import Sequence as Seq
 from kvtune.engine.traces import LengthCounts, LengthPolicy, Request, prompt_token_ids, read_trace
-from kvtune.kernels.sparse_table import L2
 
 Progress = Callable[[int, int], None]
 # (engine clock in ms, every sequence of the replay in arrival order) -> True to end the replay now: a
@@ -797,12 +796,8 @@ def l2_peak_share(cache: Any) -> float:
 def l2_share(cache: Any) -> float | None:
     """The share of the in-use (layer, block) pairs that sit in L2 now (reads the tiers back; None for a
     cache without tiers)."""
-    tiers, blocks = getattr(cache, "tiers", None), getattr(cache, "blocks", None)
-    if tiers is None or blocks is None:
-        return None
-    in_use = blocks.refcount > 0  # a freed block keeps its tier until it is sealed again
-    pairs = int(in_use.sum()) * tiers.tier_host.shape[0]
-    return float((tiers.tier_host[:, in_use] == L2).sum()) / pairs if pairs else 0.0
+    share = getattr(cache, "l2_share", None)
+    return share() if callable(share) else None
 
 
 def kv_bytes_in_use(cache: Any) -> int:
