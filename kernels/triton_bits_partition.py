@@ -1,8 +1,10 @@
 """Triton kernel of :mod:`kvtune.kernels.bits_partition_ref`: a decode table split by block bits.
 
-One program per (sequence, KV head) row, ``MB`` entries at a time: each entry's bits, then its rank among the
-row's entries of its width so far (a running count + ``tl.cumsum``, so table order is kept) gives its place
-in the 8-bit or the 4-bit half; then the halves' padding (-1) and the counts. Sizes that follow the batch
+One program per (sequence, KV head) row, ``MB`` of its listed entries at a time: each entry's bits, then its
+rank among the row's entries of its width so far (a running count + ``tl.cumsum``, so table order is kept)
+gives its place in the 8-bit or the 4-bit half; then the padding (-1) of the positions and of the halves,
+stores only, and the counts. A sparse row lists a fraction of its table's width (at 128K tokens, L1 1/8 and
+top 2,048: 288 of 2,079 entries), so the work follows the listed entries. Sizes that follow the batch
 and the table's width are not specialized: one compiled kernel for every step of a replay.
 """
 
@@ -15,12 +17,13 @@ import triton.language as tl
 from kvtune.kernels.bits_partition_ref import BitsPartition, empty_partition, partition_width
 
 PARTITION_TILE = 128  # table entries per step of a program
+PAD_TILE = 512  # padding entries per store (the padding is written without loads)
 NUM_WARPS = 4
 
 
 @triton.jit(do_not_specialize=["M", "W", "R"])
 def _partition_kernel(table_ptr, ncold_ptr, bits_ptr, out_ptr, count_ptr, pos_ptr, M, W, R,
-                      MB: tl.constexpr):  # fmt: skip
+                      MB: tl.constexpr, ZB: tl.constexpr):  # fmt: skip
     """Row ``bh`` of ``table`` [B * H, M] split into ``out`` [B * H, 2 W] (8-bit | 4-bit), ``pos`` [B * H, M]
     and ``count`` [2, R]."""
     bh = tl.program_id(0)
@@ -29,7 +32,7 @@ def _partition_kernel(table_ptr, ncold_ptr, bits_ptr, out_ptr, count_ptr, pos_pt
     orow = bh.to(tl.int64) * 2 * W
     n8 = nc * 0
     n4 = nc * 0
-    for j0 in range(0, M, MB):
+    for j0 in range(0, nc, MB):  # the listed entries; the padding after them below, without loads
         j = j0 + tl.arange(0, MB)
         valid = j < nc
         bid = tl.load(table_ptr + row + j, mask=valid, other=0)
@@ -42,11 +45,16 @@ def _partition_kernel(table_ptr, ncold_ptr, bits_ptr, out_ptr, count_ptr, pos_pt
         tl.store(pos_ptr + row + j, tl.where(valid, dest, -1), mask=j < M)
         n8 += tl.sum(e, 0)
         n4 += tl.sum(f, 0)
-    for p0 in range(0, W, MB):
-        p = p0 + tl.arange(0, MB)
-        pad = tl.full([MB], -1, tl.int32)
-        tl.store(out_ptr + orow + p, pad, mask=(p >= n8) & (p < W))
-        tl.store(out_ptr + orow + W + p, pad, mask=(p >= n4) & (p < W))
+    pad = tl.full([ZB], -1, tl.int32)
+    for z0 in range((nc + MB - 1) // MB * MB, M, ZB):
+        z = z0 + tl.arange(0, ZB)
+        tl.store(pos_ptr + row + z, pad, mask=z < M)
+    for p0 in range(n8, W, ZB):
+        p = p0 + tl.arange(0, ZB)
+        tl.store(out_ptr + orow + p, pad, mask=p < W)
+    for p0 in range(n4, W, ZB):
+        p = p0 + tl.arange(0, ZB)
+        tl.store(out_ptr + orow + W + p, pad, mask=p < W)
     tl.store(count_ptr + bh, n8)
     tl.store(count_ptr + R + bh, n4)
 
@@ -62,6 +70,6 @@ def partition_by_bits_triton(
     _partition_kernel[(b * h,)](
         block_table.to(torch.int32).contiguous(), num_cold.to(torch.int32).contiguous(), block_bits,
         out.table, out.counts, out.positions, m, partition_width(m), out.counts.stride(0),
-        MB=PARTITION_TILE, num_warps=NUM_WARPS,
+        MB=PARTITION_TILE, ZB=PAD_TILE, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

@@ -54,6 +54,8 @@ from kvtune.kernels.triton_bits_partition import partition_by_bits_triton
 from kvtune.kernels.triton_common import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
+# Splits' partials the merge loads before it merges them (``_merge_kernel``'s ``SB``: 4, or 1 at a time).
+MERGE_TILE = 4
 
 
 def _prmt_asm(sel0: str, sel1: str) -> tl.constexpr:
@@ -368,6 +370,21 @@ def _split_kernel(
     tl.store(part_ml_ptr + part * 2 * G + G + g, l_i, mask=gmask)
 
 
+@triton.jit
+def _partial(part_ml_ptr, part_acc_ptr, bh, s, num_splits, g, c, gmask, G: tl.constexpr, D: tl.constexpr):
+    """Split ``s``'s partial of row ``bh``: (m, l) [GP] and the accumulator's halves [GP, D/2]; an empty
+    partial (m -1e30, l 0, acc 0) past ``num_splits``."""
+    DH: tl.constexpr = D // 2
+    part = (bh * num_splits + s).to(tl.int64)
+    ok = gmask & (s < num_splits)
+    m_s = tl.load(part_ml_ptr + part * 2 * G + g, mask=ok, other=-1.0e30)
+    l_s = tl.load(part_ml_ptr + part * 2 * G + G + g, mask=ok, other=0.0)
+    a_off = part * G * D + g[:, None] * D + c[None, :]
+    a_lo = tl.load(part_acc_ptr + a_off, mask=ok[:, None], other=0.0)
+    a_hi = tl.load(part_acc_ptr + a_off + DH, mask=ok[:, None], other=0.0)
+    return m_s, l_s, a_lo, a_hi
+
+
 @triton.jit(do_not_specialize=["num_splits", "M", "lse_w"])
 def _merge_kernel(
     part_acc_ptr, part_ml_ptr, blk_lse_ptr, hot_lse_ptr, num_cold_ptr, out_ptr, mass_ptr, hot_mass_ptr,
@@ -375,13 +392,17 @@ def _merge_kernel(
     num_splits, M, s_ob, s_oh, s_qb, s_qh, s_hs, s_hh, s_ht, pos_ptr, lse_w,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
     HOT: tl.constexpr = False, WAIT: tl.constexpr = False, HOT_T: tl.constexpr = 64,
-    PREC: tl.constexpr = "tf32", MAPPED: tl.constexpr = False,
+    PREC: tl.constexpr = "tf32", MAPPED: tl.constexpr = False, SB: tl.constexpr = 4,
+    ZB: tl.constexpr = 512,
 ):  # fmt: skip
     """Merge the splits of one (sequence, KV head): output rows, per-block mass, hot mass. ``HOT``: the hot
     zone is attended here first (the splits hold the cold blocks only) and ``WAIT``: this launch is a
     programmatic dependent of the splits' launch, so the hot zone overlaps it and only the merge waits.
     The block lse rows are ``lse_w`` wide; ``MAPPED`` (the table split by bits): entry ``j``'s lse is at
-    ``pos[row, j]`` of its row, else at ``j``."""
+    ``pos[row, j]`` of its row, else at ``j``. ``SB`` (1 or 4) splits' partials are loaded before any of
+    them is merged, so that a row of many splits waits on one memory round trip per ``SB`` of them, not
+    per split; the per-block mass reads only the row's ``num_cold`` listed blocks and writes the padding
+    after them ``ZB`` zeros at a time (a sparse row lists a fraction of its table's width)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -405,19 +426,31 @@ def _merge_kernel(
             tl.extra.cuda.gdc_wait()
     else:
         lse_hot = tl.load(hot_lse_ptr + bh * G + g, mask=gmask, other=float("-inf"))
-    for s in range(0, num_splits):
-        part = (bh * num_splits + s).to(tl.int64)
-        m_s = tl.load(part_ml_ptr + part * 2 * G + g, mask=gmask, other=-1.0e30)
-        l_s = tl.load(part_ml_ptr + part * 2 * G + G + g, mask=gmask, other=0.0)
-        a_off = part * G * D + g[:, None] * D + c[None, :]
-        a_lo = tl.load(part_acc_ptr + a_off, mask=gmask[:, None], other=0.0)
-        a_hi = tl.load(part_acc_ptr + a_off + DH, mask=gmask[:, None], other=0.0)
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.exp2(m - m_new)
-        beta = tl.exp2(m_s - m_new)
-        l_sum = l_sum * alpha + l_s * beta
-        acc_lo = acc_lo * alpha[:, None] + a_lo * beta[:, None]
-        acc_hi = acc_hi * alpha[:, None] + a_hi * beta[:, None]
+    for s0 in range(0, num_splits, SB):
+        # every load of the SB splits is issued before the first of them is used
+        m0, l0, lo0, hi0 = _partial(part_ml_ptr, part_acc_ptr, bh, s0, num_splits, g, c, gmask, G, D)
+        if SB == 4:
+            m1, l1, lo1, hi1 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 1, num_splits, g, c, gmask, G, D)
+            m2, l2, lo2, hi2 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 2, num_splits, g, c, gmask, G, D)
+            m3, l3, lo3, hi3 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 3, num_splits, g, c, gmask, G, D)
+            m_new = tl.maximum(tl.maximum(m, m0), tl.maximum(tl.maximum(m1, m2), m3))
+            alpha = tl.exp2(m - m_new)
+            b0 = tl.exp2(m0 - m_new)
+            b1 = tl.exp2(m1 - m_new)
+            b2 = tl.exp2(m2 - m_new)
+            b3 = tl.exp2(m3 - m_new)
+            l_sum = l_sum * alpha + l0 * b0 + l1 * b1 + l2 * b2 + l3 * b3
+            acc_lo = (acc_lo * alpha[:, None] + lo0 * b0[:, None] + lo1 * b1[:, None] + lo2 * b2[:, None]
+                      + lo3 * b3[:, None])  # fmt: skip
+            acc_hi = (acc_hi * alpha[:, None] + hi0 * b0[:, None] + hi1 * b1[:, None] + hi2 * b2[:, None]
+                      + hi3 * b3[:, None])  # fmt: skip
+        else:
+            m_new = tl.maximum(m, m0)
+            alpha = tl.exp2(m - m_new)
+            b0 = tl.exp2(m0 - m_new)
+            l_sum = l_sum * alpha + l0 * b0
+            acc_lo = acc_lo * alpha[:, None] + lo0 * b0[:, None]
+            acc_hi = acc_hi * alpha[:, None] + hi0 * b0[:, None]
         m = m_new
     safe_l = tl.where(l_sum > 0, l_sum, 1.0)
     lse = m + tl.log2(safe_l)
@@ -429,7 +462,7 @@ def _merge_kernel(
     tl.store(hot_mass_ptr + bh, tl.sum(hot, 0) / G)
     nc = tl.load(num_cold_ptr + bh)
     row = bh.to(tl.int64) * M
-    for j0 in range(0, M, MB):
+    for j0 in range(0, nc, MB):  # the row's listed blocks; the padding after them below, without loads
         j = j0 + tl.arange(0, MB)
         valid = j < nc
         if MAPPED:
@@ -439,6 +472,9 @@ def _merge_kernel(
         lb = tl.load(blk_lse_ptr + at[:, None] * G + g[None, :], mask=valid[:, None] & gmask[None, :],
                      other=float("-inf"))  # fmt: skip
         tl.store(mass_ptr + row + j, tl.sum(tl.exp2(lb - lse[None, :]), 1) / G, mask=j < M)
+    for z0 in range((nc + MB - 1) // MB * MB, M, ZB):
+        z = z0 + tl.arange(0, ZB)
+        tl.store(mass_ptr + row + z, tl.zeros([ZB], tl.float32), mask=z < M)
 
 
 # Triton picks its interpreter when a kernel is defined (at this module's import); it runs no PTX (cvt=2).
@@ -741,6 +777,6 @@ def hybrid_decode_attention_triton(
         q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
         parts.positions if parts is not None else ncold, lse_w,
         H=H, G=G, GP=max(16, next_pow2(G)) if gluon else next_pow2(G), D=D, MB=64, HOT=gluon,
-        MAPPED=parts is not None, **hot_args,
+        MAPPED=parts is not None, SB=MERGE_TILE, **hot_args,
     )  # fmt: skip
     return out, mass, hot_mass

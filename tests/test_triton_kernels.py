@@ -196,6 +196,24 @@ def test_merge_attends_hot_zone_interpreted(kernels, monkeypatch, shape: Shape, 
     assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], dtype)
 
 
+@pytest.mark.parametrize("bits", [4, 0])
+def test_merge_tiles_agree_interpreted(kernels, monkeypatch, bits: int) -> None:
+    """The merge loading 4 splits' partials before it merges them gives what it gives merging them one by
+    one (the same sums in another order), with a split count that is not a multiple of 4 and rows whose
+    listed blocks end before the table does."""
+    td = kernels.triton_decode
+    inp = make_decode(Shape(2, 2, 3, 32, 8, 7, 16), bits, torch.float32, "cpu")
+    opts = td.DecodeKernelOptions(min_blocks_per_split=1, programs_per_sm=64)
+    assert td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts).splits == 7
+    got = {}
+    for tile in (1, 4):
+        monkeypatch.setattr(td, "MERGE_TILE", tile)
+        got[tile] = td.hybrid_decode_attention_triton(**inp, options=opts)
+    for a, b in zip(got[1], got[4]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_decode_close(got[4], hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.float32)
+
+
 def test_v_pairs_only_on_pure_8bit_pools_interpreted(kernels) -> None:
     td = kernels.triton_decode
     opts = td.DecodeKernelOptions(cvt=1, mixed=False, v_pairs=True)

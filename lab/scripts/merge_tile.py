@@ -1,0 +1,186 @@
+"""Decode attention's kernels one by one, with the merge loading 1 or MERGE_TILE splits' partials at a time.
+
+For the dense INT8 / INT4 rows (64 x 8K, 16 x 32K) and the sparse rows (16 x 32K, 4 x 128K: L1 1/8 + top
+2,048, as ``benchmarks/decode_attention.py`` sets them up), in one process: the attention as CUDA graph
+replays (median of ``do_bench_cudagraph``) with ``triton_decode.MERGE_TILE`` = 1 and its default, SDPA bf16
+beside them, and each kernel's device time (``torch.profiler`` over eager launches) with the split count
+the launch planned. Writes ``merge_tile.json`` and prints a table.
+
+    python lab/scripts/merge_tile.py --out $OUT [--smoke]   (--smoke: tiny shapes, TRITON_INTERPRET=1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import decode_attention as da
+
+from kvtune.kernels import triton_decode
+from kvtune.kernels.sparse_table import L1, L2, ByteCount
+
+
+def sparse_inputs(case: da.Case) -> tuple[dict, tuple]:
+    """The inputs of ``da.sparse_case`` and the table the selection makes for them (selected once)."""
+    inp = da.make_inputs(case)
+    nc, l1 = case.cold, case.l1_blocks or 0
+    pool = inp["pool"]
+    blocks = inp["block_table"][:, 0, :].long().contiguous()
+    l2_blocks = blocks[:, : nc - l1].flatten()
+    tier = torch.full((pool.num_blocks,), L1, device=da.DEVICE, dtype=torch.int8)
+    tier[l2_blocks] = L2
+    if case.bits == 8:
+        pool.block_bits[l2_blocks] = 4
+    count = ByteCount(torch.zeros(9, device=da.DEVICE, dtype=torch.int64), da.H * 2 * 2 * da.D,
+                      torch.zeros((), device=da.DEVICE, dtype=torch.int64))  # fmt: skip
+    table, num_cold, _ = da.select_table(inp["q"], pool, blocks, tier, da.SPARSE_TOKENS // da.BS, count, None)
+    return inp, (table, num_cold)
+
+
+def attend(inp: dict, table: torch.Tensor, num_cold: torch.Tensor, options) -> tuple:
+    return triton_decode.hybrid_decode_attention_triton(
+        inp["q"], inp["hot_k"], inp["hot_v"], inp["hot_slot"], inp["hot_len"], inp["pool"], table, num_cold,
+        1 / math.sqrt(da.D), options=options,
+    )  # fmt: skip
+
+
+def kernel_times(fn, iters: int) -> dict[str, float]:
+    """Device µs per call of each kernel ``fn`` launches (eager), by kernel name."""
+    fn()
+    if da.DEVICE != "cuda":
+        return {}
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            out[ev.name[:60]] += ev.device_time / iters
+    return dict(out)
+
+
+def measure(
+    kind: str, b: int, length: int, bits: int, opts: dict, tiles: list[int], iters: int, splits: list[int]
+) -> dict:
+    """One case timed (graph replays) and profiled (eager) with each merge tile, their outputs compared;
+    then with each split count of ``splits`` forced."""
+    if kind == "dense":
+        inp = da.make_inputs(da.Case(b, length, bits))
+        table, num_cold = inp["block_table"], inp["num_cold"]
+        opt = opts["int8" if bits == 8 else f"int{bits}"]
+    else:
+        l1 = (length - da.HOT) // da.BS // 8
+        inp, (table, num_cold) = sparse_inputs(da.Case(b, length, bits, l1_blocks=l1))
+        opt = opts[f"sparse{bits}"]
+
+    def run() -> tuple:
+        return attend(inp, table, num_cold, opt)
+
+    plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], inp["pool"], table, opt)
+    row: dict = dict(kind=kind, batch=b, length=length, bits=bits, kernel=plan.kernel)
+    outs = {}
+    for tile in tiles:
+        triton_decode.MERGE_TILE = tile
+        outs[tile] = [x.float() for x in run()]
+        ms = da.bench(run)
+        plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], inp["pool"], table, opt)
+        row[f"tile{tile}"] = dict(ms=ms, splits=plan.splits, per=plan.per, kernels=kernel_times(run, iters))
+    triton_decode.MERGE_TILE = max(tiles)
+    planned = triton_decode.plan_splits
+    for forced in splits:  # the split count forced (the wave model's choice replaced)
+
+        def fixed(bh, m, device, options, resident=None, n=forced):
+            per = max(1, -(-m // n))
+            return -(-max(m, 1) // per), per
+
+        triton_decode.plan_splits = fixed
+        try:
+            ms = da.bench(run)
+            plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], inp["pool"], table, opt)
+            row[f"splits{forced}"] = dict(ms=ms, splits=plan.splits, kernels=kernel_times(run, iters))
+        finally:
+            triton_decode.plan_splits = planned
+    # the same sums in another order: the outputs and masses agree to float rounding
+    row["max_diff"] = [float((x - y).abs().max()) for x, y in zip(outs[tiles[0]], outs[tiles[-1]])]
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--splits", type=lambda x: [int(v) for v in x.split(",")], default=[],
+                    help="split counts to force at 4 x 128K (e.g. 9,17), beside the planned one")  # fmt: skip
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    da.GRAPHS = da.DEVICE == "cuda"
+    opts = da.defaults()
+    dense = [(64, 8192), (16, 32768)]
+    sparse = [(16, 32768), (4, 131072)]
+    if args.smoke:
+        dense, sparse, da.SPARSE_TOKENS = [(2, 512)], [(1, 2048), (1, 4096)], 128
+    tiles = sorted({1, getattr(triton_decode, "MERGE_TILE", 1)})  # a tree before it: 1
+    rows = []
+    cases = [("dense", b, length, bits) for b, length in dense for bits in (8, 4)]
+    cases += [("sparse", b, length, bits) for b, length in sparse for bits in (8, 4, 0)]
+    cases += [("dense", b, length, bits) for b, length in sparse[1:] for bits in (8, 4)]
+    sdpa: dict[tuple[int, int], float] = {}
+    for kind, b, length, bits in cases:
+        if (b, length) not in sdpa:
+            sdpa[(b, length)] = da.sdpa_case(b, length)[0]
+        forced = args.splits if (b, length) == sparse[-1] else []  # the fewest rows: 4 x 128K
+        row = measure(kind, b, length, bits, opts, tiles, args.iters, forced)
+        row["sdpa_ms"] = sdpa[(b, length)]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if da.DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    (args.out / "merge_tile.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name()
+        if da.DEVICE == "cuda" else "cpu", rows=rows), indent=1))  # fmt: skip
+    print(
+        "| case | kernel | SDPA | "
+        + " | ".join(f"merge tile {t}: ms (x SDPA); splits; merge µs" for t in tiles)
+        + " | max diff (out, mass, hot mass) |"
+    )
+    for r in rows:
+        cells = []
+        for t in tiles:
+            x = r[f"tile{t}"]
+            merge = sum(v for k, v in x["kernels"].items() if "merge" in k)
+            cells.append(f"{x['ms']:.4f} ({x['ms'] / r['sdpa_ms']:.2f}x); {x['splits']}; {merge:.1f}")
+        cells.append(", ".join(f"{d:.1e}" for d in r["max_diff"]))
+        bits = "unq" if r["bits"] == 0 else f"INT{r['bits']}"
+        name = f"{r['kind']} {bits} {r['batch']}x{r['length'] // 1024}K"
+        print(f"| {name} | {r['kernel']} | {r['sdpa_ms']:.4f} | " + " | ".join(cells) + " |")
+    for r in rows:
+        forced = [k for k in r if k.startswith("splits")]
+        if forced:
+            cells = ", ".join(f"{r[k]['splits']} splits {r[k]['ms']:.4f} ms" for k in forced)
+            last = r[f"tile{tiles[-1]}"]
+            print(
+                f"{r['kind']} {r['bits']} {r['batch']}x{r['length']}: planned {last['splits']} splits "
+                f"{last['ms']:.4f} ms; forced: {cells}"
+            )
+    for r in rows:
+        for t in tiles:
+            ks = ", ".join(
+                f"{k} {v:.1f}" for k, v in sorted(r[f"tile{t}"]["kernels"].items(), key=lambda kv: -kv[1])
+            )
+            print(f"{r['kind']} {r['bits']} {r['batch']}x{r['length']} tile {t}: {ks}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
