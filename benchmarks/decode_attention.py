@@ -271,7 +271,7 @@ def sparse_case(case: Case, options: DecodeKernelOptions, selection: SelectOptio
     attention_ms = bench(lambda: attend(selected))
     plan = launch_plan(inp["q"], inp["hot_k"], pool, selected[0], options)
     splits = plan.splits
-    slots = 2 * splits if plan.kernel == "gluon_mixed" else splits  # each build's partials
+    slots = plan.slots  # each build's partials
     attn = hybrid_bytes(case, 0, slots, False) + B * H * (
         l1 * cold_block_bytes(case.bits, case.bits == 8)
         + k_blocks * cold_block_bytes(4 if case.bits == 8 else case.bits, case.bits == 8)

@@ -491,6 +491,14 @@ class DecodePlan(NamedTuple):
     splits: int
     per: int  # cold blocks per split
     stages4: int = 0  # ``gluon_mixed``: the ring depth of the 4-bit build (the 8-bit one's: options)
+    splits4: int = 0  # ``gluon_mixed``: the 4-bit build's split count (0: ``splits``, as the 8-bit build)
+
+    @property
+    def slots(self) -> int:
+        """Partials per (sequence, KV head) row: one per split of each build."""
+        if self.kernel != "gluon_mixed":
+            return self.splits
+        return self.splits + (self.splits4 or self.splits)
 
 
 def launch_plan(
@@ -662,23 +670,26 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
                   part_ml: torch.Tensor, blk_lse: torch.Tensor, qk_scale: float, plan: DecodePlan,
                   pdl: bool) -> object:  # fmt: skip
     """``gluon_mixed``: the 8-bit build over the first half of each split row (partial slots ``0 ..
-    splits - 1``), then the 4-bit build over the second half (slots ``splits ..``; its 4-bit codes fill the
-    first ``D / 2`` bytes of the pool's ``D``-byte rows), each block's lse where ``parts.positions`` points.
-    Only the second launch lets the merge start early (``pdl``): the merge's wait then follows both.
-    Returns the 8-bit build (its occupancy plans the splits)."""
+    splits - 1``), then the 4-bit build over the second half (its ``splits4`` slots after those; its 4-bit
+    codes fill the first ``D / 2`` bytes of the pool's ``D``-byte rows), each block's lse where
+    ``parts.positions`` points. Only the second launch lets the merge start early (``pdl``): the merge's
+    wait then follows both. Returns the 8-bit build (its occupancy plans the splits)."""
     B, _, D = q.shape
     H = parts.table.shape[1]
     w = parts.table.shape[2] // 2
-    splits, opts = plan.splits, plan.options
+    opts, slots = plan.options, plan.slots
+    splits4 = slots - plan.splits
+    per4 = plan.per if splits4 == plan.splits else cdiv(w, splits4)  # a 4-bit half may list up to w blocks
+    builds = ((8, opts.gluon_stages, plan.splits, plan.per, 0), (4, plan.stages4, splits4, per4, plan.splits))
     head = (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale)
     strides = (q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0),
                pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1))  # fmt: skip
     launched = []
-    for i, (kind, stages) in enumerate(((8, opts.gluon_stages), (4, plan.stages4))):
+    for i, (kind, stages, splits, per, part0) in enumerate(builds):
         launched.append(gluon_decode.launch_cold(
             (splits, B * H),
             (*head, parts.table[..., i * w:], parts.counts[i], part_acc, part_ml, blk_lse[:, i * w:],
-             qk_scale, plan.per, splits, 2 * w, 2 * splits, i * splits, *strides),
+             qk_scale, per, splits, 2 * w, slots, part0, *strides),
             H=H, G=q.shape[1] // H, D=D, T=pool.k.shape[2], kind=kind, stages=stages, pdl=pdl and i == 1,
             key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead, row=D,
         ))  # fmt: skip
@@ -730,7 +741,7 @@ def hybrid_decode_attention_triton(
     ncold = num_cold.to(torch.int32).contiguous()
     # gluon_mixed: the table split by block bits; the two builds' partials side by side in each row's slots
     parts = partition_by_bits_triton(table, ncold, pool.block_bits) if kernel == "gluon_mixed" else None
-    slots = 2 * splits if parts is not None else splits
+    slots = plan.slots
     lse_w = parts.table.shape[2] if parts is not None else M
     part_acc = torch.empty((B * H * slots, G, D), dtype=torch.float32, device=dev)
     part_ml = torch.empty((B * H * slots, 2, G), dtype=torch.float32, device=dev)

@@ -104,17 +104,22 @@ def test_partition_kernel_interpreted(kernels, b: int, h: int, m: int) -> None:
     "shape", [Shape(1, 1, 1, 32, 8, 3, 16), Shape(2, 2, 3, 32, 24, 5, 40), Shape(3, 2, 4, 64, 16, 7, 24)],
     ids=str,
 )  # fmt: skip
-@pytest.mark.parametrize(("dtype", "demoted"), [(torch.float16, "third"), (torch.float32, "third"),
-                                               (torch.float16, "none"), (torch.float16, "all")])  # fmt: skip
+@pytest.mark.parametrize(("dtype", "demoted", "splits4"), [
+    (torch.float16, "third", 0), (torch.float32, "third", 0), (torch.float16, "none", 0),
+    (torch.float16, "all", 0), (torch.float16, "third", 1), (torch.float32, "all", 1)])  # fmt: skip
 def test_mixed_launch_interpreted(
-    kernels, monkeypatch, shape: Shape, dtype: torch.dtype, demoted: str
+    kernels, monkeypatch, shape: Shape, dtype: torch.dtype, demoted: str, splits4: int
 ) -> None:
     """The mixed launcher end to end but for the Gluon kernel (it cannot run here): the split kernel, which
     honours per-block bits, writes each build's partials into that build's slots over the half of the split
     table it is given (its ids, counts, row stride and block-lse row), and the merge must then match the
     reference, block mass included (found through the partition's positions). Also where one half is empty:
-    nothing demoted, or every block."""
+    nothing demoted, or every block; and with the 4-bit build given its own split count (``splits4``: one
+    split, however many blocks its half lists)."""
     td = kernels.triton_decode
+    if splits4:
+        planned = td.launch_plan
+        monkeypatch.setattr(td, "launch_plan", lambda *a, **k: planned(*a, **k)._replace(splits4=splits4))
     inp = make_decode(shape, 8, dtype, "cpu", demote=demoted == "third")
     pool, hot_k = inp["pool"], inp["hot_k"]
     if demoted == "all":
@@ -129,8 +134,8 @@ def test_mixed_launch_interpreted(
         q, *codes, table, ncold, part_acc, part_ml, blk_lse, qk_scale, per, splits, m, stride, part0 = args[
             :18
         ]
-        assert row == D and m % 8 == 0 and stride == 2 * splits
-        ran.append(kind)
+        assert row == D and m % 8 == 0 and part0 + splits <= stride and (part0 == 0) == (kind == 8)
+        ran.append((kind, splits))
         acc = torch.empty(grid[1] * splits, G, D)
         ml = torch.empty(grid[1] * splits, 2, G)
         td._split_kernel[grid](
@@ -145,7 +150,8 @@ def test_mixed_launch_interpreted(
 
     monkeypatch.setattr(td.gluon_decode, "launch_cold", cold_partials)
     got = td.hybrid_decode_attention_triton(**inp, options=opts, kernel="gluon_mixed")
-    assert ran == [8, 4], "the launcher did not take the mixed path"
+    assert [kind for kind, _ in ran] == [8, 4], "the launcher did not take the mixed path"
+    assert not splits4 or ran[1][1] == splits4
     assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], dtype)
 
 

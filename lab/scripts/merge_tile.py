@@ -70,10 +70,19 @@ def kernel_times(fn, iters: int) -> dict[str, float]:
 
 
 def measure(
-    kind: str, b: int, length: int, bits: int, opts: dict, tiles: list[int], iters: int, splits: list[int]
+    kind: str,
+    b: int,
+    length: int,
+    bits: int,
+    opts: dict,
+    tiles: list[int],
+    iters: int,
+    splits: list[int],
+    mixed: list[tuple[str, str]],
 ) -> dict:
     """One case timed (graph replays) and profiled (eager) with each merge tile, their outputs compared;
-    then with each split count of ``splits`` forced."""
+    then with each split count of ``splits`` forced, and (sparse INT8) each build's of ``mixed``."""
+    planned_plan = triton_decode.launch_plan
     if kind == "dense":
         inp = da.make_inputs(da.Case(b, length, bits))
         table, num_cold = inp["block_table"], inp["num_cold"]
@@ -110,6 +119,25 @@ def measure(
             row[f"splits{forced}"] = dict(ms=ms, splits=plan.splits, kernels=kernel_times(run, iters))
         finally:
             triton_decode.plan_splits = planned
+    if plan.kernel == "gluon_mixed":
+        want = run()[0].float()
+        for s8, s4 in mixed:  # each build's split count forced ("p": the planned 8-bit count)
+
+            def both(*a, s8=s8, s4=s4, **k):
+                p = planned_plan(*a, **k)
+                n8 = p.splits if s8 == "p" else int(s8)
+                per = max(1, -(-a[3].shape[2] // n8))
+                return p._replace(splits=-(-a[3].shape[2] // per), per=per, splits4=int(s4))
+
+            triton_decode.launch_plan = both
+            try:
+                ms = da.bench(run)
+                p = triton_decode.launch_plan(inp["q"], inp["hot_k"], inp["pool"], table, opt)
+                diff = float((run()[0].float() - want).abs().max())
+                row[f"mixed{s8}:{s4}"] = dict(ms=ms, splits=p.splits, splits4=p.splits4, max_diff=diff,
+                                              kernels=kernel_times(run, iters))  # fmt: skip
+            finally:
+                triton_decode.launch_plan = planned_plan
     # the same sums in another order: the outputs and masses agree to float rounding
     row["max_diff"] = [float((x - y).abs().max()) for x, y in zip(outs[tiles[0]], outs[tiles[-1]])]
     return row
@@ -122,6 +150,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--splits", type=lambda x: [int(v) for v in x.split(",")], default=[],
                     help="split counts to force at 4 x 128K (e.g. 9,17), beside the planned one")  # fmt: skip
+    ap.add_argument("--mixed-splits", type=lambda x: [tuple(v.split(":")) for v in x.split(",")], default=[],
+                    help="sparse INT8: 8-bit:4-bit splits to force (p: planned), e.g. p:1,9:3")  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -141,7 +171,7 @@ def main() -> int:
         if (b, length) not in sdpa:
             sdpa[(b, length)] = da.sdpa_case(b, length)[0]
         forced = args.splits if (b, length) == sparse[-1] else []  # the fewest rows: 4 x 128K
-        row = measure(kind, b, length, bits, opts, tiles, args.iters, forced)
+        row = measure(kind, b, length, bits, opts, tiles, args.iters, forced, args.mixed_splits)
         row["sdpa_ms"] = sdpa[(b, length)]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -164,6 +194,15 @@ def main() -> int:
         bits = "unq" if r["bits"] == 0 else f"INT{r['bits']}"
         name = f"{r['kind']} {bits} {r['batch']}x{r['length'] // 1024}K"
         print(f"| {name} | {r['kernel']} | {r['sdpa_ms']:.4f} | " + " | ".join(cells) + " |")
+    for r in rows:
+        forced = [r[k] for k in r if k.startswith("mixed")]
+        if forced:
+            cells = ", ".join(
+                f"{x['splits']}:{x['splits4']} {x['ms']:.4f} ({x['max_diff']:.0e})" for x in forced
+            )
+            last = r[f"tile{tiles[-1]}"]
+            head = f"mixed {r['batch']}x{r['length']}: {last['splits']}:{last['splits']} {last['ms']:.4f} ms"
+            print(f"{head}; forced 8-bit:4-bit splits: {cells}")
     for r in rows:
         forced = [k for k in r if k.startswith("splits")]
         if forced:
