@@ -232,18 +232,14 @@ def select_table(q, pool, blocks, tier, k_blocks, count, selection: SelectOption
     return sparse_block_table(q, pool, blocks, tier, k_blocks, count, selection)
 
 
-def sparse_case(case: Case, options: DecodeKernelOptions, selection: SelectOptions | None = None) -> dict:
-    """L1 = the newest `l1_blocks` cold blocks, the rest in L2 (4-bit in an 8-bit pool); attend L1 + top-k.
-
-    The selection is the cache's per-layer one (``sparse_block_table``: each sequence's whole row of
-    cold blocks split by tier, Quest's bound and top-k of the L2 ones, the table, its byte count), and the
-    attention reads that table (L1 blocks, then the selected ones, -1 padded to the row's width + k);
-    ``selection``: the selection's kernels (None: the default)."""
+def sparse_setup(case: Case) -> tuple[dict, torch.Tensor, torch.Tensor, ByteCount]:
+    """:func:`make_inputs` with the sparse tier set up: the oldest cold blocks but the newest ``l1_blocks``
+    in L2 (demoted to 4 bits in an 8-bit pool). Returns the inputs, each sequence's blocks [B, nc] (oldest
+    first), the tiers and the step's byte counter, as :func:`select_table` takes them."""
     inp = make_inputs(case)
-    B, nc, l1 = case.batch, case.cold, case.l1_blocks or 0
-    k_blocks = SPARSE_TOKENS // BS
+    nc, l1 = case.cold, case.l1_blocks or 0
     pool = inp["pool"]
-    blocks = inp["block_table"][:, 0, :].long().contiguous()  # [B, nc], oldest first
+    blocks = inp["block_table"][:, 0, :].long().contiguous()
     l2_blocks = blocks[:, : nc - l1].flatten()
     tier = torch.full((pool.num_blocks,), L1, device=DEVICE, dtype=torch.int8)
     tier[l2_blocks] = L2
@@ -251,6 +247,20 @@ def sparse_case(case: Case, options: DecodeKernelOptions, selection: SelectOptio
         pool.block_bits[l2_blocks] = 4
     count = ByteCount(torch.zeros(9, device=DEVICE, dtype=torch.int64), H * 2 * 2 * D,
                       torch.zeros((), device=DEVICE, dtype=torch.int64))  # fmt: skip
+    return inp, blocks, tier, count
+
+
+def sparse_case(case: Case, options: DecodeKernelOptions, selection: SelectOptions | None = None) -> dict:
+    """L1 = the newest `l1_blocks` cold blocks, the rest in L2 (4-bit in an 8-bit pool); attend L1 + top-k.
+
+    The selection is the cache's per-layer one (``sparse_block_table``: each sequence's whole row of
+    cold blocks split by tier, Quest's bound and top-k of the L2 ones, the table, its byte count), and the
+    attention reads that table (L1 blocks, then the selected ones, -1 padded to the row's width + k);
+    ``selection``: the selection's kernels (None: the default)."""
+    inp, blocks, tier, count = sparse_setup(case)
+    B, nc, l1 = case.batch, case.cold, case.l1_blocks or 0
+    k_blocks = SPARSE_TOKENS // BS
+    pool = inp["pool"]
 
     def select():
         table, num_cold, _ = select_table(inp["q"], pool, blocks, tier, k_blocks, count, selection)

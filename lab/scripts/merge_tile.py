@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -24,31 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_attention as da
 
 from kvtune.kernels import triton_decode
-from kvtune.kernels.sparse_table import L1, L2, ByteCount
 
 
 def sparse_inputs(case: da.Case) -> tuple[dict, tuple]:
     """The inputs of ``da.sparse_case`` and the table the selection makes for them (selected once)."""
-    inp = da.make_inputs(case)
-    nc, l1 = case.cold, case.l1_blocks or 0
-    pool = inp["pool"]
-    blocks = inp["block_table"][:, 0, :].long().contiguous()
-    l2_blocks = blocks[:, : nc - l1].flatten()
-    tier = torch.full((pool.num_blocks,), L1, device=da.DEVICE, dtype=torch.int8)
-    tier[l2_blocks] = L2
-    if case.bits == 8:
-        pool.block_bits[l2_blocks] = 4
-    count = ByteCount(torch.zeros(9, device=da.DEVICE, dtype=torch.int64), da.H * 2 * 2 * da.D,
-                      torch.zeros((), device=da.DEVICE, dtype=torch.int64))  # fmt: skip
-    table, num_cold, _ = da.select_table(inp["q"], pool, blocks, tier, da.SPARSE_TOKENS // da.BS, count, None)
+    inp, blocks, tier, count = da.sparse_setup(case)
+    table, num_cold, _ = da.select_table(
+        inp["q"], inp["pool"], blocks, tier, da.SPARSE_TOKENS // da.BS, count, None
+    )
     return inp, (table, num_cold)
-
-
-def attend(inp: dict, table: torch.Tensor, num_cold: torch.Tensor, options) -> tuple:
-    return triton_decode.hybrid_decode_attention_triton(
-        inp["q"], inp["hot_k"], inp["hot_v"], inp["hot_slot"], inp["hot_len"], inp["pool"], table, num_cold,
-        1 / math.sqrt(da.D), options=options,
-    )  # fmt: skip
 
 
 def kernel_times(fn, iters: int) -> dict[str, float]:
@@ -93,7 +76,7 @@ def measure(
         opt = opts[f"sparse{bits}"]
 
     def run() -> tuple:
-        return attend(inp, table, num_cold, opt)
+        return da.run_hybrid({**inp, "block_table": table, "num_cold": num_cold}, opt)
 
     plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], inp["pool"], table, opt)
     row: dict = dict(kind=kind, batch=b, length=length, bits=bits, kernel=plan.kernel)
