@@ -453,11 +453,11 @@ def _attend(s8, c8, vc, vs, vmn, m_i, l_i, vm_i, acc, acc_h, acc_b, ones, lse_pt
 
 # Sizes that follow the batch and the sequence lengths are not specialized (a value of 1 or a multiple of 16
 # would otherwise compile the kernel again in the middle of a replay).
-@gluon.jit(do_not_specialize=["blocks_per_split", "num_splits", "M", "part_stride", "part0"])
+@gluon.jit(do_not_specialize=["busy_blocks", "num_splits", "M", "part_stride", "part0"])
 def _cold_kernel(
     q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table_ptr, num_cold_ptr,
     part_acc_ptr, part_ml_ptr, blk_lse_ptr,
-    qk_scale, blocks_per_split, num_splits, M, part_stride, part0,
+    qk_scale, busy_blocks, num_splits, M, part_stride, part0,
     s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh,
     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, T: gl.constexpr, KIND: gl.constexpr,
     LK: gl.constexpr, LQ: gl.constexpr, LKM: gl.constexpr, LV: gl.constexpr, LP: gl.constexpr,
@@ -509,8 +509,11 @@ def _cold_kernel(
     ckm = gl.arange(0, C, layout=gl.SliceLayout(1, LKM))
     kmz = gl.zeros([C, NP], gl.float16, layout=LKM)
 
-    nc = gl.load(num_cold_ptr + bh)  # the row's own count split evenly (see triton_decode._split_kernel)
-    per = gl.minimum((nc + num_splits - 1) // num_splits, blocks_per_split)
+    # the row's own count split evenly over its busy splits, one per ``busy_blocks`` listed blocks (see
+    # triton_decode._split_kernel and _busy_splits); the splits after them take no block and write nothing
+    nc = gl.load(num_cold_ptr + bh)
+    busy = gl.maximum(gl.minimum((nc + busy_blocks - 1) // busy_blocks, num_splits), 1)
+    per = (nc + busy - 1) // busy
     j0 = pid_s * per
     j1 = gl.minimum(j0 + per, nc)
     row = bh.to(gl.int64) * M
@@ -599,13 +602,13 @@ def _cold_kernel(
     no = gl.arange(0, NP, layout=gl.SliceLayout(0, MMA))
     memc = _memory_channel(mo, V_BITS)
     o_off = part * G * D + no[None, :] * D + memc[:, None]
-    o_mask = (no < G)[None, :]
+    o_mask = (no < G)[None, :] & (pid_s < busy)
     gl.store(part_acc_ptr + o_off, acc - 1024.0 * bias[None, :] + vmo[None, :], mask=o_mask)
     if KIND == 4:
         gl.store(part_acc_ptr + o_off + C, (acc_h - 1024.0 * bias[None, :]) * 0.0625 + vmo[None, :],
                  mask=o_mask)  # fmt: skip
-    gl.store(part_ml_ptr + part * 2 * G + rows, m_i, mask=rows < G)
-    gl.store(part_ml_ptr + part * 2 * G + G + rows, l_i, mask=rows < G)
+    gl.store(part_ml_ptr + part * 2 * G + rows, m_i, mask=(rows < G) & (pid_s < busy))
+    gl.store(part_ml_ptr + part * 2 * G + G + rows, l_i, mask=(rows < G) & (pid_s < busy))
 
 
 # ---- host side ----

@@ -295,12 +295,19 @@ def _quant_tile(
 
 # Sizes that follow the batch and the sequence lengths are not specialized (an int equal to 1 or divisible by
 # 16 would otherwise compile the kernel again, seconds each, in the middle of a replay).
-@triton.jit(do_not_specialize=["blocks_per_split", "num_splits", "M"])
+@triton.jit
+def _busy_splits(nc, num_splits, busy_blocks):
+    """Splits of a row of ``nc`` listed blocks that take blocks: one per ``busy_blocks`` of them (rounded up),
+    at least 1 and at most ``num_splits``; the row's blocks are shared evenly among them."""
+    return tl.maximum(tl.minimum((nc + busy_blocks - 1) // busy_blocks, num_splits), 1)
+
+
+@triton.jit(do_not_specialize=["busy_blocks", "num_splits", "M"])
 def _split_kernel(
     q_ptr, hot_k_ptr, hot_v_ptr, hot_slot_ptr, hot_len_ptr,
     ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, bits_ptr, table_ptr, num_cold_ptr,
     part_acc_ptr, part_ml_ptr, blk_lse_ptr, hot_lse_ptr,
-    qk_scale, blocks_per_split, num_splits, M,
+    qk_scale, busy_blocks, num_splits, M,
     s_qb, s_qh, s_hs, s_hh, s_ht, s_cn, s_ch, s_ct, s_kn, s_kh, s_vn, s_vh,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr, BS: tl.constexpr,
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
@@ -332,11 +339,12 @@ def _split_kernel(
         hot_k_ptr + hot_off, hot_v_ptr + hot_off, s_ht, n_hot, q_lo, q_hi, qk_scale, m_i, l_i, acc_lo, acc_hi,
         DH, HOT_T, PREC, VPAIR)  # fmt: skip
     tl.store(hot_lse_ptr + bh * G + g, lse_hot, mask=gmask & is_last)
-    # This split's share of the row's own cold blocks (L1, then selected L2): the row's count split evenly,
-    # so a row shorter than the table's width (a sparse table: M + k columns, n1 + k listed) keeps every
-    # split busy instead of leaving the splits past its count idle.
+    # This split's share of the row's own cold blocks (L1, then selected L2): the row's count split evenly
+    # over its busy splits (``_busy_splits``), so a row shorter than the table's width (a sparse table: M + k
+    # columns, n1 + k listed) keeps them busy; the splits after them take no block.
     nc = tl.load(num_cold_ptr + bh)
-    per = tl.minimum((nc + num_splits - 1) // num_splits, blocks_per_split)
+    busy = _busy_splits(nc, num_splits, busy_blocks)
+    per = (nc + busy - 1) // busy
     j0 = pid_s * per
     j1 = tl.minimum(j0 + per, nc)
     row = bh.to(tl.int64) * M
@@ -371,12 +379,12 @@ def _split_kernel(
 
 
 @triton.jit
-def _partial(part_ml_ptr, part_acc_ptr, bh, s, num_splits, g, c, gmask, G: tl.constexpr, D: tl.constexpr):
-    """Split ``s``'s partial of row ``bh``: (m, l) [GP] and the accumulator's halves [GP, D/2]; an empty
-    partial (m -1e30, l 0, acc 0) past ``num_splits``."""
+def _partial(part_ml_ptr, part_acc_ptr, bh, s, slots, end, g, c, gmask, G: tl.constexpr, D: tl.constexpr):
+    """Slot ``s`` of row ``bh``'s ``slots`` partials: (m, l) [GP] and the accumulator's halves [GP, D/2]; an
+    empty partial (m -1e30, l 0, acc 0) from ``end`` on."""
     DH: tl.constexpr = D // 2
-    part = (bh * num_splits + s).to(tl.int64)
-    ok = gmask & (s < num_splits)
+    part = (bh * slots + s).to(tl.int64)
+    ok = gmask & (s < end)
     m_s = tl.load(part_ml_ptr + part * 2 * G + g, mask=ok, other=-1.0e30)
     l_s = tl.load(part_ml_ptr + part * 2 * G + G + g, mask=ok, other=0.0)
     a_off = part * G * D + g[:, None] * D + c[None, :]
@@ -385,11 +393,45 @@ def _partial(part_ml_ptr, part_acc_ptr, bh, s, num_splits, g, c, gmask, G: tl.co
     return m_s, l_s, a_lo, a_hi
 
 
-@triton.jit(do_not_specialize=["num_splits", "M", "lse_w"])
+@triton.jit
+def _merge_slots(part_ml_ptr, part_acc_ptr, bh, begin, end, slots, m, l_sum, acc_lo, acc_hi, g, c, gmask,
+                 G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):  # fmt: skip
+    """The running (m, l, acc) with row ``bh``'s partials in slots ``begin .. end - 1`` merged in, ``SB`` (1
+    or 4) of them loaded before any of them is merged."""
+    for s0 in range(begin, end, SB):
+        m0, l0, lo0, hi0 = _partial(part_ml_ptr, part_acc_ptr, bh, s0, slots, end, g, c, gmask, G, D)
+        if SB == 4:
+            m1, l1, lo1, hi1 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 1, slots, end, g, c, gmask, G, D)
+            m2, l2, lo2, hi2 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 2, slots, end, g, c, gmask, G, D)
+            m3, l3, lo3, hi3 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 3, slots, end, g, c, gmask, G, D)
+            m_new = tl.maximum(tl.maximum(m, m0), tl.maximum(tl.maximum(m1, m2), m3))
+            alpha = tl.exp2(m - m_new)
+            b0 = tl.exp2(m0 - m_new)
+            b1 = tl.exp2(m1 - m_new)
+            b2 = tl.exp2(m2 - m_new)
+            b3 = tl.exp2(m3 - m_new)
+            l_sum = l_sum * alpha + l0 * b0 + l1 * b1 + l2 * b2 + l3 * b3
+            acc_lo = (acc_lo * alpha[:, None] + lo0 * b0[:, None] + lo1 * b1[:, None] + lo2 * b2[:, None]
+                      + lo3 * b3[:, None])  # fmt: skip
+            acc_hi = (acc_hi * alpha[:, None] + hi0 * b0[:, None] + hi1 * b1[:, None] + hi2 * b2[:, None]
+                      + hi3 * b3[:, None])  # fmt: skip
+        else:
+            m_new = tl.maximum(m, m0)
+            alpha = tl.exp2(m - m_new)
+            b0 = tl.exp2(m0 - m_new)
+            l_sum = l_sum * alpha + l0 * b0
+            acc_lo = acc_lo * alpha[:, None] + lo0 * b0[:, None]
+            acc_hi = acc_hi * alpha[:, None] + hi0 * b0[:, None]
+        m = m_new
+    return m, l_sum, acc_lo, acc_hi
+
+
+@triton.jit(do_not_specialize=["num_splits", "M", "lse_w", "split2", "busy1", "busy2"])
 def _merge_kernel(
     part_acc_ptr, part_ml_ptr, blk_lse_ptr, hot_lse_ptr, num_cold_ptr, out_ptr, mass_ptr, hot_mass_ptr,
     q_ptr, hot_k_ptr, hot_v_ptr, hot_slot_ptr, hot_len_ptr, qk_scale,
     num_splits, M, s_ob, s_oh, s_qb, s_qh, s_hs, s_hh, s_ht, pos_ptr, lse_w,
+    count1_ptr, count2_ptr, split2, busy1, busy2,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
     HOT: tl.constexpr = False, WAIT: tl.constexpr = False, HOT_T: tl.constexpr = 64,
     PREC: tl.constexpr = "tf32", MAPPED: tl.constexpr = False, SB: tl.constexpr = 4,
@@ -402,7 +444,10 @@ def _merge_kernel(
     ``pos[row, j]`` of its row, else at ``j``. ``SB`` (1 or 4) splits' partials are loaded before any of
     them is merged, so that a row of many splits waits on one memory round trip per ``SB`` of them, not
     per split; the per-block mass reads only the row's ``num_cold`` listed blocks and writes the padding
-    after them ``ZB`` zeros at a time (a sparse row lists a fraction of its table's width)."""
+    after them ``ZB`` zeros at a time (a sparse row lists a fraction of its table's width). ``HOT``: the
+    Gluon builds wrote only their busy splits' partials, which are all the merge reads: the first build's
+    in slots ``0 .. split2 - 1`` (its row's count at ``count1``, ``busy1`` blocks a busy split), with
+    ``MAPPED`` the second's after them (``count2``, ``busy2``)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -426,32 +471,18 @@ def _merge_kernel(
             tl.extra.cuda.gdc_wait()
     else:
         lse_hot = tl.load(hot_lse_ptr + bh * G + g, mask=gmask, other=float("-inf"))
-    for s0 in range(0, num_splits, SB):
-        # every load of the SB splits is issued before the first of them is used
-        m0, l0, lo0, hi0 = _partial(part_ml_ptr, part_acc_ptr, bh, s0, num_splits, g, c, gmask, G, D)
-        if SB == 4:
-            m1, l1, lo1, hi1 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 1, num_splits, g, c, gmask, G, D)
-            m2, l2, lo2, hi2 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 2, num_splits, g, c, gmask, G, D)
-            m3, l3, lo3, hi3 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 3, num_splits, g, c, gmask, G, D)
-            m_new = tl.maximum(tl.maximum(m, m0), tl.maximum(tl.maximum(m1, m2), m3))
-            alpha = tl.exp2(m - m_new)
-            b0 = tl.exp2(m0 - m_new)
-            b1 = tl.exp2(m1 - m_new)
-            b2 = tl.exp2(m2 - m_new)
-            b3 = tl.exp2(m3 - m_new)
-            l_sum = l_sum * alpha + l0 * b0 + l1 * b1 + l2 * b2 + l3 * b3
-            acc_lo = (acc_lo * alpha[:, None] + lo0 * b0[:, None] + lo1 * b1[:, None] + lo2 * b2[:, None]
-                      + lo3 * b3[:, None])  # fmt: skip
-            acc_hi = (acc_hi * alpha[:, None] + hi0 * b0[:, None] + hi1 * b1[:, None] + hi2 * b2[:, None]
-                      + hi3 * b3[:, None])  # fmt: skip
-        else:
-            m_new = tl.maximum(m, m0)
-            alpha = tl.exp2(m - m_new)
-            b0 = tl.exp2(m0 - m_new)
-            l_sum = l_sum * alpha + l0 * b0
-            acc_lo = acc_lo * alpha[:, None] + lo0 * b0[:, None]
-            acc_hi = acc_hi * alpha[:, None] + hi0 * b0[:, None]
-        m = m_new
+    if HOT:  # the Gluon builds' partials: each build's busy splits (``_busy_splits``), the rest unwritten
+        busy = _busy_splits(tl.load(count1_ptr + bh), split2, busy1)
+        m, l_sum, acc_lo, acc_hi = _merge_slots(part_ml_ptr, part_acc_ptr, bh, 0, busy, num_splits, m, l_sum,
+                                                acc_lo, acc_hi, g, c, gmask, G, D, SB)  # fmt: skip
+        if MAPPED:  # the 4-bit build's, in slots split2 ..
+            busy = _busy_splits(tl.load(count2_ptr + bh), num_splits - split2, busy2)
+            m, l_sum, acc_lo, acc_hi = _merge_slots(part_ml_ptr, part_acc_ptr, bh, split2, split2 + busy,
+                                                    num_splits, m, l_sum, acc_lo, acc_hi, g, c, gmask, G, D,
+                                                    SB)  # fmt: skip
+    else:  # the split kernel's: every split (the last one holds the hot zone)
+        m, l_sum, acc_lo, acc_hi = _merge_slots(part_ml_ptr, part_acc_ptr, bh, 0, num_splits, num_splits, m,
+                                                l_sum, acc_lo, acc_hi, g, c, gmask, G, D, SB)  # fmt: skip
     safe_l = tl.where(l_sum > 0, l_sum, 1.0)
     lse = m + tl.log2(safe_l)
     out_off = b.to(tl.int64) * s_ob + (h * G + g)[:, None] * s_oh + c[None, :]
@@ -489,7 +520,7 @@ class DecodePlan(NamedTuple):
     meta: dict[str, object]  # the split kernel's compile-time values (the merge reads HOT_T and PREC)
     key: tuple[object, ...]  # the Gluon build's occupancy key in ``_RESIDENT`` (() for the split kernel)
     splits: int
-    per: int  # cold blocks per split
+    per: int  # cold blocks per split of a full row (a row's own count is shared out on the device)
     stages4: int = 0  # ``gluon_mixed``: the ring depth of the 4-bit build (the 8-bit one's: options)
     splits4: int = 0  # ``gluon_mixed``: the 4-bit build's split count (0: ``splits``, as the 8-bit build)
 
@@ -678,18 +709,18 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
     H = parts.table.shape[1]
     w = parts.table.shape[2] // 2
     opts, slots = plan.options, plan.slots
-    splits4 = slots - plan.splits
-    per4 = plan.per if splits4 == plan.splits else cdiv(w, splits4)  # a 4-bit half may list up to w blocks
-    builds = ((8, opts.gluon_stages, plan.splits, plan.per, 0), (4, plan.stages4, splits4, per4, plan.splits))
+    busy4 = opts.gluon_busy_blocks4 or opts.gluon_busy_blocks
+    builds = ((8, opts.gluon_stages, plan.splits, opts.gluon_busy_blocks, 0),
+              (4, plan.stages4, slots - plan.splits, busy4, plan.splits))  # fmt: skip
     head = (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale)
     strides = (q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0),
                pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1))  # fmt: skip
     launched = []
-    for i, (kind, stages, splits, per, part0) in enumerate(builds):
+    for i, (kind, stages, splits, busy, part0) in enumerate(builds):
         launched.append(gluon_decode.launch_cold(
             (splits, B * H),
             (*head, parts.table[..., i * w:], parts.counts[i], part_acc, part_ml, blk_lse[:, i * w:],
-             qk_scale, per, splits, 2 * w, slots, part0, *strides),
+             qk_scale, busy, splits, 2 * w, slots, part0, *strides),
             H=H, G=q.shape[1] // H, D=D, T=pool.k.shape[2], kind=kind, stages=stages, pdl=pdl and i == 1,
             key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead, row=D,
         ))  # fmt: skip
@@ -731,7 +762,7 @@ def hybrid_decode_attention_triton(
     H, M = block_table.shape[1], block_table.shape[2]
     G = Hq // H
     plan = launch_plan(q, hot_k, pool, block_table, options, kernel, arch)
-    opts, meta, key, splits, per = plan.options, plan.meta, plan.key, plan.splits, plan.per
+    opts, meta, key, splits = plan.options, plan.meta, plan.key, plan.splits
     # Where the Gluon kernel takes the cold blocks, the merge attends the hot zone (``gluon_pdl``: as a
     # programmatic dependent, while the Gluon kernel runs); elsewhere the split kernel's last split does.
     gluon = kernel in ("gluon", "gluon_mixed")
@@ -756,7 +787,7 @@ def hybrid_decode_attention_triton(
         compiled = gluon_decode.launch_cold(
             (splits, B * H),
             (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, table, ncold,
-             part_acc, part_ml, blk_lse, qk_scale, per, splits, M, splits, 0,
+             part_acc, part_ml, blk_lse, qk_scale, opts.gluon_busy_blocks, splits, M, splits, 0,
              q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1),
              pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
             H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, stages=opts.gluon_stages, pdl=pdl,
@@ -767,7 +798,7 @@ def hybrid_decode_attention_triton(
             q, hot_k, hot_v, hot_slot, hot_len,
             pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
             part_acc, part_ml, blk_lse, hot_lse,
-            qk_scale, per, splits, M,
+            qk_scale, 1, splits, M,
             q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
             pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
@@ -787,6 +818,8 @@ def hybrid_decode_attention_triton(
         slots, M, out.stride(0), out.stride(1),
         q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
         parts.positions if parts is not None else ncold, lse_w,
+        *((parts.counts[0], parts.counts[1]) if parts is not None else (ncold, ncold)),
+        plan.splits, opts.gluon_busy_blocks, opts.gluon_busy_blocks4 or opts.gluon_busy_blocks,
         H=H, G=G, GP=max(16, next_pow2(G)) if gluon else next_pow2(G), D=D, MB=64, HOT=gluon,
         MAPPED=parts is not None, SB=MERGE_TILE, **hot_args,
     )  # fmt: skip

@@ -104,18 +104,23 @@ def test_partition_kernel_interpreted(kernels, b: int, h: int, m: int) -> None:
     "shape", [Shape(1, 1, 1, 32, 8, 3, 16), Shape(2, 2, 3, 32, 24, 5, 40), Shape(3, 2, 4, 64, 16, 7, 24)],
     ids=str,
 )  # fmt: skip
-@pytest.mark.parametrize(("dtype", "demoted", "splits4"), [
-    (torch.float16, "third", 0), (torch.float32, "third", 0), (torch.float16, "none", 0),
-    (torch.float16, "all", 0), (torch.float16, "third", 1), (torch.float32, "all", 1)])  # fmt: skip
+@pytest.mark.parametrize(("dtype", "demoted", "splits4", "busy"), [
+    (torch.float16, "third", 0, (1, 0)), (torch.float32, "third", 0, (1, 0)),
+    (torch.float16, "none", 0, (1, 0)), (torch.float16, "all", 0, (1, 0)),
+    (torch.float16, "third", 1, (1, 0)), (torch.float32, "all", 1, (1, 0)),
+    (torch.float16, "third", 0, (3, 2)), (torch.float32, "all", 0, (2, 0)),
+    (torch.float16, "none", 0, (100, 1))])  # fmt: skip
 def test_mixed_launch_interpreted(
-    kernels, monkeypatch, shape: Shape, dtype: torch.dtype, demoted: str, splits4: int
+    kernels, monkeypatch, shape: Shape, dtype: torch.dtype, demoted: str, splits4: int, busy: tuple[int, int]
 ) -> None:
     """The mixed launcher end to end but for the Gluon kernel (it cannot run here): the split kernel, which
     honours per-block bits, writes each build's partials into that build's slots over the half of the split
     table it is given (its ids, counts, row stride and block-lse row), and the merge must then match the
     reference, block mass included (found through the partition's positions). Also where one half is empty:
-    nothing demoted, or every block; and with the 4-bit build given its own split count (``splits4``: one
-    split, however many blocks its half lists)."""
+    nothing demoted, or every block; with the 4-bit build given its own split count (``splits4``: one
+    split, however many blocks its half lists); and with fewer busy splits than planned
+    (``gluon_busy_blocks``, ``gluon_busy_blocks4``): the partials of the splits past a row's busy ones are
+    NaN here, which the merge must not read."""
     td = kernels.triton_decode
     if splits4:
         planned = td.launch_plan
@@ -125,7 +130,8 @@ def test_mixed_launch_interpreted(
     if demoted == "all":
         requantize_int4_ref(pool, torch.arange(pool.num_blocks))
     assert {"none": {8}, "all": {4}, "third": {4, 8}}[demoted] == set(pool.block_bits.tolist())
-    opts = replace(td.default_options(8), cvt=1, min_blocks_per_split=2, gluon_mixed=True, gluon_pdl=False)
+    opts = replace(td.default_options(8), cvt=1, min_blocks_per_split=2, gluon_mixed=True, gluon_pdl=False,
+                   gluon_busy_blocks=busy[0], gluon_busy_blocks4=busy[1])  # fmt: skip
     meta = td.launch_plan(inp["q"], hot_k, pool, inp["block_table"], opts, kernel="split").meta
     no_hot = torch.zeros_like(inp["hot_len"])
     ran = []
@@ -135,7 +141,8 @@ def test_mixed_launch_interpreted(
             :18
         ]
         assert row == D and m % 8 == 0 and part0 + splits <= stride and (part0 == 0) == (kind == 8)
-        ran.append((kind, splits))
+        assert per == (busy[0] if kind == 8 else busy[1] or busy[0])
+        ran.append((kind, splits, idle_splits(ncold.flatten()[: grid[1]], splits, per)))
         acc = torch.empty(grid[1] * splits, G, D)
         ml = torch.empty(grid[1] * splits, 2, G)
         td._split_kernel[grid](
@@ -145,14 +152,26 @@ def test_mixed_launch_interpreted(
             pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1), **meta,
         )  # fmt: skip
+        idle = idle_splits(ncold.flatten()[: grid[1]], splits, per)
+        acc[idle.flatten()] = float("nan")  # what the Gluon kernel leaves unwritten
+        ml[idle.flatten()] = float("nan")
         part_acc.view(grid[1], stride, G, D)[:, part0 : part0 + splits] = acc.view(grid[1], splits, G, D)
         part_ml.view(grid[1], stride, 2, G)[:, part0 : part0 + splits] = ml.view(grid[1], splits, 2, G)
 
     monkeypatch.setattr(td.gluon_decode, "launch_cold", cold_partials)
     got = td.hybrid_decode_attention_triton(**inp, options=opts, kernel="gluon_mixed")
-    assert [kind for kind, _ in ran] == [8, 4], "the launcher did not take the mixed path"
+    assert [kind for kind, *_ in ran] == [8, 4], "the launcher did not take the mixed path"
     assert not splits4 or ran[1][1] == splits4
+    if busy[0] > 1 and demoted != "all":  # some 8-bit row left splits idle: the NaN partials were there
+        assert any(bool(idle.any()) for _, _, idle in ran)
     assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], dtype)
+
+
+def idle_splits(counts: torch.Tensor, splits: int, busy_blocks: int) -> torch.Tensor:
+    """[rows, splits] bool: the splits of each row of ``counts`` listed blocks past its busy ones (the
+    kernels' ``_busy_splits``), whose partials the merge must not read."""
+    busy = (-(-counts.long() // busy_blocks)).clamp(1, splits)
+    return torch.arange(splits)[None, :] >= busy[:, None]
 
 
 # ---- the dispatcher

@@ -165,15 +165,20 @@ def test_decode_attention_interpreted(
 
 @pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
 @pytest.mark.parametrize(
-    ("bits", "dtype"), [(8, torch.float16), (4, torch.float16), (4, torch.float32)], ids=str
+    ("bits", "dtype", "busy"), [(8, torch.float16, 1), (4, torch.float16, 1), (4, torch.float32, 3)], ids=str
 )
-def test_merge_attends_hot_zone_interpreted(kernels, monkeypatch, shape: Shape, bits: int, dtype) -> None:
+def test_merge_attends_hot_zone_interpreted(
+    kernels, monkeypatch, shape: Shape, bits: int, dtype, busy: int
+) -> None:
     """The Gluon path's merge (``HOT``: it attends the hot zone, then merges the cold splits). The Gluon
     kernel cannot run here; the split kernel writes the same cold partials (the hot zone left out) in its
-    place, and the result must match the reference."""
+    place, and the result must match the reference. With ``gluon_busy_blocks`` above 1 a row keeps fewer
+    splits busy than planned: the others' partials are NaN here (the Gluon kernel leaves them unwritten),
+    which the merge must not read."""
     td = kernels.triton_decode
     inp = make_decode(shape, bits, dtype, "cpu", demote=False)
-    opts = td.DecodeKernelOptions(cvt=1, mixed=False, min_blocks_per_split=2, gluon=True, gluon_pdl=False)
+    opts = td.DecodeKernelOptions(cvt=1, mixed=False, min_blocks_per_split=2, gluon=True, gluon_pdl=False,
+                                  gluon_busy_blocks=busy)  # fmt: skip
     meta = td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts).meta
     pool, hot_k = inp["pool"], inp["hot_k"]
     no_hot = torch.zeros_like(inp["hot_len"])
@@ -181,6 +186,7 @@ def test_merge_attends_hot_zone_interpreted(kernels, monkeypatch, shape: Shape, 
 
     def cold_partials(grid, args, **_):
         q, *codes, part_acc, part_ml, blk_lse, qk_scale, per, splits, m = args[:16]
+        assert per == busy
         ran.append(grid)
         td._split_kernel[grid](
             q, hot_k, inp["hot_v"], inp["hot_slot"], no_hot, *codes[:6], pool.block_bits, *codes[6:],
@@ -189,6 +195,10 @@ def test_merge_attends_hot_zone_interpreted(kernels, monkeypatch, shape: Shape, 
             pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1), **meta,
         )  # fmt: skip
+        rows = (-(-codes[7].flatten().long() // per)).clamp(1, splits)  # each row's busy splits
+        idle = (torch.arange(splits)[None, :] >= rows[:, None]).flatten()
+        part_acc[idle] = float("nan")
+        part_ml[idle] = float("nan")
 
     monkeypatch.setattr(td.gluon_decode, "launch_cold", cold_partials)
     got = td.hybrid_decode_attention_triton(**inp, options=opts, kernel="gluon")

@@ -7,6 +7,7 @@ beside them, and each kernel's device time (``torch.profiler`` over eager launch
 the launch planned. Writes ``merge_tile.json`` and prints a table.
 
     python lab/scripts/merge_tile.py --out $OUT [--smoke]   (--smoke: tiny shapes, TRITON_INTERPRET=1)
+        [--busy 1:0,24:4] [--tiles 4] [--splits 9,17] [--mixed-splits p:1,9:3]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -62,9 +64,11 @@ def measure(
     iters: int,
     splits: list[int],
     mixed: list[tuple[str, str]],
+    busy: list[tuple[int, int]],
 ) -> dict:
     """One case timed (graph replays) and profiled (eager) with each merge tile, their outputs compared;
-    then with each split count of ``splits`` forced, and (sparse INT8) each build's of ``mixed``."""
+    then with each split count of ``splits`` forced, (sparse INT8) each build's of ``mixed``, and (the
+    Gluon kernels) each (``gluon_busy_blocks``, ``gluon_busy_blocks4``) of ``busy``."""
     planned_plan = triton_decode.launch_plan
     if kind == "dense":
         inp = da.make_inputs(da.Case(b, length, bits))
@@ -121,6 +125,17 @@ def measure(
                                               kernels=kernel_times(run, iters))  # fmt: skip
             finally:
                 triton_decode.launch_plan = planned_plan
+    if kind == "sparse" and plan.kernel in ("gluon", "gluon_mixed"):  # a dense row keeps every split busy
+        want = run()[0].float()
+        for b8, b4 in busy:
+            opt_b = replace(opt, gluon_busy_blocks=b8, gluon_busy_blocks4=b4)
+
+            def run_b(o=opt_b) -> tuple:
+                return da.run_hybrid({**inp, "block_table": table, "num_cold": num_cold}, o)
+
+            ms = da.bench(run_b)
+            diff = float((run_b()[0].float() - want).abs().max())
+            row[f"busy{b8}:{b4}"] = dict(ms=ms, max_diff=diff, kernels=kernel_times(run_b, iters))
     # the same sums in another order: the outputs and masses agree to float rounding
     row["max_diff"] = [float((x - y).abs().max()) for x, y in zip(outs[tiles[0]], outs[tiles[-1]])]
     return row
@@ -135,6 +150,14 @@ def main() -> int:
                     help="split counts to force at 4 x 128K (e.g. 9,17), beside the planned one")  # fmt: skip
     ap.add_argument("--mixed-splits", type=lambda x: [tuple(v.split(":")) for v in x.split(",")], default=[],
                     help="sparse INT8: 8-bit:4-bit splits to force (p: planned), e.g. p:1,9:3")  # fmt: skip
+    ap.add_argument(
+        "--busy",
+        type=lambda x: [tuple(int(b) for b in v.split(":")) for v in x.split(",")],
+        default=[],
+        help="gluon_busy_blocks:gluon_busy_blocks4 pairs to time, e.g. 1:0,24:4",
+    )
+    ap.add_argument("--tiles", type=lambda x: [int(v) for v in x.split(",")], default=None,
+                    help="merge tiles to time (default: 1 and MERGE_TILE)")  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -144,7 +167,7 @@ def main() -> int:
     sparse = [(16, 32768), (4, 131072)]
     if args.smoke:
         dense, sparse, da.SPARSE_TOKENS = [(2, 512)], [(1, 2048), (1, 4096)], 128
-    tiles = sorted({1, getattr(triton_decode, "MERGE_TILE", 1)})  # a tree before it: 1
+    tiles = args.tiles or sorted({1, getattr(triton_decode, "MERGE_TILE", 1)})  # a tree before it: 1
     rows = []
     cases = [("dense", b, length, bits) for b, length in dense for bits in (8, 4)]
     cases += [("sparse", b, length, bits) for b, length in sparse for bits in (8, 4, 0)]
@@ -154,7 +177,7 @@ def main() -> int:
         if (b, length) not in sdpa:
             sdpa[(b, length)] = da.sdpa_case(b, length)[0]
         forced = args.splits if (b, length) == sparse[-1] else []  # the fewest rows: 4 x 128K
-        row = measure(kind, b, length, bits, opts, tiles, args.iters, forced, args.mixed_splits)
+        row = measure(kind, b, length, bits, opts, tiles, args.iters, forced, args.mixed_splits, args.busy)
         row["sdpa_ms"] = sdpa[(b, length)]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -186,6 +209,13 @@ def main() -> int:
             last = r[f"tile{tiles[-1]}"]
             head = f"mixed {r['batch']}x{r['length']}: {last['splits']}:{last['splits']} {last['ms']:.4f} ms"
             print(f"{head}; forced 8-bit:4-bit splits: {cells}")
+    for r in rows:
+        timed = [k for k in r if k.startswith("busy")]
+        if timed:
+            last = r[f"tile{tiles[-1]}"]
+            cells = ", ".join(f"{k[4:]} {r[k]['ms']:.4f} ({r[k]['max_diff']:.0e})" for k in timed)
+            print(f"{r['kind']} {r['bits']} {r['batch']}x{r['length']}: default {last['ms']:.4f} ms "
+                  f"({last['splits']} splits); busy blocks 8-bit:4-bit: {cells}")  # fmt: skip
     for r in rows:
         forced = [k for k in r if k.startswith("splits")]
         if forced:
