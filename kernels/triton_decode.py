@@ -54,8 +54,12 @@ from kvtune.kernels.triton_bits_partition import partition_by_bits_triton
 from kvtune.kernels.triton_common import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
-# Splits' partials the merge loads before it merges them (``_merge_kernel``'s ``SB``: 4, or 1 at a time).
+# Splits' partials the merge loads before it merges them (``_merge_kernel``'s ``SB``: 1, 4 or 8);
+# listed blocks per step of the merge's per-block mass (``MB``), and whether the first step's loads go out
+# with the first partials (``AHEAD``).
 MERGE_TILE = 4
+MASS_TILE = 64
+MASS_AHEAD = True
 
 
 def _prmt_asm(sel0: str, sel1: str) -> tl.constexpr:
@@ -394,35 +398,51 @@ def _partial(part_ml_ptr, part_acc_ptr, bh, s, slots, end, g, c, gmask, G: tl.co
 
 
 @triton.jit
-def _merge_slots(part_ml_ptr, part_acc_ptr, bh, begin, end, slots, m, l_sum, acc_lo, acc_hi, g, c, gmask,
+def _fold4(m, l_sum, acc_lo, acc_hi, m0, l0, lo0, hi0, m1, l1, lo1, hi1, m2, l2, lo2, hi2, m3, l3, lo3, hi3):
+    """The running (m, l, acc) with four partials merged in."""
+    m_new = tl.maximum(tl.maximum(m, m0), tl.maximum(tl.maximum(m1, m2), m3))
+    alpha = tl.exp2(m - m_new)
+    b0 = tl.exp2(m0 - m_new)
+    b1 = tl.exp2(m1 - m_new)
+    b2 = tl.exp2(m2 - m_new)
+    b3 = tl.exp2(m3 - m_new)
+    l_sum = l_sum * alpha + l0 * b0 + l1 * b1 + l2 * b2 + l3 * b3
+    acc_lo = (acc_lo * alpha[:, None] + lo0 * b0[:, None] + lo1 * b1[:, None] + lo2 * b2[:, None]
+              + lo3 * b3[:, None])  # fmt: skip
+    acc_hi = (acc_hi * alpha[:, None] + hi0 * b0[:, None] + hi1 * b1[:, None] + hi2 * b2[:, None]
+              + hi3 * b3[:, None])  # fmt: skip
+    return m_new, l_sum, acc_lo, acc_hi
+
+
+@triton.jit
+def _merge_slots(ml_ptr, acc_ptr, bh, begin, end, slots, m, l_sum, acc_lo, acc_hi, g, c, gmask,
                  G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):  # fmt: skip
-    """The running (m, l, acc) with row ``bh``'s partials in slots ``begin .. end - 1`` merged in, ``SB`` (1
-    or 4) of them loaded before any of them is merged."""
+    """The running (m, l, acc) with row ``bh``'s partials in slots ``begin .. end - 1`` merged in, ``SB`` (1,
+    4 or 8) of them loaded before any of them is merged."""
     for s0 in range(begin, end, SB):
-        m0, l0, lo0, hi0 = _partial(part_ml_ptr, part_acc_ptr, bh, s0, slots, end, g, c, gmask, G, D)
-        if SB == 4:
-            m1, l1, lo1, hi1 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 1, slots, end, g, c, gmask, G, D)
-            m2, l2, lo2, hi2 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 2, slots, end, g, c, gmask, G, D)
-            m3, l3, lo3, hi3 = _partial(part_ml_ptr, part_acc_ptr, bh, s0 + 3, slots, end, g, c, gmask, G, D)
-            m_new = tl.maximum(tl.maximum(m, m0), tl.maximum(tl.maximum(m1, m2), m3))
-            alpha = tl.exp2(m - m_new)
-            b0 = tl.exp2(m0 - m_new)
-            b1 = tl.exp2(m1 - m_new)
-            b2 = tl.exp2(m2 - m_new)
-            b3 = tl.exp2(m3 - m_new)
-            l_sum = l_sum * alpha + l0 * b0 + l1 * b1 + l2 * b2 + l3 * b3
-            acc_lo = (acc_lo * alpha[:, None] + lo0 * b0[:, None] + lo1 * b1[:, None] + lo2 * b2[:, None]
-                      + lo3 * b3[:, None])  # fmt: skip
-            acc_hi = (acc_hi * alpha[:, None] + hi0 * b0[:, None] + hi1 * b1[:, None] + hi2 * b2[:, None]
-                      + hi3 * b3[:, None])  # fmt: skip
-        else:
+        m0, l0, lo0, hi0 = _partial(ml_ptr, acc_ptr, bh, s0, slots, end, g, c, gmask, G, D)
+        if SB == 1:
             m_new = tl.maximum(m, m0)
             alpha = tl.exp2(m - m_new)
             b0 = tl.exp2(m0 - m_new)
             l_sum = l_sum * alpha + l0 * b0
             acc_lo = acc_lo * alpha[:, None] + lo0 * b0[:, None]
             acc_hi = acc_hi * alpha[:, None] + hi0 * b0[:, None]
-        m = m_new
+            m = m_new
+        else:
+            m1, l1, lo1, hi1 = _partial(ml_ptr, acc_ptr, bh, s0 + 1, slots, end, g, c, gmask, G, D)
+            m2, l2, lo2, hi2 = _partial(ml_ptr, acc_ptr, bh, s0 + 2, slots, end, g, c, gmask, G, D)
+            m3, l3, lo3, hi3 = _partial(ml_ptr, acc_ptr, bh, s0 + 3, slots, end, g, c, gmask, G, D)
+            if SB == 8:
+                m4, l4, lo4, hi4 = _partial(ml_ptr, acc_ptr, bh, s0 + 4, slots, end, g, c, gmask, G, D)
+                m5, l5, lo5, hi5 = _partial(ml_ptr, acc_ptr, bh, s0 + 5, slots, end, g, c, gmask, G, D)
+                m6, l6, lo6, hi6 = _partial(ml_ptr, acc_ptr, bh, s0 + 6, slots, end, g, c, gmask, G, D)
+                m7, l7, lo7, hi7 = _partial(ml_ptr, acc_ptr, bh, s0 + 7, slots, end, g, c, gmask, G, D)
+            m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, m0, l0, lo0, hi0, m1, l1, lo1, hi1,
+                                              m2, l2, lo2, hi2, m3, l3, lo3, hi3)  # fmt: skip
+            if SB == 8:
+                m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, m4, l4, lo4, hi4, m5, l5, lo5,
+                                                  hi5, m6, l6, lo6, hi6, m7, l7, lo7, hi7)  # fmt: skip
     return m, l_sum, acc_lo, acc_hi
 
 
@@ -435,19 +455,21 @@ def _merge_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
     HOT: tl.constexpr = False, WAIT: tl.constexpr = False, HOT_T: tl.constexpr = 64,
     PREC: tl.constexpr = "tf32", MAPPED: tl.constexpr = False, SB: tl.constexpr = 4,
-    ZB: tl.constexpr = 512,
+    ZB: tl.constexpr = 512, AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """Merge the splits of one (sequence, KV head): output rows, per-block mass, hot mass. ``HOT``: the hot
     zone is attended here first (the splits hold the cold blocks only) and ``WAIT``: this launch is a
     programmatic dependent of the splits' launch, so the hot zone overlaps it and only the merge waits.
     The block lse rows are ``lse_w`` wide; ``MAPPED`` (the table split by bits): entry ``j``'s lse is at
-    ``pos[row, j]`` of its row, else at ``j``. ``SB`` (1 or 4) splits' partials are loaded before any of
-    them is merged, so that a row of many splits waits on one memory round trip per ``SB`` of them, not
+    ``pos[row, j]`` of its row, else at ``j``. ``SB`` (1, 4 or 8) splits' partials are loaded before any
+    of them is merged, so that a row of many splits waits on one memory round trip per ``SB`` of them, not
     per split; the per-block mass reads only the row's ``num_cold`` listed blocks and writes the padding
     after them ``ZB`` zeros at a time (a sparse row lists a fraction of its table's width). ``HOT``: the
     Gluon builds wrote only their busy splits' partials, which are all the merge reads: the first build's
     in slots ``0 .. split2 - 1`` (its row's count at ``count1``, ``busy1`` blocks a busy split), with
-    ``MAPPED`` the second's after them (``count2``, ``busy2``)."""
+    ``MAPPED`` the second's after them (``count2``, ``busy2``). ``AHEAD``: the first ``MB`` listed blocks'
+    lse are loaded with the first partials (their positions before the wait), not after the output, one
+    memory round trip fewer on the merge's serial path."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -459,6 +481,15 @@ def _merge_kernel(
     l_sum = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, DH], tl.float32)
     acc_hi = tl.zeros([GP, DH], tl.float32)
+    nc = tl.load(num_cold_ptr + bh)
+    row = bh.to(tl.int64) * M
+    if AHEAD:  # where the first MB listed blocks' lse are: the partition's positions, read before the wait
+        j = tl.arange(0, MB)
+        valid0 = j < nc
+        if MAPPED:
+            at0 = bh.to(tl.int64) * lse_w + tl.load(pos_ptr + row + j, mask=valid0, other=0)
+        else:
+            at0 = bh.to(tl.int64) * lse_w + j
     if HOT:
         q_off = b.to(tl.int64) * s_qb + (h * G + g)[:, None] * s_qh + c[None, :]
         q_lo = tl.load(q_ptr + q_off, mask=gmask[:, None], other=0.0)
@@ -471,6 +502,9 @@ def _merge_kernel(
             tl.extra.cuda.gdc_wait()
     else:
         lse_hot = tl.load(hot_lse_ptr + bh * G + g, mask=gmask, other=float("-inf"))
+    if AHEAD:  # ... and their lse, in flight with the first partials
+        lb0 = tl.load(blk_lse_ptr + at0[:, None] * G + g[None, :], mask=valid0[:, None] & gmask[None, :],
+                      other=float("-inf"))  # fmt: skip
     if HOT:  # the Gluon builds' partials: each build's busy splits (``_busy_splits``), the rest unwritten
         busy = _busy_splits(tl.load(count1_ptr + bh), split2, busy1)
         m, l_sum, acc_lo, acc_hi = _merge_slots(part_ml_ptr, part_acc_ptr, bh, 0, busy, num_splits, m, l_sum,
@@ -491,9 +525,11 @@ def _merge_kernel(
     tl.store(out_ptr + out_off + DH, (acc_hi / safe_l[:, None]).to(out_t), mask=gmask[:, None])
     hot = tl.where(gmask, tl.exp2(lse_hot - lse), 0.0)
     tl.store(hot_mass_ptr + bh, tl.sum(hot, 0) / G)
-    nc = tl.load(num_cold_ptr + bh)
-    row = bh.to(tl.int64) * M
-    for j0 in range(0, nc, MB):  # the row's listed blocks; the padding after them below, without loads
+    first = 0
+    if AHEAD:
+        tl.store(mass_ptr + row + j, tl.sum(tl.exp2(lb0 - lse[None, :]), 1) / G, mask=j < M)
+        first = MB
+    for j0 in range(first, nc, MB):  # the row's listed blocks; the padding after them below, without loads
         j = j0 + tl.arange(0, MB)
         valid = j < nc
         if MAPPED:
@@ -503,7 +539,7 @@ def _merge_kernel(
         lb = tl.load(blk_lse_ptr + at[:, None] * G + g[None, :], mask=valid[:, None] & gmask[None, :],
                      other=float("-inf"))  # fmt: skip
         tl.store(mass_ptr + row + j, tl.sum(tl.exp2(lb - lse[None, :]), 1) / G, mask=j < M)
-    for z0 in range((nc + MB - 1) // MB * MB, M, ZB):
+    for z0 in range(tl.maximum((nc + MB - 1) // MB * MB, first), M, ZB):
         z = z0 + tl.arange(0, ZB)
         tl.store(mass_ptr + row + z, tl.zeros([ZB], tl.float32), mask=z < M)
 
@@ -820,7 +856,7 @@ def hybrid_decode_attention_triton(
         parts.positions if parts is not None else ncold, lse_w,
         *((parts.counts[0], parts.counts[1]) if parts is not None else (ncold, ncold)),
         plan.splits, opts.gluon_busy_blocks, opts.gluon_busy_blocks4 or opts.gluon_busy_blocks,
-        H=H, G=G, GP=max(16, next_pow2(G)) if gluon else next_pow2(G), D=D, MB=64, HOT=gluon,
-        MAPPED=parts is not None, SB=MERGE_TILE, **hot_args,
+        H=H, G=G, GP=max(16, next_pow2(G)) if gluon else next_pow2(G), D=D, MB=MASS_TILE, HOT=gluon,
+        MAPPED=parts is not None, SB=MERGE_TILE, AHEAD=MASS_AHEAD, **hot_args,
     )  # fmt: skip
     return out, mass, hot_mass

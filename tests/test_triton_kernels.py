@@ -208,20 +208,28 @@ def test_merge_attends_hot_zone_interpreted(
 
 @pytest.mark.parametrize("bits", [4, 0])
 def test_merge_tiles_agree_interpreted(kernels, monkeypatch, bits: int) -> None:
-    """The merge loading 4 splits' partials before it merges them gives what it gives merging them one by
+    """The merge loading 4 or 8 splits' partials before it merges them gives what it gives merging them one by
     one (the same sums in another order), with a split count that is not a multiple of 4 and rows whose
-    listed blocks end before the table does."""
+    listed blocks end before the table does; so does the per-block mass with its first step's loads issued
+    early (``MASS_AHEAD``), in steps of the whole table or of fewer blocks than a row lists
+    (``MASS_TILE``)."""
     td = kernels.triton_decode
     inp = make_decode(Shape(2, 2, 3, 32, 8, 7, 16), bits, torch.float32, "cpu")
     opts = td.DecodeKernelOptions(min_blocks_per_split=1, programs_per_sm=64)
     assert td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts).splits == 7
+    assert int(inp["num_cold"].min()) < int(inp["num_cold"].max()) > 4
     got = {}
-    for tile in (1, 4):
+    for tile, ahead, mass in ((1, False, 64), (4, False, 64), (4, True, 64), (4, True, 4), (1, False, 4),
+                              (8, True, 64), (8, False, 4)):  # fmt: skip
         monkeypatch.setattr(td, "MERGE_TILE", tile)
-        got[tile] = td.hybrid_decode_attention_triton(**inp, options=opts)
-    for a, b in zip(got[1], got[4]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert_decode_close(got[4], hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.float32)
+        monkeypatch.setattr(td, "MASS_AHEAD", ahead)
+        monkeypatch.setattr(td, "MASS_TILE", mass)
+        got[tile, ahead, mass] = td.hybrid_decode_attention_triton(**inp, options=opts)
+    first = got[1, False, 64]
+    for key, out in got.items():
+        for a, b in zip(first, out):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    assert_decode_close(got[4, True, 64], hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.float32)
 
 
 def test_v_pairs_only_on_pure_8bit_pools_interpreted(kernels) -> None:

@@ -7,7 +7,7 @@ beside them, and each kernel's device time (``torch.profiler`` over eager launch
 the launch planned. Writes ``merge_tile.json`` and prints a table.
 
     python lab/scripts/merge_tile.py --out $OUT [--smoke]   (--smoke: tiny shapes, TRITON_INTERPRET=1)
-        [--busy 1:0,24:4] [--tiles 4] [--splits 9,17] [--mixed-splits p:1,9:3]
+        [--busy 1:0,24:4] [--mass 0:64,1:64] [--tiles 4] [--splits 9,17] [--mixed-splits p:1,9:3]
 """
 
 from __future__ import annotations
@@ -65,11 +65,13 @@ def measure(
     splits: list[int],
     mixed: list[tuple[str, str]],
     busy: list[tuple[int, int]],
+    masses: list[tuple[int, int]],
 ) -> dict:
     """One case timed (graph replays) and profiled (eager) with each merge tile, their outputs compared;
     then with each split count of ``splits`` forced, (sparse INT8) each build's of ``mixed``, and (the
     Gluon kernels) each (``gluon_busy_blocks``, ``gluon_busy_blocks4``) of ``busy``."""
     planned_plan = triton_decode.launch_plan
+    default_mass = (getattr(triton_decode, "MASS_AHEAD", False), getattr(triton_decode, "MASS_TILE", 64))
     if kind == "dense":
         inp = da.make_inputs(da.Case(b, length, bits))
         table, num_cold = inp["block_table"], inp["num_cold"]
@@ -85,6 +87,12 @@ def measure(
     plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], inp["pool"], table, opt)
     row: dict = dict(kind=kind, batch=b, length=length, bits=bits, kernel=plan.kernel)
     outs = {}
+    want = run()[0].float()
+    for ahead, mass in masses:  # the merge's per-block mass: first step early or not, blocks per step
+        triton_decode.MASS_AHEAD, triton_decode.MASS_TILE = bool(ahead), mass
+        diff = float((run()[0].float() - want).abs().max())
+        row[f"mass{ahead}:{mass}"] = dict(ms=da.bench(run), max_diff=diff, kernels=kernel_times(run, iters))
+    triton_decode.MASS_AHEAD, triton_decode.MASS_TILE = default_mass
     for tile in tiles:
         triton_decode.MERGE_TILE = tile
         outs[tile] = [x.float() for x in run()]
@@ -158,6 +166,8 @@ def main() -> int:
     )
     ap.add_argument("--tiles", type=lambda x: [int(v) for v in x.split(",")], default=None,
                     help="merge tiles to time (default: 1 and MERGE_TILE)")  # fmt: skip
+    ap.add_argument("--mass", type=lambda x: [tuple(int(b) for b in v.split(":")) for v in x.split(",")],
+                    default=[], help="MASS_AHEAD:MASS_TILE pairs to time, e.g. 0:64,1:64,1:128")  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -177,7 +187,9 @@ def main() -> int:
         if (b, length) not in sdpa:
             sdpa[(b, length)] = da.sdpa_case(b, length)[0]
         forced = args.splits if (b, length) == sparse[-1] else []  # the fewest rows: 4 x 128K
-        row = measure(kind, b, length, bits, opts, tiles, args.iters, forced, args.mixed_splits, args.busy)
+        row = measure(
+            kind, b, length, bits, opts, tiles, args.iters, forced, args.mixed_splits, args.busy, args.mass
+        )
         row["sdpa_ms"] = sdpa[(b, length)]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -209,6 +221,13 @@ def main() -> int:
             last = r[f"tile{tiles[-1]}"]
             head = f"mixed {r['batch']}x{r['length']}: {last['splits']}:{last['splits']} {last['ms']:.4f} ms"
             print(f"{head}; forced 8-bit:4-bit splits: {cells}")
+    for r in rows:
+        timed = [k for k in r if k.startswith("mass")]
+        if timed:
+            last = r[f"tile{tiles[-1]}"]
+            cells = ", ".join(f"{k[4:]} {r[k]['ms']:.4f} ({r[k]['max_diff']:.0e})" for k in timed)
+            print(f"{r['kind']} {r['bits']} {r['batch']}x{r['length']}: default {last['ms']:.4f} ms; "
+                  f"merge mass ahead:tile: {cells}")  # fmt: skip
     for r in rows:
         timed = [k for k in r if k.startswith("busy")]
         if timed:
