@@ -54,11 +54,13 @@ from kvtune.kernels.triton_bits_partition import partition_by_bits_triton
 from kvtune.kernels.triton_common import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
-# Splits' partials the merge loads before it merges them (``_merge_kernel``'s ``SB``: 1, 4 or 8);
-# listed blocks per step of the merge's per-block mass (``MB``), and whether the first step's loads go out
-# with the first partials (``AHEAD``).
+# Splits' partials the merge loads before it merges them (``_merge_kernel``'s ``SB``: 1, 4 or 8; 8 was
+# within 1 % of 4 on an H200, run 24b); listed blocks per step of the merge's per-block mass (``MB``), and
+# whether the first step's loads go out with the first partials (``AHEAD``): on the H200 (graphs, run 24b)
+# AHEAD took sparse INT4 at 4 x 128K from 0.0530 to 0.0504 ms and 128 blocks a step to 0.0498 (dense INT4
+# at 4 x 128K: 0.2052, 0.2016, 0.1940).
 MERGE_TILE = 4
-MASS_TILE = 64
+MASS_TILE = 128
 MASS_AHEAD = True
 
 
