@@ -151,6 +151,7 @@ def test_mixed_launch_interpreted(
             q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
             pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1), **meta,
+            BUSY=True,
         )  # fmt: skip
         idle = idle_splits(ncold.flatten()[: grid[1]], splits, per)
         acc[idle.flatten()] = float("nan")  # what the Gluon kernel leaves unwritten

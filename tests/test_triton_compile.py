@@ -482,6 +482,23 @@ def test_warm_up_compiles_every_kernel_of_a_sparse_replay(monkeypatch: pytest.Mo
 
 
 # ---- the split count's wave model and the occupancy it plans with ---------------------------------------
+@pytest.mark.parametrize(
+    ("bits", "demotable", "most"), [(0, True, 4), (4, True, 4), (8, False, 4), (8, True, 4)], ids=str
+)
+def test_split_kernel_keeps_its_programs_per_sm(bits: int, demotable: bool, most: int) -> None:
+    """The split kernel's default build for each pool width, compiled for sm_90, still fits the programs per
+    multiprocessor its options were chosen at on the H200. Guards its registers: the busy-split arithmetic,
+    when it was in this kernel unconditionally, took the unquantized build from 61 to 74 registers (3
+    programs per multiprocessor) and its 64 x 8K attention from 0.506 to 0.653 ms."""
+    from kvtune.kernels.aot import resources
+    from kvtune.kernels.triton_decode import resident_programs
+
+    launch = record_launches(_decode(bits, demotable, kernel="split"))[0]
+    assert launch.fn.__name__ == "_split_kernel"
+    r = resources(launch)
+    assert resident_programs(r.registers, r.num_warps, r.shared_bytes) == most, r
+
+
 def test_resident_programs_match_the_offline_table() -> None:
     """The H200 table of the decode variants (registers, shared memory -> programs per SM on sm_90)."""
     from kvtune.kernels.triton_decode import resident_programs

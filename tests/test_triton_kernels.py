@@ -194,6 +194,7 @@ def test_merge_attends_hot_zone_interpreted(
             q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
             pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1), **meta,
+            BUSY=True,
         )  # fmt: skip
         rows = (-(-codes[7].flatten().long() // per)).clamp(1, splits)  # each row's busy splits
         idle = (torch.arange(splits)[None, :] >= rows[:, None]).flatten()
