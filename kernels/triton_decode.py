@@ -4,7 +4,9 @@ One program of ``_split_kernel`` owns one (sequence ``b``, KV head ``h``, split 
 heads of that KV head's group (padded to ``GP >= 16`` rows for ``tl.dot``). It walks its share of the cold
 blocks listed in ``block_table[b, h, :num_cold[b, h]]`` -- the row's own count split evenly over the splits,
 not the table's width, so the short rows of a sparse table (``M + k`` columns, ``n1 + k`` listed) keep every
-split busy (the last split also walks the hot zone) -- with an online softmax in base 2. Quantized blocks are
+split busy (the last split also walks the hot zone) -- with an online softmax in base 2. The Gluon builds
+(below) go further: a row keeps one split busy per ``gluon_busy_blocks`` of its listed blocks, the others
+write no partial and the merge reads none for them (``_busy_splits``). Quantized blocks are
 never dequantized element by element (``x = min + code * scale``):
 
 * keys, per channel: ``q . k = sum_d (q_d scale_d) code_d + sum_d q_d min_d`` -- the scale and min fold into
