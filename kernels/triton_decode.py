@@ -64,6 +64,9 @@ LOG2E = 1.4426950408889634
 MERGE_TILE = 4
 MASS_TILE = 128
 MASS_AHEAD = True
+# The merge's software-pipelining stages where the Gluon kernel takes the cold blocks (None: Triton's default,
+# which gives its loops cp.async rings of ~70 KB of shared memory on sm_90; 1: plain loads, ~22 KB).
+MERGE_STAGES: int | None = None
 
 
 def _prmt_asm(sel0: str, sel1: str) -> tl.constexpr:
@@ -857,6 +860,8 @@ def hybrid_decode_attention_triton(
     mass = torch.empty((B, H, M), dtype=torch.float32, device=dev)
     hot_mass = torch.empty((B, H), dtype=torch.float32, device=dev)
     hot_args = {"HOT_T": meta["HOT_T"], "PREC": meta["PREC"], "WAIT": pdl, "launch_pdl": pdl} if gluon else {}
+    if gluon and MERGE_STAGES:
+        hot_args["num_stages"] = MERGE_STAGES
     _merge_kernel[(B * H,)](
         part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass,
         q, hot_k, hot_v, hot_slot, hot_len, qk_scale,

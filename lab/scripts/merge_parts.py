@@ -10,7 +10,8 @@ up) of INT8 (``gluon_mixed``) and INT4 (``gluon``), in one process, CUDA graph r
 * ``merge``: the merge alone over the partials of a finished run, launched plainly (no programmatic wait);
 * ``no mass``: the merge with no per-block mass (its row counts read as 0 and a table width of 0);
 * ``one partial``: the merge reading one partial a build (the builds' counts read as 0);
-* ``hot only``: both (the hot zone, the output and the hot mass are left).
+* ``hot only``: both (the hot zone, the output and the hot mass are left);
+* ``merge, 1 stage`` and ``whole, 1 stage``: the merge compiled with ``num_stages=1`` (``MERGE_STAGES``).
 
 The merge's outputs are wrong in the last three; they are timed, not used. Prints a table and writes
 ``merge_parts.json``.
@@ -95,6 +96,13 @@ def measure(b: int, length: int, bits: int, opt) -> dict:
     row["no mass"] = da.bench(merge_with(**no_mass))
     row["one partial"] = da.bench(merge_with(**one))
     row["hot only"] = da.bench(merge_with(**no_mass, **one))
+    plain["num_stages"] = 1
+    row["merge, 1 stage"] = da.bench(merge_with())
+    triton_decode.MERGE_STAGES = 1
+    try:
+        row["whole, 1 stage"] = da.bench(run)
+    finally:
+        triton_decode.MERGE_STAGES = None
     return row
 
 
@@ -114,7 +122,16 @@ def main() -> int:
             torch.cuda.empty_cache()
     out = dict(device=torch.cuda.get_device_name(), rows=rows)
     (args.out / "merge_parts.json").write_text(json.dumps(out, indent=1))
-    keys = ["whole", "cold", "merge", "no mass", "one partial", "hot only"]
+    keys = [
+        "whole",
+        "cold",
+        "merge",
+        "no mass",
+        "one partial",
+        "hot only",
+        "merge, 1 stage",
+        "whole, 1 stage",
+    ]
     print("| case | " + " | ".join(f"{k} (ms)" for k in keys) + " |")
     print("| --- |" + " ---: |" * len(keys))
     for r in rows:
