@@ -66,7 +66,7 @@ MASS_TILE = 128
 MASS_AHEAD = True
 # The merge's software-pipelining stages where the Gluon kernel takes the cold blocks (None: Triton's default,
 # which gives its loops cp.async rings of ~70 KB of shared memory on sm_90; 1: plain loads, ~22 KB).
-MERGE_STAGES: int | None = None
+MERGE_STAGES: int | None = 1
 
 
 def _prmt_asm(sel0: str, sel1: str) -> tl.constexpr:
