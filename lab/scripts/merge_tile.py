@@ -221,20 +221,14 @@ def main() -> int:
             last = r[f"tile{tiles[-1]}"]
             head = f"mixed {r['batch']}x{r['length']}: {last['splits']}:{last['splits']} {last['ms']:.4f} ms"
             print(f"{head}; forced 8-bit:4-bit splits: {cells}")
-    for r in rows:
-        timed = [k for k in r if k.startswith("mass")]
-        if timed:
-            last = r[f"tile{tiles[-1]}"]
-            cells = ", ".join(f"{k[4:]} {r[k]['ms']:.4f} ({r[k]['max_diff']:.0e})" for k in timed)
-            print(f"{r['kind']} {r['bits']} {r['batch']}x{r['length']}: default {last['ms']:.4f} ms; "
-                  f"merge mass ahead:tile: {cells}")  # fmt: skip
-    for r in rows:
-        timed = [k for k in r if k.startswith("busy")]
-        if timed:
-            last = r[f"tile{tiles[-1]}"]
-            cells = ", ".join(f"{k[4:]} {r[k]['ms']:.4f} ({r[k]['max_diff']:.0e})" for k in timed)
-            print(f"{r['kind']} {r['bits']} {r['batch']}x{r['length']}: default {last['ms']:.4f} ms "
-                  f"({last['splits']} splits); busy blocks 8-bit:4-bit: {cells}")  # fmt: skip
+    for prefix, what in (("mass", "merge mass ahead:tile"), ("busy", "busy blocks 8-bit:4-bit")):
+        for r in rows:
+            timed = [k for k in r if k.startswith(prefix)]
+            if timed:
+                last = r[f"tile{tiles[-1]}"]
+                cells = ", ".join(f"{k[4:]} {r[k]['ms']:.4f} ({r[k]['max_diff']:.0e})" for k in timed)
+                print(f"{r['kind']} {r['bits']} {r['batch']}x{r['length']}: default {last['ms']:.4f} ms "
+                      f"({last['splits']} splits); {what}: {cells}")  # fmt: skip
     for r in rows:
         forced = [k for k in r if k.startswith("splits")]
         if forced:
