@@ -13,6 +13,8 @@ up) of INT8 (``gluon_mixed``) and INT4 (``gluon``), in one process, CUDA graph r
 * ``hot only``: both (the hot zone, the output and the hot mass are left);
 * ``merge, 1 stage`` and ``whole, 1 stage``: the merge compiled with ``num_stages=1`` (``MERGE_STAGES``).
 
+``--ncu``: instead, run each case's attention a few times eagerly for Nsight Compute to read (no timing).
+
 The merge's outputs are wrong in the last three; they are timed, not used. Prints a table and writes
 ``merge_parts.json``.
 
@@ -60,7 +62,7 @@ def record(run) -> tuple[list, list]:
     return cold, merge
 
 
-def measure(b: int, length: int, bits: int, opt) -> dict:
+def measure(b: int, length: int, bits: int, opt, ncu: bool = False) -> dict:
     """One sparse case's times (module docstring), ms."""
     l1 = (length - da.HOT) // da.BS // 8
     inp, blocks, tier, count = da.sparse_setup(da.Case(b, length, bits, l1_blocks=l1))
@@ -71,6 +73,11 @@ def measure(b: int, length: int, bits: int, opt) -> dict:
     def run() -> tuple:
         return da.run_hybrid({**inp, "block_table": table, "num_cold": num_cold}, opt)
 
+    if ncu:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        return {}
     cold, merge = record(run)
     ((grid, margs, mkw),) = merge
     plain = {**mkw, "WAIT": False, "launch_pdl": False}
@@ -109,6 +116,7 @@ def measure(b: int, length: int, bits: int, opt) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--ncu", action="store_true", help="a few eager runs of each case for ncu; no timing")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -117,9 +125,12 @@ def main() -> int:
     rows = []
     for b, length in ((16, 32768), (4, 131072)):
         for bits in (8, 4):
-            rows.append(measure(b, length, bits, opts[f"sparse{bits}"]))
-            print(json.dumps(rows[-1]), flush=True)
+            rows.append(measure(b, length, bits, opts[f"sparse{bits}"], args.ncu))
+            if rows[-1]:
+                print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
+    if args.ncu:
+        return 0
     out = dict(device=torch.cuda.get_device_name(), rows=rows)
     (args.out / "merge_parts.json").write_text(json.dumps(out, indent=1))
     keys = [
