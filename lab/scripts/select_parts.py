@@ -54,13 +54,16 @@ def case_parts(b: int, length: int, ncu: bool) -> dict:
     nbytes = int(l2_count.sum()) * da.H * 2 * 2 * da.D
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=da.DEVICE)
     dst = torch.empty_like(src)
+
+    def bounds() -> torch.Tensor:
+        return quest_scores_triton(q, pool, l2_table, l2_count)
+
     fns = {
         "single": lambda: da.select_table(q, pool, blocks, tier, k_blocks, count, SelectOptions(split=False)),
         "split": lambda: da.select_table(q, pool, blocks, tier, k_blocks, count, SelectOptions(split=True)),
         "no select": lambda: da.select_table(q, pool, blocks, tier, 0, count, SelectOptions(split=False)),
-        "bounds": lambda: quest_scores_triton(q, pool, l2_table, l2_count),
-        "bounds + topk": lambda: topk_blocks(quest_scores_triton(q, pool, l2_table, l2_count), l2_table,
-                                             k_blocks),  # fmt: skip
+        "bounds": bounds,
+        "bounds + topk": lambda: topk_blocks(bounds(), l2_table, k_blocks),
         "copy": lambda: dst.copy_(src),
     }
     if ncu:
@@ -99,8 +102,9 @@ def main() -> int:
     print("| --- | ---: | ---: |" + " ---: |" * len(keys))
     for r in rows:
         cells = [f"{r[k]:.1f}" for k in keys]
-        print(f"| {r['batch']} x {r['length'] // 1024}K | {r['l2_blocks']} | {r['bound_bytes'] / 1e6:.1f} MB | "
-              + " | ".join(cells) + " |")  # fmt: skip
+        mb = r["bound_bytes"] / 1e6
+        head = f"| {r['batch']} x {r['length'] // 1024}K | {r['l2_blocks']} | {mb:.1f} MB | "
+        print(head + " | ".join(cells) + " |")
     return 0
 
 
