@@ -63,6 +63,8 @@ from kvtune.kernels.triton_sparse_table import (
 )
 
 MERGE_WARPS = 8  # the [256, 64] comparisons of a rank step: 64 per thread
+MERGE_SORT = False  # the merge ranks the spans' keys with ``tl.topk`` (a bitonic network) instead
+SORT_WARPS = 1  # ... in one warp: its compare-and-swap rounds are shuffles, never barriers
 
 
 @triton.jit
@@ -169,14 +171,29 @@ def _span_kernel(
 
 @triton.jit(do_not_specialize=["M", "W", "K", "P"])
 def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes_ptr, M, W, K, P,
-                        H: tl.constexpr, TOPK: tl.constexpr, NK: tl.constexpr, MB: tl.constexpr):  # fmt: skip
+                        H: tl.constexpr, TOPK: tl.constexpr, NK: tl.constexpr, MB: tl.constexpr,
+                        SORT: tl.constexpr = False):  # fmt: skip
     """Row bh's top-K of its spans' keys to table places n1 + rank (rank: the keys above; keys are
-    distinct), with their bytes (``cost[bits]``, the bits in the key)."""
+    distinct), with their bytes (``cost[bits]``, the bits in the key). ``SORT``: the ranks from ``tl.topk``
+    (a bitonic top-k network over the NK keys) instead of counting the keys above each one in
+    ``[NK, MB]`` comparisons."""
     bh = tl.program_id(0)
     n = P * TOPK
     base = keys_ptr + bh.to(tl.int64) * n
     e = tl.arange(0, NK)
     key = tl.load(base + e, mask=e < n, other=NONE)
+    if SORT:  # the TOPK largest, descending: a key's rank is its place
+        if TOPK == 1:  # (tl.topk reduces to a scalar at k 1)
+            top = tl.full([1], 0, tl.int64) + tl.max(key, 0)
+        else:
+            top = tl.topk(key, TOPK)
+        i = tl.arange(0, TOPK)
+        sel = (top != NONE) & (i < K)
+        ids = tl.load(blocks_ptr + (bh // H).to(tl.int64) * M + ((top >> 4) & 0xFFFFFFF), mask=sel, other=-1)
+        c1 = tl.load(n1_ptr + bh)
+        tl.store(table_ptr + bh.to(tl.int64) * W + c1 + i, ids.to(tl.int32), mask=sel)
+        tl.atomic_add(bytes_ptr, tl.sum(tl.load(cost_ptr + (top & 15), mask=sel, other=0), 0))
+        return
     rank = tl.zeros([NK], tl.int32)
     for c in tl.static_range(NK // MB):
         if c * MB < n:
@@ -229,6 +246,7 @@ def sparse_block_table_split_triton(
     )  # fmt: skip
     _merge_spans_kernel[(B * H,)](
         keys, blocks, count.cost, table, n1, count.total, M, W, k_blocks, plan.splits, H=H,
-        TOPK=topk, NK=max_splits(k_blocks) * topk, MB=CHUNK, num_warps=MERGE_WARPS,
+        TOPK=topk, NK=max_splits(k_blocks) * topk, MB=CHUNK, SORT=MERGE_SORT,
+        num_warps=SORT_WARPS if MERGE_SORT else MERGE_WARPS,
     )  # fmt: skip
     return table, num, n1

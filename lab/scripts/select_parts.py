@@ -12,7 +12,11 @@ For the sparse rows of ``benchmarks/decode_attention.py`` (16 x 32K, 4 x 128K: L
   (``_quest_score_kernel`` over the rows' L2 lists, fully parallel), and ``bounds + topk`` with
   ``torch.topk`` after it;
 * ``copy``: ``torch.Tensor.copy_`` of as many bytes as the bound reads (key mins and scales of the L2
-  blocks), the card's contiguous floor for them.
+  blocks), and ``read``: their sum (read only), the card's contiguous floors for them;
+* ``split, sorted merge W``: the split selection with its merge ranking by ``tl.topk`` in W warps
+  (``MERGE_SORT``, ``SORT_WARPS``);
+* ``bounds, ids in order`` / ``bounds, contiguous``: the bound alone over each row's L2 blocks sorted by id,
+  and over contiguous blocks (what the gather's addresses cost).
 
 ``--ncu``: instead, run each kernel a few times eagerly for Nsight Compute to read (no timing).
 
@@ -32,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_attention as da
 
+from kvtune.kernels import triton_sparse_split as tss
 from kvtune.kernels.sparse_table_choice import SelectOptions
 from kvtune.kernels.sparse_table_ref import L2
 from kvtune.kernels.triton_quest import quest_scores_triton, topk_blocks
@@ -58,6 +63,23 @@ def case_parts(b: int, length: int, ncu: bool) -> dict:
     def bounds() -> torch.Tensor:
         return quest_scores_triton(q, pool, l2_table, l2_count)
 
+    sorted_table = torch.where(l2_table >= 0, l2_table, l2_table.max() + 1).sort(1).values
+    sorted_table = torch.where(sorted_table > l2_table.max(), -1, sorted_table)
+    contiguous = torch.arange(b * m2, dtype=torch.int32, device=da.DEVICE).view(b, m2)
+
+    def split_sort(warps: int, pps: int = 2):
+        def run():
+            tss.MERGE_SORT, tss.SORT_WARPS = True, warps
+            try:
+                opt = SelectOptions(split=True, programs_per_sm=pps)
+                return da.select_table(q, pool, blocks, tier, k_blocks, count, opt)
+            finally:
+                tss.MERGE_SORT, tss.SORT_WARPS = sort0
+
+        return run
+
+    sort0 = (tss.MERGE_SORT, tss.SORT_WARPS)
+
     fns = {
         "single": lambda: da.select_table(q, pool, blocks, tier, k_blocks, count, SelectOptions(split=False)),
         "split": lambda: da.select_table(q, pool, blocks, tier, k_blocks, count, SelectOptions(split=True)),
@@ -65,6 +87,13 @@ def case_parts(b: int, length: int, ncu: bool) -> dict:
         "bounds": bounds,
         "bounds + topk": lambda: topk_blocks(bounds(), l2_table, k_blocks),
         "copy": lambda: dst.copy_(src),
+        "split, sorted merge 4": split_sort(4),
+        "split, sorted merge 8": split_sort(8),
+        "split, 4 per SM, sorted merge 8": split_sort(8, 4),
+        "split, 1 per SM, sorted merge 8": split_sort(8, 1),
+        "bounds, ids in order": lambda: quest_scores_triton(q, pool, sorted_table, l2_count),
+        "bounds, contiguous": lambda: quest_scores_triton(q, pool, contiguous, l2_count),
+        "read": lambda: src.sum(),
     }
     if ncu:
         for fn in fns.values():
@@ -97,7 +126,7 @@ def main() -> int:
     (args.out / "select_parts.json").write_text(
         json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1)
     )
-    keys = ["single", "split", "no select", "bounds", "bounds + topk", "copy"]
+    keys = [k for k in rows[0] if k not in ("batch", "length", "l2_blocks", "bound_bytes")]
     print("| B x L | L2 blocks a row | bound bytes | " + " | ".join(f"{k} (µs)" for k in keys) + " |")
     print("| --- | ---: | ---: |" + " ---: |" * len(keys))
     for r in rows:
