@@ -13,9 +13,9 @@ follow the batch and the row width only (capturable in a CUDA graph), one compil
 
    The key of a block holds its position in the row, not in the row's list of L2 blocks: both order the
    L2 blocks alike, so keys compare as in the single kernel, and the merge reads the id from the row.
-2. ``_merge_spans_kernel``, one program per row: a key's rank among the row's ``splits x TOPK`` keys is the
-   number of keys above it (keys are distinct); the keys of rank below ``k`` are the row's top-k, and each
-   goes to place ``n1 + rank`` of the table with its block's id; their bytes are added to the count.
+2. ``_merge_spans_kernel``, one program per row: ``tl.topk`` sorts the ``k`` largest of the row's
+   ``splits x TOPK`` keys descending (keys are distinct, so a key's place is its rank); each goes to place
+   ``n1 + rank`` of the table with its block's id; their bytes are added to the count.
 
 Ties: keys order by bound, then by position (later first), in both kernels, so the tables are the same
 (the bounds are the same sums over the same ``[64, D]`` tiles of 8 warps, so the same floats).
@@ -24,8 +24,8 @@ Why: the single kernel scores a row's L2 blocks one chunk after another in one p
 programs at 16 sequences x 8 KV heads (about one per multiprocessor of an H200, each waiting on its chunks'
 loads in turn). Here a row's chunks are spread over ``splits`` programs (planned from the rows and the
 multiprocessors, :func:`~kvtune.kernels.sparse_table_choice.split_plan`), capped at 128 registers per thread
-(``SelectOptions.maxnreg``) so two programs of 8 warps share a multiprocessor. The merge ranks
-``splits x TOPK`` keys by ``(splits x TOPK)^2`` comparisons, so a row has at most
+(``SelectOptions.maxnreg``) so two programs of 8 warps share a multiprocessor. The merge's network is as
+wide as ``splits x TOPK`` keys rounded up to a power of two, so a row has at most
 :func:`~kvtune.kernels.sparse_table_choice.max_splits` spans (256 keys).
 """
 
@@ -62,9 +62,10 @@ from kvtune.kernels.triton_sparse_table import (
     table_outputs,
 )
 
-MERGE_WARPS = 8  # the [256, 64] comparisons of a rank step: 64 per thread
-MERGE_SORT = False  # the merge ranks the spans' keys with ``tl.topk`` (a bitonic network) instead
-SORT_WARPS = 1  # ... in one warp: its compare-and-swap rounds are shuffles, never barriers
+# The merge's top-k network over 256 keys compiles for sm_90 to ~470 instructions and 11 barriers per warp at
+# 8 warps (1,590 and 3 at one warp); ranking by counting the keys above each one in [256, 64] comparisons took
+# ~2,860 and 33. On an H200 the split selection at 4 x 128K took 21.6 µs against 27.6 (4 or 8 warps alike).
+MERGE_WARPS = 8
 
 
 @triton.jit
@@ -171,41 +172,24 @@ def _span_kernel(
 
 @triton.jit(do_not_specialize=["M", "W", "K", "P"])
 def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes_ptr, M, W, K, P,
-                        H: tl.constexpr, TOPK: tl.constexpr, NK: tl.constexpr, MB: tl.constexpr,
-                        SORT: tl.constexpr = False):  # fmt: skip
-    """Row bh's top-K of its spans' keys to table places n1 + rank (rank: the keys above; keys are
-    distinct), with their bytes (``cost[bits]``, the bits in the key). ``SORT``: the ranks from ``tl.topk``
-    (a bitonic top-k network over the NK keys) instead of counting the keys above each one in
-    ``[NK, MB]`` comparisons."""
+                        H: tl.constexpr, TOPK: tl.constexpr, NK: tl.constexpr):  # fmt: skip
+    """Row bh's top-K of its spans' keys to table places n1 + rank, with their bytes (``cost[bits]``, the
+    bits in the key). ``tl.topk`` (a bitonic network) sorts the TOPK largest of the NK keys descending, so a
+    key's rank is its place (keys are distinct)."""
     bh = tl.program_id(0)
     n = P * TOPK
-    base = keys_ptr + bh.to(tl.int64) * n
     e = tl.arange(0, NK)
-    key = tl.load(base + e, mask=e < n, other=NONE)
-    if SORT:  # the TOPK largest, descending: a key's rank is its place
-        if TOPK == 1:  # (tl.topk reduces to a scalar at k 1)
-            top = tl.full([1], 0, tl.int64) + tl.max(key, 0)
-        else:
-            top = tl.topk(key, TOPK)
-        i = tl.arange(0, TOPK)
-        sel = (top != NONE) & (i < K)
-        ids = tl.load(blocks_ptr + (bh // H).to(tl.int64) * M + ((top >> 4) & 0xFFFFFFF), mask=sel, other=-1)
-        c1 = tl.load(n1_ptr + bh)
-        tl.store(table_ptr + bh.to(tl.int64) * W + c1 + i, ids.to(tl.int32), mask=sel)
-        tl.atomic_add(bytes_ptr, tl.sum(tl.load(cost_ptr + (top & 15), mask=sel, other=0), 0))
-        return
-    rank = tl.zeros([NK], tl.int32)
-    for c in tl.static_range(NK // MB):
-        if c * MB < n:
-            o = c * MB + tl.arange(0, MB)
-            other = tl.load(base + o, mask=o < n, other=NONE)
-            rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
-    sel = (key != NONE) & (rank < K)
-    pos = (key >> 4) & 0xFFFFFFF
-    ids = tl.load(blocks_ptr + (bh // H).to(tl.int64) * M + pos, mask=sel, other=-1)
+    key = tl.load(keys_ptr + bh.to(tl.int64) * n + e, mask=e < n, other=NONE)
+    if TOPK == 1:  # (tl.topk reduces to a scalar at k 1)
+        top = tl.full([1], 0, tl.int64) + tl.max(key, 0)
+    else:
+        top = tl.topk(key, TOPK)
+    i = tl.arange(0, TOPK)
+    sel = (top != NONE) & (i < K)
+    ids = tl.load(blocks_ptr + (bh // H).to(tl.int64) * M + ((top >> 4) & 0xFFFFFFF), mask=sel, other=-1)
     c1 = tl.load(n1_ptr + bh)
-    tl.store(table_ptr + bh.to(tl.int64) * W + c1 + rank, ids.to(tl.int32), mask=sel)
-    tl.atomic_add(bytes_ptr, tl.sum(tl.load(cost_ptr + (key & 15), mask=sel, other=0), 0))
+    tl.store(table_ptr + bh.to(tl.int64) * W + c1 + i, ids.to(tl.int32), mask=sel)
+    tl.atomic_add(bytes_ptr, tl.sum(tl.load(cost_ptr + (top & 15), mask=sel, other=0), 0))
 
 
 def sparse_block_table_split_triton(
@@ -246,7 +230,6 @@ def sparse_block_table_split_triton(
     )  # fmt: skip
     _merge_spans_kernel[(B * H,)](
         keys, blocks, count.cost, table, n1, count.total, M, W, k_blocks, plan.splits, H=H,
-        TOPK=topk, NK=max_splits(k_blocks) * topk, MB=CHUNK, SORT=MERGE_SORT,
-        num_warps=SORT_WARPS if MERGE_SORT else MERGE_WARPS,
+        TOPK=topk, NK=max_splits(k_blocks) * topk, num_warps=MERGE_WARPS,
     )  # fmt: skip
     return table, num, n1

@@ -13,8 +13,8 @@ For the sparse rows of ``benchmarks/decode_attention.py`` (16 x 32K, 4 x 128K: L
   ``torch.topk`` after it;
 * ``copy``: ``torch.Tensor.copy_`` of as many bytes as the bound reads (key mins and scales of the L2
   blocks), and ``read``: their sum (read only), the card's contiguous floors for them;
-* ``split, sorted merge W``: the split selection with its merge ranking by ``tl.topk`` in W warps
-  (``MERGE_SORT``, ``SORT_WARPS``);
+* ``split, 4 per SM`` and ``split, 512 keys``: the split selection planned for 4 scoring programs per
+  multiprocessor, and with up to 512 keys (16 spans at top 32) for its merge (``MERGE_KEYS``);
 * ``bounds, ids in order`` / ``bounds, contiguous``: the bound alone over each row's L2 blocks sorted by id,
   and over contiguous blocks (what the gather's addresses cost).
 
@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_attention as da
 
-from kvtune.kernels import triton_sparse_split as tss
+from kvtune.kernels import sparse_table_choice as choice
 from kvtune.kernels.sparse_table_choice import SelectOptions
 from kvtune.kernels.sparse_table_ref import L2
 from kvtune.kernels.triton_quest import quest_scores_triton, topk_blocks
@@ -67,19 +67,18 @@ def case_parts(b: int, length: int, ncu: bool) -> dict:
     sorted_table = torch.where(sorted_table > l2_table.max(), -1, sorted_table)
     contiguous = torch.arange(b * m2, dtype=torch.int32, device=da.DEVICE).view(b, m2)
 
-    def split_sort(warps: int, pps: int = 2):
+    def split_with(pps: int = 2, keys: int = 256):
         def run():
-            tss.MERGE_SORT, tss.SORT_WARPS = True, warps
+            choice.MERGE_KEYS = keys
             try:
                 opt = SelectOptions(split=True, programs_per_sm=pps)
                 return da.select_table(q, pool, blocks, tier, k_blocks, count, opt)
             finally:
-                tss.MERGE_SORT, tss.SORT_WARPS = sort0
+                choice.MERGE_KEYS = keys0
 
         return run
 
-    sort0 = (tss.MERGE_SORT, tss.SORT_WARPS)
-
+    keys0 = choice.MERGE_KEYS
     fns = {
         "single": lambda: da.select_table(q, pool, blocks, tier, k_blocks, count, SelectOptions(split=False)),
         "split": lambda: da.select_table(q, pool, blocks, tier, k_blocks, count, SelectOptions(split=True)),
@@ -87,10 +86,9 @@ def case_parts(b: int, length: int, ncu: bool) -> dict:
         "bounds": bounds,
         "bounds + topk": lambda: topk_blocks(bounds(), l2_table, k_blocks),
         "copy": lambda: dst.copy_(src),
-        "split, sorted merge 4": split_sort(4),
-        "split, sorted merge 8": split_sort(8),
-        "split, 4 per SM, sorted merge 8": split_sort(8, 4),
-        "split, 1 per SM, sorted merge 8": split_sort(8, 1),
+        "split, 4 per SM": split_with(4),
+        "split, 512 keys": split_with(2, 512),
+        "split, 4 per SM, 512 keys": split_with(4, 512),
         "bounds, ids in order": lambda: quest_scores_triton(q, pool, sorted_table, l2_count),
         "bounds, contiguous": lambda: quest_scores_triton(q, pool, contiguous, l2_count),
         "read": lambda: src.sum(),
