@@ -69,9 +69,6 @@ class DecodeKernelOptions:
         the build's occupancy is known (its first launch); then the wave model plans it (:func:`wave_splits`).
     gluon_pdl: the merge is launched as a programmatic dependent of the Gluon kernel, so it attends the hot
         zone while the cold blocks are read and waits only before merging.
-    pdl_wait: the launch's first kernel (the Gluon kernel, the bits partition or the split kernel) is a
-        programmatic dependent of whatever ran before it on the stream (the sparse tier's selection, the
-        cache's writes) and waits for it before its first load, so its launch overlaps that kernel's end.
     gluon_key_rows: key codes are copied into the ring by consecutive lanes along whole rows (whole 128-byte
         lines per quarter-warp) into a swizzled stage; False: each lane copies the pieces it loads.
     gluon_table_ahead: (with a ring) the block-table entries travel in the ring too, s blocks ahead, so no
@@ -97,7 +94,6 @@ class DecodeKernelOptions:
     min_blocks_per_split: int = 4
     gluon_programs_per_sm: int = 32
     gluon_pdl: bool = True
-    pdl_wait: bool = True
     gluon_key_rows: bool = True
     gluon_table_ahead: bool = True
 
@@ -126,10 +122,7 @@ _DEFAULTS = {
     4: DecodeKernelOptions(
         cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128, gluon=True
     ),
-    # unquantized: the split kernel aims at 3 programs per SM (4 splits at 16 x 32K, 13 at 4 x 128K; 64 x 8K
-    # keeps one): on an H200 (graphs, two runs) 0.502-0.506 ms against 0.518-0.519 with 2 at 16 x 32K, 0.549
-    # against 0.619-0.621 at 4 x 128K; 4 per SM was slower at both (the sparse step, sparse_options.py)
-    0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=3),
+    0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
 }
 # v_pairs: the value tile takes the matrix unit's transposing load instead of a byte gather. gluon: one warp
 # per block, no shared-memory round trips between warps. gluon_stages 3: the 8-bit ring is fastest at 3

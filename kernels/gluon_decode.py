@@ -340,14 +340,6 @@ def _launch_dependents(x):
 
 
 @gluon.jit
-def _grid_wait(x):
-    """``griddepcontrol.wait``: the kernels before this launch on the stream (if it is programmatic) are
-    done and their writes visible."""
-    return gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
 def _block_id(table_ptr, row, j, j1):
     """Entry ``j`` of the block-table row at ``row`` as int64 (0 past the split's end ``j1``)."""
     return gl.load(table_ptr + row + j, mask=j < j1, other=0).to(gl.int64)
@@ -474,18 +466,13 @@ def _cold_kernel(
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
     KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, ROW: gl.constexpr,
-    WAIT: gl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
     partial (m, l, acc) in the layout of ``_split_kernel``'s partials (slot ``part0 + split`` of the row's
     ``part_stride``), and each block's lse. ``ROW``: bytes from one code row to the next (``C``; ``D`` for
-    the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each row). ``WAIT``: a
-    programmatic dependent of the kernel before it, waited for before anything else (so also before the
-    merge may start)."""
+    the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each row)."""
     pid_s = gl.program_id(0)
     bh = gl.program_id(1)
-    if WAIT:
-        _grid_wait(pid_s)
     if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
         _launch_dependents(pid_s)
     b = bh // H
@@ -713,13 +700,11 @@ def supported_mixed(
 
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
                 stages: int = 2, pdl: bool = False, key_rows: bool = True, table_ahead: bool = True,
-                row: int | None = None, wait: bool = False) -> object:  # fmt: skip
+                row: int | None = None) -> object:  # fmt: skip
     """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H) with its runtime ``args`` (in order); ``pdl``:
     the next launch on the stream, a programmatic dependent, may start at once; ``row``: bytes between code
-    rows (None: the pool's own width, ``D * kind / 8``; ``D`` for 4-bit codes in an 8-bit pool); ``wait``:
-    launched as a programmatic dependent of the kernel before it, which it waits for first."""
+    rows (None: the pool's own width, ``D * kind / 8``; ``D`` for 4-bit codes in an 8-bit pool)."""
     channels = D if kind == 8 else D // 2
     constants = build_constants(channels, T, stages, key_rows, table_ahead)
-    extra = {"WAIT": True, "launch_pdl": True} if wait else {}
     return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, ROW=row or channels, num_warps=1,
-                              **constants, **extra)  # fmt: skip
+                              **constants)  # fmt: skip

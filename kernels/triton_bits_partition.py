@@ -23,11 +23,9 @@ NUM_WARPS = 4
 
 @triton.jit(do_not_specialize=["M", "W", "R"])
 def _partition_kernel(table_ptr, ncold_ptr, bits_ptr, out_ptr, count_ptr, pos_ptr, M, W, R,
-                      MB: tl.constexpr, ZB: tl.constexpr, WAIT: tl.constexpr = False):  # fmt: skip
+                      MB: tl.constexpr, ZB: tl.constexpr):  # fmt: skip
     """Row ``bh`` of ``table`` [B * H, M] split into ``out`` [B * H, 2 W] (8-bit | 4-bit), ``pos`` [B * H, M]
-    and ``count`` [2, R]. ``WAIT``: a programmatic dependent of the kernel before it, waited for first."""
-    if WAIT:
-        tl.extra.cuda.gdc_wait()
+    and ``count`` [2, R]."""
     bh = tl.program_id(0)
     nc = tl.load(ncold_ptr + bh)
     row = bh.to(tl.int64) * M
@@ -62,10 +60,9 @@ def _partition_kernel(table_ptr, ncold_ptr, bits_ptr, out_ptr, count_ptr, pos_pt
 
 
 def partition_by_bits_triton(
-    block_table: torch.Tensor, num_cold: torch.Tensor, block_bits: torch.Tensor, wait: bool = False
+    block_table: torch.Tensor, num_cold: torch.Tensor, block_bits: torch.Tensor
 ) -> BitsPartition:
-    """See :func:`~kvtune.kernels.bits_partition_ref.partition_by_bits_ref`; one launch (``wait``: as a
-    programmatic dependent of the kernel before it on the stream; sm_90 and later)."""
+    """See :func:`~kvtune.kernels.bits_partition_ref.partition_by_bits_ref`; one launch."""
     b, h, m = block_table.shape
     out = empty_partition(b, h, m, block_table.device)
     if b * h == 0:
@@ -73,6 +70,6 @@ def partition_by_bits_triton(
     _partition_kernel[(b * h,)](
         block_table.to(torch.int32).contiguous(), num_cold.to(torch.int32).contiguous(), block_bits,
         out.table, out.counts, out.positions, m, partition_width(m), out.counts.stride(0),
-        MB=PARTITION_TILE, ZB=PAD_TILE, num_warps=NUM_WARPS, **({"WAIT": True, "launch_pdl": True} if wait else {}),
+        MB=PARTITION_TILE, ZB=PAD_TILE, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

@@ -325,14 +325,10 @@ def _split_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr, BS: tl.constexpr,
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
     PREC: tl.constexpr, KT: tl.constexpr = False, VPAIR: tl.constexpr = False, BUSY: tl.constexpr = False,
-    WAIT: tl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse.
     ``BUSY``: a row's blocks are shared over ``_busy_splits`` of its splits (as the Gluon kernel does),
-    else over all of them (``busy_blocks`` unused). ``WAIT``: a programmatic dependent of the kernel before
-    it on the stream, waited for before the first load."""
-    if WAIT:
-        tl.extra.cuda.gdc_wait()
+    else over all of them (``busy_blocks`` unused)."""
     pid_s = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -705,8 +701,7 @@ def _resolved(
     bits: int = 8,
 ) -> DecodeKernelOptions:
     """The options a launch uses: float32 models convert codes by cast; the interpreter cannot run PTX; on
-    ``arch``, programmatic dependent launch only from sm_90 (never in the interpreter) and the Gluon ring as
-    deep as
+    ``arch``, programmatic dependent launch only from sm_90 and the Gluon ring as deep as
     :func:`~kvtune.kernels.gluon_decode.ring_stages` allows (a block of ``block_size`` tokens, ``bits``)."""
     cvt = options.cvt
     if model_dtype == torch.float32:  # exact arithmetic: codes cast to float32
@@ -716,9 +711,7 @@ def _resolved(
     stages = options.gluon_stages
     if bits in (4, 8) and (options.gluon or options.gluon_mixed):
         stages = gluon_decode.ring_stages(arch, head_dim, block_size, bits, stages)
-    pdl = arch.pdl and not interpreting
-    return replace(options, cvt=cvt, gluon_pdl=options.gluon_pdl and pdl, pdl_wait=options.pdl_wait and pdl,
-                   gluon_stages=stages)  # fmt: skip
+    return replace(options, cvt=cvt, gluon_pdl=options.gluon_pdl and arch.pdl, gluon_stages=stages)
 
 
 def _aligned(pool: ColdPool, size: int) -> bool:
@@ -828,8 +821,7 @@ def hybrid_decode_attention_triton(
     table = block_table.contiguous()
     ncold = num_cold.to(torch.int32).contiguous()
     # gluon_mixed: the table split by block bits; the two builds' partials side by side in each row's slots
-    wait = opts.pdl_wait  # the first launch waits for the kernel before it (the selection, the cache writes)
-    parts = partition_by_bits_triton(table, ncold, pool.block_bits, wait) if kernel == "gluon_mixed" else None
+    parts = partition_by_bits_triton(table, ncold, pool.block_bits) if kernel == "gluon_mixed" else None
     slots = plan.slots
     lse_w = parts.table.shape[2] if parts is not None else M
     part_acc = torch.empty((B * H * slots, G, D), dtype=torch.float32, device=dev)
@@ -849,7 +841,7 @@ def hybrid_decode_attention_triton(
              q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1),
              pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
             H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, stages=opts.gluon_stages, pdl=pdl,
-            key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead, wait=wait,
+            key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead,
         )  # fmt: skip
     else:
         _split_kernel[(splits, B * H)](
@@ -860,7 +852,7 @@ def hybrid_decode_attention_triton(
             q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
             pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
-            **meta, **({"WAIT": True, "launch_pdl": True} if wait else {}),
+            **meta,
         )  # fmt: skip
     if gluon and key not in _RESIDENT and dev.type == "cuda":
         resident = _resident_of(compiled, dev)

@@ -283,29 +283,6 @@ def test_kernels_compile_for_every_architecture(arch: str, case: str) -> None:
             assert "griddepcontrol" not in ptx and not launch.kwargs.get("launch_pdl"), name
 
 
-@pytest.mark.parametrize(
-    ("case", "first", "merge_waits"),
-    [("split", "_split_kernel", False), ("gluon", "_cold_kernel", True),
-     ("gluon_mixed", "_partition_kernel", True)],
-)  # fmt: skip
-@pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
-def test_the_attention_waits_for_the_kernel_before_it(case: str, first: str, merge_waits: bool,
-                                                     arch: str) -> None:  # fmt: skip
-    """From sm_90 the attention's first launch is a programmatic dependent of the kernel before it on the
-    stream (the sparse tier's selection, the cache's writes) and waits for it before its first load; every
-    later launch but the Gluon paths' merge is a plain one. Below sm_90 none is."""
-    a = ARCHS[arch]
-    runs = {"split": _decode(0, False, kernel="split", arch=a), "gluon": _decode(4, False, kernel="gluon",
-            arch=a, gluon=True), "gluon_mixed": _gluon_mixed(arch=a)}  # fmt: skip
-    launches = record_launches(runs[case])
-    names = [x.fn.__name__ for x in launches]
-    assert names[0] == first and names[-1] == "_merge_kernel", names
-    pdl = [bool(x.kwargs.get("launch_pdl")) for x in launches]
-    waits = [bool(x.kwargs.get("WAIT")) for x in launches]
-    want = [a.pdl, *[False] * (len(launches) - 2), a.pdl and merge_waits]
-    assert pdl == want and waits == want, (names, pdl, waits)
-
-
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_gluon_ring_takes_the_shared_memory_the_plan_counts(arch: str, bits: int) -> None:
