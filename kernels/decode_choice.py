@@ -122,7 +122,10 @@ _DEFAULTS = {
     4: DecodeKernelOptions(
         cvt=2, k_transposed=True, num_stages=2, programs_per_sm=16, maxnreg=128, gluon=True
     ),
-    0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=2),
+    # unquantized: the split kernel aims at 3 programs per SM (4 splits at 16 x 32K, 13 at 4 x 128K; 64 x 8K
+    # keeps one): on an H200 (graphs, two runs) 0.502-0.506 ms against 0.518-0.519 with 2 at 16 x 32K, 0.549
+    # against 0.619-0.621 at 4 x 128K; 4 per SM was slower at both (the sparse step, sparse_options.py)
+    0: DecodeKernelOptions(cvt=0, num_warps=8, programs_per_sm=3),
 }
 # v_pairs: the value tile takes the matrix unit's transposing load instead of a byte gather. gluon: one warp
 # per block, no shared-memory round trips between warps. gluon_stages 3: the 8-bit ring is fastest at 3
