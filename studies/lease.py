@@ -141,7 +141,9 @@ class DriverLease:
         return self
 
     def beat(self) -> bool:
-        """Rewrite the heartbeat; False (and ``lost``) when another driver holds the lease now."""
+        """Rewrite the heartbeat; False (and ``lost``) when another driver holds the lease now. The storage
+        has no compare-and-set: a takeover written between this read and this write is overwritten, and the
+        taker finds the lease held at its own next beat (one holder either way)."""
         with self._lock:
             if self.record is None:
                 return False

@@ -95,7 +95,8 @@ def test_the_holder_beats_and_a_taken_lease_is_lost(storage: str) -> None:
     first = lease.record["heartbeat"]  # type: ignore[index]
     time.sleep(1.2)  # heartbeats are stored to the second
     assert _study(storage).user_attrs[ATTR_DRIVER]["heartbeat"] > first
-    _study(storage).set_user_attr(ATTR_DRIVER, {**lease.record, "token": "other"})  # type: ignore[dict-item]
+    with lease._lock:  # the takeover between two heartbeats (a beat's read and write are not atomic)
+        _study(storage).set_user_attr(ATTR_DRIVER, {**lease.record, "token": "other"})  # type: ignore[dict-item]
     assert not lease.beat() and lease.lost
     lease.release()
     assert _study(storage).user_attrs[ATTR_DRIVER]["token"] == "other"  # not ours to clear
