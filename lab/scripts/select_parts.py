@@ -53,26 +53,25 @@ def case_parts(b: int, length: int, ncu: bool) -> dict:
     l2_count = l2_mask.sum(1).to(torch.int32)
     m2 = int(l2_count.max())
     l2_table = torch.full((b, m2), -1, dtype=torch.int32, device=da.DEVICE)
-    for i in range(b):  # the rows' L2 blocks in order (set-up, not timed)
-        row = blocks[i][l2_mask[i]]
-        l2_table[i, : row.numel()] = row.to(torch.int32)
+    sorted_table = l2_table.clone()
+    for i in range(b):  # the rows' L2 blocks in order, and sorted by id (set-up, not timed)
+        row = blocks[i][l2_mask[i]].to(torch.int32)
+        l2_table[i, : row.numel()] = row
+        sorted_table[i, : row.numel()] = row.sort().values
+    contiguous = torch.arange(b * m2, dtype=torch.int32, device=da.DEVICE).view(b, m2)
     nbytes = int(l2_count.sum()) * da.H * 2 * 2 * da.D
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=da.DEVICE)
     dst = torch.empty_like(src)
 
-    def bounds() -> torch.Tensor:
-        return quest_scores_triton(q, pool, l2_table, l2_count)
+    def bounds(table: torch.Tensor = l2_table) -> torch.Tensor:
+        return quest_scores_triton(q, pool, table, l2_count)
 
-    sorted_table = torch.where(l2_table >= 0, l2_table, l2_table.max() + 1).sort(1).values
-    sorted_table = torch.where(sorted_table > l2_table.max(), -1, sorted_table)
-    contiguous = torch.arange(b * m2, dtype=torch.int32, device=da.DEVICE).view(b, m2)
-
-    def split_with(pps: int = 2, keys: int = 256):
+    def select(split: bool, k: int = k_blocks, pps: int = 2, keys: int | None = None):
         def run():
-            choice.MERGE_KEYS = keys
+            choice.MERGE_KEYS = keys or keys0
             try:
-                opt = SelectOptions(split=True, programs_per_sm=pps)
-                return da.select_table(q, pool, blocks, tier, k_blocks, count, opt)
+                opt = SelectOptions(split=split, programs_per_sm=pps)
+                return da.select_table(q, pool, blocks, tier, k, count, opt)
             finally:
                 choice.MERGE_KEYS = keys0
 
@@ -80,17 +79,17 @@ def case_parts(b: int, length: int, ncu: bool) -> dict:
 
     keys0 = choice.MERGE_KEYS
     fns = {
-        "single": lambda: da.select_table(q, pool, blocks, tier, k_blocks, count, SelectOptions(split=False)),
-        "split": lambda: da.select_table(q, pool, blocks, tier, k_blocks, count, SelectOptions(split=True)),
-        "no select": lambda: da.select_table(q, pool, blocks, tier, 0, count, SelectOptions(split=False)),
+        "single": select(False),
+        "split": select(True),
+        "no select": select(False, k=0),
         "bounds": bounds,
         "bounds + topk": lambda: topk_blocks(bounds(), l2_table, k_blocks),
         "copy": lambda: dst.copy_(src),
-        "split, 4 per SM": split_with(4),
-        "split, 512 keys": split_with(2, 512),
-        "split, 4 per SM, 512 keys": split_with(4, 512),
-        "bounds, ids in order": lambda: quest_scores_triton(q, pool, sorted_table, l2_count),
-        "bounds, contiguous": lambda: quest_scores_triton(q, pool, contiguous, l2_count),
+        "split, 4 per SM": select(True, pps=4),
+        "split, 512 keys": select(True, keys=512),
+        "split, 4 per SM, 512 keys": select(True, pps=4, keys=512),
+        "bounds, ids in order": lambda: bounds(sorted_table),
+        "bounds, contiguous": lambda: bounds(contiguous),
         "read": lambda: src.sum(),
     }
     if ncu:
