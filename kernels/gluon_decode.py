@@ -466,13 +466,18 @@ def _cold_kernel(
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
     KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, ROW: gl.constexpr,
+    SPLIT_MAJOR: gl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
     partial (m, l, acc) in the layout of ``_split_kernel``'s partials (slot ``part0 + split`` of the row's
     ``part_stride``), and each block's lse. ``ROW``: bytes from one code row to the next (``C``; ``D`` for
     the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each row)."""
-    pid_s = gl.program_id(0)
-    bh = gl.program_id(1)
+    if SPLIT_MAJOR:  # grid (B * H, splits): a row's splits launch B * H programs apart
+        bh = gl.program_id(0)
+        pid_s = gl.program_id(1)
+    else:
+        pid_s = gl.program_id(0)
+        bh = gl.program_id(1)
     if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
         _launch_dependents(pid_s)
     b = bh // H
@@ -698,13 +703,24 @@ def supported_mixed(
     return supported(q, 8, False, block_size, code_stride, num_kv_heads)
 
 
+# The launch order of the programs: split-major (every row's split 0, then every row's split 1, ...), so that
+# the busy splits of rows that keep only some of theirs busy (``gluon_busy_blocks``) launch first and spread
+# over every multiprocessor. Row-major (a row's splits consecutive), a row of ``s`` splits puts split ``i`` of
+# every row on the same multiprocessors wherever ``s`` divides their count (the first wave is dealt out one
+# program per multiprocessor in launch order): at 4 x 128K on an H200, 33 splits of 132 multiprocessors, a
+# sparse row busy in 16 of its splits ran on 64 of them.
+SPLIT_MAJOR = True
+
+
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
                 stages: int = 2, pdl: bool = False, key_rows: bool = True, table_ahead: bool = True,
                 row: int | None = None) -> object:  # fmt: skip
-    """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H) with its runtime ``args`` (in order); ``pdl``:
-    the next launch on the stream, a programmatic dependent, may start at once; ``row``: bytes between code
-    rows (None: the pool's own width, ``D * kind / 8``; ``D`` for 4-bit codes in an 8-bit pool)."""
+    """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H), in :data:`SPLIT_MAJOR` order, with its runtime
+    ``args`` (in order); ``pdl``: the next launch on the stream, a programmatic dependent, may start at once;
+    ``row``: bytes between code rows (None: the pool's own width, ``D * kind / 8``; ``D`` for 4-bit codes in
+    an 8-bit pool)."""
     channels = D if kind == 8 else D // 2
     constants = build_constants(channels, T, stages, key_rows, table_ahead)
-    return _cold_kernel[grid](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, ROW=row or channels, num_warps=1,
-                              **constants)  # fmt: skip
+    order = (grid[1], grid[0]) if SPLIT_MAJOR else grid
+    return _cold_kernel[order](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, ROW=row or channels,
+                               SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **constants)  # fmt: skip

@@ -511,6 +511,23 @@ def test_decode_gluon_gpu(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("bits", "busy"), [(8, 1), (4, 1), (4, 5)])
+def test_decode_gluon_launch_orders_agree_gpu(gpu_kernels, monkeypatch, bits: int, busy: int) -> None:
+    """The Gluon cold kernel launched split-major (``gluon_decode.SPLIT_MAJOR``) or row-major computes the
+    same programs: the outputs agree bit for bit, with every split busy or one per ``busy`` listed blocks."""
+    td = gpu_kernels.triton_decode
+    inp = make_decode(Shape(3, 8, 4, 128, 64, 50, 128), bits, torch.bfloat16, "cuda", demote=False)
+    base = td.PURE_INT8 if bits == 8 else td.default_options(bits)
+    opts = replace(base, gluon=True, gluon_busy_blocks=busy)
+    got = {}
+    for major in (False, True):
+        monkeypatch.setattr(gpu_kernels.gluon_decode, "SPLIT_MAJOR", major)
+        got[major] = td.hybrid_decode_attention_triton(**inp, options=opts)
+    assert all(torch.equal(x, y) for x, y in zip(got[False], got[True]))
+    assert_decode_close(got[True], hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cvt", [0, 1, 2])
 @pytest.mark.parametrize("k_transposed", [False, True])
 @pytest.mark.parametrize(("bits", "mixed"), [(8, True), (8, False), (4, True)])
