@@ -103,11 +103,11 @@ class DecodeKernelOptions:
 # where no block is ever demoted, which the Gluon kernel can take.
 _DEFAULTS = {
     # gluon_mixed: the Gluon builds over the table split by bits; gluon_stages 3, the 8-bit ring's depth (as
-    # in ``PURE_INT8``); busy splits of at least 20 blocks (8-bit build) and 4 (4-bit build): a sparse row
-    # lists a fraction of its table, from which 33 splits are planned at 4 x 128K on an H200; there 20:4 took
-    # 0.088 ms against 0.115 with every split busy (1:0), 16:4 0.090, 24:4 0.094, 32:4 0.107, and 0.0729
-    # against 0.0732 at 16 x 32K (graphs, run 24a); the split kernel's options stay for what the Gluon kernel
-    # does not take
+    # in ``PURE_INT8``); busy splits of at least 24 blocks (8-bit build) and 4 (4-bit build): a sparse row
+    # lists a fraction of its table, from which 33 splits are planned at 4 x 128K on an H200. Launched
+    # split-major (``gluon_decode.SPLIT_MAJOR``), 24:4 took 0.0720 ms there against 0.0738 at 20:4, 0.0729 at
+    # 16:4 and 0.1071 with every split busy (1:0), and 0.0677 against 0.0698 at 16 x 32K (graphs, two rounds
+    # each); the split kernel's options stay for what the Gluon kernel does not take
     8: DecodeKernelOptions(
         cvt=2,
         mixed=True,
@@ -115,7 +115,7 @@ _DEFAULTS = {
         maxnreg=128,
         gluon_mixed=True,
         gluon_stages=3,
-        gluon_busy_blocks=20,
+        gluon_busy_blocks=24,
         gluon_busy_blocks4=4,
     ),
     # INT4: 2 stages and a 128-register cap fit 4 programs per multiprocessor (3 stages or no cap: 3).
