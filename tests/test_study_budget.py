@@ -30,6 +30,23 @@ def test_the_plan_reserves_validations_rounds_and_one_trial_before_the_end(worke
     assert knobs.validation_s() == pytest.approx(1.25 * (3 + 2 * (rounds - 1)) * 10.0)
 
 
+def test_validation_plans_fewer_first_repeats_only_when_the_plans_do_not_fit() -> None:
+    """Validation starting late (the budget spent before the search) plans the most first repeats of those
+    asked that fit before the end, down to three (the fewest whose interval a user can act on), and says so
+    in the record."""
+    plan = BudgetPlan(600.0, started=0.0, search_s=10.0, sides=2, first=5, workers=1)  # 125 s for 5, 75 for 3
+    assert plan.validation_s(5) == pytest.approx(125.0) and plan.validation_s(3) == pytest.approx(75.0)
+    assert plan.first_repeats(now=100.0) == 5 and plan.first_repeats(now=470.0) == 5
+    assert plan.first_repeats(now=480.0) == 4  # 5 would end at 605 s, past the 595 s of the plan's end
+    assert plan.first_repeats(now=510.0) == 3
+    assert plan.first_repeats(now=580.0) == 3  # none fits: the fewest, past the end
+    assert BudgetPlan(600.0, 0.0, 10.0, first=3).first_repeats(now=590.0) == 3
+    assert BudgetPlan(600.0, 0.0, 10.0, first=5, workers=5).first_repeats(now=560.0) == 5  # one round: 25 s
+    interval = {"reached": False, "repeats": 3, "first": 3, "why": "within"}
+    record = budget_record(BudgetPlan(600.0, 0.0, 10.0, first=5), {}, 1, 20, interval)
+    assert "validation: 3 first repeats instead of 5, the time left" in record["cut"]
+
+
 def test_a_fixed_rate_plan_keeps_a_share_for_validation_and_a_budget_must_be_positive() -> None:
     assert BudgetPlan(100.0, 0.0, None).validation_s() == pytest.approx(20.0)
     with pytest.raises(ValueError, match="`budget_s > 0` must hold, but got budget_s=0"):

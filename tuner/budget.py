@@ -5,9 +5,12 @@ unloaded replay, the baseline's capacity searches), the search, validation and t
 is measured the plan knows what one capacity search of it costs on one worker, and from that what
 validation's first repeats will cost (each repeat is a search per side, a round of repeats runs one repeat
 per worker); the search then starts no trial later than the budget's end less that validation, one more
-trial's searching, and a margin for the export. Validation repeats towards its interval goal only while a
-round fits (:class:`~kvtune.tuner.validation.RepeatPlan`). What the budget cut is stored with the validation
-(``budget``) and shown in the preset.
+trial's searching, and a margin for the export. Where less is left when validation starts (the budget was
+spent before the search, and one trial per worker ran past it), validation plans fewer first repeats than
+``--repeats`` asked, down to three, the fewest whose interval a user can act on
+(:meth:`BudgetPlan.first_repeats`; two repeats give an interval 12.7 standard errors wide). It repeats
+towards its interval goal only while a round fits (:class:`~kvtune.tuner.validation.RepeatPlan`). What the
+budget cut is stored with the validation (``budget``) and shown in the preset.
 
 For the fixed-rate objectives, which measure no baseline search, the plan keeps :data:`FIXED_RESERVE` of the
 budget for validation.
@@ -19,6 +22,8 @@ import math
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from kvtune.studies.names import MIN_REPEATS
 
 EXPORT_S = 5.0  # writing the preset, stopping the workers
 FIXED_RESERVE = 0.2  # the fixed-rate objectives: the budget's share kept for validation
@@ -49,13 +54,21 @@ class BudgetPlan:
         """When validation must be done (the export's margin left)."""
         return self.started + self.budget_s - EXPORT_S
 
-    def validation_s(self) -> float:
-        """Validation's first repeats, as estimated."""
+    def validation_s(self, first: int | None = None) -> float:
+        """Validation's first repeats (``first``; None: the plan's), as estimated."""
         if self.search_s is None:
             return FIXED_RESERVE * self.budget_s
-        rounds = math.ceil(self.first / self.workers)
+        rounds = math.ceil((self.first if first is None else first) / self.workers)
         later = self.sides if self.later is None else self.later
         return MARGIN * (self.sides + (rounds - 1) * later) * self.search_s
+
+    def first_repeats(self, now: float | None = None) -> int:
+        """Validation's first repeats when it starts at ``now``: the plan's, or where they do not fit before
+        :attr:`end` the most that do, at least ``MIN_REPEATS`` (which may then run past it)."""
+        now = time.monotonic() if now is None else now
+        fewest = min(self.first, MIN_REPEATS)
+        fit = [k for k in range(self.first, fewest - 1, -1) if now + self.validation_s(k) <= self.end]
+        return fit[0] if fit else fewest
 
     def search_deadline(self) -> float:
         """The time after which no trial starts: validation and one more trial's searching still fit."""
@@ -91,6 +104,8 @@ def budget_record(
         )
     if finished < target:
         cut.append(f"search: {finished} of {target} trials finished when the time budget ended it")
+    if interval is not None and interval.get("first", plan.first) < plan.first:
+        cut.append(f"validation: {interval['first']} first repeats instead of {plan.first}, the time left")
     if interval is not None and not interval.get("reached") and "time budget" in str(interval.get("why")):
         cut.append(f"validation: {interval['repeats']} repeats, {interval['why']}")
     return {"budget_s": plan.budget_s, "phases_s": dict(phases), "cut": cut}

@@ -703,7 +703,8 @@ def _validate(
             pool, config, requests, time_scale, k, (knobs[0], knobs[1]), first=first
         )
     same = config == config.unquantized()  # its own baseline: more repeats narrow nothing worth having
-    plan = RepeatPlan(job.repeats, most=job.repeats if same else max(job.repeats, MAX_REPEATS),
+    first = job.repeats if budget is None else budget.first_repeats()  # fewer where the time left is short
+    plan = RepeatPlan(first, most=job.repeats if same else max(job.repeats, MAX_REPEATS),
                       workers=len(pool.actors), deadline=None if budget is None else budget.end)  # fmt: skip
     ratios_of = lambda b, u: export.gain(job.options.objective, b, u, same).get("per_repeat")
     best_runs, base_runs, interval = repeat_to_interval(measure, ratios_of, plan)
