@@ -69,6 +69,10 @@ MASS_AHEAD = True
 # alone is no faster at 1, but its programs, launched early, leave the cold kernel more shared memory: the
 # sparse steps 1-4 % faster on an H200 (run 24g).
 MERGE_STAGES: int | None = 1
+# Programs a multiprocessor the wave model leaves out of a Gluon build's slots (its occupancy less this), so
+# that the merge, a programmatic dependent, finds room beside the cold programs (0: every slot; an
+# experiment's knob, ``lab/scripts/busy_order.py --free``).
+WAVE_FREE = 0
 
 
 def _prmt_asm(sel0: str, sel1: str) -> tl.constexpr:
@@ -623,7 +627,8 @@ def launch_plan(
     # The wave model with the build's occupancy, once known: on the H200 it beat every programs-per-SM target
     # for the Gluon kernel.
     plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm)
-    splits, per = plan_splits(B * H, M, q.device, plan, _RESIDENT.get(key))
+    resident = _RESIDENT.get(key)
+    splits, per = plan_splits(B * H, M, q.device, plan, resident and max(1, resident - WAVE_FREE))
     stages4 = 0
     if kernel == "gluon_mixed":
         asked = min(options_for(pool, options).gluon_stages, 2)

@@ -559,6 +559,26 @@ def test_plan_splits_uses_the_wave_model_only_when_the_occupancy_is_known() -> N
     assert splits == wave_splits(8, 200, 50, 16, 64) and splits * per >= 200 > (splits - 1) * per
 
 
+def test_the_gluon_plan_leaves_the_asked_slots_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``WAVE_FREE``: the wave model plans a Gluon build over its occupancy less that many programs a
+    multiprocessor (at least one)."""
+    from dataclasses import replace
+
+    from kvtune.kernels import triton_decode as td
+
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
+    hot = torch.zeros(4, 8, 96, 128, dtype=torch.bfloat16)
+    pool = _pool(4, demotable=False)
+    table = torch.zeros(4, 8, 2080, dtype=torch.int32)
+    key = td.launch_plan(q, hot, pool, table, kernel="gluon").key
+    monkeypatch.setitem(td._RESIDENT, key, 8)
+    opts = replace(td.default_options(4), programs_per_sm=td.default_options(4).gluon_programs_per_sm)
+    for free, resident in ((0, 8), (3, 5), (7, 1), (9, 1)):
+        monkeypatch.setattr(td, "WAVE_FREE", free)
+        got = td.launch_plan(q, hot, pool, table, kernel="gluon")
+        assert (got.splits, got.per) == td.plan_splits(32, 2080, q.device, opts, resident), free
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
 def test_the_mixed_path_plans_each_builds_ring(arch: str) -> None:
     """The mixed Gluon path launches the partition kernel, the 8-bit build with the 8-bit ring the

@@ -4,11 +4,13 @@ For the sparse rows (16 x 32K, 4 x 128K: L1 1/8 + top 2,048, the table selected 
 ``benchmarks/decode_attention.py`` sets them up) and the dense INT8 / INT4 rows (64 x 8K, 16 x 32K, 4 x 128K),
 in one process: the attention as CUDA graph replays (median of ``do_bench_cudagraph``) with
 ``gluon_decode.SPLIT_MAJOR`` off and on, for each ``gluon_busy_blocks`` (INT4) or (8-bit, 4-bit) pair
-(sparse INT8 on ``gluon_mixed``) of the lists below and for the split counts forced at 4 x 128K; ``--rounds``
-passes over everything, so each cell has that many timings. The outputs of the two orders must be the same
-bit for bit (each program computes the same thing). Writes ``busy_order.json`` and prints a table.
+(sparse INT8 on ``gluon_mixed``) of the lists below, for the split counts forced at 4 x 128K, and with the
+default options planned with ``--free`` slots a multiprocessor left out (``triton_decode.WAVE_FREE``);
+``--rounds`` passes over everything, so each cell has that many timings. The outputs of the two orders must
+be the same bit for bit (each program computes the same thing). Writes ``busy_order.json`` and prints a table.
 
-    python lab/scripts/busy_order.py --out $OUT [--rounds 2] [--smoke]   (--smoke: TRITON_INTERPRET=1 shapes)
+    python lab/scripts/busy_order.py --out $OUT [--rounds 2] [--free 0,1,2] [--smoke]
+    (--smoke: tiny shapes under TRITON_INTERPRET=1)
 """
 
 from __future__ import annotations
@@ -41,11 +43,14 @@ def forced_plan(n: int):
     return fixed
 
 
-def time_variant(inp: dict, opt, forced: int, major: bool) -> tuple[float, list[torch.Tensor], dict]:
+def time_variant(
+    inp: dict, opt, forced: int, free: int, major: bool
+) -> tuple[float, list[torch.Tensor], dict]:
     """One variant in one order: its graph-replay ms, its outputs and its plan (``forced``: the split count
-    forced, 0 for the planned one)."""
+    forced, 0 for the planned one; ``free``: ``triton_decode.WAVE_FREE`` while it runs)."""
     planned = triton_decode.plan_splits
     gluon_decode.SPLIT_MAJOR = major
+    triton_decode.WAVE_FREE = free
     if forced:
         triton_decode.plan_splits = forced_plan(forced)
     try:
@@ -61,6 +66,7 @@ def time_variant(inp: dict, opt, forced: int, major: bool) -> tuple[float, list[
     finally:
         triton_decode.plan_splits = planned
         gluon_decode.SPLIT_MAJOR = True
+        triton_decode.WAVE_FREE = 0
 
 
 def main() -> int:
@@ -68,12 +74,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--free", default="0", help="triton_decode.WAVE_FREE values, each a pass (e.g. 0,1,2)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     da.GRAPHS = da.DEVICE == "cuda"
     opts = da.defaults()
     sparse, dense = da.SPARSE_SHAPES, da.QUICK_SHAPES
+    free = [int(f) for f in args.free.split(",") if int(f)]
     if args.smoke:
         sparse, dense, da.SPARSE_TOKENS = [(1, 2048)], [(2, 512)], 128
     cases = []  # (name, inputs, options variants {label: (options, forced split count or 0)})
@@ -83,23 +91,25 @@ def main() -> int:
             inp, (table, num_cold) = sparse_inputs(da.Case(b, length, bits, l1_blocks=l1))
             inp = {**inp, "block_table": table, "num_cold": num_cold}
             base = opts[f"sparse{bits}"]
-            variants = {f"busy {b8}:{b4}": (replace(base, gluon_busy_blocks=b8, gluon_busy_blocks4=b4), 0)
+            variants = {f"busy {b8}:{b4}": (replace(base, gluon_busy_blocks=b8, gluon_busy_blocks4=b4), 0, 0)
                         for b8, b4 in (BUSY8 if bits == 8 else BUSY4)}  # fmt: skip
+            variants.update({f"default, {f} free": (base, 0, f) for f in free})
             if (b, length) == sparse[-1]:
-                variants.update({f"forced {n}": (base, n) for n in FORCED[bits]})
+                variants.update({f"forced {n}": (base, n, 0) for n in FORCED[bits]})
             cases.append((f"sparse INT{bits} {b}x{length // 1024}K", (b, length), inp, variants))
     for b, length in dense:
         for bits in (8, 4):
             inp = da.make_inputs(da.Case(b, length, bits))
-            cases.append((f"dense INT{bits} {b}x{length // 1024}K", (b, length), inp,
-                          {"default": (opts["int8" if bits == 8 else "int4"], 0)}))  # fmt: skip
+            dense_opt = opts["int8" if bits == 8 else "int4"]
+            variants = {"default": (dense_opt, 0, 0)} | {f"{f} free": (dense_opt, 0, f) for f in free}
+            cases.append((f"dense INT{bits} {b}x{length // 1024}K", (b, length), inp, variants))
     sdpa = {shape: da.sdpa_case(*shape)[0] for shape in {c[1] for c in cases}}
     times: dict[tuple[str, str, bool], list[float]] = {}
     info: dict[tuple[str, str], dict] = {}
     for rnd in range(args.rounds):
         for name, _, inp, variants in cases:
-            for label, (opt, forced) in variants.items():
-                ms, outs, plan = zip(*(time_variant(inp, opt, forced, major) for major in (False, True)))
+            for label, (opt, forced, f) in variants.items():
+                ms, outs, plan = zip(*(time_variant(inp, opt, forced, f, major) for major in (False, True)))
                 same = all(torch.equal(x, y) for x, y in zip(*outs))
                 was = info.get((name, label), {}).get("same_bits", True)
                 info[(name, label)] = dict(**plan[1], same_bits=was and same)
