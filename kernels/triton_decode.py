@@ -73,6 +73,11 @@ MERGE_STAGES: int | None = 1
 # that the merge, a programmatic dependent, finds room beside the cold programs (0: every slot; an
 # experiment's knob, ``lab/scripts/busy_order.py --free``).
 WAVE_FREE = 0
+# The split kernel's launch order: split-major (every row's split 0 first, as ``gluon_decode.SPLIT_MAJOR``) or
+# a row's splits one after another (False). Every split of the split kernel takes blocks, so no row's busy
+# programs gather on a few multiprocessors; the Gluon builds' dense rows at 4 x 128K were still 3 % faster
+# split-major on an H200 (run 26a). Not yet timed for this kernel (``lab/scripts/busy_order.py``).
+SPLIT_MAJOR = False
 
 
 def _prmt_asm(sel0: str, sel1: str) -> tl.constexpr:
@@ -329,12 +334,13 @@ def _split_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr, BS: tl.constexpr,
     HOT_T: tl.constexpr, KIND: tl.constexpr, MIXED: tl.constexpr, CDT: tl.constexpr, CVT: tl.constexpr,
     PREC: tl.constexpr, KT: tl.constexpr = False, VPAIR: tl.constexpr = False, BUSY: tl.constexpr = False,
+    SPLIT_MAJOR: tl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head): partial (m, l, acc), per-block and hot lse.
     ``BUSY``: a row's blocks are shared over ``_busy_splits`` of its splits (as the Gluon kernel does),
-    else over all of them (``busy_blocks`` unused)."""
-    pid_s = tl.program_id(0)
-    bh = tl.program_id(1)
+    else over all of them (``busy_blocks`` unused). ``SPLIT_MAJOR``: the grid is (B * H, splits)."""
+    pid_s = tl.program_id(1 if SPLIT_MAJOR else 0)
+    bh = tl.program_id(0 if SPLIT_MAJOR else 1)
     b = bh // H
     h = bh % H
     DH: tl.constexpr = D // 2
@@ -849,7 +855,7 @@ def hybrid_decode_attention_triton(
             key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead,
         )  # fmt: skip
     else:
-        _split_kernel[(splits, B * H)](
+        _split_kernel[(B * H, splits) if SPLIT_MAJOR else (splits, B * H)](
             q, hot_k, hot_v, hot_slot, hot_len,
             pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
             part_acc, part_ml, blk_lse, hot_lse,
@@ -857,7 +863,7 @@ def hybrid_decode_attention_triton(
             q.stride(0), q.stride(1), hot_k.stride(0), hot_k.stride(1), hot_k.stride(2),
             pool.k.stride(0), pool.k.stride(1), pool.k.stride(2),
             pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
-            **meta,
+            SPLIT_MAJOR=SPLIT_MAJOR, **meta,
         )  # fmt: skip
     if gluon and key not in _RESIDENT and dev.type == "cuda":
         resident = _resident_of(compiled, dev)

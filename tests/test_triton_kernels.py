@@ -233,6 +233,22 @@ def test_merge_tiles_agree_interpreted(kernels, monkeypatch, bits: int) -> None:
     assert_decode_close(got[4, True, 64], hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.float32)
 
 
+@pytest.mark.parametrize("bits", [8, 0])
+def test_split_kernel_launch_orders_agree_interpreted(kernels, monkeypatch, bits: int) -> None:
+    """The split kernel launched split-major (``triton_decode.SPLIT_MAJOR``) or with a row's splits one after
+    another runs the same programs: the same outputs bit for bit, over several splits a row."""
+    td = kernels.triton_decode
+    inp = make_decode(Shape(2, 2, 3, 32, 8, 7, 16), bits, torch.float32, "cpu")
+    opts = td.DecodeKernelOptions(min_blocks_per_split=1, programs_per_sm=64)
+    assert td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts).splits == 7
+    got = {}
+    for major in (False, True):
+        monkeypatch.setattr(td, "SPLIT_MAJOR", major)
+        got[major] = td.hybrid_decode_attention_triton(**inp, options=opts)
+    assert all(torch.equal(x, y) for x, y in zip(got[False], got[True]))
+    assert_decode_close(got[True], hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.float32)
+
+
 def test_v_pairs_only_on_pure_8bit_pools_interpreted(kernels) -> None:
     td = kernels.triton_decode
     opts = td.DecodeKernelOptions(cvt=1, mixed=False, v_pairs=True)

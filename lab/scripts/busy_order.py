@@ -1,13 +1,15 @@
-"""The Gluon cold kernel's launch order (row-major or split-major) against its busy splits and split counts.
+"""The decode kernels' launch order (row-major or split-major) against busy splits and split counts.
 
 For the sparse rows (16 x 32K, 4 x 128K: L1 1/8 + top 2,048, the table selected once, as
-``benchmarks/decode_attention.py`` sets them up) and the dense INT8 / INT4 rows (64 x 8K, 16 x 32K, 4 x 128K),
-in one process: the attention as CUDA graph replays (median of ``do_bench_cudagraph``) with
-``gluon_decode.SPLIT_MAJOR`` off and on, for each ``gluon_busy_blocks`` (INT4) or (8-bit, 4-bit) pair
-(sparse INT8 on ``gluon_mixed``) of the lists below, for the split counts forced at 4 x 128K, and with the
-default options planned with ``--free`` slots a multiprocessor left out (``triton_decode.WAVE_FREE``);
-``--rounds`` passes over everything, so each cell has that many timings. The outputs of the two orders must
-be the same bit for bit (each program computes the same thing). Writes ``busy_order.json`` and prints a table.
+``benchmarks/decode_attention.py`` sets them up) and the dense rows (64 x 8K, 16 x 32K, 4 x 128K), INT8, INT4
+and unquantized, in one process: the attention as CUDA graph replays (median of ``do_bench_cudagraph``)
+launched row-major and split-major (``gluon_decode.SPLIT_MAJOR`` for the Gluon builds,
+``triton_decode.SPLIT_MAJOR`` for the split kernel, which takes the unquantized rows); for each
+``gluon_busy_blocks`` (INT4) or (8-bit, 4-bit) pair (sparse INT8 on ``gluon_mixed``) of the lists below; for
+the split counts forced at 4 x 128K; and with the default options planned with ``--free`` slots a
+multiprocessor left out (``triton_decode.WAVE_FREE``). ``--rounds`` passes over everything, so each cell has
+that many timings. The outputs of the two orders must be the same bit for bit (each program computes the same
+thing). Writes ``busy_order.json`` and prints a table.
 
     python lab/scripts/busy_order.py --out $OUT [--rounds 2] [--free 0,1,2] [--smoke]
     (--smoke: tiny shapes under TRITON_INTERPRET=1)
@@ -43,13 +45,18 @@ def forced_plan(n: int):
     return fixed
 
 
+def width(bits: int) -> str:
+    return f"INT{bits}" if bits else "unquantized"
+
+
 def time_variant(
     inp: dict, opt, forced: int, free: int, major: bool
 ) -> tuple[float, list[torch.Tensor], dict]:
     """One variant in one order: its graph-replay ms, its outputs and its plan (``forced``: the split count
     forced, 0 for the planned one; ``free``: ``triton_decode.WAVE_FREE`` while it runs)."""
     planned = triton_decode.plan_splits
-    gluon_decode.SPLIT_MAJOR = major
+    defaults = gluon_decode.SPLIT_MAJOR, triton_decode.SPLIT_MAJOR
+    gluon_decode.SPLIT_MAJOR = triton_decode.SPLIT_MAJOR = major
     triton_decode.WAVE_FREE = free
     if forced:
         triton_decode.plan_splits = forced_plan(forced)
@@ -65,7 +72,7 @@ def time_variant(
         return ms, outs, dict(kernel=p.kernel, splits=p.splits, slots=p.slots)
     finally:
         triton_decode.plan_splits = planned
-        gluon_decode.SPLIT_MAJOR = True
+        gluon_decode.SPLIT_MAJOR, triton_decode.SPLIT_MAJOR = defaults
         triton_decode.WAVE_FREE = 0
 
 
@@ -86,23 +93,23 @@ def main() -> int:
         sparse, dense, da.SPARSE_TOKENS = [(1, 2048)], [(2, 512)], 128
     cases = []  # (name, inputs, options variants {label: (options, forced split count or 0)})
     for b, length in sparse:
-        for bits in (8, 4):
+        for bits in (8, 4, 0):
             l1 = (length - da.HOT) // da.BS // 8
             inp, (table, num_cold) = sparse_inputs(da.Case(b, length, bits, l1_blocks=l1))
             inp = {**inp, "block_table": table, "num_cold": num_cold}
             base = opts[f"sparse{bits}"]
             variants = {f"busy {b8}:{b4}": (replace(base, gluon_busy_blocks=b8, gluon_busy_blocks4=b4), 0, 0)
-                        for b8, b4 in (BUSY8 if bits == 8 else BUSY4)}  # fmt: skip
+                        for b8, b4 in {8: BUSY8, 4: BUSY4, 0: [(1, 0)]}[bits]}  # fmt: skip
             variants.update({f"default, {f} free": (base, 0, f) for f in free})
-            if (b, length) == sparse[-1]:
+            if (b, length) == sparse[-1] and bits:
                 variants.update({f"forced {n}": (base, n, 0) for n in FORCED[bits]})
-            cases.append((f"sparse INT{bits} {b}x{length // 1024}K", (b, length), inp, variants))
+            cases.append((f"sparse {width(bits)} {b}x{length // 1024}K", (b, length), inp, variants))
     for b, length in dense:
-        for bits in (8, 4):
+        for bits in (8, 4, 0):
             inp = da.make_inputs(da.Case(b, length, bits))
-            dense_opt = opts["int8" if bits == 8 else "int4"]
+            dense_opt = opts["int8" if bits == 8 else f"int{bits}"]
             variants = {"default": (dense_opt, 0, 0)} | {f"{f} free": (dense_opt, 0, f) for f in free}
-            cases.append((f"dense INT{bits} {b}x{length // 1024}K", (b, length), inp, variants))
+            cases.append((f"dense {width(bits)} {b}x{length // 1024}K", (b, length), inp, variants))
     sdpa = {shape: da.sdpa_case(*shape)[0] for shape in {c[1] for c in cases}}
     times: dict[tuple[str, str, bool], list[float]] = {}
     info: dict[tuple[str, str], dict] = {}
