@@ -472,12 +472,8 @@ def _cold_kernel(
     partial (m, l, acc) in the layout of ``_split_kernel``'s partials (slot ``part0 + split`` of the row's
     ``part_stride``), and each block's lse. ``ROW``: bytes from one code row to the next (``C``; ``D`` for
     the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each row)."""
-    if SPLIT_MAJOR:  # grid (B * H, splits): a row's splits launch B * H programs apart
-        bh = gl.program_id(0)
-        pid_s = gl.program_id(1)
-    else:
-        pid_s = gl.program_id(0)
-        bh = gl.program_id(1)
+    pid_s = gl.program_id(1 if SPLIT_MAJOR else 0)  # SPLIT_MAJOR: grid (B * H, splits)
+    bh = gl.program_id(0 if SPLIT_MAJOR else 1)
     if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
         _launch_dependents(pid_s)
     b = bh // H

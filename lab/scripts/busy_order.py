@@ -28,21 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_attention as da
-from merge_tile import sparse_inputs
+from merge_tile import forced_plan, sparse_inputs
 
 from kvtune.kernels import gluon_decode, triton_decode
 
 BUSY4 = [(1, 0), (8, 0), (12, 0), (16, 0), (18, 0), (24, 0), (36, 0)]
 BUSY8 = [(20, 4), (1, 0), (12, 4), (16, 4), (24, 4), (32, 4), (20, 8), (32, 8)]
 FORCED = {4: [16], 8: [12]}  # split counts forced at 4 x 128K (run 25f's fastest)
-
-
-def forced_plan(n: int):
-    def fixed(bh, m, device, options, resident=None):
-        per = max(1, -(-m // n))
-        return -(-max(m, 1) // per), per
-
-    return fixed
 
 
 def width(bits: int) -> str:
@@ -55,7 +47,7 @@ def time_variant(
     """One variant in one order: its graph-replay ms, its outputs and its plan (``forced``: the split count
     forced, 0 for the planned one; ``free``: ``triton_decode.WAVE_FREE`` while it runs)."""
     planned = triton_decode.plan_splits
-    defaults = gluon_decode.SPLIT_MAJOR, triton_decode.SPLIT_MAJOR
+    defaults = gluon_decode.SPLIT_MAJOR, triton_decode.SPLIT_MAJOR, triton_decode.WAVE_FREE
     gluon_decode.SPLIT_MAJOR = triton_decode.SPLIT_MAJOR = major
     triton_decode.WAVE_FREE = free
     if forced:
@@ -72,8 +64,7 @@ def time_variant(
         return ms, outs, dict(kernel=p.kernel, splits=p.splits, slots=p.slots)
     finally:
         triton_decode.plan_splits = planned
-        gluon_decode.SPLIT_MAJOR, triton_decode.SPLIT_MAJOR = defaults
-        triton_decode.WAVE_FREE = 0
+        gluon_decode.SPLIT_MAJOR, triton_decode.SPLIT_MAJOR, triton_decode.WAVE_FREE = defaults
 
 
 def main() -> int:

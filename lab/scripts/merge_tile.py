@@ -36,6 +36,17 @@ def sparse_inputs(case: da.Case) -> tuple[dict, tuple]:
     return inp, (table, num_cold)
 
 
+def forced_plan(n: int):
+    """A stand-in for ``triton_decode.plan_splits`` that plans ``n`` splits (fewer where a split would hold
+    no block) whatever the occupancy."""
+
+    def fixed(bh, m, device, options, resident=None):
+        per = max(1, -(-m // n))
+        return -(-max(m, 1) // per), per
+
+    return fixed
+
+
 def kernel_times(fn, iters: int) -> dict[str, float]:
     """Device µs per call of each kernel ``fn`` launches (eager), by kernel name."""
     fn()
@@ -102,12 +113,7 @@ def measure(
     triton_decode.MERGE_TILE = max(tiles)
     planned = triton_decode.plan_splits
     for forced in splits:  # the split count forced (the wave model's choice replaced)
-
-        def fixed(bh, m, device, options, resident=None, n=forced):
-            per = max(1, -(-m // n))
-            return -(-max(m, 1) // per), per
-
-        triton_decode.plan_splits = fixed
+        triton_decode.plan_splits = forced_plan(forced)
         try:
             ms = da.bench(run)
             plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], inp["pool"], table, opt)
