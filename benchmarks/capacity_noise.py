@@ -182,6 +182,23 @@ def search(
             "wall_s": time.perf_counter() - t0}  # fmt: skip
 
 
+def _gates(metrics: dict[str, Any]) -> str:
+    """The gated clock's counters of one replay (empty on another clock)."""
+    if not metrics.get("gated_iterations"):
+        return ""
+    return f" ({metrics.get('gate_leaks', 0):.0f} of {metrics['gated_iterations']:.0f} gates leaked)"
+
+
+def _probe_gates(probes: list[dict[str, Any]]) -> str:
+    """The gated clock's counters summed over a search's probes (each probe's windows)."""
+    windows = [w for p in probes for w in p.get("windows", ())]
+    gated = sum(float(w.get("gated_iterations") or 0) for w in windows)
+    if not gated:
+        return ""
+    leaks = sum(float(w.get("gate_leaks") or 0) for w in windows)
+    return f", {leaks:.0f} of {gated:.0f} gates leaked"
+
+
 def spread(capacities: list[float]) -> float:
     mid = statistics.median(capacities)
     return (max(capacities) - min(capacities)) / mid if mid > 0 else float("inf")
@@ -200,11 +217,12 @@ def main() -> None:
     again = [worker.unloaded(DEFAULT_BASELINE, windows[0][0], WARMUP_REQUESTS)
              for _ in range(args.unloaded - 1)]  # fmt: skip
     if again:  # how far the limits would move with the unloaded replay repeated in one process
-        keys = ("ttft_p99_ms", "tpot_p50_ms")
+        keys = ("ttft_p99_ms", "tpot_p50_ms", "ttft_p99_repeats", "gated_iterations", "gate_leaks")
         record["unloaded_repeats"] = [{k: u.get(k) for k in keys} for u in (unloaded, *again)]
         ms = lambda v: "—" if v is None else f"{v:.2f}"
-        print("unloaded replays: " + "; ".join(f"P99 TTFT {ms(u['ttft_p99_ms'])} ms, median TPOT "
-              f"{ms(u['tpot_p50_ms'])} ms" for u in record["unloaded_repeats"]), flush=True)  # fmt: skip
+        said = [f"P99 TTFT {ms(u['ttft_p99_ms'])} ms, median TPOT {ms(u['tpot_p50_ms'])} ms{_gates(u)}"
+                for u in record["unloaded_repeats"]]  # fmt: skip
+        print("unloaded replays: " + "; ".join(said), flush=True)
     slo = Slo.from_record(record)
     print(f"{args.model} on {device}, {Path(args.workload).name}: {args.windows} windows of {args.requests} "
           f"requests · {slo.describe()} · {args.clock} clock", flush=True)  # fmt: skip
@@ -235,8 +253,9 @@ def main() -> None:
                 walls.append(one["wall_s"])
                 err = one["search"].get("stderr")
                 err = f", ± {100 * err:.1f} %" if err is not None else ""
+                gates = _probe_gates(one["probes"])
                 print(f"  {name:<10} window {w} #{r}: capacity {one['capacity']:.3f}x ({len(one['probes'])} "
-                      f"probes{err}) · {one['wall_s']:.1f} s", flush=True)  # fmt: skip
+                      f"probes{err}{gates}) · {one['wall_s']:.1f} s", flush=True)  # fmt: skip
                 _write(args, results)
             spreads.append(spread(caps))
             print(f"  {name:<10} window {w}: median {statistics.median(caps):.3f}x, spread "

@@ -58,6 +58,15 @@ class ChunkPlan:
     has_hot: bool
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``. On CUDA the copy leaves from pinned memory without waiting for the device:
+    a plain copy from pageable memory synchronizes the stream, so the host would stall behind every kernel
+    queued before it (and a gated iteration, :class:`kvtune.engine.engine.EngineClock`, would open early)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def build_chunk_plan(specs: list[ChunkSpec], block_size: int, device: torch.device) -> ChunkPlan:
     """The indices of ``specs`` (in the order their tokens come), packed on the host and uploaded once."""
     bounds, prefix_bounds, q0, s0, p0 = [], [], 0, 0, 0
@@ -77,11 +86,7 @@ def build_chunk_plan(specs: list[ChunkSpec], block_size: int, device: torch.devi
         q0, s0 = q0 + s.tokens, s0 + segment
     fields = [np.concatenate(x) for x in (prefix, seal_ids, seal_rows, hot_rows, hot_slots, hot_pos)]
     sizes = [len(f) for f in fields]
-    packed = torch.from_numpy(np.concatenate(fields).astype(np.int64))
-    if device.type == "cuda":
-        dev = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        dev = packed.to(device)
+    dev = upload(torch.from_numpy(np.concatenate(fields).astype(np.int64)), device)
     views, at = [], 0
     for n in sizes:
         views.append(dev[at : at + n])

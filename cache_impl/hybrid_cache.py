@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kvtune.cache_impl.block_pool import BlockPool, CacheFullError, chain_hashes
-from kvtune.cache_impl.chunks import ChunkPlan, ChunkSpec, build_chunk_plan
+from kvtune.cache_impl.chunks import ChunkPlan, ChunkSpec, build_chunk_plan, upload
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.debug import DebugStats
 from kvtune.cache_impl.layout import CacheLayout, ModelKVShape, cache_layout, hot_capacity, kv_bytes_for
@@ -500,10 +500,7 @@ class HybridCache:
         blocks before it, then the blocks it seals (as many as leave ``hot_tokens`` in the hot zone). On CUDA
         the copy leaves from pinned memory without waiting for the device."""
         n_seal = max(0, (seq.hot_len + t - self.config.hot_tokens) // self.config.block_size)
-        ids = torch.from_numpy(self._st.table[seq.slot, : seq.sealed + n_seal].copy())
-        if self.device.type == "cuda":
-            return ids.pin_memory().to(self.device, non_blocking=True)
-        return ids.to(self.device)
+        return upload(torch.from_numpy(self._st.table[seq.slot, : seq.sealed + n_seal].copy()), self.device)
 
     def _prefix_kv(self, pool: ColdPool, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V [n·bs, H, D] float32 of cached prefix blocks ``ids`` (int64 on the device)."""
@@ -575,7 +572,7 @@ class HybridCache:
         packed[seal0 : seal0 + n_seal] = sealing
         packed[seal0 + sp : seal0 + sp + n_seal] = fresh
         packed[table0:] = st.table[slots, :width].reshape(-1)
-        dev = torch.from_numpy(packed).to(self.device)
+        dev = upload(torch.from_numpy(packed), self.device)
         small = dev[: 4 * bp].to(torch.int32)
         blocks = dev[table0:].view(b, width)
         num_blocks_t = small[3 * bp : 3 * bp + b]

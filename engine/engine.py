@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtune.cache_impl.chunks import upload
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
 from kvtune.engine.compiles import CompileWatch
@@ -62,6 +63,9 @@ Progress = Callable[[int, int], None]
 # capacity probe whose latency limits can no longer be met stops instead of serving a long queue.
 Stop = Callable[[float, Sequence[Seq]], bool]
 DEFAULT_BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=0)
+# the gated clock (SchedulerConfig.clock "gated"): a gate holds the idle device GATE_MARGIN × the longest host
+# time of the last GATE_HISTORY gated iterations + GATE_PAD_MS (GATE_FIRST_MS before any), at most GATE_MAX_MS
+GATE_MARGIN, GATE_PAD_MS, GATE_FIRST_MS, GATE_MAX_MS, GATE_HISTORY = 1.25, 0.3, 10.0, 40.0, 32
 
 
 class ReplayTimeoutError(RuntimeError):
@@ -90,6 +94,7 @@ class DeviceTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self._cycles: float | None = None
 
     def mark(self) -> Any:
         if not self.cuda:
@@ -108,6 +113,27 @@ class DeviceTimer:
     def synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+
+    def gate(self, ms: float) -> Any:
+        """A mark after the device has spun for ``ms`` (a sleep kernel): what the host enqueues meanwhile
+        starts behind it, back to back, so marks after this one time the device's work without the host's
+        launch gaps (on a CPU, a plain mark)."""
+        if not self.cuda:
+            return self.mark()
+        torch.cuda._sleep(max(1, int(ms * self._cycles_per_ms())))
+        return self.mark()
+
+    def _cycles_per_ms(self) -> float:
+        """Sleep cycles per ms: the fastest of a few timed sleeps (an idle GPU starts at a low clock; a
+        sleep timed then would be too short later, at the boost clock)."""
+        if self._cycles is None:
+            cycles, best = 1 << 22, 0.0
+            for _ in range(4):
+                a = self.mark()
+                torch.cuda._sleep(cycles)
+                best = max(best, cycles / max(self.elapsed_ms(a, self.mark()), 1e-3))
+            self._cycles = best
+        return self._cycles
 
 
 class TimedCache:
@@ -231,6 +257,7 @@ class _Run:
     counters: dict[str, float] = field(default_factory=dict)
     compiles: CompileWatch = field(default_factory=CompileWatch)  # Triton compilations inside the replay
     compile_mark: float = 0.0  # their milliseconds when the current iteration started
+    gate: tuple[float, Any] | None = None  # the open gate of this iteration: host time and mark at its start
 
     def stall_ms(self) -> float:
         """Milliseconds of compilation since the current iteration started (then marked again)."""
@@ -266,6 +293,7 @@ class Engine:
         self.scheduler_config = scheduler or SchedulerConfig()
         self.timer = DeviceTimer(self.device)
         self.copy_bandwidth_gbs = copy_bandwidth_gbs(self.device)
+        self._gate_host: deque[float] = deque(maxlen=GATE_HISTORY)  # host ms of recent gated iterations
         # the cache and graphs of the last replay, shared with every with_config() copy: one at a time
         self._kept: list[_Kept | None] = [None]
 
@@ -445,7 +473,7 @@ class Engine:
             cache,
             TimedCache(cache, self.timer),
             scheduler,
-            EngineClock(device=self.scheduler_config.clock == "device"),
+            EngineClock(device=self.scheduler_config.clock != "wall"),
             len(requests),
             settings,
             outputs,
@@ -500,6 +528,7 @@ class Engine:
             self._decode(run, slots, start, progress)
         else:
             self._land(run, progress)
+            run.gate = None  # nothing ran behind it
         self._track_memory(run)
 
     def _separate_iteration(self, run: _Run, progress: Progress | None) -> None:
@@ -518,9 +547,40 @@ class Engine:
             self._land(run, progress)
 
     def _start(self, run: _Run) -> Any:
-        """An iteration's first mark; the compilations inside it are counted from here."""
+        """An iteration's first mark; the compilations inside it are counted from here. On the gated clock
+        an iteration that starts on an idle device (nothing in flight) starts behind a gate."""
         run.stall_ms()
+        run.gate = None
+        if self._gated() and run.in_flight is None:
+            return self._gate(run)
         return self.timer.mark()
+
+    def _gated(self) -> bool:
+        return self.scheduler_config.clock == "gated" and self.timer.cuda
+
+    def _gate(self, run: _Run) -> Any:
+        """Hold the idle device while the host prepares and enqueues this iteration: a sleep a little longer
+        than the host took for recent iterations, then the iteration's start mark, so the iteration's time
+        from that mark is the device's alone. :meth:`_gate_close` checks it when the last work is queued."""
+        ms = min(GATE_MARGIN * max(self._gate_host, default=GATE_FIRST_MS) + GATE_PAD_MS, GATE_MAX_MS)
+        mark = self.timer.gate(ms)
+        run.gate = (time.perf_counter(), mark)
+        run.add("gate_ms", ms)
+        run.add("gated_iterations", 1)
+        return mark
+
+    def _gate_close(self, run: _Run, excused: bool = False) -> None:
+        """The iteration's last work is enqueued. Had its gate opened already, the device ran part of it
+        while the host still enqueued (its time holds host gaps): a leak, counted; the host's time sizes the
+        next gates. ``excused``: a graph capture inside, which is no measure of the host's usual time."""
+        if run.gate is None:
+            return
+        (t0, mark), run.gate = run.gate, None
+        if excused:
+            return
+        self._gate_host.append((time.perf_counter() - t0) * 1000.0)
+        if mark.query():
+            run.add("gate_leaks", 1)
 
     def _stalled(self, run: _Run) -> float:
         """The milliseconds of Triton compilation inside the iteration so far: left out of the wall clock
@@ -560,7 +620,7 @@ class Engine:
         tokens = run.outputs.last_tokens(slots)
         positions = cache.lengths(slots)
         plan = cache.begin_step_slots(slots, now)
-        inputs = torch.from_numpy(np.stack([tokens, positions])).to(self.device)
+        inputs = upload(torch.from_numpy(np.stack([tokens, positions])), self.device)
         model_start, launch_t0 = self.timer.mark(), time.perf_counter()
         logits = self.model.decode(run.timed, plan, inputs[0], inputs[1])
         model_end = self.timer.mark()
@@ -568,6 +628,7 @@ class Engine:
         next_tokens = logits.argmax(dim=-1)
         cache.end_step(plan)
         end = self.timer.mark()
+        self._gate_close(run)
         next_np = next_tokens.cpu().numpy()  # synchronizes
         self.timer.synchronize()
         run.clock.advance(self._count_step(run, (start, model_start, model_end, end), self._stalled(run)))
@@ -588,6 +649,8 @@ class Engine:
         timed = graphs.timing_next()
         if timed:
             self._land(run, progress)
+        if self._gated() and run.in_flight is None and run.gate is None:  # the device idles from here
+            start = self._gate(run)
         bytes_before = self._attention_bytes(run, timed=timed)
         info = graphs.prepare(slots, run.outputs.last_tokens(slots), run.clock.now_ms())
         captured_ms = graphs.take_capture_ms()  # left out of the clock and of this step's time
@@ -600,6 +663,7 @@ class Engine:
         model_end = self.timer.mark()
         cache.finish_step(info)
         end = self.timer.mark()
+        self._gate_close(run, excused=captured_ms > 0)
         tokens, ready = graphs.tokens_to_host(info)
         flight = _InFlight(
             slots, run.outputs.launch(slots), tokens, ready, (start, model_start, model_end, end),
@@ -649,6 +713,8 @@ class Engine:
     ) -> None:
         """One eager forward of the decode rows ``slots`` (may be none) and prompt ``chunks``."""
         self._land(run, progress)  # an eager forward feeds tokens from the host
+        if self._gated() and run.gate is None:  # the device idles from here
+            start = self._gate(run)
         cache, b = run.cache, len(slots)
         bytes_before = self._attention_bytes(run, timed=b > 0)
         ids, positions = [run.outputs.last_tokens(slots)], [cache.lengths(slots)]
@@ -656,7 +722,8 @@ class Engine:
             ids.append(np.asarray(seq.tokens[seq.prefilled : seq.prefilled + n], dtype=np.int64))
             positions.append(np.arange(seq.prefilled, seq.prefilled + n, dtype=np.int64))
         plan = cache.begin_step_slots(slots, run.clock.now_ms()) if b else None
-        inputs = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(positions)])).to(self.device)
+        packed = np.stack([np.concatenate(ids), np.concatenate(positions)])
+        inputs = upload(torch.from_numpy(packed), self.device)
         model_start, launch_t0 = self.timer.mark(), time.perf_counter()
         if b == 0 and len(chunks) == 1:  # a prompt chunk alone: the model's prefill, as it always was
             seq, n = chunks[0]
@@ -670,6 +737,7 @@ class Engine:
         if plan is not None:
             cache.end_step(plan)
         end = self.timer.mark()
+        self._gate_close(run)
         next_np = next_tokens.cpu().numpy()  # synchronizes
         iteration_ms = max(0.0, self.timer.elapsed_ms(start, end) - self._stalled(run))
         run.clock.advance(iteration_ms)
@@ -769,6 +837,9 @@ class Engine:
             compile_ms=c.get("compile_ms", 0.0),
             eager_forward_ms=c.get("eager_forward_ms", 0.0),
             eager_launch_ms=c.get("eager_launch_ms", 0.0),
+            gated_iterations=int(c.get("gated_iterations", 0)),
+            gate_leaks=int(c.get("gate_leaks", 0)),
+            gate_ms=c.get("gate_ms", 0.0),
             max_num_seqs=st.max_num_seqs,
             max_num_batched_tokens=s.config.max_num_batched_tokens,
             graphs=st.graphs,

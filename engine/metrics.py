@@ -99,6 +99,9 @@ class EngineCounters:
     compile_ms: float = 0.0  # ... their host time inside iterations, left out of the replay's clock
     eager_forward_ms: float = 0.0  # device time of the forwards launched op by op (not graph replays)
     eager_launch_ms: float = 0.0  # host time spent launching those forwards
+    gated_iterations: int = 0  # iterations started behind a gate (the gated clock)
+    gate_leaks: int = 0  # ... whose gate opened before the host had enqueued all of the iteration
+    gate_ms: float = 0.0  # the gates' sleep (wall time the device held still; on no clock)
     # the engine's options as this replay resolved them (max_num_seqs: the derived value when not given)
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
@@ -154,6 +157,11 @@ class ReplayMetrics:
     # host time launching the op-by-op forwards / their device time: near or above 1, they are launch-bound
     # (the device waits on the host inside them, so device_busy overstates the work)
     launch_ratio: float = math.nan
+    # the gated clock: iterations started behind a gate, those whose gate opened before the host had
+    # enqueued them (their time holds host gaps), and the gates' sleep in ms (wall only)
+    gated_iterations: int = 0
+    gate_leaks: int = 0
+    gate_ms: float = 0.0
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
     graphs: bool = False
@@ -236,6 +244,9 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         compile_ms=c.compile_ms,
         device_busy=c.forward_ms / c.duration_ms if c.duration_ms > 0 else math.nan,
         launch_ratio=c.eager_launch_ms / c.eager_forward_ms if c.eager_forward_ms > 0 else math.nan,
+        gated_iterations=c.gated_iterations,
+        gate_leaks=c.gate_leaks,
+        gate_ms=c.gate_ms,
         max_num_seqs=c.max_num_seqs,
         max_num_batched_tokens=c.max_num_batched_tokens,
         graphs=c.graphs,
@@ -245,6 +256,9 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         l2_peak_share=c.l2_peak_share,
         migrations=c.migrations,
     )
+
+
+GATE_LEAK_SHARE = 0.05  # more gated iterations leaking than this share: a warning
 
 
 def _warnings(completed: int, c: EngineCounters) -> tuple[str, ...]:
@@ -266,6 +280,11 @@ def _warnings(completed: int, c: EngineCounters) -> tuple[str, ...]:
         out.append(
             "the sparse tier held no block: attention mass stayed above each block's even share (random "
             "weights spread it so), so this replay timed the tier's selection and none of its savings"
+        )
+    if c.gate_leaks > GATE_LEAK_SHARE * c.gated_iterations:
+        out.append(
+            f"{c.gate_leaks} of {c.gated_iterations} gated iterations started on the device before the host "
+            "had enqueued them: their times hold host gaps (a synchronization inside the iteration?)"
         )
     return tuple(out)
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from kvtune.cache_impl.chunks import upload
 from kvtune.cache_impl.layout import ModelKVShape
 from kvtune.engine.tokenizer import TextTokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
 from kvtune.engine.weights import (
@@ -203,7 +204,7 @@ class LlamaModel:
                     outs.append(cache.prefill(i, seq_id, q[a:b], k[a:b], v[a:b]))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        rows = torch.tensor(list(range(num_decode)) + [b - 1 for b in bounds[1:]], device=self.device)
+        rows = upload(torch.tensor(list(range(num_decode)) + [b - 1 for b in bounds[1:]]), self.device)
         return self._forward(token_ids, positions.to(self.device), attend, False, rows)
 
     @torch.inference_mode()

@@ -33,7 +33,7 @@ from typing import Any
 from kvtune.engine.traces import Request
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-CLOCKS = ("wall", "device")  # what a replay's clock counts (SchedulerConfig.clock)
+CLOCKS = ("wall", "device", "gated")  # what a replay's clock counts (SchedulerConfig.clock)
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,13 @@ class SchedulerConfig:
     ``"wall"`` (the default): host time, less graph captures. ``"device"``: each iteration's time on the
     device, from its start mark to its end mark (CUDA events on a GPU), added when the iteration completes;
     the host's time between iterations does not count, so which requests an iteration takes no longer depends
-    on the host's jitter (:class:`kvtune.engine.engine.EngineClock`).
+    on the host's jitter (:class:`kvtune.engine.engine.EngineClock`). An iteration launched op by op (a
+    prompt chunk, a mixed iteration) still counts the gaps in which the device waits for the host's next
+    launch, and the host's work before an iteration that starts on an idle device. ``"gated"``: the device
+    clock with those taken out: such an iteration starts behind a gate, a sleep on the device a little longer
+    than the host took to enqueue recent iterations, so its kernels run back to back from its start mark; an
+    iteration whose gate opened before the host had enqueued it is counted (``gate_leaks``). The gates cost
+    wall time (``gate_ms``), not clock time.
 
     """
 

@@ -461,6 +461,26 @@ def test_replay_on_the_device_clock_lasts_its_iterations(tiny):
     assert metrics["clock"] == "device" and metrics["completed"] == 5
 
 
+def test_the_gated_clock_on_a_cpu_is_the_device_clock(tiny):
+    """With no device to hold, the gated clock counts as the device clock does (the same iterations, the same
+    requests into them) and gates nothing; the option is recorded."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    config = _config(8)
+    requests = [Request(i, 3.0 * i, 30 + 7 * i, 12 + i) for i in range(5)]
+    budget = kv_bytes_for(config, tiny.model.kv_shape, [80] * 5)
+    engine = Engine(tiny, config, budget, CPU, SchedulerConfig(clock="gated"))
+    run = engine._run(requests, 1.0, None)
+    c = run.counters
+    assert c["decode_ms"] - 1e-6 <= c["duration_ms"] <= c["decode_ms"] + c["prefill_ms"] + 12.0 + 1e-6
+    assert "gated_iterations" not in c and run.gate is None
+    metrics = engine.replay(requests, 1.0, warmup_requests=0).to_dict()
+    assert metrics["clock"] == "gated" and metrics["completed"] == 5
+    assert metrics["gated_iterations"] == metrics["gate_leaks"] == 0 and metrics["gate_ms"] == 0.0
+
+
 @pytest.mark.parametrize("clock", ["wall", "device"])
 def test_a_compilation_inside_a_forward_is_left_out_of_the_clock(tiny, monkeypatch, clock):
     """A Triton compilation met inside a measured forward (the host stands still, the device idles between
@@ -920,6 +940,35 @@ def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
         assert steps.verdict() is None, f"{steps.verdict()}\n{steps.summary()}"
     assert graphs.captures > 0 and graphs.timing_supported, "graphs captured, attention timed inside them"
     _same_state(direct, static, ids, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: the gate is a sleep on the device")
+def test_the_gated_clock_keeps_the_host_off_the_device_gpu():
+    """On CUDA the gated clock starts each iteration that finds the device idle behind a gate held until the
+    host has enqueued all of it: no gate opens early (nothing inside an iteration synchronizes with the
+    device), every request completes, and SmolLM2's launch-bound prompt forwards, whose launch gaps the
+    device clock counts, take less of the gated clock: the same iterations (all requests at once, so the
+    clock decides no arrival) last less."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.model import load_model
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    cuda = torch.device("cuda")
+    model = load_model("random:smollm2-135m", cuda, dtype=torch.bfloat16)
+    config = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=8)
+    requests = [Request(i, 0.0, 200 + 50 * i, 40 + 5 * i) for i in range(24)]
+    engine = Engine(model, config, 1 << 30, cuda, SchedulerConfig(clock="device", max_num_batched_tokens=512))
+    engine.replay(requests, 0.0, warmup_requests=2)  # captures, compilations
+    device = engine.replay(requests, 0.0, warmup_requests=2).to_dict()
+    gated = engine.with_clock("gated").replay(requests, 0.0, warmup_requests=2).to_dict()
+    assert device["completed"] == gated["completed"] == len(requests)
+    assert gated["clock"] == "gated" and device["gated_iterations"] == 0
+    assert gated["gated_iterations"] >= gated["mixed_iterations"] > 0
+    assert gated["gate_leaks"] == 0, gated
+    assert gated["duration_s"] < device["duration_s"], (gated["duration_s"], device["duration_s"])
+    assert gated["gate_ms"] > 0 and gated["decode_steps"] == device["decode_steps"]
 
 
 @pytest.mark.gpu

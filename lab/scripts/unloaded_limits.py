@@ -20,7 +20,7 @@ from gpu_state import GpuSampler
 
 from kvtune.engine.engine import DEFAULT_BASELINE, resolve_device
 from kvtune.engine.options import WARMUP_REQUESTS
-from kvtune.engine.scheduler import SchedulerConfig
+from kvtune.engine.scheduler import CLOCKS, SchedulerConfig
 from kvtune.tuner.worker import local_worker
 
 p = argparse.ArgumentParser()
@@ -28,9 +28,10 @@ p.add_argument("--workload", default="examples/traces/azure_conv_later.csv")
 p.add_argument("--model", default="random:llama-3.1-8b")
 p.add_argument("--requests", type=int, default=96)
 p.add_argument("--repeats", type=int, default=3)
+p.add_argument("--clock", choices=CLOCKS, default="device")
 args = p.parse_args()
 t0 = time.perf_counter()
-clock = SchedulerConfig(clock="device")
+clock = SchedulerConfig(clock=args.clock)
 worker = local_worker(args.model, resolve_device(None), str(TEXT), None, 1 << 30, clock)
 ns = argparse.Namespace(workload=args.workload, windows=3, requests=args.requests, length_scale=0.25)
 window = windows_of(ns, worker.loaded.spec.max_context)[0][0]
@@ -40,6 +41,8 @@ for k in range(args.repeats):
     with GpuSampler(period_ms=50) as gpu:
         u = worker.unloaded(DEFAULT_BASELINE, window, WARMUP_REQUESTS)
     launch = f"launch/device {u.get('launch_ratio', float('nan')):.2f}"
+    if u.get("gated_iterations"):
+        launch += f", {u.get('gate_leaks', 0):.0f} of {u['gated_iterations']:.0f} gates leaked"
     clock = GpuSampler.describe(gpu.summary())
     first, each = u["unprimed_ttft_p99_ms"], ", ".join(f"{x:.2f}" for x in u["ttft_p99_repeats"])
     print(

@@ -118,8 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--clock",
         choices=CLOCKS,
         default="wall",
-        help="what the replay's clock counts: host time (wall, the default) or each iteration's time on the "
-        "device (device: the host's jitter between iterations does not move arrivals or token times)",
+        help="what the replay's clock counts: host time (wall, the default), each iteration's time on the "
+        "device (device: the host's jitter between iterations does not move arrivals or token times) or that "
+        "with the host's launch gaps held off the device (gated)",
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for PyTorch (default: PyTorch's choice)"

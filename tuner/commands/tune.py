@@ -170,9 +170,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--clock",
         choices=CLOCKS,
         default=None,
-        help="what a replay's clock counts: host time (wall) or each iteration's device time (device: host "
-        "jitter between iterations moves no arrival); default device for the capacity objective, else wall; "
-        "stored, a resumed study keeps it",
+        help="what a replay's clock counts: host time (wall), each iteration's device time (device: host "
+        "jitter between iterations moves no arrival) or the device's time with the host's launches held off "
+        "it (gated: an iteration on an idle GPU starts behind a sleep while the host enqueues it); default "
+        "device for the capacity objective, else wall; stored, a resumed study keeps it",
     )
     add("--max-ppl-increase", type=float, default=2.0, help="quality bound: perplexity increase, %% (2.0)")
     add("--max-kl", type=float, default=None, help="quality bound: mean KL in nats (default: none)")
