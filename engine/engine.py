@@ -547,21 +547,20 @@ class Engine:
             self._land(run, progress)
 
     def _start(self, run: _Run) -> Any:
-        """An iteration's first mark; the compilations inside it are counted from here. On the gated clock
-        an iteration that starts on an idle device (nothing in flight) starts behind a gate."""
+        """An iteration's first mark; the compilations inside it are counted from here."""
         run.stall_ms()
         run.gate = None
-        if self._gated() and run.in_flight is None:
-            return self._gate(run)
         return self.timer.mark()
 
     def _gated(self) -> bool:
         return self.scheduler_config.clock == "gated" and self.timer.cuda
 
     def _gate(self, run: _Run) -> Any:
-        """Hold the idle device while the host prepares and enqueues this iteration: a sleep a little longer
-        than the host took for recent iterations, then the iteration's start mark, so the iteration's time
-        from that mark is the device's alone. :meth:`_gate_close` checks it when the last work is queued."""
+        """Hold the idle device while the host enqueues this iteration: a sleep a little longer than the host
+        took for recent iterations, then the iteration's new start mark, so its time from that mark is the
+        device's alone (the host's scheduling before it, on an idle device, is no device time either).
+        Placed after the iteration's last read from the device. :meth:`_gate_close` checks it when the last
+        work is queued."""
         ms = min(GATE_MARGIN * max(self._gate_host, default=GATE_FIRST_MS) + GATE_PAD_MS, GATE_MAX_MS)
         mark = self.timer.gate(ms)
         run.gate = (time.perf_counter(), mark)
@@ -578,8 +577,13 @@ class Engine:
         (t0, mark), run.gate = run.gate, None
         if excused:
             return
-        self._gate_host.append((time.perf_counter() - t0) * 1000.0)
-        if mark.query():
+        host_ms, leaked = (time.perf_counter() - t0) * 1000.0, mark.query()
+        # a leak's host time may hold a wait for the gate itself (a synchronization): it may at most double
+        # the gates, so one such wait does not ratchet them up to GATE_MAX_MS
+        self._gate_host.append(
+            min(host_ms, 2.0 * max(self._gate_host)) if leaked and self._gate_host else host_ms
+        )
+        if leaked:
             run.add("gate_leaks", 1)
 
     def _stalled(self, run: _Run) -> float:
@@ -616,6 +620,8 @@ class Engine:
         if run.graphs is not None:
             self._static_decode(run, run.graphs, slots, start, progress)
             return
+        if self._gated():
+            start = self._gate(run)
         cache, now = run.cache, run.clock.now_ms()
         tokens = run.outputs.last_tokens(slots)
         positions = cache.lengths(slots)
@@ -649,9 +655,9 @@ class Engine:
         timed = graphs.timing_next()
         if timed:
             self._land(run, progress)
-        if self._gated() and run.in_flight is None and run.gate is None:  # the device idles from here
+        bytes_before = self._attention_bytes(run, timed=timed)  # reads the device: before any gate
+        if self._gated() and run.in_flight is None:  # the device idles from here
             start = self._gate(run)
-        bytes_before = self._attention_bytes(run, timed=timed)
         info = graphs.prepare(slots, run.outputs.last_tokens(slots), run.clock.now_ms())
         captured_ms = graphs.take_capture_ms()  # left out of the clock and of this step's time
         if captured_ms:
@@ -713,10 +719,10 @@ class Engine:
     ) -> None:
         """One eager forward of the decode rows ``slots`` (may be none) and prompt ``chunks``."""
         self._land(run, progress)  # an eager forward feeds tokens from the host
-        if self._gated() and run.gate is None:  # the device idles from here
-            start = self._gate(run)
         cache, b = run.cache, len(slots)
-        bytes_before = self._attention_bytes(run, timed=b > 0)
+        bytes_before = self._attention_bytes(run, timed=b > 0)  # reads the device: before the gate
+        if self._gated():  # the device idles from here
+            start = self._gate(run)
         ids, positions = [run.outputs.last_tokens(slots)], [cache.lengths(slots)]
         for seq, n in chunks:
             ids.append(np.asarray(seq.tokens[seq.prefilled : seq.prefilled + n], dtype=np.int64))

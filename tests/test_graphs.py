@@ -944,13 +944,28 @@ def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: the gate is a sleep on the device")
-def test_the_gated_clock_keeps_the_host_off_the_device_gpu():
+def test_the_gated_clock_keeps_the_host_off_the_device_gpu(monkeypatch):
     """On CUDA the gated clock starts each iteration that finds the device idle behind a gate held until the
-    host has enqueued all of it: no gate opens early (nothing inside an iteration synchronizes with the
-    device), every request completes, and SmolLM2's launch-bound prompt forwards, whose launch gaps the
-    device clock counts, take less of the gated clock: the same iterations (all requests at once, so the
-    clock decides no arrival) last less."""
+    host has enqueued all of it: nothing between a gate and the iteration's last launch synchronizes with
+    the device (PyTorch's synchronization check raises there, naming the operation), no gate opens early,
+    every request completes, and SmolLM2's launch-bound prompt forwards, whose launch gaps the device clock
+    counts, take less of the gated clock: the same iterations (all requests at once, so the clock decides
+    no arrival) last less."""
     from kvtune.engine.engine import Engine
+
+    gate, close = Engine._gate, Engine._gate_close
+
+    def strict_gate(self, run):
+        mark = gate(self, run)
+        torch.cuda.set_sync_debug_mode("error")
+        return mark
+
+    def strict_close(self, run, excused=False):
+        torch.cuda.set_sync_debug_mode("default")
+        close(self, run, excused)
+
+    monkeypatch.setattr(Engine, "_gate", strict_gate)
+    monkeypatch.setattr(Engine, "_gate_close", strict_close)
     from kvtune.engine.model import load_model
     from kvtune.engine.scheduler import SchedulerConfig
     from kvtune.engine.traces import Request
@@ -969,6 +984,7 @@ def test_the_gated_clock_keeps_the_host_off_the_device_gpu():
     assert gated["gate_leaks"] == 0, gated
     assert gated["duration_s"] < device["duration_s"], (gated["duration_s"], device["duration_s"])
     assert gated["gate_ms"] > 0 and gated["decode_steps"] == device["decode_steps"]
+    torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
