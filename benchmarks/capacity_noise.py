@@ -177,7 +177,9 @@ def search(
     while (rate := state.next_rate()) is not None:
         record = worker.probe_config(DEFAULT_BASELINE, None, windows, rate, rule, WARMUP_REQUESTS)
         state = state.record(rate, record["passed"], record.get("margin"))
-        probes.append({k: record.get(k) for k in ("rate", "passed", "aborted", "margin")})
+        gates = {k: record.get("mean", {}).get(k) for k in ("gated_iterations", "gate_leaks", "gate_ms")}
+        keep = ("rate", "passed", "aborted", "margin", "ttft_p90_ms", "tpot_p90_ms")
+        probes.append({k: record.get(k) for k in keep} | gates)
     return {"capacity": state.capacity, "search": state.to_dict(), "probes": probes,
             "wall_s": time.perf_counter() - t0}  # fmt: skip
 
@@ -190,12 +192,11 @@ def _gates(metrics: dict[str, Any]) -> str:
 
 
 def _probe_gates(probes: list[dict[str, Any]]) -> str:
-    """The gated clock's counters summed over a search's probes (each probe's windows)."""
-    windows = [w for p in probes for w in p.get("windows", ())]
-    gated = sum(float(w.get("gated_iterations") or 0) for w in windows)
+    """The gated clock's counters summed over a search's probes (each the mean over its windows)."""
+    gated = sum(float(p.get("gated_iterations") or 0) for p in probes)
     if not gated:
         return ""
-    leaks = sum(float(w.get("gate_leaks") or 0) for w in windows)
+    leaks = sum(float(p.get("gate_leaks") or 0) for p in probes)
     return f", {leaks:.0f} of {gated:.0f} gates leaked"
 
 
