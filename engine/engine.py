@@ -123,6 +123,11 @@ class DeviceTimer:
         torch.cuda._sleep(max(1, int(ms * self._cycles_per_ms())))
         return self.mark()
 
+    def stretch_sleeps(self, factor: float) -> None:
+        """Sleeps ``factor`` times longer from now on (one ran shorter than asked)."""
+        if self._cycles is not None:
+            self._cycles *= factor
+
     def _cycles_per_ms(self) -> float:
         """Sleep cycles per ms: the fastest of a few timed sleeps (an idle GPU starts at a low clock; a
         sleep timed then would be too short later, at the boost clock)."""
@@ -257,7 +262,8 @@ class _Run:
     counters: dict[str, float] = field(default_factory=dict)
     compiles: CompileWatch = field(default_factory=CompileWatch)  # Triton compilations inside the replay
     compile_mark: float = 0.0  # their milliseconds when the current iteration started
-    gate: tuple[float, Any] | None = None  # the open gate of this iteration: host time and mark at its start
+    # the open gate of this iteration: the host's time at its start, its mark and its planned ms
+    gate: tuple[float, Any, float] | None = None
 
     def stall_ms(self) -> float:
         """Milliseconds of compilation since the current iteration started (then marked again)."""
@@ -563,7 +569,7 @@ class Engine:
         work is queued."""
         ms = min(GATE_MARGIN * max(self._gate_host, default=GATE_FIRST_MS) + GATE_PAD_MS, GATE_MAX_MS)
         mark = self.timer.gate(ms)
-        run.gate = (time.perf_counter(), mark)
+        run.gate = (time.perf_counter(), mark, ms)
         run.add("gate_ms", ms)
         run.add("gated_iterations", 1)
         return mark
@@ -574,7 +580,7 @@ class Engine:
         next gates. ``excused``: a graph capture inside, which is no measure of the host's usual time."""
         if run.gate is None:
             return
-        (t0, mark), run.gate = run.gate, None
+        (t0, mark, planned), run.gate = run.gate, None
         if excused:
             return
         host_ms, leaked = (time.perf_counter() - t0) * 1000.0, mark.query()
@@ -585,6 +591,9 @@ class Engine:
         )
         if leaked:
             run.add("gate_leaks", 1)
+            if host_ms < planned:  # open before its planned length: the SM clock rose since the calibration
+                self.timer.stretch_sleeps(GATE_MARGIN)
+                run.add("gate_stretches", 1)
 
     def _stalled(self, run: _Run) -> float:
         """The milliseconds of Triton compilation inside the iteration so far: left out of the wall clock
@@ -846,6 +855,7 @@ class Engine:
             gated_iterations=int(c.get("gated_iterations", 0)),
             gate_leaks=int(c.get("gate_leaks", 0)),
             gate_ms=c.get("gate_ms", 0.0),
+            gate_stretches=int(c.get("gate_stretches", 0)),
             max_num_seqs=st.max_num_seqs,
             max_num_batched_tokens=s.config.max_num_batched_tokens,
             graphs=st.graphs,

@@ -102,6 +102,7 @@ class EngineCounters:
     gated_iterations: int = 0  # iterations started behind a gate (the gated clock)
     gate_leaks: int = 0  # ... whose gate opened before the host had enqueued all of the iteration
     gate_ms: float = 0.0  # the gates' sleep (wall time the device held still; on no clock)
+    gate_stretches: int = 0  # leaks of a gate shorter than planned (its sleeps were then lengthened)
     # the engine's options as this replay resolved them (max_num_seqs: the derived value when not given)
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
@@ -162,6 +163,7 @@ class ReplayMetrics:
     gated_iterations: int = 0
     gate_leaks: int = 0
     gate_ms: float = 0.0
+    gate_stretches: int = 0  # of those leaks, the gates that opened before their planned length
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
     graphs: bool = False
@@ -247,6 +249,7 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         gated_iterations=c.gated_iterations,
         gate_leaks=c.gate_leaks,
         gate_ms=c.gate_ms,
+        gate_stretches=c.gate_stretches,
         max_num_seqs=c.max_num_seqs,
         max_num_batched_tokens=c.max_num_batched_tokens,
         graphs=c.graphs,

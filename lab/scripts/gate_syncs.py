@@ -68,7 +68,8 @@ for name, scale in (("unloaded", 1000.0), (f"{args.rate}x", 1.0 / args.rate), ("
     for k in range(2):
         m = engine.replay(window, scale, warmup_requests=4).to_dict()
         print(
-            f"{name} #{k}: {m['gated_iterations']} gated iterations, {m['gate_leaks']} opened early, gates "
+            f"{name} #{k}: {m['gated_iterations']} gated iterations, {m['gate_leaks']} opened early "
+            f"({m['gate_stretches']} before their planned length), gates "
             f"{m['gate_ms'] / 1000:.2f} s, clock {m['duration_s']:.2f} s, "
             f"P99 TTFT {m['ttft_p99_ms']:.1f} ms, "
             f"median TPOT {m['tpot_p50_ms']:.2f} ms",
