@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtune.cache_impl.chunks import upload
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.kernels.access import inter_access_interval
 from kvtune.kernels.layout import ColdPool
@@ -118,7 +119,7 @@ class TierState:
         """Fresh blocks (sealed now, all layers): L1, ``last_access = now``, no interval yet."""
         if not len(blocks):
             return
-        self.reset_device(torch.as_tensor(np.asarray(blocks, dtype=np.int64), device=self.device), now_ms)
+        self.reset_device(upload(torch.from_numpy(np.asarray(blocks, dtype=np.int64)), self.device), now_ms)
 
     def reset_device(self, idx: torch.Tensor, now_ms: float | torch.Tensor) -> None:
         """:meth:`reset` for block ids ``idx`` (int64 on the device; repeats allowed) at ``now_ms`` (a float,

@@ -64,7 +64,8 @@ Progress = Callable[[int, int], None]
 Stop = Callable[[float, Sequence[Seq]], bool]
 DEFAULT_BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=0)
 # the gated clock (SchedulerConfig.clock "gated"): a gate holds the idle device GATE_MARGIN × the longest host
-# time of the last GATE_HISTORY gated iterations + GATE_PAD_MS (GATE_FIRST_MS before any), at most GATE_MAX_MS
+# time of the last GATE_HISTORY gated iterations that did not leak + GATE_PAD_MS (GATE_FIRST_MS before any),
+# at most GATE_MAX_MS
 GATE_MARGIN, GATE_PAD_MS, GATE_FIRST_MS, GATE_MAX_MS, GATE_HISTORY = 1.25, 0.3, 10.0, 40.0, 32
 
 
@@ -576,20 +577,18 @@ class Engine:
 
     def _gate_close(self, run: _Run, excused: bool = False) -> None:
         """The iteration's last work is enqueued. Had its gate opened already, the device ran part of it
-        while the host still enqueued (its time holds host gaps): a leak, counted; the host's time sizes the
-        next gates. ``excused``: a graph capture inside, which is no measure of the host's usual time."""
+        while the host still enqueued (its time holds host gaps): a leak, counted. The host times of the
+        iterations that did not leak size the next gates. ``excused``: a graph capture inside, which is no
+        measure of the host's usual time."""
         if run.gate is None:
             return
         (t0, mark, planned), run.gate = run.gate, None
         if excused:
             return
         host_ms, leaked = (time.perf_counter() - t0) * 1000.0, mark.query()
-        # a leak's host time may hold a wait for the gate itself (a synchronization): it may at most double
-        # the gates, so one such wait does not ratchet them up to GATE_MAX_MS
-        self._gate_host.append(
-            min(host_ms, 2.0 * max(self._gate_host)) if leaked and self._gate_host else host_ms
-        )
-        if leaked:
+        if not leaked:  # a leak's host time may hold a wait for the gate itself: it would ratchet them up
+            self._gate_host.append(host_ms)
+        else:
             run.add("gate_leaks", 1)
             if host_ms < planned:  # open before its planned length: the SM clock rose since the calibration
                 self.timer.stretch_sleeps(GATE_MARGIN)

@@ -1,5 +1,7 @@
 """Where the gated clock's gates open early: every synchronization with the device between a gate and the
-iteration's last launch, by the kvtune lines that reached it, over replays on the gated clock.
+iteration's last launch, by the kvtune lines that reached it, over replays on the gated clock; and, for the
+waits PyTorch's check does not see (an event's synchronize, a pinned allocation), the host time of the main
+calls inside each gate and the first of them whose end found the gate already open.
 
 PyTorch's synchronization check (``torch.cuda.set_sync_debug_mode("warn")``) is switched on while a gate is
 open; each warning's stack is folded to its innermost kvtune frames and counted. Printed per replay: the
@@ -13,18 +15,24 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from capacity_noise import windows_of
 
+from kvtune.cache_impl.hybrid_cache import HybridCache
+from kvtune.cache_impl.plan import StepBuffers
 from kvtune.engine.engine import DEFAULT_BASELINE, Engine
-from kvtune.engine.model import load_model
+from kvtune.engine.graphs import DecodeGraphs
+from kvtune.engine.model import LlamaModel, load_model
 from kvtune.engine.scheduler import SchedulerConfig
 
 p = argparse.ArgumentParser()
@@ -32,21 +40,69 @@ p.add_argument("--workload", default="examples/traces/azure_conv_later.csv")
 p.add_argument("--model", default="random:llama-3.1-8b")
 p.add_argument("--requests", type=int, default=96)
 p.add_argument("--rate", type=float, default=3.0, help="loaded replay: × the window's own rate")
+p.add_argument("--repeats", type=int, default=2)
+p.add_argument("--device", default="cuda", help="cpu: the script's own check (nothing is gated there)")
 args = p.parse_args()
 
 sites: collections.Counter[tuple[str, ...]] = collections.Counter()
 gate, close = Engine._gate, Engine._gate_close
+# while a gate is open: its host start, its mark, the calls timed inside (name, ms, whether it had opened)
+current: list[Any] = []
+# leaked iterations, by the first timed call that saw the gate open
+opened_in: collections.Counter[str] = collections.Counter()
+call_ms: dict[tuple[str, bool], list[float]] = collections.defaultdict(list)  # (call, leaked): its host ms
 
 
 def watched_gate(self, run):  # type: ignore[no-untyped-def]
     mark = gate(self, run)
-    torch.cuda.set_sync_debug_mode("warn")
+    current[:] = [time.perf_counter(), mark, []]
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("warn")
     return mark
 
 
 def watched_close(self, run, excused=False):  # type: ignore[no-untyped-def]
-    torch.cuda.set_sync_debug_mode("default")
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("default")
+    if current and run.gate is not None and not excused:
+        leaked = current[1].query()
+        calls = current[2]
+        if leaked:
+            first = next((name for name, _, seen in calls if seen), "after the last timed call")
+            opened_in[first] += 1
+        for name, ms, _ in calls:
+            call_ms[(name, leaked)].append(ms)
+    current.clear()
     close(self, run, excused)
+
+
+def timed(owner: Any, name: str) -> None:
+    """Time ``owner.name`` while a gate is open, noting whether the gate had opened by its end."""
+    inner = getattr(owner, name)
+
+    def call(*a: Any, **k: Any) -> Any:
+        if not current:
+            return inner(*a, **k)
+        t = time.perf_counter()
+        out = inner(*a, **k)
+        current[2].append((f"{owner.__name__}.{name}", (time.perf_counter() - t) * 1000, current[1].query()))
+        return out
+
+    setattr(owner, name, call)
+
+
+for owner, names in (
+    (
+        HybridCache,
+        ("prepare_step", "finish_step", "begin_step_slots", "end_step", "prefill", "prefill_chunks"),
+    ),
+    (DecodeGraphs, ("prepare", "run")),
+    (LlamaModel, ("prefill", "forward_mixed")),
+    (StepBuffers, ("wait_staging", "upload")),
+    (torch.Tensor, ("pin_memory",)),
+):
+    for name in names:
+        timed(owner, name)
 
 
 def record(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
@@ -59,14 +115,19 @@ def record(message, category, filename, lineno, file=None, line=None):  # type: 
 Engine._gate, Engine._gate_close = watched_gate, watched_close  # type: ignore[method-assign]
 warnings.showwarning = record
 warnings.simplefilter("always")
-cuda = torch.device("cuda")
+cuda = torch.device(args.device)
 loaded = load_model(args.model, cuda, dtype=torch.bfloat16)
 ns = argparse.Namespace(workload=args.workload, windows=3, requests=args.requests, length_scale=0.25)
 window = windows_of(ns, loaded.spec.max_context)[0][0]
 engine = Engine(loaded, DEFAULT_BASELINE, 1 << 30, cuda, SchedulerConfig(clock="gated"))
-for name, scale in (("unloaded", 1000.0), (f"{args.rate}x", 1.0 / args.rate), ("at once", 0.0)):
-    for k in range(2):
-        m = engine.replay(window, scale, warmup_requests=4).to_dict()
+short = tuple(dataclasses.replace(r, output_length=min(r.output_length, 8)) for r in window)
+for name, scale, requests in (
+    ("unloaded (8 tokens out)", 1000.0, short),
+    (f"{args.rate}x", 1.0 / args.rate, window),
+    ("at once", 0.0, window),
+):
+    for k in range(args.repeats):
+        m = engine.replay(requests, scale, warmup_requests=4).to_dict()
         print(
             f"{name} #{k}: {m['gated_iterations']} gated iterations, {m['gate_leaks']} opened early "
             f"({m['gate_stretches']} before their planned length), gates "
@@ -75,6 +136,16 @@ for name, scale in (("unloaded", 1000.0), (f"{args.rate}x", 1.0 / args.rate), ("
             f"median TPOT {m['tpot_p50_ms']:.2f} ms",
             flush=True,
         )
+print("leaked iterations, by the first timed call whose end saw the gate open:")
+for name, n in opened_in.most_common():
+    print(f"{n:6d}  {name}")
+print("host ms of the calls inside gates (median, max; iterations that leaked / did not):")
+for name in sorted({k[0] for k in call_ms}):
+    cells = []
+    for leaked in (True, False):
+        v = sorted(call_ms.get((name, leaked), []))
+        cells.append(f"{v[len(v) // 2]:.3f}, {v[-1]:.3f} ({len(v)})" if v else "-")
+    print(f"  {name:<32} leaked {cells[0]:<28} clean {cells[1]}")
 print(f"synchronizing sites inside open gates: {sum(sites.values())}")
 for where, n in sites.most_common(20):
     print(f"{n:6d}  " + " <- ".join(reversed(where)))
