@@ -481,6 +481,66 @@ def test_the_gated_clock_on_a_cpu_is_the_device_clock(tiny):
     assert metrics["gated_iterations"] == metrics["gate_leaks"] == 0 and metrics["gate_ms"] == 0.0
 
 
+def test_the_gates_size_themselves_from_the_host_times_that_did_not_leak(tiny):
+    """The gated clock's decisions, around a stand-in for the CUDA sleep whose mark reports whether it had
+    completed (the sleep itself is the GPU test's): the first gate asks GATE_FIRST_MS, later ones 1.25 × the
+    longest host time of the recent iterations that did not leak + 0.3 ms, at most GATE_MAX_MS; a gate found
+    open counts as a leak and sizes nothing; one found open before its planned length lengthens the sleeps;
+    a capture's iteration (excused) counts nothing."""
+    from types import SimpleNamespace
+
+    from kvtune.engine import engine as eng
+    from kvtune.engine.scheduler import SchedulerConfig
+
+    class Mark:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+    class Timer(eng.DeviceTimer):
+        def __init__(self) -> None:
+            super().__init__(CPU)
+            self.cuda, self.asked, self.opened, self.stretched = True, [], False, 1.0
+
+        def gate(self, ms: float) -> Mark:
+            self.asked.append(ms)
+            return Mark(self.opened)
+
+        def stretch_sleeps(self, factor: float) -> None:
+            self.stretched *= factor
+
+    engine = eng.Engine(tiny, _config(8), 1 << 24, CPU, SchedulerConfig(clock="gated"))
+    assert not engine._gated()  # a CPU has no device to hold
+    timer = engine.timer = Timer()
+    counters: dict[str, float] = {}
+    run = SimpleNamespace(gate=None, add=lambda k, v: counters.__setitem__(k, counters.get(k, 0) + v))
+
+    def iteration(host_ms: float, opened: bool, excused: bool = False) -> float:
+        timer.opened = opened
+        engine._gate(run)
+        t0, mark, planned = run.gate
+        run.gate = (t0 - host_ms / 1000.0, mark, planned)  # the host took host_ms since the gate
+        engine._gate_close(run, excused)
+        assert run.gate is None
+        return timer.asked[-1]
+
+    assert engine._gated()
+    assert iteration(4.0, False) == pytest.approx(eng.GATE_MARGIN * eng.GATE_FIRST_MS + eng.GATE_PAD_MS)
+    assert iteration(6.0, True) == pytest.approx(eng.GATE_MARGIN * 4.0 + eng.GATE_PAD_MS, abs=0.05)
+    assert counters["gate_leaks"] == 1 and "gate_stretches" not in counters and timer.stretched == 1.0
+    first = pytest.approx(eng.GATE_MARGIN * 4.0 + eng.GATE_PAD_MS, abs=0.05)
+    assert iteration(1.0, True) == first  # leaks size nothing
+    assert counters["gate_leaks"] == 2 and counters["gate_stretches"] == 1
+    assert timer.stretched == eng.GATE_MARGIN
+    iteration(500.0, False, excused=True)  # a capture: no measure of the host
+    assert iteration(100.0, False) == pytest.approx(eng.GATE_MARGIN * 4.0 + eng.GATE_PAD_MS, abs=0.05)
+    assert iteration(1.0, False) == eng.GATE_MAX_MS  # 100 ms of host time asks more than the cap
+    assert counters["gated_iterations"] == len(timer.asked) == 6 and counters["gate_leaks"] == 2
+    assert counters["gate_ms"] == pytest.approx(sum(timer.asked))
+
+
 @pytest.mark.parametrize("clock", ["wall", "device"])
 def test_a_compilation_inside_a_forward_is_left_out_of_the_clock(tiny, monkeypatch, clock):
     """A Triton compilation met inside a measured forward (the host stands still, the device idles between

@@ -51,11 +51,27 @@ current: list[Any] = []
 # leaked iterations, by the first timed call that saw the gate open
 opened_in: collections.Counter[str] = collections.Counter()
 call_ms: dict[tuple[str, bool], list[float]] = collections.defaultdict(list)  # (call, leaked): its host ms
+# (leaked, a device allocation inside, a pinned host allocation inside): gated iterations
+allocs: collections.Counter[tuple[bool, bool, bool]] = collections.Counter()
+
+
+def _alloc_counts() -> tuple[int, int]:
+    """cudaMalloc and cudaHostAlloc calls so far (both may wait for the device: implicit synchronizations
+    that PyTorch's check does not report); -1 where this PyTorch does not count them."""
+    if not torch.cuda.is_available():
+        return -1, -1
+    device = torch.cuda.memory_stats().get("num_device_alloc", -1)
+    host = (
+        torch.cuda.host_memory_stats().get("num_host_alloc", -1)
+        if hasattr(torch.cuda, "host_memory_stats")
+        else -1
+    )
+    return int(device), int(host)
 
 
 def watched_gate(self, run):  # type: ignore[no-untyped-def]
     mark = gate(self, run)
-    current[:] = [time.perf_counter(), mark, []]
+    current[:] = [time.perf_counter(), mark, [], _alloc_counts()]
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode("warn")
     return mark
@@ -67,6 +83,8 @@ def watched_close(self, run, excused=False):  # type: ignore[no-untyped-def]
     if current and run.gate is not None and not excused:
         leaked = current[1].query()
         calls = current[2]
+        (device0, host0), (device1, host1) = current[3], _alloc_counts()
+        allocs[(leaked, device1 > device0 >= 0, host1 > host0 >= 0)] += 1
         if leaked:
             first = next((name for name, _, seen in calls if seen), "after the last timed call")
             opened_in[first] += 1
@@ -139,6 +157,9 @@ for name, scale, requests in (
 print("leaked iterations, by the first timed call whose end saw the gate open:")
 for name, n in opened_in.most_common():
     print(f"{n:6d}  {name}")
+print("gated iterations by (opened early, a cudaMalloc inside, a cudaHostAlloc inside):")
+for key, n in sorted(allocs.items()):
+    print(f"{n:6d}  {key}")
 print("host ms of the calls inside gates (median, max; iterations that leaked / did not):")
 for name in sorted({k[0] for k in call_ms}):
     cells = []
