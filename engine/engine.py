@@ -535,7 +535,6 @@ class Engine:
             self._decode(run, slots, start, progress)
         else:
             self._land(run, progress)
-            run.gate = None  # nothing ran behind it
         self._track_memory(run)
 
     def _separate_iteration(self, run: _Run, progress: Progress | None) -> None:
