@@ -186,9 +186,12 @@ def reference(inp: dict) -> torch.Tensor:
     return torch.stack(outs)
 
 
+CHECK_SHAPE = (3, 1000 + 37)  # the checks' batch x length (--smoke: smaller, for the interpreter)
+
+
 def check(options: DecodeKernelOptions, bits: int) -> float:
     """Relative error against the fp32 reference on a small case (fresh inputs)."""
-    inp = make_inputs(Case(3, 1000 + 37, bits))
+    inp = make_inputs(Case(*CHECK_SHAPE, bits))
     out, mass, hot = run_hybrid(inp, options)
     ref = reference(inp)
     err = float((out.float() - ref).norm() / ref.norm())
@@ -198,7 +201,7 @@ def check(options: DecodeKernelOptions, bits: int) -> float:
 
 def check_mixed(options: DecodeKernelOptions) -> float:
     """:func:`check` on an 8-bit pool with a third of its blocks demoted to 4 bits (the sparse tier's L2)."""
-    inp = make_inputs(Case(3, 1000 + 37, 8))
+    inp = make_inputs(Case(*CHECK_SHAPE, 8))
     pool = inp["pool"]
     pool.block_bits[torch.randperm(pool.num_blocks, device=DEVICE)[: pool.num_blocks // 3]] = 4
     out, mass, hot = run_hybrid(inp, options)
@@ -415,9 +418,9 @@ def mixed_variants() -> dict[str, DecodeKernelOptions]:
 def compare_mixed(out: Path, smoke: bool = False) -> dict:
     """Sparse INT8 on the split kernel and on the mixed Gluon path, with sparse INT4, unquantized and SDPA,
     at the sparse shapes, as graph replays and as launches (``--mixed``; ``smoke``: one tiny shape)."""
-    global GRAPHS, SPARSE_TOKENS, SPARSE_SHAPES
+    global GRAPHS, SPARSE_TOKENS, SPARSE_SHAPES, CHECK_SHAPE
     if smoke:
-        SPARSE_TOKENS, SPARSE_SHAPES = 128, [(1, 1024)]
+        SPARSE_TOKENS, SPARSE_SHAPES, CHECK_SHAPE = 128, [(1, 1024)], (1, 4 * BS + 37)
     variants = mixed_variants()
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
     results: dict = dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=[],
@@ -642,8 +645,9 @@ def main() -> int:
     global GRAPHS
     GRAPHS = args.graphs and DEVICE == "cuda"
     if args.smoke:
-        global SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS, SPARSE_SHAPES
+        global SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS, SPARSE_SHAPES, CHECK_SHAPE
         SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS, SPARSE_SHAPES = (2, 256), [(1, 512)], 128, [(1, 1024)]
+        CHECK_SHAPE = (1, 4 * BS + 37)
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
     results: dict = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                          timing="CUDA graph replays" if GRAPHS else "launches")  # fmt: skip

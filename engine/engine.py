@@ -63,10 +63,44 @@ Progress = Callable[[int, int], None]
 # capacity probe whose latency limits can no longer be met stops instead of serving a long queue.
 Stop = Callable[[float, Sequence[Seq]], bool]
 DEFAULT_BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=0)
-# the gated clock (SchedulerConfig.clock "gated"): a gate holds the idle device GATE_MARGIN × the longest host
-# time of the last GATE_HISTORY gated iterations that did not leak + GATE_PAD_MS (GATE_FIRST_MS before any),
-# at most GATE_MAX_MS
-GATE_MARGIN, GATE_PAD_MS, GATE_FIRST_MS, GATE_MAX_MS, GATE_HISTORY = 1.25, 0.3, 10.0, 40.0, 32
+# the gated clock (SchedulerConfig.clock "gated"): each kind of iteration has its own gate (GateSizes), which
+# holds the idle device GATE_MARGIN × the longest host time of that kind's last GATE_HISTORY gated iterations
+# + GATE_PAD_MS, at most GATE_MAX_MS; a kind not yet timed assumes GATE_FIRST_MS of host time
+GATE_MARGIN, GATE_PAD_MS, GATE_MAX_MS, GATE_HISTORY = 1.25, 0.3, 250.0, 32
+# host ms assumed before a kind is timed: a captured step launches a graph; an eager iteration launches every
+# op of every layer (~60 ms for a Llama-3.1-8B shape on an H200)
+GATE_FIRST_MS = {"step": 10.0, "decode": 80.0, "prefill": 80.0, "chunks": 80.0, "mixed": 80.0}
+
+
+class GateSizes:
+    """What the next gate of each kind of iteration asks, from the host times of that kind's recent gated
+    iterations. A kind is (``step``: a captured decode step; ``decode``: an eager one; ``prefill``: one prompt
+    chunk alone; ``chunks``: several; ``mixed``: decode rows and chunks, number of chunks): an eager forward
+    launches every op of every layer, a captured step one graph, so one history for both would size a
+    forward's gate from the steps' (run 28a: 141 of 263 gates opened inside a prefill sized that way). A
+    kind first met with another number of chunks scales the largest time of its kind by the ratio."""
+
+    def __init__(self) -> None:
+        self._host: dict[tuple[str, int], deque[float]] = {}
+
+    def ms(self, key: tuple[str, int]) -> float:
+        kind, n = key
+        seen = self._host.get(key)
+        if seen:
+            host = max(seen)
+        else:
+            same = [(m, max(d)) for (k, m), d in self._host.items() if k == kind and d]
+            host = max((h * max(1.0, n / max(m, 1)) for m, h in same), default=GATE_FIRST_MS[kind])
+        return min(GATE_MARGIN * host + GATE_PAD_MS, GATE_MAX_MS)
+
+    def add(self, key: tuple[str, int], host_ms: float, planned_ms: float, leaked: bool) -> None:
+        """A gated iteration's host time. A leaked one counts at most twice its gate: with no wait for the
+        device inside (PyTorch's check and ``lab/scripts/gate_syncs.py`` find none) its host time is the
+        host's, and the next gate of its kind grows to fit it; a wait would hold the gate's own length, so
+        the bound keeps one from ratcheting the gates past a doubling per leak."""
+        self._host.setdefault(key, deque(maxlen=GATE_HISTORY)).append(
+            min(host_ms, 2.0 * planned_ms) if leaked else host_ms
+        )
 
 
 class ReplayTimeoutError(RuntimeError):
@@ -264,7 +298,7 @@ class _Run:
     compiles: CompileWatch = field(default_factory=CompileWatch)  # Triton compilations inside the replay
     compile_mark: float = 0.0  # their milliseconds when the current iteration started
     # the open gate of this iteration: the host's time at its start, its mark and its planned ms
-    gate: tuple[float, Any, float] | None = None
+    gate: tuple[float, Any, float, tuple[str, int]] | None = None
 
     def stall_ms(self) -> float:
         """Milliseconds of compilation since the current iteration started (then marked again)."""
@@ -300,7 +334,7 @@ class Engine:
         self.scheduler_config = scheduler or SchedulerConfig()
         self.timer = DeviceTimer(self.device)
         self.copy_bandwidth_gbs = copy_bandwidth_gbs(self.device)
-        self._gate_host: deque[float] = deque(maxlen=GATE_HISTORY)  # host ms of recent gated iterations
+        self._gates = GateSizes()  # host ms of recent gated iterations, by kind
         # the cache and graphs of the last replay, shared with every with_config() copy: one at a time
         self._kept: list[_Kept | None] = [None]
 
@@ -561,33 +595,32 @@ class Engine:
     def _gated(self) -> bool:
         return self.scheduler_config.clock == "gated" and self.timer.cuda
 
-    def _gate(self, run: _Run) -> Any:
+    def _gate(self, run: _Run, key: tuple[str, int]) -> Any:
         """Hold the idle device while the host enqueues this iteration: a sleep a little longer than the host
-        took for recent iterations, then the iteration's new start mark, so its time from that mark is the
-        device's alone (the host's scheduling before it, on an idle device, is no device time either).
-        Placed after the iteration's last read from the device. :meth:`_gate_close` checks it when the last
-        work is queued."""
-        ms = min(GATE_MARGIN * max(self._gate_host, default=GATE_FIRST_MS) + GATE_PAD_MS, GATE_MAX_MS)
+        took for recent iterations of its kind (``key``, :class:`GateSizes`), then the iteration's new start
+        mark, so its time from that mark is the device's alone (the host's scheduling before it, on an idle
+        device, is no device time either). Placed after the iteration's last read from the device.
+        :meth:`_gate_close` checks it when the last work is queued."""
+        ms = self._gates.ms(key)
         mark = self.timer.gate(ms)
-        run.gate = (time.perf_counter(), mark, ms)
+        run.gate = (time.perf_counter(), mark, ms, key)
         run.add("gate_ms", ms)
         run.add("gated_iterations", 1)
         return mark
 
     def _gate_close(self, run: _Run, excused: bool = False) -> None:
         """The iteration's last work is enqueued. Had its gate opened already, the device ran part of it
-        while the host still enqueued (its time holds host gaps): a leak, counted. The host times of the
-        iterations that did not leak size the next gates. ``excused``: a graph capture inside, which is no
+        while the host still enqueued (its time holds host gaps): a leak, counted. The host times size the
+        next gates of the iteration's kind. ``excused``: a graph capture or a Triton compilation inside, no
         measure of the host's usual time."""
         if run.gate is None:
             return
-        (t0, mark, planned), run.gate = run.gate, None
-        if excused:
+        (t0, mark, planned, key), run.gate = run.gate, None
+        if excused or run.compiles.ms > run.compile_mark:
             return
         host_ms, leaked = (time.perf_counter() - t0) * 1000.0, mark.query()
-        if not leaked:  # a leak's host time may hold a wait for the gate itself: it would ratchet them up
-            self._gate_host.append(host_ms)
-        else:
+        self._gates.add(key, host_ms, planned, leaked)
+        if leaked:
             run.add("gate_leaks", 1)
             if host_ms < planned:  # open before its planned length: the SM clock rose since the calibration
                 self.timer.stretch_sleeps(GATE_MARGIN)
@@ -628,7 +661,7 @@ class Engine:
             self._static_decode(run, run.graphs, slots, start, progress)
             return
         if self._gated():
-            start = self._gate(run)
+            start = self._gate(run, ("decode", 0))
         cache, now = run.cache, run.clock.now_ms()
         tokens = run.outputs.last_tokens(slots)
         positions = cache.lengths(slots)
@@ -664,7 +697,7 @@ class Engine:
             self._land(run, progress)
         bytes_before = self._attention_bytes(run, timed=timed)  # reads the device: before any gate
         if self._gated() and run.in_flight is None:  # the device idles from here
-            start = self._gate(run)
+            start = self._gate(run, ("step", 0))
         info = graphs.prepare(slots, run.outputs.last_tokens(slots), run.clock.now_ms())
         captured_ms = graphs.take_capture_ms()  # left out of the clock and of this step's time
         if captured_ms:
@@ -729,7 +762,8 @@ class Engine:
         cache, b = run.cache, len(slots)
         bytes_before = self._attention_bytes(run, timed=b > 0)  # reads the device: before the gate
         if self._gated():  # the device idles from here
-            start = self._gate(run)
+            kind = "mixed" if b else "prefill" if len(chunks) == 1 else "chunks"
+            start = self._gate(run, (kind, len(chunks)))
         ids, positions = [run.outputs.last_tokens(slots)], [cache.lengths(slots)]
         for seq, n in chunks:
             ids.append(np.asarray(seq.tokens[seq.prefilled : seq.prefilled + n], dtype=np.int64))

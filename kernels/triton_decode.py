@@ -70,14 +70,15 @@ MASS_AHEAD = True
 # sparse steps 1-4 % faster on an H200 (run 24g).
 MERGE_STAGES: int | None = 1
 # Programs a multiprocessor the wave model leaves out of a Gluon build's slots (its occupancy less this), so
-# that the merge, a programmatic dependent, finds room beside the cold programs (0: every slot; an
-# experiment's knob, ``lab/scripts/busy_order.py --free``).
+# that the merge, a programmatic dependent, finds room beside the cold programs. 0: every slot. Leaving one
+# out was slower on an H200 (run 28a, graphs, split-major): sparse INT4 at 4 x 128K 0.0681 ms against 0.0464
+# (the plan took 57 splits), dense INT4 at 16 x 32K 0.173 against 0.161 (``lab/scripts/busy_order.py``).
 WAVE_FREE = 0
 # The split kernel's launch order: split-major (every row's split 0 first, as ``gluon_decode.SPLIT_MAJOR``) or
-# a row's splits one after another (False). Every split of the split kernel takes blocks, so no row's busy
-# programs gather on a few multiprocessors; the Gluon builds' dense rows at 4 x 128K were still 3 % faster
-# split-major on an H200 (run 26a). Not yet timed for this kernel (``lab/scripts/busy_order.py``).
-SPLIT_MAJOR = False
+# a row's splits one after another (False). On an H200 (run 28a, graphs, two rounds) split-major was never
+# slower: unquantized at 4 x 128K 0.536 ms against 0.545 dense and 0.0839 against 0.0887 sparse (L1 1/8 + top
+# 2,048), 64 x 8K and 16 x 32K within 0.1 %.
+SPLIT_MAJOR = True
 
 
 def _prmt_asm(sel0: str, sel1: str) -> tl.constexpr:

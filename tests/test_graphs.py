@@ -481,12 +481,13 @@ def test_the_gated_clock_on_a_cpu_is_the_device_clock(tiny):
     assert metrics["gated_iterations"] == metrics["gate_leaks"] == 0 and metrics["gate_ms"] == 0.0
 
 
-def test_the_gates_size_themselves_from_the_host_times_that_did_not_leak(tiny):
+def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     """The gated clock's decisions, around a stand-in for the CUDA sleep whose mark reports whether it had
-    completed (the sleep itself is the GPU test's): the first gate asks GATE_FIRST_MS, later ones 1.25 × the
-    longest host time of the recent iterations that did not leak + 0.3 ms, at most GATE_MAX_MS; a gate found
-    open counts as a leak and sizes nothing; one found open before its planned length lengthens the sleeps;
-    a capture's iteration (excused) counts nothing."""
+    completed (the sleep itself is the GPU test's): a kind's first gate assumes GATE_FIRST_MS of host time,
+    later ones ask 1.25 × the longest host time of that kind's recent iterations + 0.3 ms, at most
+    GATE_MAX_MS; a kind first met with more chunks scales its kind's time; a gate found open counts as a leak
+    and grows its kind's next gate (at most twice the leaked gate); one found open before its planned length
+    lengthens the sleeps; a capture's or a compilation's iteration (excused) counts nothing."""
     from types import SimpleNamespace
 
     from kvtune.engine import engine as eng
@@ -515,29 +516,53 @@ def test_the_gates_size_themselves_from_the_host_times_that_did_not_leak(tiny):
     assert not engine._gated()  # a CPU has no device to hold
     timer = engine.timer = Timer()
     counters: dict[str, float] = {}
-    run = SimpleNamespace(gate=None, add=lambda k, v: counters.__setitem__(k, counters.get(k, 0) + v))
+    run = SimpleNamespace(gate=None, add=lambda k, v: counters.__setitem__(k, counters.get(k, 0) + v),
+                          compiles=SimpleNamespace(ms=0.0), compile_mark=0.0)  # fmt: skip
 
-    def iteration(host_ms: float, opened: bool, excused: bool = False) -> float:
+    def iteration(key, host_ms: float, opened: bool = False, excused: bool = False) -> float:
         timer.opened = opened
-        engine._gate(run)
-        t0, mark, planned = run.gate
-        run.gate = (t0 - host_ms / 1000.0, mark, planned)  # the host took host_ms since the gate
+        engine._gate(run, key)
+        t0, mark, planned, k = run.gate
+        run.gate = (t0 - host_ms / 1000.0, mark, planned, k)  # the host took host_ms since the gate
         engine._gate_close(run, excused)
         assert run.gate is None
         return timer.asked[-1]
 
+    def asks(host_ms: float) -> Any:
+        return pytest.approx(min(eng.GATE_MARGIN * host_ms + eng.GATE_PAD_MS, eng.GATE_MAX_MS), abs=0.05)
+
+    step, prefill = ("step", 0), ("prefill", 1)
     assert engine._gated()
-    assert iteration(4.0, False) == pytest.approx(eng.GATE_MARGIN * eng.GATE_FIRST_MS + eng.GATE_PAD_MS)
-    assert iteration(6.0, True) == pytest.approx(eng.GATE_MARGIN * 4.0 + eng.GATE_PAD_MS, abs=0.05)
-    assert counters["gate_leaks"] == 1 and "gate_stretches" not in counters and timer.stretched == 1.0
-    first = pytest.approx(eng.GATE_MARGIN * 4.0 + eng.GATE_PAD_MS, abs=0.05)
-    assert iteration(1.0, True) == first  # leaks size nothing
-    assert counters["gate_leaks"] == 2 and counters["gate_stretches"] == 1
+    assert iteration(step, 0.5) == asks(eng.GATE_FIRST_MS["step"])
+    assert iteration(prefill, 60.0) == asks(eng.GATE_FIRST_MS["prefill"])
+    assert iteration(step, 0.4) == asks(0.5)  # the steps' gates from the steps' host times alone
+    assert iteration(prefill, 50.0) == asks(60.0)
+    assert iteration(("chunks", 3), 70.0) == asks(eng.GATE_FIRST_MS["chunks"])
+    assert iteration(("chunks", 6), 100.0) == asks(70.0 * 2)  # twice the chunks of the one timed
+    assert iteration(("chunks", 2), 1.0) == asks(100.0)  # fewer chunks: the kind's largest time
+    assert "gate_leaks" not in counters
+    # a leak grows its kind's gate, by at most twice the gate it leaked
+    planned = iteration(step, 3.0, opened=True)
+    assert planned == asks(0.5) and counters["gate_leaks"] == 1 and "gate_stretches" not in counters
+    assert iteration(step, 0.4) == asks(2 * planned)  # 3 ms counted as twice the 0.9-ms gate
+    iteration(step, 3.0)
+    assert iteration(step, 0.4) == asks(3.0)  # the host's time, once it fits
+    iteration(prefill, 1000.0, opened=True)
+    assert iteration(prefill, 50.0) == asks(2 * (eng.GATE_MARGIN * 60.0 + eng.GATE_PAD_MS))
+    # open before its planned length: the sleeps run short of their calibration
+    iteration(step, 0.1, opened=True)
+    assert counters["gate_leaks"] == 3 and counters["gate_stretches"] == 1
     assert timer.stretched == eng.GATE_MARGIN
-    iteration(500.0, False, excused=True)  # a capture: no measure of the host
-    assert iteration(100.0, False) == pytest.approx(eng.GATE_MARGIN * 4.0 + eng.GATE_PAD_MS, abs=0.05)
-    assert iteration(1.0, False) == eng.GATE_MAX_MS  # 100 ms of host time asks more than the cap
-    assert counters["gated_iterations"] == len(timer.asked) == 6 and counters["gate_leaks"] == 2
+    # a capture, or a compilation, is no measure of the host
+    iteration(("mixed", 1), 500.0, excused=True)
+    run.compiles.ms = 300.0
+    iteration(("mixed", 1), 500.0)
+    run.compile_mark = 300.0
+    assert iteration(("mixed", 1), 10.0) == asks(eng.GATE_FIRST_MS["mixed"])
+    assert iteration(("mixed", 1), 1.0) == asks(10.0)
+    iteration(("decode", 0), 400.0)
+    assert iteration(("decode", 0), 1.0) == eng.GATE_MAX_MS  # 400 ms of host time asks more than the cap
+    assert counters["gated_iterations"] == len(timer.asked) and counters["gate_leaks"] == 3
     assert counters["gate_ms"] == pytest.approx(sum(timer.asked))
 
 

@@ -446,10 +446,10 @@ def test_cache_on_the_triton_kernels_equals_the_references_interpreted(
 ) -> None:
     """The cache's CUDA path (every launcher, the plan's tables, the flags buffer, the byte count) run by the
     interpreter on CPU tensors gives the reference path's outputs, tiers and statistics."""
-    want = _run_cache(seed=3, steps=24)
+    want = _run_cache(seed=3, steps=12)
     for name in DISPATCHERS:
         monkeypatch.setattr(importlib.import_module(f"kvtune.kernels.{name}"), "use_triton", lambda t: True)
-    got = _run_cache(seed=3, steps=24)
+    got = _run_cache(seed=3, steps=12)
     assert want[1]["l2_blocks"] > 0 and want[1]["migrations_done"] > 0  # the sparse tier was exercised
     for step, (a, b) in enumerate(zip(got[0], want[0])):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
@@ -501,11 +501,11 @@ def test_static_step_on_the_triton_kernels_equals_the_references_interpreted(
     """The static step (clock read from the step buffers, sparse table at a fixed width, seals before the
     step) on the Triton kernels, interpreted, gives the reference static step's outputs and statistics, and
     the eager step's."""
-    eager = _run_cache(seed=3, steps=24)
-    want = _run_static(seed=3, steps=24)
+    eager = _run_cache(seed=3, steps=12)
+    want = _run_static(seed=3, steps=12)
     for name in DISPATCHERS:
         monkeypatch.setattr(importlib.import_module(f"kvtune.kernels.{name}"), "use_triton", lambda t: True)
-    got = _run_static(seed=3, steps=24)
+    got = _run_static(seed=3, steps=12)
     assert want[1]["l2_blocks"] > 0 and want[1]["migrations_done"] > 0  # the sparse tier was exercised
     for step, (a, b, c) in enumerate(zip(got[0], want[0], eager[0])):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")

@@ -53,6 +53,8 @@ opened_in: collections.Counter[str] = collections.Counter()
 call_ms: dict[tuple[str, bool], list[float]] = collections.defaultdict(list)  # (call, leaked): its host ms
 # (leaked, a device allocation inside, a pinned host allocation inside): gated iterations
 allocs: collections.Counter[tuple[bool, bool, bool]] = collections.Counter()
+# (iteration kind, leaked): (host ms, the gate's planned ms) of each gated iteration
+kinds: dict[tuple[str, bool], list[tuple[float, float]]] = collections.defaultdict(list)
 
 
 def _alloc_counts() -> tuple[int, int]:
@@ -69,9 +71,9 @@ def _alloc_counts() -> tuple[int, int]:
     return int(device), int(host)
 
 
-def watched_gate(self, run):  # type: ignore[no-untyped-def]
-    mark = gate(self, run)
-    current[:] = [time.perf_counter(), mark, [], _alloc_counts()]
+def watched_gate(self, run, key):  # type: ignore[no-untyped-def]
+    mark = gate(self, run, key)
+    current[:] = [time.perf_counter(), mark, [], _alloc_counts(), key[0], run.gate[2]]
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode("warn")
     return mark
@@ -90,6 +92,7 @@ def watched_close(self, run, excused=False):  # type: ignore[no-untyped-def]
             opened_in[first] += 1
         for name, ms, _ in calls:
             call_ms[(name, leaked)].append(ms)
+        kinds[(current[4], leaked)].append(((time.perf_counter() - current[0]) * 1000, current[5]))
     current.clear()
     close(self, run, excused)
 
@@ -154,6 +157,14 @@ for name, scale, requests in (
             f"median TPOT {m['tpot_p50_ms']:.2f} ms",
             flush=True,
         )
+print("gated iterations by kind (count; median host ms, median gate ms), leaked / clean:")
+for kind in sorted({k[0] for k in kinds}):
+    cells = []
+    for leaked in (True, False):
+        v = kinds.get((kind, leaked), [])
+        host, gated = sorted(h for h, _ in v), sorted(g for _, g in v)
+        cells.append(f"{len(v)}; {host[len(v) // 2]:.2f}, {gated[len(v) // 2]:.2f}" if v else "0")
+    print(f"  {kind:<8} leaked {cells[0]:<24} clean {cells[1]}")
 print("leaked iterations, by the first timed call whose end saw the gate open:")
 for name, n in opened_in.most_common():
     print(f"{n:6d}  {name}")
