@@ -93,14 +93,9 @@ class GateSizes:
             host = max((h * max(1.0, n / max(m, 1)) for m, h in same), default=GATE_FIRST_MS[kind])
         return min(GATE_MARGIN * host + GATE_PAD_MS, GATE_MAX_MS)
 
-    def add(self, key: tuple[str, int], host_ms: float, planned_ms: float, leaked: bool) -> None:
-        """A gated iteration's host time. A leaked one counts at most twice its gate: with no wait for the
-        device inside (PyTorch's check and ``lab/scripts/gate_syncs.py`` find none) its host time is the
-        host's, and the next gate of its kind grows to fit it; a wait would hold the gate's own length, so
-        the bound keeps one from ratcheting the gates past a doubling per leak."""
-        self._host.setdefault(key, deque(maxlen=GATE_HISTORY)).append(
-            min(host_ms, 2.0 * planned_ms) if leaked else host_ms
-        )
+    def add(self, key: tuple[str, int], host_ms: float) -> None:
+        """A gated segment's host time (a leaked one's bounded by :meth:`Engine._gate_close`'s caller)."""
+        self._host.setdefault(key, deque(maxlen=GATE_HISTORY)).append(host_ms)
 
 
 class ReplayTimeoutError(RuntimeError):
@@ -255,6 +250,24 @@ class EngineSettings:
 
 
 @dataclass
+class _Gate:
+    """An iteration's open gate (the gated clock). An eager forward launches every op of every layer, more
+    than the device's launch queue holds: with one gate the host blocked on a full queue until the gate
+    opened (run 28b: 213 of 234 eager iterations leaked, their host time the gate's length). So between its
+    layers it opens a new one: each segment is enqueued behind its own sleep, whose device time, timed by
+    its own marks (``sleeps``), leaves the iteration's."""
+
+    key: tuple[str, int]  # the iteration's kind (GateSizes)
+    t0: float  # the host's time when the current segment's sleep was enqueued
+    mark: Any  # the current segment's start (after its sleep)
+    planned: float  # the current segment's sleep, ms
+    sleeps: list[tuple[Any, Any]] = field(default_factory=list)  # the later sleeps' marks (before, after)
+    host: list[float] = field(default_factory=list)  # the finished segments' host ms
+    leaked: bool = False  # a segment's sleep ended before the host had enqueued that segment
+    short: bool = False  # ... and before its planned length
+
+
+@dataclass
 class _InFlight:
     """A static decode step launched whose tokens have not reached the host yet (at most one: the engine
     stages and launches the next step while the GPU runs this one, then lands this one)."""
@@ -298,7 +311,7 @@ class _Run:
     compiles: CompileWatch = field(default_factory=CompileWatch)  # Triton compilations inside the replay
     compile_mark: float = 0.0  # their milliseconds when the current iteration started
     # the open gate of this iteration: the host's time at its start, its mark and its planned ms
-    gate: tuple[float, Any, float, tuple[str, int]] | None = None
+    gate: _Gate | None = None
 
     def stall_ms(self) -> float:
         """Milliseconds of compilation since the current iteration started (then marked again)."""
@@ -599,32 +612,69 @@ class Engine:
         """Hold the idle device while the host enqueues this iteration: a sleep a little longer than the host
         took for recent iterations of its kind (``key``, :class:`GateSizes`), then the iteration's new start
         mark, so its time from that mark is the device's alone (the host's scheduling before it, on an idle
-        device, is no device time either). Placed after the iteration's last read from the device.
-        :meth:`_gate_close` checks it when the last work is queued."""
+        device, is no device time either). Placed after the iteration's last read from the device. An eager
+        forward opens a new gate between layers (:meth:`_gate_layer`); :meth:`_gate_close` checks them when
+        the last work is queued."""
         ms = self._gates.ms(key)
         mark = self.timer.gate(ms)
-        run.gate = (time.perf_counter(), mark, ms, key)
+        run.gate = _Gate(key, time.perf_counter(), mark, ms)
         run.add("gate_ms", ms)
         run.add("gated_iterations", 1)
         return mark
 
-    def _gate_close(self, run: _Run, excused: bool = False) -> None:
-        """The iteration's last work is enqueued. Had its gate opened already, the device ran part of it
-        while the host still enqueued (its time holds host gaps): a leak, counted. The host times size the
-        next gates of the iteration's kind. ``excused``: a graph capture or a Triton compilation inside, no
-        measure of the host's usual time."""
+    def _segment_done(self, gate: _Gate) -> None:
+        host_ms = (time.perf_counter() - gate.t0) * 1000.0
+        if gate.mark.query():  # the sleep ended while the host still enqueued the segment
+            gate.leaked = True
+            gate.short |= host_ms < gate.planned
+            # at most twice its sleep: had the host waited for the device, it would have waited the sleep's
+            # length, and the bound keeps such a wait from ratcheting the gates past a doubling per leak
+            host_ms = min(host_ms, 2.0 * gate.planned)
+        gate.host.append(host_ms)
+
+    def _layer_gates(self, run: _Run) -> Callable[[], None] | None:
+        """The model's hook between two layers of a gated eager forward: the segment before it is enqueued;
+        the next one starts behind a new sleep (None: nothing gated)."""
         if run.gate is None:
-            return
-        (t0, mark, planned, key), run.gate = run.gate, None
+            return None
+
+        def between_layers() -> None:
+            gate = run.gate
+            if gate is None:
+                return
+            self._segment_done(gate)
+            ms = self._gates.ms(gate.key)
+            before = self.timer.mark()
+            gate.mark, gate.t0, gate.planned = self.timer.gate(ms), time.perf_counter(), ms
+            gate.sleeps.append((before, gate.mark))
+            run.add("gate_ms", ms)
+
+        return between_layers
+
+    def _gate_close(self, run: _Run, excused: bool = False) -> list[tuple[Any, Any]]:
+        """The iteration's last work is enqueued. Had a gate opened already, the device ran part of it while
+        the host still enqueued (its time holds host gaps): a leak, counted once per iteration. The host
+        times of its segments size the next gates of its kind. ``excused``: a graph capture or a Triton
+        compilation inside, no measure of the host's usual time. Returns the marks of the sleeps between
+        layers (:meth:`_slept_ms`: the caller takes their time out of the iteration's)."""
+        gate, run.gate = run.gate, None
+        if gate is None:
+            return []
+        self._segment_done(gate)
         if excused or run.compiles.ms > run.compile_mark:
-            return
-        host_ms, leaked = (time.perf_counter() - t0) * 1000.0, mark.query()
-        self._gates.add(key, host_ms, planned, leaked)
-        if leaked:
+            return gate.sleeps
+        for host_ms in gate.host:
+            self._gates.add(gate.key, host_ms)
+        if gate.leaked:
             run.add("gate_leaks", 1)
-            if host_ms < planned:  # open before its planned length: the SM clock rose since the calibration
+            if gate.short:  # open before its planned length: the SM clock rose since the calibration
                 self.timer.stretch_sleeps(GATE_MARGIN)
                 run.add("gate_stretches", 1)
+        return gate.sleeps
+
+    def _slept_ms(self, sleeps: list[tuple[Any, Any]]) -> float:
+        """The device time of the sleeps between an iteration's layers (their marks completed)."""
+        return sum(self.timer.elapsed_ms(a, b) for a, b in sleeps)
 
     def _stalled(self, run: _Run) -> float:
         """The milliseconds of Triton compilation inside the iteration so far: left out of the wall clock
@@ -668,16 +718,18 @@ class Engine:
         plan = cache.begin_step_slots(slots, now)
         inputs = upload(torch.from_numpy(np.stack([tokens, positions])), self.device)
         model_start, launch_t0 = self.timer.mark(), time.perf_counter()
-        logits = self.model.decode(run.timed, plan, inputs[0], inputs[1])
+        logits = self.model.decode(run.timed, plan, inputs[0], inputs[1], self._layer_gates(run))
         model_end = self.timer.mark()
         launch_ms = (time.perf_counter() - launch_t0) * 1000.0
         next_tokens = logits.argmax(dim=-1)
         cache.end_step(plan)
         end = self.timer.mark()
-        self._gate_close(run)
+        sleeps = self._gate_close(run)
         next_np = next_tokens.cpu().numpy()  # synchronizes
         self.timer.synchronize()
-        run.clock.advance(self._count_step(run, (start, model_start, model_end, end), self._stalled(run)))
+        slept = self._slept_ms(sleeps)  # the sleeps between layers: no time of the step's
+        marks = (start, model_start, model_end, end)
+        run.clock.advance(self._count_step(run, marks, self._stalled(run) + slept))
         run.add("eager_forward_ms", self.timer.elapsed_ms(model_start, model_end))
         run.add("eager_launch_ms", launch_ms)
         self._add_attention(run, run.timed.take_attention_ms(), 0)
@@ -772,23 +824,25 @@ class Engine:
         packed = np.stack([np.concatenate(ids), np.concatenate(positions)])
         inputs = upload(torch.from_numpy(packed), self.device)
         model_start, launch_t0 = self.timer.mark(), time.perf_counter()
+        between = self._layer_gates(run)
         if b == 0 and len(chunks) == 1:  # a prompt chunk alone: the model's prefill, as it always was
             seq, n = chunks[0]
-            logits = self.model.prefill(cache, seq.seq_id, inputs[0], seq.prefilled, last_only=True)
+            logits = self.model.prefill(cache, seq.seq_id, inputs[0], seq.prefilled, True, between)
         else:
             segments = [(seq.seq_id, n) for seq, n in chunks]
-            logits = self.model.forward_mixed(run.timed, plan, inputs[0], inputs[1], b, segments)
+            logits = self.model.forward_mixed(run.timed, plan, inputs[0], inputs[1], b, segments, between)
         model_end = self.timer.mark()
         launch_ms = (time.perf_counter() - launch_t0) * 1000.0
         next_tokens = logits.argmax(dim=-1)
         if plan is not None:
             cache.end_step(plan)
         end = self.timer.mark()
-        self._gate_close(run)
+        sleeps = self._gate_close(run)
         next_np = next_tokens.cpu().numpy()  # synchronizes
-        iteration_ms = max(0.0, self.timer.elapsed_ms(start, end) - self._stalled(run))
+        slept = self._slept_ms(sleeps)  # the sleeps between layers: no time of the iteration's
+        iteration_ms = max(0.0, self.timer.elapsed_ms(start, end) - slept - self._stalled(run))
         run.clock.advance(iteration_ms)
-        model_ms = min(self.timer.elapsed_ms(model_start, model_end), iteration_ms)
+        model_ms = min(self.timer.elapsed_ms(model_start, model_end) - slept, iteration_ms)
         run.add("prefill_ms", model_ms)
         run.add("forward_ms", model_ms)
         run.add("prefill_chunks", len(chunks))

@@ -143,25 +143,32 @@ class LlamaModel:
         token_ids: torch.Tensor,
         start_pos: int,
         last_only: bool = False,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Logits [T, V] float32 (``last_only``: [1, V]) of T tokens at positions ``start_pos + arange(T)``.
 
-        Calls ``cache.prefill(layer, seq_id, q, k, v)`` once per layer with the rotated q/k of these tokens.
+        Calls ``cache.prefill(layer, seq_id, q, k, v)`` once per layer with the rotated q/k of these tokens
+        (and ``between_layers()`` before every layer but the first: the engine's gated clock).
         """
         positions = torch.arange(start_pos, start_pos + len(token_ids), device=self.device)
         attend: Attend = lambda i, q, k, v: cache.prefill(i, seq_id, q, k, v)
-        return self._forward(token_ids, positions, attend, last_only)
+        return self._forward(token_ids, positions, attend, last_only, between_layers=between_layers)
 
     @torch.inference_mode()
     def decode(
-        self, cache: KVCacheLike, plan: Any, token_ids: torch.Tensor, positions: torch.Tensor
+        self,
+        cache: KVCacheLike,
+        plan: Any,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Logits [B, V] float32 of one new token per sequence (token_ids, positions [B]).
 
-        Calls ``cache.decode(layer, plan, q, k, v)`` once per layer.
+        Calls ``cache.decode(layer, plan, q, k, v)`` once per layer (and ``between_layers()`` as ``prefill``).
         """
         attend: Attend = lambda i, q, k, v: cache.decode(i, plan, q, k, v)
-        return self._forward(token_ids, positions.to(self.device), attend, False)
+        return self._forward(token_ids, positions.to(self.device), attend, False, None, between_layers)
 
     @torch.inference_mode()
     def forward_mixed(
@@ -172,6 +179,7 @@ class LlamaModel:
         positions: torch.Tensor,
         num_decode: int,
         chunks: Sequence[tuple[int, int]],
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """One forward over ``num_decode`` decode tokens then prompt chunks, logits [num_decode + len(chunks),
         V] float32: each decode row's, then each chunk's last token's.
@@ -205,7 +213,7 @@ class LlamaModel:
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         rows = upload(torch.tensor(list(range(num_decode)) + [b - 1 for b in bounds[1:]]), self.device)
-        return self._forward(token_ids, positions.to(self.device), attend, False, rows)
+        return self._forward(token_ids, positions.to(self.device), attend, False, rows, between_layers)
 
     @torch.inference_mode()
     def forward_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -220,14 +228,18 @@ class LlamaModel:
         attend: Attend,
         last_only: bool,
         rows: torch.Tensor | None = None,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Residual stream ``x``; each layer adds attention then MLP, the add fused with the next RMSNorm.
-        Logits of every row, of the last (``last_only``) or of ``rows`` (indices)."""
+        Logits of every row, of the last (``last_only``) or of ``rows`` (indices). ``between_layers()`` is
+        called before every layer but the first."""
         eps = self.spec.rms_eps
         x = F.embedding(token_ids.to(self.device), self.embed)  # [N, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         delta: torch.Tensor | None = None
         for i, w in enumerate(self.layers):
+            if i and between_layers is not None:
+                between_layers()
             x, h = add_rms_norm(x, delta, w.attn_norm, eps)
             x, h = add_rms_norm(x, self._attention(i, w, h, cos, sin, attend), w.ffn_norm, eps)
             delta = F.linear(silu_mul(F.linear(h, w.w_gate_up)), w.w_down)

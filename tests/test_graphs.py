@@ -509,6 +509,9 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
             self.asked.append(ms)
             return Mark(self.opened)
 
+        def mark(self) -> Mark:
+            return Mark(True)
+
         def stretch_sleeps(self, factor: float) -> None:
             self.stretched *= factor
 
@@ -522,9 +525,8 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     def iteration(key, host_ms: float, opened: bool = False, excused: bool = False) -> float:
         timer.opened = opened
         engine._gate(run, key)
-        t0, mark, planned, k = run.gate
-        run.gate = (t0 - host_ms / 1000.0, mark, planned, k)  # the host took host_ms since the gate
-        engine._gate_close(run, excused)
+        run.gate.t0 -= host_ms / 1000.0  # the host took host_ms since the gate
+        assert engine._gate_close(run, excused) == []  # no layers: no sleeps between them
         assert run.gate is None
         return timer.asked[-1]
 
@@ -563,6 +565,30 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     iteration(("decode", 0), 400.0)
     assert iteration(("decode", 0), 1.0) == eng.GATE_MAX_MS  # 400 ms of host time asks more than the cap
     assert counters["gated_iterations"] == len(timer.asked) and counters["gate_leaks"] == 3
+    assert counters["gate_ms"] == pytest.approx(sum(timer.asked))
+    # an eager forward: a new gate between layers, each sized from the segments' host times, their marks
+    # returned for the caller to take the sleeps' time out; one leak per iteration at most
+    layers, before = ("prefill", 2), counters["gated_iterations"]
+    engine._gate(run, layers)
+    between = engine._layer_gates(run)
+    assert between is not None and engine._layer_gates(SimpleNamespace(gate=None)) is None
+    for host_ms, opened in ((3.0, False), (2.0, True), (9.0, True)):
+        run.gate.t0 -= host_ms / 1000.0
+        timer.opened = opened
+        between()
+    run.gate.t0 -= 1.0 / 1000.0
+    sleeps = engine._gate_close(run)
+    assert len(sleeps) == 3 and counters["gate_leaks"] == 4 and counters["gated_iterations"] == before + 1
+    assert len(set(timer.asked[-4:])) == 1  # the iteration's gates sized before it closed
+    assert counters["gate_stretches"] == 2  # two segments opened before their planned length: one stretch
+    assert engine._gates.ms(layers) == asks(9.0)  # from the segments' host times (9 ms: a whole layer)
+    engine._gate(run, layers)
+    between = engine._layer_gates(run)
+    run.gate.t0 -= 50.0 / 1000.0
+    timer.opened = True
+    between()  # 50 ms leaked: it counts twice its sleep
+    engine._gate_close(run)
+    assert engine._gates.ms(layers) == asks(2 * timer.asked[-2])
     assert counters["gate_ms"] == pytest.approx(sum(timer.asked))
 
 
@@ -1040,14 +1066,14 @@ def test_the_gated_clock_keeps_the_host_off_the_device_gpu(monkeypatch):
 
     gate, close = Engine._gate, Engine._gate_close
 
-    def strict_gate(self, run):
-        mark = gate(self, run)
+    def strict_gate(self, run, key):
+        mark = gate(self, run, key)
         torch.cuda.set_sync_debug_mode("error")
         return mark
 
     def strict_close(self, run, excused=False):
         torch.cuda.set_sync_debug_mode("default")
-        close(self, run, excused)
+        return close(self, run, excused)
 
     monkeypatch.setattr(Engine, "_gate", strict_gate)
     monkeypatch.setattr(Engine, "_gate_close", strict_close)

@@ -73,7 +73,7 @@ def _alloc_counts() -> tuple[int, int]:
 
 def watched_gate(self, run, key):  # type: ignore[no-untyped-def]
     mark = gate(self, run, key)
-    current[:] = [time.perf_counter(), mark, [], _alloc_counts(), key[0], run.gate[2]]
+    current[:] = [time.perf_counter(), run, [], _alloc_counts(), key[0], run.gate.planned]
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode("warn")
     return mark
@@ -83,7 +83,7 @@ def watched_close(self, run, excused=False):  # type: ignore[no-untyped-def]
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode("default")
     if current and run.gate is not None and not excused:
-        leaked = current[1].query()
+        leaked = _opened(run)
         calls = current[2]
         (device0, host0), (device1, host1) = current[3], _alloc_counts()
         allocs[(leaked, device1 > device0 >= 0, host1 > host0 >= 0)] += 1
@@ -94,7 +94,12 @@ def watched_close(self, run, excused=False):  # type: ignore[no-untyped-def]
             call_ms[(name, leaked)].append(ms)
         kinds[(current[4], leaked)].append(((time.perf_counter() - current[0]) * 1000, current[5]))
     current.clear()
-    close(self, run, excused)
+    return close(self, run, excused)
+
+
+def _opened(run: Any) -> bool:
+    """Whether a gate of the iteration (one between its layers, or the one open now) ended early."""
+    return run.gate is not None and (run.gate.leaked or run.gate.mark.query())
 
 
 def timed(owner: Any, name: str) -> None:
@@ -106,7 +111,7 @@ def timed(owner: Any, name: str) -> None:
             return inner(*a, **k)
         t = time.perf_counter()
         out = inner(*a, **k)
-        current[2].append((f"{owner.__name__}.{name}", (time.perf_counter() - t) * 1000, current[1].query()))
+        current[2].append((f"{owner.__name__}.{name}", (time.perf_counter() - t) * 1000, _opened(current[1])))
         return out
 
     setattr(owner, name, call)
