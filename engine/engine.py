@@ -67,9 +67,9 @@ DEFAULT_BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quant
 # holds the idle device GATE_MARGIN × the longest host time of that kind's last GATE_HISTORY gated iterations
 # + GATE_PAD_MS, at most GATE_MAX_MS; a kind not yet timed assumes GATE_FIRST_MS of host time
 GATE_MARGIN, GATE_PAD_MS, GATE_MAX_MS, GATE_HISTORY = 1.25, 0.3, 250.0, 32
-# host ms assumed before a kind is timed: a captured step launches a graph; an eager iteration launches every
-# op of every layer (~60 ms for a Llama-3.1-8B shape on an H200)
-GATE_FIRST_MS = {"step": 10.0, "decode": 80.0, "prefill": 80.0, "chunks": 80.0, "mixed": 80.0}
+# host ms assumed before a kind is timed (a captured step launches one graph; an eager forward opens a gate
+# per layer, whose ops take the host 0.5-2 ms for a Llama-3.1-8B shape on an H200)
+GATE_FIRST_MS = 10.0
 
 
 class GateSizes:
@@ -90,7 +90,7 @@ class GateSizes:
             host = max(seen)
         else:
             same = [(m, max(d)) for (k, m), d in self._host.items() if k == kind and d]
-            host = max((h * max(1.0, n / max(m, 1)) for m, h in same), default=GATE_FIRST_MS[kind])
+            host = max((h * max(1.0, n / max(m, 1)) for m, h in same), default=GATE_FIRST_MS)
         return min(GATE_MARGIN * host + GATE_PAD_MS, GATE_MAX_MS)
 
     def add(self, key: tuple[str, int], host_ms: float) -> None:

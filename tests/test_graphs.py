@@ -535,11 +535,11 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
 
     step, prefill = ("step", 0), ("prefill", 1)
     assert engine._gated()
-    assert iteration(step, 0.5) == asks(eng.GATE_FIRST_MS["step"])
-    assert iteration(prefill, 60.0) == asks(eng.GATE_FIRST_MS["prefill"])
+    assert iteration(step, 0.5) == asks(eng.GATE_FIRST_MS)
+    assert iteration(prefill, 60.0) == asks(eng.GATE_FIRST_MS)
     assert iteration(step, 0.4) == asks(0.5)  # the steps' gates from the steps' host times alone
     assert iteration(prefill, 50.0) == asks(60.0)
-    assert iteration(("chunks", 3), 70.0) == asks(eng.GATE_FIRST_MS["chunks"])
+    assert iteration(("chunks", 3), 70.0) == asks(eng.GATE_FIRST_MS)
     assert iteration(("chunks", 6), 100.0) == asks(70.0 * 2)  # twice the chunks of the one timed
     assert iteration(("chunks", 2), 1.0) == asks(100.0)  # fewer chunks: the kind's largest time
     assert "gate_leaks" not in counters
@@ -560,7 +560,7 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     run.compiles.ms = 300.0
     iteration(("mixed", 1), 500.0)
     run.compile_mark = 300.0
-    assert iteration(("mixed", 1), 10.0) == asks(eng.GATE_FIRST_MS["mixed"])
+    assert iteration(("mixed", 1), 10.0) == asks(eng.GATE_FIRST_MS)
     assert iteration(("mixed", 1), 1.0) == asks(10.0)
     iteration(("decode", 0), 400.0)
     assert iteration(("decode", 0), 1.0) == eng.GATE_MAX_MS  # 400 ms of host time asks more than the cap
