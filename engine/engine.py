@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -63,39 +64,50 @@ Progress = Callable[[int, int], None]
 # capacity probe whose latency limits can no longer be met stops instead of serving a long queue.
 Stop = Callable[[float, Sequence[Seq]], bool]
 DEFAULT_BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=0)
-# the gated clock (SchedulerConfig.clock "gated"): each kind of iteration has its own gate (GateSizes), which
-# holds the idle device GATE_MARGIN × the longest host time of that kind's last GATE_HISTORY gated iterations
-# + GATE_PAD_MS, at most GATE_MAX_MS; a kind not yet timed assumes GATE_FIRST_MS of host time
-GATE_MARGIN, GATE_PAD_MS, GATE_MAX_MS, GATE_HISTORY = 1.25, 0.3, 250.0, 32
+# the gated clock (SchedulerConfig.clock "gated"): each kind of iteration has its own gates (GateSizes), which
+# hold the idle device GATE_MARGIN × the longest host time of that kind's last GATE_HISTORY gated segments
+# + GATE_PAD_MS, at most GATE_MAX_MS for an iteration's first gate and GATE_LAYER_MAX_MS for one between
+# layers; a kind not yet timed assumes GATE_FIRST_MS of host time
+GATE_MARGIN, GATE_PAD_MS, GATE_MAX_MS, GATE_LAYER_MAX_MS, GATE_HISTORY = 1.25, 0.3, 250.0, 25.0, 64
 # host ms assumed before a kind is timed (a captured step launches one graph; an eager forward opens a gate
 # per layer, whose ops take the host 0.5-2 ms for a Llama-3.1-8B shape on an H200)
 GATE_FIRST_MS = 10.0
+# a host time more than GATE_CLIP × the median of its history (8 or more) counts as that much: a pause of the
+# host (a garbage collection, a library's first call) would otherwise size the next GATE_HISTORY gates
+GATE_CLIP = 3.0
 
 
 class GateSizes:
     """What the next gate of each kind of iteration asks, from the host times of that kind's recent gated
-    iterations. A kind is (``step``: a captured decode step; ``decode``: an eager one; ``prefill``: one prompt
+    segments. A kind is (``step``: a captured decode step; ``decode``: an eager one; ``prefill``: one prompt
     chunk alone; ``chunks``: several; ``mixed``: decode rows and chunks, number of chunks): an eager forward
     launches every op of every layer, a captured step one graph, so one history for both would size a
-    forward's gate from the steps' (run 28a: 141 of 263 gates opened inside a prefill sized that way). A
-    kind first met with another number of chunks scales the largest time of its kind by the ratio."""
+    forward's gate from the steps' (run 28a: 141 of 263 gates opened inside a prefill sized that way). An
+    eager forward's segments (:class:`_Gate`) keep two histories: its first (the iteration's set-up and its
+    first layer) and the rest (a layer each). A kind first met with another number of chunks scales the
+    largest time of its kind by the ratio."""
 
     def __init__(self) -> None:
-        self._host: dict[tuple[str, int], deque[float]] = {}
+        self._host: dict[tuple[str, int, bool], deque[float]] = {}
 
-    def ms(self, key: tuple[str, int]) -> float:
+    def ms(self, key: tuple[str, int], first: bool = True) -> float:
+        """The gate of ``key``'s first segment (``first``) or of a later one, in ms."""
         kind, n = key
-        seen = self._host.get(key)
+        seen = self._host.get((kind, n, first))
         if seen:
             host = max(seen)
         else:
-            same = [(m, max(d)) for (k, m), d in self._host.items() if k == kind and d]
+            same = [(m, max(d)) for (k, m, f), d in self._host.items() if k == kind and f == first and d]
             host = max((h * max(1.0, n / max(m, 1)) for m, h in same), default=GATE_FIRST_MS)
-        return min(GATE_MARGIN * host + GATE_PAD_MS, GATE_MAX_MS)
+        return min(GATE_MARGIN * host + GATE_PAD_MS, GATE_MAX_MS if first else GATE_LAYER_MAX_MS)
 
-    def add(self, key: tuple[str, int], host_ms: float) -> None:
-        """A gated segment's host time (a leaked one's bounded by :meth:`Engine._gate_close`'s caller)."""
-        self._host.setdefault(key, deque(maxlen=GATE_HISTORY)).append(host_ms)
+    def add(self, key: tuple[str, int], host_ms: float, first: bool = True) -> None:
+        """A gated segment's host time (a leaked one's bounded by :meth:`Engine._gate_close`'s caller), at
+        most GATE_CLIP × the median of its history."""
+        seen = self._host.setdefault((*key, first), deque(maxlen=GATE_HISTORY))
+        if len(seen) >= 8:
+            host_ms = min(host_ms, GATE_CLIP * statistics.median(seen))
+        seen.append(host_ms)
 
 
 class ReplayTimeoutError(RuntimeError):
@@ -643,7 +655,7 @@ class Engine:
             if gate is None:
                 return
             self._segment_done(gate)
-            ms = self._gates.ms(gate.key)
+            ms = self._gates.ms(gate.key, first=False)
             before = self.timer.mark()
             gate.mark, gate.t0, gate.planned = self.timer.gate(ms), time.perf_counter(), ms
             gate.sleeps.append((before, gate.mark))
@@ -663,8 +675,8 @@ class Engine:
         self._segment_done(gate)
         if excused or run.compiles.ms > run.compile_mark:
             return gate.sleeps
-        for host_ms in gate.host:
-            self._gates.add(gate.key, host_ms)
+        for i, host_ms in enumerate(gate.host):
+            self._gates.add(gate.key, host_ms, first=i == 0)
         if gate.leaked:
             run.add("gate_leaks", 1)
             if gate.short:  # open before its planned length: the SM clock rose since the calibration

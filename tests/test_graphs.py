@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import numpy as np
@@ -579,9 +580,11 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     run.gate.t0 -= 1.0 / 1000.0
     sleeps = engine._gate_close(run)
     assert len(sleeps) == 3 and counters["gate_leaks"] == 4 and counters["gated_iterations"] == before + 1
-    assert len(set(timer.asked[-4:])) == 1  # the iteration's gates sized before it closed
+    # the gates between layers sized before the iteration closed, from their own history (none yet)
+    assert timer.asked[-3:] == [asks(eng.GATE_FIRST_MS)] * 3
     assert counters["gate_stretches"] == 2  # two segments opened before their planned length: one stretch
-    assert engine._gates.ms(layers) == asks(9.0)  # from the segments' host times (9 ms: a whole layer)
+    assert engine._gates.ms(layers) == asks(3.0)  # the first segment's host time
+    assert engine._gates.ms(layers, first=False) == asks(9.0)  # the later ones' (9 ms: within twice 12.8)
     engine._gate(run, layers)
     between = engine._layer_gates(run)
     run.gate.t0 -= 50.0 / 1000.0
@@ -589,7 +592,89 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     between()  # 50 ms leaked: it counts twice its sleep
     engine._gate_close(run)
     assert engine._gates.ms(layers) == asks(2 * timer.asked[-2])
+    # a pause of the host counts at most 3 × the median of its history; the layers' gates are capped lower
+    sizes = eng.GateSizes()
+    for _ in range(8):
+        sizes.add(("mixed", 1), 2.0, first=False)
+    sizes.add(("mixed", 1), 80.0, first=False)
+    assert sizes.ms(("mixed", 1), first=False) == asks(6.0)
+    sizes.add(("mixed", 4), 80.0, first=False)
+    assert sizes.ms(("mixed", 4), first=False) == eng.GATE_LAYER_MAX_MS
     assert counters["gate_ms"] == pytest.approx(sum(timer.asked))
+
+
+def test_a_gated_replay_on_a_stand_in_sleep_sizes_gates_from_its_host(tiny):
+    """A whole replay on the gated clock (prompts alone, in chunks, mixed with decode rows, captured steps)
+    around a stand-in for the CUDA sleep: a mark that completes ``ms`` after it was asked, on the host's
+    clock, so a gate leaks exactly when the host took longer than its gate. Every eager forward opens a gate
+    between its two layers, whose marks come back to be taken out of the clock; once the kinds are timed (a
+    first replay), the gates stay within a few times the host's own time and few of them leak."""
+    from kvtune.engine import engine as eng
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    class Mark:
+        def __init__(self, at: float) -> None:
+            self.t = self.at = at
+
+        def query(self) -> bool:
+            return time.perf_counter() >= self.at
+
+    class Timer(eng.DeviceTimer):
+        def __init__(self) -> None:
+            super().__init__(CPU)
+            self.cuda, self.between = True, 0
+
+        def mark(self) -> Mark:
+            return Mark(time.perf_counter())
+
+        def gate(self, ms: float) -> Mark:
+            mark = Mark(time.perf_counter() + ms / 1000.0)
+            mark.t = time.perf_counter()  # no device sleeps here: the iteration's time is the host's
+            return mark
+
+        def elapsed_ms(self, start: Mark, end: Mark) -> float:
+            return (end.t - start.t) * 1000.0
+
+        def synchronize(self) -> None:
+            pass
+
+    config = _config(8)
+    requests = [Request(i, 0.02 * i, 40 + 13 * i, 6 + i % 5) for i in range(16)]
+    budget = kv_bytes_for(config, tiny.model.kv_shape, [120] * 16)
+    engine = eng.Engine(tiny, config, budget, CPU, SchedulerConfig(clock="gated", max_num_batched_tokens=48))
+    engine.timer = Timer()
+    between = engine._layer_gates
+    calls = {"between": 0, "sleeps": 0}
+
+    def counted(run):  # type: ignore[no-untyped-def]
+        hook = between(run)
+        if hook is None:
+            return None
+
+        def inner() -> None:
+            calls["between"] += 1
+            hook()
+
+        return inner
+
+    close = engine._gate_close
+
+    def closed(run, excused=False):  # type: ignore[no-untyped-def]
+        sleeps = close(run, excused)
+        calls["sleeps"] += len(sleeps)
+        return sleeps
+
+    engine._layer_gates, engine._gate_close = counted, closed  # type: ignore[method-assign]
+    engine.replay(requests, 1.0, warmup_requests=0)  # the kinds timed
+    t0 = time.perf_counter()
+    m = engine.replay(requests, 1.0, warmup_requests=0).to_dict()
+    wall_ms = (time.perf_counter() - t0) * 1000.0
+    assert m["completed"] == len(requests) and m["mixed_iterations"] > 0
+    forwards = m["gated_iterations"] - m["graph_steps"]  # a captured step has no layers to gate between
+    assert forwards > 0 and calls["between"] == calls["sleeps"] >= 2 * forwards  # both replays' forwards
+    assert 0 < m["gate_ms"] < 4 * wall_ms, (m["gate_ms"], wall_ms)
+    assert m["gate_leaks"] <= 0.25 * m["gated_iterations"], m
 
 
 @pytest.mark.parametrize("clock", ["wall", "device"])
