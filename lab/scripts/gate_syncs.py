@@ -53,6 +53,7 @@ opened_in: collections.Counter[str] = collections.Counter()
 call_ms: dict[tuple[str, bool], list[float]] = collections.defaultdict(list)  # (call, leaked): its host ms
 # (leaked, a device allocation inside, a pinned host allocation inside): gated iterations
 allocs: collections.Counter[tuple[bool, bool, bool]] = collections.Counter()
+closed, started = [0], time.perf_counter()
 # (iteration kind, leaked): (host ms, the gate's planned ms) of each gated iteration
 kinds: dict[tuple[str, bool], list[tuple[float, float]]] = collections.defaultdict(list)
 
@@ -94,6 +95,12 @@ def watched_close(self, run, excused=False):  # type: ignore[no-untyped-def]
             call_ms[(name, leaked)].append(ms)
         kinds[(current[4], leaked)].append(((time.perf_counter() - current[0]) * 1000, current[5]))
     current.clear()
+    closed[0] += 1
+    if closed[0] % 25 == 0:  # progress: a run whose gates grow too long shows it before its limit
+        g = self._gates
+        sizes = ", ".join(f"{k}/{n}{'' if f else ' layers'} {g.ms((k, n), f):.1f}" for k, n, f in g._host)
+        print(f"  [{closed[0]} gated iterations closed, {time.perf_counter() - started:.0f} s] gates (ms): "
+              f"{sizes}", flush=True)  # fmt: skip
     return close(self, run, excused)
 
 
