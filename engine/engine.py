@@ -263,20 +263,26 @@ class EngineSettings:
 
 @dataclass
 class _Gate:
-    """An iteration's open gate (the gated clock). An eager forward launches every op of every layer, more
-    than the device's launch queue holds: with one gate the host blocked on a full queue until the gate
-    opened (run 28b: 213 of 234 eager iterations leaked, their host time the gate's length). So between its
-    layers it opens a new one: each segment is enqueued behind its own sleep, whose device time, timed by
-    its own marks (``sleeps``), leaves the iteration's."""
+    """An iteration's open gates (the gated clock). An eager forward launches every op of every layer, more
+    than the device's launch queue holds behind a sleep (run 28c: 1,021 launches, then the host blocked):
+    with one gate the host waited on a full queue until the gate opened (run 28b: 213 of 234 eager
+    iterations leaked, their host time the gate's length). So between layers it marks the device's place
+    (``probes``) and sleeps again where the sleeps still ahead of the device (after the newest mark it has
+    passed) are shorter than the host takes to launch a layer: the device stays behind the host by about a
+    layer's gate or two, never by a queue's worth. Each sleep between layers is timed by its own marks
+    (``sleeps``), and its time leaves the iteration's."""
 
     key: tuple[str, int]  # the iteration's kind (GateSizes)
-    t0: float  # the host's time when the current segment's sleep was enqueued
-    mark: Any  # the current segment's start (after its sleep)
-    planned: float  # the current segment's sleep, ms
+    t0: float  # the host's time when the current segment began
+    last: Any  # the last mark enqueued before the current segment (the device idles once it passes it)
+    planned: float  # the iteration's first sleep, ms
+    probes: list[Any] = field(default_factory=list)  # a mark at each layer boundary
+    slept: list[float] = field(default_factory=list)  # the ms slept right after each probe (0: none)
+    passed: int = -1  # the newest probe the device has passed
     sleeps: list[tuple[Any, Any]] = field(default_factory=list)  # the later sleeps' marks (before, after)
     host: list[float] = field(default_factory=list)  # the finished segments' host ms
-    leaked: bool = False  # a segment's sleep ended before the host had enqueued that segment
-    short: bool = False  # ... and before its planned length
+    leaked: bool = False  # the device passed ``last`` before the host had enqueued a segment
+    short: bool = False  # the first sleep ended before the host's time reached its planned length
 
 
 @dataclass
@@ -625,7 +631,7 @@ class Engine:
         took for recent iterations of its kind (``key``, :class:`GateSizes`), then the iteration's new start
         mark, so its time from that mark is the device's alone (the host's scheduling before it, on an idle
         device, is no device time either). Placed after the iteration's last read from the device. An eager
-        forward opens a new gate between layers (:meth:`_gate_layer`); :meth:`_gate_close` checks them when
+        forward gates again between layers (:meth:`_layer_gates`); :meth:`_gate_close` checks them when
         the last work is queued."""
         ms = self._gates.ms(key)
         mark = self.timer.gate(ms)
@@ -636,17 +642,21 @@ class Engine:
 
     def _segment_done(self, gate: _Gate) -> None:
         host_ms = (time.perf_counter() - gate.t0) * 1000.0
-        if gate.mark.query():  # the sleep ended while the host still enqueued the segment
+        if gate.last.query():  # the device ran out of queued work while the host still enqueued the segment
+            gate.short |= not gate.host and host_ms < gate.planned  # the first sleep ran short of its plan
             gate.leaked = True
-            gate.short |= host_ms < gate.planned
-            # at most twice its sleep: had the host waited for the device, it would have waited the sleep's
-            # length, and the bound keeps such a wait from ratcheting the gates past a doubling per leak
+            # at most twice the first gate: had the host waited for the device, it would have waited a
+            # sleep's length, and the bound keeps such a wait from ratcheting the gates up
             host_ms = min(host_ms, 2.0 * gate.planned)
         gate.host.append(host_ms)
 
     def _layer_gates(self, run: _Run) -> Callable[[], None] | None:
-        """The model's hook between two layers of a gated eager forward: the segment before it is enqueued;
-        the next one starts behind a new sleep (None: nothing gated)."""
+        """The model's hook between two layers of a gated eager forward (None: nothing gated). The segment
+        before it is enqueued; a mark notes the device's place. Unless the sleeps queued after the newest
+        mark the device has passed add up to a layer's gate (the host's time for a layer, with margin), the
+        next segment starts behind a new sleep of that length. (Counting the layers the device is behind
+        instead, run 28's first rule, let it run dry: a layer's kernels take it far less than their launches
+        take the host.)"""
         if run.gate is None:
             return None
 
@@ -655,20 +665,29 @@ class Engine:
             if gate is None:
                 return
             self._segment_done(gate)
+            probe = self.timer.mark()
+            gate.probes.append(probe)
+            while gate.passed + 1 < len(gate.probes) and gate.probes[gate.passed + 1].query():
+                gate.passed += 1
             ms = self._gates.ms(gate.key, first=False)
-            before = self.timer.mark()
-            gate.mark, gate.t0, gate.planned = self.timer.gate(ms), time.perf_counter(), ms
-            gate.sleeps.append((before, gate.mark))
-            run.add("gate_ms", ms)
+            if sum(gate.slept[gate.passed + 1 :]) >= ms:  # the device has that much sleep ahead of it
+                gate.slept.append(0.0)
+                gate.last = probe
+            else:
+                gate.last = self.timer.gate(ms)
+                gate.slept.append(ms)
+                gate.sleeps.append((probe, gate.last))
+                run.add("gate_ms", ms)
+            gate.t0 = time.perf_counter()
 
         return between_layers
 
     def _gate_close(self, run: _Run, excused: bool = False) -> list[tuple[Any, Any]]:
-        """The iteration's last work is enqueued. Had a gate opened already, the device ran part of it while
-        the host still enqueued (its time holds host gaps): a leak, counted once per iteration. The host
-        times of its segments size the next gates of its kind. ``excused``: a graph capture or a Triton
-        compilation inside, no measure of the host's usual time. Returns the marks of the sleeps between
-        layers (:meth:`_slept_ms`: the caller takes their time out of the iteration's)."""
+        """The iteration's last work is enqueued. Had the device run out of queued work before, it ran part
+        of the iteration while the host still enqueued (its time holds host gaps): a leak, counted once per
+        iteration. The host times of its segments size the next gates of its kind. ``excused``: a graph
+        capture or a Triton compilation inside, no measure of the host's usual time. Returns the marks of the
+        sleeps between layers (:meth:`_slept_ms`: the caller takes their time out of the iteration's)."""
         gate, run.gate = run.gate, None
         if gate is None:
             return []

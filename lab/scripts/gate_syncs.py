@@ -106,7 +106,7 @@ def watched_close(self, run, excused=False):  # type: ignore[no-untyped-def]
 
 def _opened(run: Any) -> bool:
     """Whether a gate of the iteration (one between its layers, or the one open now) ended early."""
-    return run.gate is not None and (run.gate.leaked or run.gate.mark.query())
+    return run.gate is not None and (run.gate.leaked or run.gate.last.query())
 
 
 def timed(owner: Any, name: str) -> None:
