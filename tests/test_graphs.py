@@ -615,8 +615,9 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     assert counters["gate_ms"] == pytest.approx(sum(timer.asked))
 
 
-def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(monkeypatch):
-    """A whole replay on the gated clock (prompts alone, in chunks, mixed with decode rows, captured steps) of
+@pytest.mark.parametrize("graphs", [True, False], ids=["static-steps", "eager-steps"])
+def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(monkeypatch, graphs):
+    """A whole replay on the gated clock (prompts alone, in chunks, mixed with decode rows, decode steps) of
     a 12-layer model, on a simulated device: a timeline that runs each enqueued sleep after the work before
     it and no faster than the host enqueues (its kernels take no time: the host-bound limit, where gates
     matter most). So a mark completes once the timeline reaches it, and the device idles exactly where the
@@ -672,7 +673,8 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     config = _config(8)
     requests = [Request(i, 0.02 * i, 40 + 13 * i, 6 + i % 5) for i in range(16)]
     budget = kv_bytes_for(config, deep.model.kv_shape, [120] * 16)
-    engine = eng.Engine(deep, config, budget, CPU, SchedulerConfig(clock="gated", max_num_batched_tokens=48))
+    scheduler = SchedulerConfig(clock="gated", max_num_batched_tokens=48, graphs=graphs)
+    engine = eng.Engine(deep, config, budget, CPU, scheduler)
     engine.timer = Timer()
     layer_gates, calls = engine._layer_gates, {"between": 0, "sleeps": 0}
 
@@ -695,14 +697,16 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
         return sleeps
 
     engine._layer_gates, engine._gate_close = counted, closed  # type: ignore[method-assign]
-    engine.replay(requests, 1.0, warmup_requests=0)  # the kinds timed
+    engine.replay(requests, 0.0, warmup_requests=0)  # the kinds timed (all at once: the clock, on which
+    # the simulated kernels take no time, decides no arrival)
     calls["between"] = calls["sleeps"] = 0
     lead[0], t0 = 0.0, time.perf_counter()
     asked.clear()
-    result = engine.replay(requests, 1.0, warmup_requests=0)
+    result = engine.replay(requests, 0.0, warmup_requests=0)
     wall_ms = (time.perf_counter() - t0) * 1000.0
     m = result.to_dict()
     assert m["completed"] == len(requests) and m["mixed_iterations"] > 0
+    assert (m["graph_steps"] > 0) == graphs
     assert calls["between"] % 11 == 0 and calls["between"] >= 11 * m["mixed_iterations"] > 0  # 11 a forward
     assert 0 < calls["sleeps"] < calls["between"]  # the device ahead of the host's need: no sleep there
     assert m["gate_leaks"] <= 0.25 * m["gated_iterations"], m  # a loaded CPU: the host jitters
