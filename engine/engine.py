@@ -654,8 +654,8 @@ class Engine:
         before it is enqueued; a mark notes the device's place. Unless the sleeps queued after the newest
         mark the device has passed add up to a layer's gate (the host's time for a layer, with margin), the
         next segment starts behind a new sleep of that length. (Counting the layers the device is behind
-        instead, run 28's first rule, let it run dry: a layer's kernels take it far less than their launches
-        take the host.)"""
+        instead let a simulated device run dry: a layer's kernels take it far less than their launches take
+        the host.)"""
         if run.gate is None:
             return None
 
