@@ -13,6 +13,21 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where the interpreter suite will run (a CPU-only machine, the test selected), start its child pytest
+    now: it runs beside the rest of the suite (tests/triton_testlib.py)."""
+    from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, start_interpreted_suite
+
+    if not (HAS_CUDA or INTERPRETING) and any(i.name == "test_interpreted_suite" for i in session.items):
+        start_interpreted_suite()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from kvtune.tests.triton_testlib import stop_interpreted_suite
+
+    stop_interpreted_suite()
+
+
 @pytest.fixture(scope="session")
 def tiny() -> Any:
     """The tiny random-weight Llama on the CPU (engine and quality tests)."""

@@ -483,7 +483,7 @@ def test_the_gated_clock_on_a_cpu_is_the_device_clock(tiny):
     assert metrics["gated_iterations"] == metrics["gate_leaks"] == 0 and metrics["gate_ms"] == 0.0
 
 
-def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
+def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monkeypatch):
     """The gated clock's decisions, around a stand-in for the CUDA sleep whose mark reports whether it had
     completed (the sleep itself is the GPU test's): a kind's first gate assumes GATE_FIRST_MS of host time,
     later ones ask 1.25 × the longest host time of that kind's recent iterations + 0.3 ms, at most
@@ -517,6 +517,8 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     engine = eng.Engine(tiny, _config(8), 1 << 24, CPU, SchedulerConfig(clock="gated"))
     assert not engine._gated()  # a CPU has no device to hold
     timer = engine.timer = Timer()
+    now = [0.0]  # the host's clock, moved by the test alone
+    monkeypatch.setattr(eng, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     counters: dict[str, float] = {}
     run = SimpleNamespace(gate=None, add=lambda k, v: counters.__setitem__(k, counters.get(k, 0) + v),
                           compiles=SimpleNamespace(ms=0.0), compile_mark=0.0)  # fmt: skip
@@ -524,7 +526,7 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     def iteration(key, host_ms: float, opened: bool = False, excused: bool = False) -> float:
         timer.opened = opened
         engine._gate(run, key)
-        run.gate.t0 -= host_ms / 1000.0  # the host took host_ms since the gate
+        now[0] += host_ms / 1000.0  # the host takes host_ms
         assert engine._gate_close(run, excused) == []  # no layers: no sleeps between them
         assert run.gate is None
         return timer.asked[-1]
@@ -573,11 +575,11 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     between = engine._layer_gates(run)
     assert between is not None and engine._layer_gates(SimpleNamespace(gate=None)) is None
     for host_ms, opened in ((3.0, False), (2.0, False), (2.0, False), (2.0, False), (9.0, True)):
-        run.gate.t0 -= host_ms / 1000.0
+        now[0] += host_ms / 1000.0
         timer.opened = opened
         between()
     timer.opened = False
-    run.gate.t0 -= 1.0 / 1000.0
+    now[0] += 1.0 / 1000.0
     sleeps = engine._gate_close(run)
     # the device passed nothing until the 5th boundary: the 1st boundary's sleep still ahead of it at the
     # 2nd-4th, none there; at the 5th it had passed every mark, a sleep again
@@ -589,7 +591,7 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     assert engine._gates.ms(layers, first=False) == asks(9.0)  # the later ones' (9 ms: within twice 12.8)
     # the first sleep over before the host's time reached it: the sleeps stretch
     engine._gate(run, layers)
-    run.gate.t0 -= 1.0 / 1000.0
+    now[0] += 1.0 / 1000.0
     timer.opened = True
     engine._layer_gates(run)()
     timer.opened = False
@@ -598,7 +600,7 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny):
     # a leaked first segment counts at most twice its sleep
     engine._gate(run, layers)
     first = timer.asked[-1]
-    run.gate.t0 -= 500.0 / 1000.0
+    now[0] += 500.0 / 1000.0
     timer.opened = True
     engine._layer_gates(run)()
     timer.opened = False

@@ -15,12 +15,8 @@ Every test draws fresh random inputs; outputs written by a kernel are poisoned f
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +26,7 @@ from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import codes_of_rows, dequantize_blocks_ref, seal_blocks_ref
 from kvtune.kernels.quest import quest_topk, quest_topk_ref
 from kvtune.kernels.requant import requantize_int4_ref
-from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, fixtures
+from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, fixtures, interpreted_suite_result
 
 pytest.importorskip("triton")
 
@@ -45,16 +41,11 @@ kernels, gpu_kernels = fixtures(MODULES)
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRETING, reason="CPU-only machines run the interpreter suite")
 def test_interpreted_suite() -> None:
-    """This file's and test_triton_step.py's interpreted tests in a child pytest with TRITON_INTERPRET=1."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    files = [__file__, str(Path(__file__).with_name("test_triton_step.py"))]
-    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-m", "not gpu", "-k", "interpreted", "-p",
-           "no:cacheprovider"]  # fmt: skip
-    proc = subprocess.run(
-        cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+    """This file's and test_triton_step.py's interpreted tests in a child pytest with TRITON_INTERPRET=1
+    (started when collection ends: it runs beside the rest of the suite)."""
+    code, out = interpreted_suite_result()
+    assert code == 0, out[-8000:]
+    assert " passed" in out and " failed" not in out, out[-2000:]
 
 
 # ---- problem builders

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,6 +21,48 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+TESTS = Path(__file__).resolve().parent
+# the interpreted tests of these files run in the child pytest (``-k interpreted``)
+INTERPRETED_FILES = ("test_triton_kernels.py", "test_triton_step.py")
+_suite: list[tuple[subprocess.Popen, Any]] = []  # the child started for this run, and its output file
+
+
+def start_interpreted_suite() -> None:
+    """Start the child pytest of the interpreted tests (TRITON_INTERPRET=1), once per run. The test session
+    starts it when collection ends, so on a 2-core machine it runs beside the rest of the suite;
+    :func:`interpreted_suite_result` waits for it."""
+    if _suite:
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    files = [str(TESTS / f) for f in INTERPRETED_FILES]
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-m", "not gpu", "-k", "interpreted", "-p",
+           "no:cacheprovider"]  # fmt: skip
+    out = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (open until the child is waited for)
+    proc = subprocess.Popen(cmd, env=env, cwd=TESTS.parent, stdout=out, stderr=subprocess.STDOUT, text=True)
+    _suite.append((proc, out))
+
+
+def interpreted_suite_result(timeout_s: float = 900.0) -> tuple[int, str]:
+    """The child's exit status and output (started now if the session did not start it)."""
+    start_interpreted_suite()
+    proc, out = _suite[0]
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    out.seek(0)
+    return code, out.read()
+
+
+def stop_interpreted_suite() -> None:
+    """End a child nobody waited for (the session stopped early)."""
+    for proc, out in _suite:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    _suite.clear()
 
 
 def load(names: Sequence[str]) -> SimpleNamespace:
