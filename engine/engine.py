@@ -658,6 +658,7 @@ class Engine:
         the host.)"""
         if run.gate is None:
             return None
+        ms = self._gates.ms(run.gate.key, first=False)  # the history changes only when the iteration closes
 
         def between_layers() -> None:
             gate = run.gate
@@ -668,7 +669,6 @@ class Engine:
             gate.probes.append(probe)
             while gate.passed + 1 < len(gate.probes) and gate.probes[gate.passed + 1].query():
                 gate.passed += 1
-            ms = self._gates.ms(gate.key, first=False)
             if sum(gate.slept[gate.passed + 1 :]) >= ms:  # the device has that much sleep ahead of it
                 gate.slept.append(0.0)
                 gate.last = probe
