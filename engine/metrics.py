@@ -103,6 +103,8 @@ class EngineCounters:
     gate_leaks: int = 0  # ... whose gate opened before the host had enqueued all of the iteration
     gate_ms: float = 0.0  # the gates' sleep (wall time the device held still; on no clock)
     gate_stretches: int = 0  # leaks of a gate shorter than planned (its sleeps were then lengthened)
+    gate_waits: int = 0  # layer boundaries where the host waited for the device (GATE_AHEAD_LAYERS)
+    gate_wait_ms: float = 0.0  # ... the host's time waiting there (wall only)
     # the engine's options as this replay resolved them (max_num_seqs: the derived value when not given)
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
@@ -164,6 +166,9 @@ class ReplayMetrics:
     gate_leaks: int = 0
     gate_ms: float = 0.0
     gate_stretches: int = 0  # of those leaks, the gates that opened before their planned length
+    # layer boundaries of eager forwards where the host waited for the device, and its wait (wall only)
+    gate_waits: int = 0
+    gate_wait_ms: float = 0.0
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
     graphs: bool = False
@@ -250,6 +255,8 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         gate_leaks=c.gate_leaks,
         gate_ms=c.gate_ms,
         gate_stretches=c.gate_stretches,
+        gate_waits=c.gate_waits,
+        gate_wait_ms=c.gate_wait_ms,
         max_num_seqs=c.max_num_seqs,
         max_num_batched_tokens=c.max_num_batched_tokens,
         graphs=c.graphs,

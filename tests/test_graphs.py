@@ -502,7 +502,7 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monke
     class Timer(eng.DeviceTimer):
         def __init__(self) -> None:
             super().__init__(CPU)
-            self.cuda, self.asked, self.opened, self.stretched = True, [], False, 1.0
+            self.cuda, self.asked, self.opened, self.stretched, self.waits = True, [], False, 1.0, 0
 
         def gate(self, ms: float) -> Mark:
             self.asked.append(ms)
@@ -513,6 +513,10 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monke
 
         def stretch_sleeps(self, factor: float) -> None:
             self.stretched *= factor
+
+        def wait(self, mark: Mark) -> None:  # the device takes 5 ms to reach the mark waited for
+            self.waits += 1
+            now[0] += 5.0 / 1000.0
 
     engine = eng.Engine(tiny, _config(8), 1 << 24, CPU, SchedulerConfig(clock="gated"))
     assert not engine._gated()  # a CPU has no device to hold
@@ -615,6 +619,23 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monke
     sizes.add(("mixed", 4), 80.0, first=False)
     assert sizes.ms(("mixed", 4), first=False) == eng.GATE_LAYER_MAX_MS
     assert counters["gate_ms"] == pytest.approx(sum(timer.asked))
+    # a device still asleep GATE_AHEAD_LAYERS boundaries back: the host waits for it at each boundary from
+    # there (its launch queue would otherwise fill and block a launch, a wait no clock sees); the waits
+    # are counted, and left out of the segments' host times, so they size no gate
+    ahead, sleeps_before = ("chunks", 5), len(timer.asked)
+    engine._gate(run, ahead)
+    between = engine._layer_gates(run)
+    assert between is not None
+    for _ in range(eng.GATE_AHEAD_LAYERS + 4):
+        now[0] += 1.0 / 1000.0
+        between()
+    now[0] += 1.0 / 1000.0
+    sleeps = engine._gate_close(run)
+    assert timer.waits == counters["gate_waits"] == 4 and counters["gate_wait_ms"] == pytest.approx(20.0)
+    # a sleep at the 1st boundary, none while it is ahead of the device, one more once the device has
+    # passed the mark after it (the first wait)
+    assert len(sleeps) == 2 and len(timer.asked) == sleeps_before + 3
+    assert engine._gates.ms(ahead) == asks(1.0) and engine._gates.ms(ahead, first=False) == asks(1.0)
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["static-steps", "eager-steps"])
@@ -647,6 +668,9 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
 
         def query(self) -> bool:
             return time.perf_counter() >= self.at
+
+        def synchronize(self) -> None:
+            time.sleep(max(0.0, self.at - time.perf_counter()))
 
     class Timer(eng.DeviceTimer):
         def __init__(self) -> None:

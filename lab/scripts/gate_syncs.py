@@ -145,6 +145,21 @@ def record(message, category, filename, lineno, file=None, line=None):  # type: 
     sites[tuple(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:])] += 1
 
 
+segment_done = Engine._segment_done
+# (kind, segment index): [leaked segments, host ms of each segment] (0: the iteration's first segment)
+segments: dict[tuple[str, int], list[Any]] = collections.defaultdict(lambda: [0, []])
+
+
+def watched_segment(self, g):  # type: ignore[no-untyped-def]
+    """Which segment of an iteration leaked first (the first, a layer's, the last), and its host time."""
+    was, index = g.leaked, len(g.host)
+    segment_done(self, g)
+    cell = segments[(g.key[0], index)]
+    cell[0] += int(g.leaked and not was)
+    cell[1].append(g.host[-1])
+
+
+Engine._segment_done = watched_segment  # type: ignore[method-assign]
 Engine._gate, Engine._gate_close = watched_gate, watched_close  # type: ignore[method-assign]
 warnings.showwarning = record
 warnings.simplefilter("always")
@@ -164,7 +179,8 @@ for name, scale, requests in (
         print(
             f"{name} #{k}: {m['gated_iterations']} gated iterations, {m['gate_leaks']} opened early "
             f"({m['gate_stretches']} before their planned length), gates "
-            f"{m['gate_ms'] / 1000:.2f} s, clock {m['duration_s']:.2f} s, "
+            f"{m['gate_ms'] / 1000:.2f} s, host waits {m['gate_waits']} ({m['gate_wait_ms'] / 1000:.2f} s), "
+            f"clock {m['duration_s']:.2f} s, "
             f"P99 TTFT {m['ttft_p99_ms']:.1f} ms, "
             f"median TPOT {m['tpot_p50_ms']:.2f} ms",
             flush=True,
@@ -177,6 +193,14 @@ for kind in sorted({k[0] for k in kinds}):
         host, gated = sorted(h for h, _ in v), sorted(g for _, g in v)
         cells.append(f"{len(v)}; {host[len(v) // 2]:.2f}, {gated[len(v) // 2]:.2f}" if v else "0")
     print(f"  {kind:<8} leaked {cells[0]:<24} clean {cells[1]}")
+print("segments by kind and index (0: set-up, first layer): leaked first there / all; host ms median, max")
+for kind in sorted({k for k, _ in segments}):
+    cells = []
+    for (k, i), (leaked, host) in sorted(segments.items()):
+        if k == kind and (i in (0, 1) or leaked or i % 8 == 0):
+            host = sorted(host)
+            cells.append(f"#{i} {leaked}/{len(host)} {host[len(host) // 2]:.2f},{host[-1]:.1f}")
+    print(f"  {kind:<8} " + "  ".join(cells))
 print("leaked iterations, by the first timed call whose end saw the gate open:")
 for name, n in opened_in.most_common():
     print(f"{n:6d}  {name}")
