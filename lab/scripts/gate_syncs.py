@@ -42,7 +42,10 @@ p.add_argument("--requests", type=int, default=96)
 p.add_argument("--rate", type=float, default=3.0, help="loaded replay: × the window's own rate")
 p.add_argument("--repeats", type=int, default=2)
 p.add_argument("--device", default="cuda", help="cpu: the script's own check (nothing is gated there)")
+p.add_argument("--no-cudnn-sdpa", action="store_true", help="PyTorch's cuDNN attention backend off")
 args = p.parse_args()
+if args.no_cudnn_sdpa:
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 sites: collections.Counter[tuple[str, ...]] = collections.Counter()
 gate, close = Engine._gate, Engine._gate_close
