@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kvtune.cache_impl.block_pool import BlockPool, CacheFullError, chain_hashes
@@ -58,6 +59,12 @@ from kvtune.kernels.quant import dequantize_blocks, seal_blocks
 from kvtune.kernels.requant import requantize_int4, requantize_int4_masked
 from kvtune.kernels.sparse_table import ByteCount, sparse_block_table
 from kvtune.kernels.sparse_table_choice import SelectOptions
+
+# a prompt chunk's attention: PyTorch's SDPA backends but cuDNN's, which builds an execution plan for each
+# new pair of lengths on the host (H200, torch 2.11: 59 ms median, up to 856 ms, for a prompt's first layer
+# against 0.06 ms with FlashAttention; a gated iteration's first gate then opened early; lab/scripts/
+# first_layer.py)
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 __all__ = ["CacheFullError", "CacheLayout", "DecodePlan", "HybridCache", "ModelKVShape", "kv_bytes_for"]
 
@@ -920,16 +927,17 @@ def _causal_attention(
 
     One ``scaled_dot_product_attention`` in q's dtype with grouped-query heads and a lower-right causal mask
     (query ``i`` sees keys ``0 … offset + i``): flash/memory-efficient kernels on a GPU, no [T, P] score
-    matrix in float32.
+    matrix in float32. Never cuDNN's (:data:`PREFILL_SDPA_BACKENDS`).
     """
     square = q.shape[0] == k.shape[0]  # a whole prompt: the plain causal mask, without a bias object
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.to(q.dtype).transpose(0, 1)[None],
-        v.to(q.dtype).transpose(0, 1)[None],
-        attn_mask=None if square else causal_lower_right(q.shape[0], k.shape[0]),
-        is_causal=square,
-        scale=sm_scale,
-        enable_gqa=True,
-    )
+    with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.to(q.dtype).transpose(0, 1)[None],
+            v.to(q.dtype).transpose(0, 1)[None],
+            attn_mask=None if square else causal_lower_right(q.shape[0], k.shape[0]),
+            is_causal=square,
+            scale=sm_scale,
+            enable_gqa=True,
+        )
     return out[0].transpose(0, 1)

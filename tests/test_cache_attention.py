@@ -182,6 +182,30 @@ def test_chunked_prefill_of_an_unquantized_cache_equals_dense(chunks: list[int])
     cache.check_integrity()
 
 
+def test_prompt_attention_never_asks_cudnn() -> None:
+    """A prompt chunk's attention (a first chunk and a later one) runs with PyTorch's cuDNN SDPA backend off:
+    it plans each new pair of lengths on the host (59 ms median on an H200 for a prompt's first layer), which
+    the engine would pay once per prompt length and a gated iteration's first gate would not cover."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    calls: list[bool] = []
+
+    class Watch(TorchFunctionMode):  # a mode, so a later chunk's causal-bias object still dispatches the call
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is F.scaled_dot_product_attention:
+                calls.append(torch.backends.cuda.cudnn_sdp_enabled())
+            return func(*args, **(kwargs or {}))
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # on by default: the cache turns it off for its calls
+    cache = new_cache(config(hot_tokens=HOT, block_size=BS, quantization_bits=0))
+    q, k, v = qkv(1, 2 * HOT + BS)
+    with Watch():
+        _chunked_prefill(cache, 3, list(range(2 * HOT + BS)), q, k, v, [HOT + 3, HOT + BS - 3])
+    assert len(calls) == 2 * SHAPE.num_layers and not any(calls)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # and restores it
+
+
 def test_chunked_prefill_of_an_int8_cache_stays_close_and_seals_the_same_blocks() -> None:
     prompt = HOT + 5 * BS + 2
     q, k, v = qkv(11, prompt + 1)
