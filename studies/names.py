@@ -120,5 +120,9 @@ SLO_TPOT_FACTOR = 10.0
 # 14c, 14d: 4.4 %, 8.9 %).
 SLO_PERCENTILE = 90.0
 # the engine's clock for a new capacity study (kvtune.engine.scheduler.SchedulerConfig.clock): each
-# iteration's device time, so the host's jitter between iterations moves no arrival and no verdict
-CAPACITY_CLOCK = "device"
+# iteration's device time, so the host's jitter between iterations moves no arrival and no verdict; gated,
+# so the host's launch gaps inside an op-by-op iteration (a prompt) move none either. On an H200 the
+# baseline's capacity searched three times on an unseen window spread 2.8 % and 1.4 % gated (two windows),
+# 4.2-23.6 % on the device clock (docs/RESULTS.md, "The gates between layers on the GPU"). On a CPU the
+# gated clock is the device clock.
+CAPACITY_CLOCK = "gated"

@@ -397,7 +397,7 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
     assert attrs["kvtune.objective"] == "capacity"
     slo, noise = attrs[ATTR_SLO], attrs[ATTR_NOISE]
     assert slo["ttft_ms"] > 0 and slo["tpot_ms"] > 0 and slo["source"]["ttft_ms"] == "derived"
-    assert slo["percentile"] == 90.0 and attrs["kvtune.identity"]["clock"] == "device"  # the defaults
+    assert slo["percentile"] == 90.0 and attrs["kvtune.identity"]["clock"] == "gated"  # the defaults
     assert noise["repeats"] == 3 and len(noise["capacities"]) == 3 and noise["median"] > 0
     top = noise["max_rate"]  # the search window's saturation rate: no probe above it
     assert 0 < noise["median"] <= top and all(
@@ -515,7 +515,7 @@ def test_a_study_with_draws_reports_the_estimated_half_pass_rate(
     [(("--pareto",), "capacity already is the throughput"),
      (("--resume", "--slo-ttft-ms", "12345"), "--slo-ttft-ms"),
      (("--resume", "--slo-percentile", "99"), "--slo-percentile 90, not 99"),
-     (("--resume", "--clock", "wall"), 'clock="device", not "wall"')],
+     (("--resume", "--clock", "wall"), 'clock="gated", not "wall"')],
 )  # fmt: skip
 def test_capacity_bad_input_is_one_line(
     capacity_study: tuple[Path, str, float],

@@ -173,7 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what a replay's clock counts: host time (wall), each iteration's device time (device: host "
         "jitter between iterations moves no arrival) or the device's time with the host's launches held off "
         "it (gated: an iteration on an idle GPU starts behind a sleep while the host enqueues it); default "
-        "device for the capacity objective, else wall; stored, a resumed study keeps it",
+        "gated for the capacity objective, else wall; stored, a resumed study keeps it",
     )
     add("--max-ppl-increase", type=float, default=2.0, help="quality bound: perplexity increase, %% (2.0)")
     add("--max-kl", type=float, default=None, help="quality bound: mean KL in nats (default: none)")
@@ -351,8 +351,9 @@ def _search_rule(job: TuneJob) -> str:
 
 
 def _default_clock(objective: str) -> str:
-    """A new study's clock: the device's for the capacity objective (a probe's verdict must not move with the
-    host's jitter), the wall's for the fixed-rate objectives (what a user of the engine waits)."""
+    """A new study's clock: the gated device clock for the capacity objective (a probe's verdict must not move
+    with the host's jitter or launch gaps), the wall's for the fixed-rate objectives (what a user of the
+    engine waits)."""
     return CAPACITY_CLOCK if objective == CAPACITY else "wall"
 
 
