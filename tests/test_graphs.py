@@ -643,12 +643,13 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     """A whole replay on the gated clock (prompts alone, in chunks, mixed with decode rows, decode steps) of
     a 12-layer model, on a simulated device: a timeline that runs each enqueued sleep after the work before
     it and no faster than the host enqueues (its kernels take no time: the host-bound limit, where gates
-    matter most). So a mark completes once the timeline reaches it, and the device idles exactly where the
-    host falls behind. Once the kinds are timed (a first replay): the gates between layers let the device
-    neither run dry (few leaks; the iterations' time on the clock, which is only their idle time here, near
-    zero) nor fall far behind the host (by more than two layers' gates and an iteration's first: run 28c's
-    gates ran away where the device fell a launch queue behind), and their sleep stays within a few times
-    the replay's wall."""
+    matter most). So a mark completes once the timeline reaches it (the host waits for it where CUDA's host
+    would: an event's synchronize, its elapsed time), and the device idles exactly where the host falls
+    behind. Once the kinds are timed (a first replay): the gates between layers let the device neither run
+    dry (few leaks; the iterations' time on the clock, which is only their idle time here, near zero) nor
+    fall far behind the host (by more than two layers' gates and an iteration's first: run 28c's gates ran
+    away where the device fell a launch queue behind), and their sleep stays within a few times the
+    replay's wall."""
     from dataclasses import replace
 
     from kvtune.engine import engine as eng
@@ -690,7 +691,8 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
             asked.append(ms)
             return self._enqueue(ms / 1000.0)
 
-        def elapsed_ms(self, start: Mark, end: Mark) -> float:
+        def elapsed_ms(self, start: Mark, end: Mark) -> float:  # as CUDA's: waits for the end mark
+            end.synchronize()
             return (end.at - start.at) * 1000.0
 
         def synchronize(self) -> None:
