@@ -96,29 +96,33 @@ def prefill(length: int) -> list[float]:
     return [(b - a) * 1000.0 for a, b in itertools.pairwise(marks)]
 
 
-variants: list[tuple[str, Callable[[], Any]]] = [
-    ("default", nullcontext),
-    ("no-cudnn", lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])),
-    ("flash", lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])),
+n = args.prompts
+
+
+def lengths(k: int) -> list[int]:
+    """The k-th set of prompt lengths, none shared with another set."""
+    return [300 + (37 * n + 5) * k + 37 * i for i in range(n)]
+
+
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+variants: list[tuple[str, Callable[[], Any], list[int]]] = [
+    ("default", nullcontext, lengths(0)),
+    ("no-cudnn", lambda: sdpa_kernel(NO_CUDNN), lengths(1)),
+    ("flash", lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION]), lengths(2)),
+    ("default, lengths again", nullcontext, lengths(0)),
 ]
 prefill(256)  # first calls of everything
-base = 300
-for name, ctx in [*variants, ("default, lengths again", nullcontext)]:
+for name, ctx, sizes in variants:
     host.clear()
-    lengths = [base + 37 * i for i in range(args.prompts)]
-    if not name.endswith("again"):
-        base += 37 * args.prompts + 5
-    else:
-        lengths = [300 + 37 * i for i in range(args.prompts)]
     try:
         with ctx():
-            layers = [prefill(n) for n in lengths]
+            layers = [prefill(t) for t in sizes]
     except RuntimeError as e:
         print(f"{name}: {str(e).splitlines()[0]}")
         continue
     first = statistics.median(t[0] for t in layers)
     rest = statistics.median(statistics.median(t[1:-1] or t[1:]) for t in layers)
-    print(f"{name}: {len(lengths)} prompts of {lengths[0]}-{lengths[-1]} tokens; host ms: layer 0 (+ set-up) "
+    print(f"{name}: {n} prompts of {sizes[0]}-{sizes[-1]} tokens; host ms: layer 0 (+ set-up) "
           f"median {first:.2f} (max {max(t[0] for t in layers):.2f}), a later layer {rest:.2f}, "
           f"the whole prefill {statistics.median(sum(t) for t in layers):.1f}")  # fmt: skip
     for call in sorted({c for c, _ in host}):
