@@ -21,6 +21,7 @@ from kvtune.studies.names import ATTR_NOISE, ATTR_PROBES, ATTR_SLO
 from kvtune.studies.study import StudyOptions
 from kvtune.tuner import cli
 from kvtune.tuner.capacity import (
+    EXPAND,
     NEAR_EXPAND,
     CapacitySearch,
     ProbeStop,
@@ -73,21 +74,35 @@ def test_warm_start_first_probe_and_probe_count() -> None:
     assert search.probes[:2] == ((1.0, True), (2.0, False))
 
 
-@pytest.mark.parametrize("truth", [2.0, 2.9, 3.3, 4.4, 9.0])
-def test_a_search_started_near_its_answer_steps_by_a_quarter(truth: float) -> None:
-    """Started at a capacity measured before (3.0x), a search brackets by 1.25x steps and converges to the
-    same granularity in fewer probes than from 1.0x, none of them far below the answer."""
+@pytest.mark.parametrize("truth", [2.0, 2.9, 3.0, 3.1, 3.3, 4.4, 9.0])
+def test_a_search_started_near_its_answer_steps_by_five_percent_then_more(truth: float) -> None:
+    """Started at a capacity measured before (3.0x), a search brackets by a 5 % step, each later step in
+    the same direction the square of the one before, and converges to the same granularity in fewer probes
+    than from 1.0x, none of them far below the answer; an answer within 5 % takes at most three probes."""
     near, _ = search_to_end(near_search(CapacitySearch(1.0, 0.025, 12), 3.0), truth)
     cold, _ = search_to_end(CapacitySearch(1.0, 0.025, 12), truth)
-    assert near.probes[0] == (3.0, truth >= 3.0) and near.expand == NEAR_EXPAND
-    second = near.probes[1][0]
-    assert second == pytest.approx(3.0 * NEAR_EXPAND if truth >= 3.0 else 3.0 / NEAR_EXPAND)
+    assert near.probes[0] == (3.0, truth >= 3.0) and near.expand == NEAR_EXPAND and near.escalate
+    up = truth >= 3.0
+    steps = [b / a if up else a / b for (a, _), (b, _) in zip(near.probes, near.probes[1:])]
+    one_side = next((i + 1 for i, (_, ok) in enumerate(near.probes[1:]) if ok != up), len(near.probes))
+    expected = [min(EXPAND, NEAR_EXPAND ** (2**i)) for i in range(one_side - 1)]
+    assert steps[: one_side - 1] == pytest.approx(expected)  # 1.05, 1.1025, 1.2155, ... up to 2
     assert near.converged and near.lo is not None and near.hi is not None
     assert near.lo <= truth < near.hi and near.hi / near.lo - 1 <= 0.025
-    assert min(r for r, _ in near.probes) >= min(3.0, truth / NEAR_EXPAND**2) / (1 + 1e-9)
-    if abs(math.log(truth / 3.0)) < math.log(1.5):  # within ±50 %: fewer probes than a cold search
+    assert min(r for r, _ in near.probes) >= min(3.0, truth / 2.0) / (1 + 1e-9)
+    if abs(math.log(truth / 3.0)) < math.log(1.25):  # within ±25 %: fewer probes than a cold search
         assert len(near.probes) < len(cold.probes)
-    assert near.to_dict()["expand"] == NEAR_EXPAND and "expand" not in cold.to_dict()
+    if abs(math.log(truth / 3.0)) < math.log(NEAR_EXPAND):
+        assert len(near.probes) <= 3
+    assert near.to_dict()["expand"] == NEAR_EXPAND and near.to_dict()["escalate"] is True
+    assert "expand" not in cold.to_dict() and "escalate" not in cold.to_dict()
+
+
+def test_a_plain_search_keeps_its_step() -> None:
+    """Without escalation (a cold search, a trial's), every bracketing step is ``expand``."""
+    search, _ = search_to_end(CapacitySearch(1.0, 0.025, 12, expand=1.25), 3.0)
+    rates = [r for r, _ in search.probes[:5]]
+    assert rates == pytest.approx([1.0, 1.25, 1.25**2, 1.25**3, 1.25**4])
 
 
 def test_a_search_near_nothing_stays_as_it_was() -> None:
@@ -163,7 +178,7 @@ def test_a_trial_starts_at_the_best_capacity_once_it_beats_the_baseline() -> Non
     worse = started.record(5.0, False)
     assert should_prune(worse, 5.0)
     better = started.record(5.0, True)
-    assert better.next_rate() == 10.0 and not should_prune(better, 5.0)
+    assert better.next_rate() == pytest.approx(5.0 * NEAR_EXPAND) and not should_prune(better, 5.0)
 
 
 def test_pruning_needs_a_failure_at_or_below_the_best_capacity() -> None:
