@@ -30,6 +30,20 @@ def test_the_plan_reserves_validations_rounds_and_one_trial_before_the_end(worke
     assert knobs.validation_s() == pytest.approx(1.25 * (3 + 2 * (rounds - 1)) * 10.0)
 
 
+def test_the_plan_counts_each_validation_searchs_set_up_and_the_trials_as_they_took() -> None:
+    """Every validation search sets up its config's cache first; once trials finished, the trial the
+    search phase keeps room for is as long as theirs (median), not one bare search."""
+    plan = BudgetPlan(600.0, started=0.0, search_s=20.0, sides=3, first=3, workers=1, later=2)
+    assert plan.switch_s == 0.0 and plan.trial_s is None
+    bare = plan.validation_s()
+    revised = plan.observed(switch_s=8.0, trial_s=40.0)
+    assert bare == pytest.approx(1.25 * 7 * 20.0) and revised.validation_s() == pytest.approx(1.25 * 7 * 28.0)
+    assert revised.search_deadline() == pytest.approx(600.0 - EXPORT_S - 1.25 * 7 * 28.0 - 1.25 * 40.0)
+    assert plan.observed(8.0, None).search_deadline() == pytest.approx(600 - EXPORT_S - 245.0 - 1.25 * 28.0)
+    assert revised.observed(None, None) == revised  # nothing new measured: the plan as it was
+    assert revised.first_repeats(now=600.0 - EXPORT_S - 1.25 * 7 * 28.0) == 3  # validation just fits
+
+
 def test_validation_plans_fewer_first_repeats_only_when_the_plans_do_not_fit() -> None:
     """Validation starting late (the budget spent before the search) plans the most first repeats of those
     asked that fit before the end, down to three (the fewest whose interval a user can act on), and says so

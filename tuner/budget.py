@@ -4,8 +4,11 @@ The budget starts when the run starts, so it covers the baseline's measurements 
 unloaded replay, the baseline's capacity searches), the search, validation and the export. Once the baseline
 is measured the plan knows what one capacity search of it costs on one worker, and from that what
 validation's first repeats will cost (each repeat is a search per side, a round of repeats runs one repeat
-per worker); the search then starts no trial later than the budget's end less that validation, one more
-trial's searching, and a margin for the export. Where less is left when validation starts (the budget was
+per worker; each search there first sets up its config's cache, whose cost the trials measure: the cache's
+build, its graph captures and an unmeasured first replay);
+the search then starts no trial later than the budget's end less that validation, one more trial (as long
+as the finished ones took), and a margin for the export. The plan is revised as trials finish
+(:meth:`BudgetPlan.observed`). Where less is left when validation starts (the budget was
 spent before the search, and one trial per worker ran past it), validation plans fewer first repeats than
 ``--repeats`` asked, down to three, the fewest whose interval a user can act on
 (:meth:`BudgetPlan.first_repeats`; two repeats give an interval 12.7 standard errors wide). It repeats
@@ -18,6 +21,7 @@ budget for validation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -44,6 +48,8 @@ class BudgetPlan:
     first: int = 3
     workers: int = 1
     later: int | None = None
+    switch_s: float = 0.0  # setting up another config's cache, which every validation search pays
+    trial_s: float | None = None  # a trial's wall as the finished ones took it (None: none finished yet)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.budget_s) and self.budget_s > 0):
@@ -60,7 +66,7 @@ class BudgetPlan:
             return FIXED_RESERVE * self.budget_s
         rounds = math.ceil((self.first if first is None else first) / self.workers)
         later = self.sides if self.later is None else self.later
-        return MARGIN * (self.sides + (rounds - 1) * later) * self.search_s
+        return MARGIN * (self.sides + (rounds - 1) * later) * (self.search_s + self.switch_s)
 
     def first_repeats(self, now: float | None = None) -> int:
         """Validation's first repeats when it starts at ``now``: the plan's, or where they do not fit before
@@ -71,9 +77,22 @@ class BudgetPlan:
         return fit[0] if fit else fewest
 
     def search_deadline(self) -> float:
-        """The time after which no trial starts: validation and one more trial's searching still fit."""
-        trial = 0.0 if self.search_s is None else MARGIN * self.search_s
+        """The time after which no trial starts: validation and one more trial still fit (a trial as the
+        finished ones took, else a search with its set-up)."""
+        if self.trial_s is not None:
+            trial = MARGIN * self.trial_s
+        else:
+            trial = 0.0 if self.search_s is None else MARGIN * (self.search_s + self.switch_s)
         return self.end - self.validation_s() - trial
+
+    def observed(self, switch_s: float | None, trial_s: float | None) -> BudgetPlan:
+        """The plan with what the run measured since: a config's set-up (``switch_s``) and a trial's wall
+        (``trial_s``); None keeps the plan's."""
+        return dataclasses.replace(
+            self,
+            switch_s=self.switch_s if switch_s is None else max(0.0, float(switch_s)),
+            trial_s=self.trial_s if trial_s is None else max(0.0, float(trial_s)),
+        )
 
     def describe(self, now: float | None = None) -> str:
         """One console line: time spent, and what each phase left has (about)."""

@@ -191,8 +191,9 @@ class TrialLoop:
         self.noise = float((study.user_attrs.get(ATTR_NOISE) or {}).get("threshold", 0.0))
 
     # ---- the loop ------------------------------------------------------------------------------------
-    def run(self, target: int, deadline: float | None = None) -> None:
-        """Keep every worker busy until ``target`` trials finished (or ``deadline``, a monotonic time)."""
+    def run(self, target: int, deadline: float | Callable[[], float | None] | None = None) -> None:
+        """Keep every worker busy until ``target`` trials finished (or ``deadline``, a monotonic time, or a
+        function asked for it before each trial starts: a plan revised as trials finish)."""
         try:
             while True:
                 while self.idle and self._wants_more(target, deadline):
@@ -208,7 +209,9 @@ class TrialLoop:
             self.interrupt()
             raise
 
-    def _wants_more(self, target: int, deadline: float | None) -> bool:
+    def _wants_more(self, target: int, deadline: float | Callable[[], float | None] | None) -> bool:
+        if callable(deadline):
+            deadline = deadline()
         if deadline is not None and time.monotonic() >= deadline:
             return False
         return finished_trials(self.study) + len(self.inflight) < target

@@ -52,7 +52,9 @@ from kvtune.studies.names import (
     ATTR_METRICS,
     ATTR_NOISE,
     ATTR_PARETO,
+    ATTR_PROBES,
     ATTR_QUALITY_SETTINGS,
+    ATTR_REUSED,
     ATTR_SAMPLE,
     ATTR_SLO,
     ATTR_TIME_SCALE_SOURCE,
@@ -258,8 +260,18 @@ def _run(
     workload = Workload(windows, time_scale, time_limit_s=job.trial_time_limit_s, slo=slo)
     loop = TrialLoop(study, job.options, pool, workload, suggest, job.bounds, events, knobs, search)
     plan = _budget_plan(job, study.user_attrs, started, len(pool.actors), bool(space.batched_tokens))
-    deadline = None if plan is None else plan.search_deadline()
+    if plan is not None:
+        plan = plan.observed(*observed_costs(study))  # a resumed study's trials already measured them
     say(f"baseline done in {phases['baseline_s']:.0f} s" + (f"; {plan.describe()}" if plan else ""))
+
+    def deadline() -> float | None:
+        """The search's deadline, from the plan as revised by the trials finished so far."""
+        nonlocal plan
+        if plan is None:
+            return None
+        plan = plan.observed(*observed_costs(study))
+        return plan.search_deadline()
+
     loop.run(job.trials, deadline)
     overran = plan is not None and finished_trials(study) == 0
     if overran:  # the budget left no time for a trial: the least that gives a preset, said so in it
@@ -271,7 +283,8 @@ def _run(
     # records how many trials it is the best of). Ctrl-C raises out of the loop and exports nothing.
     finished = finished_trials(study)
     rate = export.search_rate(study.get_trials(deepcopy=False))
-    cut_short = deadline is not None and time.monotonic() >= deadline and finished < job.trials
+    end = deadline()
+    cut_short = end is not None and time.monotonic() >= end and finished < job.trials
     if finished >= job.trials or (cut_short and finished > 0):
         say(f"search done: {finished} trials in {phases['search_s']:.0f} s"
             + (f"; {plan.describe()}" if plan else ""))  # fmt: skip
@@ -300,6 +313,25 @@ def _run(
          *sparse_warnings(complete)), rate,
         {k: c.to_dict() for k, c in counts.items()}, validations,
     )  # fmt: skip
+
+
+def observed_costs(study: optuna.Study) -> tuple[float | None, float | None]:
+    """What the study's finished trials measured for the time budget: the median set-up of a new config's
+    cache (their probes' ``prime_s``, where one was set up) and the median wall of a trial that ran (one
+    that reused an earlier trial's result took none); None where nothing was measured."""
+    trials = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        if ATTR_REUSED not in t.user_attrs
+    ]
+    primes = [float(p["prime_s"]) for t in trials for p in (t.user_attrs.get(ATTR_PROBES) or ())
+              if (p.get("prime_s") or 0.0) > 0]  # fmt: skip
+    walls = [
+        (t.datetime_complete - t.datetime_start).total_seconds()
+        for t in trials
+        if t.datetime_complete is not None and t.datetime_start is not None
+    ]
+    return (statistics.median(primes) if primes else None), (statistics.median(walls) if walls else None)
 
 
 def _phase_events(events: Callable[[Event], None] | None) -> Callable[[str], None]:

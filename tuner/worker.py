@@ -233,12 +233,16 @@ class TrialWorker:
         them."""
         if not rate > 0:
             raise ValueError(f"`rate > 0` must hold, but got rate={rate}")
+        started = time.perf_counter()
         replayer, runs, passed, aborted = self._replayer(knobs), [], True, False
         pooled: list[RequestTiming] = []
         shared = ProbeStop(slo, sum(len(w) for w in windows)) if slo.pooled else None
         margins = []
+        prime_s = 0.0
         for requests in windows:
+            primed = time.perf_counter()
             self._prime(replayer, config, requests, warmup, deadline)
+            prime_s += time.perf_counter() - primed
             stop = shared or ProbeStop(slo, len(requests))
             timings: list[RequestTiming] = []
             stop.next_window()
@@ -260,7 +264,10 @@ class TrialWorker:
             margins.append(decision_margin(pooled, slo))
             passed = requests_pass(pooled, slo, sum(len(w) for w in windows)) and not _refused(runs)
         margin = None if aborted else min(margins, default=None)
-        return probe_record(rate, passed, aborted, runs, mean_metrics(tuple(runs)), margin)
+        record = probe_record(rate, passed, aborted, runs, mean_metrics(tuple(runs)), margin)
+        # the probe's host seconds, and of them the new cache's set-up (a config or window met anew): what
+        # the time budget plans a search of another config with (kvtune.tuner.budget)
+        return record | {"wall_s": time.perf_counter() - started, "prime_s": prime_s}
 
     def unloaded(self, config: HybridConfig, requests: tuple[Request, ...], warmup: int) -> dict[str, Any]:
         """``requests`` at 1/1000 of their rate (outputs cut to ``UNLOADED_OUTPUT_TOKENS``): one at a time

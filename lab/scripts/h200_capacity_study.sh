@@ -19,8 +19,8 @@
 # Environment: TRACE (the workload, default the Azure sample; examples/traces/azure_conv_later.csv is the
 # unseen one), MINUTES (--time-budget: the whole run, 6), TRIALS (20), REQUESTS (96 per window: the sample's
 # first 75 % holds 121), RESUME=1, LLAMA_BUDGET (1GiB), SMOL_BUDGET (256MiB), the
-# quality measurement QWINDOWS (2) x (QPREFILL 1024 + QDECODE tokens: 64 for llama, 128 for smol), CLOCK (kvtune --clock; unset: device,
-# kvtune's default for capacity), SLO_PERCENTILE (kvtune --slo-percentile; unset: 90), SLO_TTFT_MS and SLO_TPOT_MS
+# quality measurement QWINDOWS (2) x (QPREFILL 1024 + QDECODE tokens: 64 for llama, 128 for smol), CLOCK (kvtune --clock; unset: gated,
+# kvtune's default for capacity), QMODEL (kvtune --quality-model; unset: the real SmolLM2, which needs the GGUF), SLO_PERCENTILE (kvtune --slo-percentile; unset: 90), SLO_TTFT_MS and SLO_TPOT_MS
 # (kvtune --slo-ttft-ms / --slo-tpot-ms; unset: derived from the unloaded replay, whose P99 TTFT moves ±25 %).
 set -u
 out=${1:?usage: lab/scripts/h200_capacity_study.sh OUTDIR [llama|smol|both]}
@@ -61,7 +61,7 @@ study() {  # name model budget length-scale [extra options]
   timeout "$(awk "BEGIN { print int($MINUTES * 60 + 420) }")" python3 -m kvtune --gpu h200 --model "$model" --workload $TRACE \
     --objective capacity --kv-budget "$budget" --length-scale "$scale" --requests "$REQUESTS" --windows 1 \
     --trials "$TRIALS" --time-budget "$MINUTES" --quality-windows "${QWINDOWS:-2}" \
-    --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey ${CLOCK:+--clock $CLOCK} ${SLO_PERCENTILE:+--slo-percentile $SLO_PERCENTILE} \
+    --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey ${QMODEL:+--quality-model $QMODEL} ${CLOCK:+--clock $CLOCK} ${SLO_PERCENTILE:+--slo-percentile $SLO_PERCENTILE} \
     ${SLO_TTFT_MS:+--slo-ttft-ms $SLO_TTFT_MS} ${SLO_TPOT_MS:+--slo-tpot-ms $SLO_TPOT_MS} \
     ${RESUME:+--resume} "$@" \
     --study "$name" --storage "sqlite:///$out/$name.db" --out "$out/preset_$name.json" 2>&1 \
