@@ -429,18 +429,27 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
     for side, start in (("best", best_value), ("baseline", noise["median"])):
         runs = validation[side]
         assert all(r["search"]["expand"] == NEAR_EXPAND for r in runs)
-        # the first round (one repeat per worker) starts at the study's capacity
-        lead = runs[: next((i for i, r in enumerate(runs) if r["search"]["start"] != start), len(runs))]
-        # each column (the baseline's knobs, the defaults) of the first round: its later repeats' start
+        # the first round (one repeat per worker): each repeat's first search at its config's capacity in
+        # the study, the others there x the shift the first searches found (the held-out requests carry
+        # more or less); the repeats after it near what the first round found
+        first_round = [
+            r
+            for r in runs[:3]
+            if r["search"]["start"] == pytest.approx(start * r["search"].get("shift", 1.0))
+        ]
+        assert runs[0]["search"]["start"] == pytest.approx(start) or side == "baseline"
+        shifts = {r["search"]["shift"] for side_runs in (validation["best"], validation["baseline"])
+                  for r in side_runs if "shift" in r["search"]}  # fmt: skip
+        assert len(shifts) == 1 and all(s > 0 for s in shifts)  # one shift for every config
         k = len(runs[0].get("alternatives", [None]))  # searches of this side in a repeat
         own = lambda r: [{"capacity": r["capacity"], "converged": r["search"]["converged"]}]
-        entries = [e for r in lead for e in r.get("alternatives", own(r))]
+        entries = [e for r in first_round for e in r.get("alternatives", own(r))]
         ok = lambda e: e["converged"] and e["capacity"] > 0
         found = [[e["capacity"] for e in entries[i::k] if ok(e)] for i in range(k)]
         later = {start} | {float(np.median(f)) for f in found if f}
-        assert lead and all(r["search"]["start"] == pytest.approx(start) for r in lead)
-        first = runs[len(lead) : 3]  # the rest of the first 3 repeats (more may follow, nearer still)
-        assert all(any(r["search"]["start"] == pytest.approx(c) for c in later) for r in first), (
+        assert first_round and runs[0] in first_round
+        rest = [r for r in runs[:3] if r not in first_round]  # the rest of the first 3 repeats
+        assert all(any(r["search"]["start"] == pytest.approx(c) for c in later) for r in rest), (
             [r["search"]["start"] for r in runs], later)  # fmt: skip
     finished = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
     complete = study.get_trials(states=(TrialState.COMPLETE,))

@@ -145,3 +145,46 @@ def test_a_budgeted_study_ends_within_its_budget_and_says_what_was_cut(
     assert budget["budget_s"] == budget_s and set(budget["phases_s"]) >= {"baseline_s", "search_s"}
     assert f"search: {report.finished} of 500 trials finished when the time budget ended it" in budget["cut"]
     assert metrics["interval"]["goal"] == 0.15 and metrics["repeats"] == metrics["interval"]["repeats"] >= 3
+
+
+def test_the_costs_the_trials_measured_for_the_plan() -> None:
+    """Each trial's set-up is its longest ``prime_s`` (its first probe's; the others only find the cache
+    there); a trial's wall is the median of those that ran; one that reused another's result counts in
+    neither."""
+    import datetime
+
+    import optuna
+    from optuna.trial import FrozenTrial, TrialState
+
+    from kvtune.studies.names import ATTR_PROBES, ATTR_REUSED
+    from kvtune.tuner.job import observed_costs
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    assert observed_costs(study) == (None, None)
+    t0 = datetime.datetime(2026, 1, 1)
+    cases = [([12.0, 0.001, 0.001], 70.0, False), ([8.0, 0.002], 20.0, False), ([0.5], 1.0, True)]
+    for i, (primes, wall, reused) in enumerate(cases):
+        probes = [
+            {"rate": 1.0 + j, "passed": True, "prime_s": p, "wall_s": p + 5} for j, p in enumerate(primes)
+        ]
+        attrs = {ATTR_PROBES: probes} | ({ATTR_REUSED: 0} if reused else {})
+        pruned = i == 1
+        study.add_trial(
+            FrozenTrial(
+                number=i,
+                trial_id=i,
+                state=TrialState.PRUNED if pruned else TrialState.COMPLETE,
+                value=None if pruned else 2.0,
+                datetime_start=t0,
+                datetime_complete=t0 + datetime.timedelta(seconds=wall),
+                params={},
+                distributions={},
+                user_attrs=attrs,
+                system_attrs={},
+                intermediate_values={},
+            )
+        )
+    switch, trial_s = observed_costs(study)
+    assert switch == pytest.approx(10.0)  # the median of 12 and 8; the reused trial's 0.5 left out
+    assert trial_s == pytest.approx(45.0)  # the median of 70 and 20 s; the reused trial's 1 s left out

@@ -317,15 +317,16 @@ def _run(
 
 def observed_costs(study: optuna.Study) -> tuple[float | None, float | None]:
     """What the study's finished trials measured for the time budget: the median set-up of a new config's
-    cache (their probes' ``prime_s``, where one was set up) and the median wall of a trial that ran (one
+    cache (each trial's longest ``prime_s``: its first probe's) and the median wall of a trial that ran (one
     that reused an earlier trial's result took none); None where nothing was measured."""
     trials = [
         t
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
         if ATTR_REUSED not in t.user_attrs
     ]
-    primes = [float(p["prime_s"]) for t in trials for p in (t.user_attrs.get(ATTR_PROBES) or ())
-              if (p.get("prime_s") or 0.0) > 0]  # fmt: skip
+    # a trial sets its cache up once, in its first probe; the others only ask whether it is still there
+    primes = [max(float(p.get("prime_s") or 0.0) for p in probes) for t in trials
+              if (probes := t.user_attrs.get(ATTR_PROBES))]  # fmt: skip
     walls = [
         (t.datetime_complete - t.datetime_start).total_seconds()
         for t in trials
