@@ -78,10 +78,25 @@ def _seal_tile(
     POOL_BITS: tl.constexpr,
     DH: tl.constexpr,
 ):
-    """Quantize one head's keys (per channel) or values (per token) of a block; store codes + min/scale."""
+    """Quantize one head's keys (per channel) or values (per token) of a block; store codes + min/scale.
+    Bits 0: store the block as it is, in the pool's precision, and the keys' min and ``max − min`` per
+    channel (the reference's bounds, one level)."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
     big = float("inf")
-    if IS_KEY:
+    if BITS == 0:
+        if IS_KEY:
+            lo_lo, sc_lo = _min_scale(tl.min(tl.where(tmask[:, None], x_lo, big), 0),
+                                      tl.max(tl.where(tmask[:, None], x_lo, -big), 0), 1)  # fmt: skip
+            lo_hi, sc_hi = _min_scale(tl.min(tl.where(tmask[:, None], x_hi, big), 0),
+                                      tl.max(tl.where(tmask[:, None], x_hi, -big), 0), 1)  # fmt: skip
+            tl.store(kmin_ptr + c, lo_lo.to(tl.float16))
+            tl.store(kmin_ptr + DH + c, lo_hi.to(tl.float16))
+            tl.store(ksc_ptr + c, sc_lo.to(tl.float16))
+            tl.store(ksc_ptr + DH + c, sc_hi.to(tl.float16))
+        offs = t[:, None] * (2 * DH) + c[None, :]
+        tl.store(code_ptr + offs, x_lo.to(code_ptr.dtype.element_ty), mask=tmask[:, None])
+        tl.store(code_ptr + offs + DH, x_hi.to(code_ptr.dtype.element_ty), mask=tmask[:, None])
+    elif IS_KEY:
         lo_lo, sc_lo = _min_scale(tl.min(tl.where(tmask[:, None], x_lo, big), 0),
                                   tl.max(tl.where(tmask[:, None], x_lo, -big), 0), LEVELS)  # fmt: skip
         lo_hi, sc_hi = _min_scale(tl.min(tl.where(tmask[:, None], x_hi, big), 0),
@@ -92,6 +107,7 @@ def _seal_tile(
         tl.store(kmin_ptr + DH + c, lo_hi.to(tl.float16))
         tl.store(ksc_ptr + c, sc_lo.to(tl.float16))
         tl.store(ksc_ptr + DH + c, sc_hi.to(tl.float16))
+        _store_codes(code_ptr, t, c, tmask, c_lo, c_hi, BITS, POOL_BITS, DH)
     else:
         lo, sc = _min_scale(tl.minimum(tl.min(x_lo, 1), tl.min(x_hi, 1)),
                             tl.maximum(tl.max(x_lo, 1), tl.max(x_hi, 1)), LEVELS)  # fmt: skip
@@ -99,7 +115,7 @@ def _seal_tile(
         c_hi = _quantize(x_hi, lo[:, None], sc[:, None], LEVELS)
         tl.store(kmin_ptr + t, lo.to(tl.float16), mask=tmask)
         tl.store(ksc_ptr + t, sc.to(tl.float16), mask=tmask)
-    _store_codes(code_ptr, t, c, tmask, c_lo, c_hi, BITS, POOL_BITS, DH)
+        _store_codes(code_ptr, t, c, tmask, c_lo, c_hi, BITS, POOL_BITS, DH)
 
 
 @triton.jit
@@ -228,7 +244,7 @@ def seal_blocks_triton(
     n = int(block_ids.numel())
     if n == 0:
         return
-    if bits == 0 or not tileable_head_dim(k.shape[3]):  # bits 0: a copy, plus the key bounds
+    if not tileable_head_dim(k.shape[3]):
         seal_blocks_ref(pool, block_ids, k, v, bits, rows)
         return
     _check_pool_rows(pool)

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
+# `python -m pytest` puts the checkout's root first on sys.path, where the top-level folder kernels/ stands in
+# for Hugging Face's package of that name, which transformers imports whenever it is installed (transformers
+# 5.25 with kernels 0.19: "cannot import name 'CUDAProperties' from 'kernels'"). The tests import kvtune from
+# its installed package (`pip install -e`), so the root is taken off the path before anything imports them.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
+if getattr(sys.modules.get("kernels"), "__file__", None) == str(_ROOT / "kernels" / "__init__.py"):
+    del sys.modules["kernels"]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Small CPU shapes run fastest single-threaded, and two test processes on a 2-core machine don't fight.
 torch.set_num_threads(1)
