@@ -689,3 +689,17 @@ def test_the_table_marks_a_capacity_at_the_saturation_rate() -> None:
     console = Console(record=True, width=200)
     console.print(capacity_table(study))
     assert "≥" not in console.export_text()
+
+
+def test_the_held_out_shift_is_the_median_found_over_start_of_converged_searches() -> None:
+    from kvtune.tuner.validation import window_shift
+
+    def searched(start: float, truth: float) -> CapacitySearch:
+        return search_to_end(near_search(CapacitySearch(1.0, 0.025, 12), start), truth)[0]
+
+    runs = [searched(10.0, 7.5), searched(6.0, 4.2), searched(3.0, 3.3)]
+    ratios = sorted(s.capacity / s.start for s in runs)
+    assert all(s.converged for s in runs) and window_shift(runs) == pytest.approx(ratios[1])
+    assert 0.69 < window_shift(runs[:2]) < 0.76  # two searches: the mean of their ratios
+    unbracketed = CapacitySearch(5.0, 0.025, 1).record(5.0, True)  # out of probes: not converged
+    assert window_shift([unbracketed]) == 1.0 and window_shift([]) == 1.0

@@ -325,8 +325,11 @@ def observed_costs(study: optuna.Study) -> tuple[float | None, float | None]:
         if ATTR_REUSED not in t.user_attrs
     ]
     # a trial sets its cache up once, in its first probe; the others only ask whether it is still there
-    primes = [max(float(p.get("prime_s") or 0.0) for p in probes) for t in trials
-              if (probes := t.user_attrs.get(ATTR_PROBES))]  # fmt: skip
+    # (a trial stored before the worker timed it has none)
+    probed = [t.user_attrs.get(ATTR_PROBES) or () for t in trials]
+    primes = [
+        max(float(p.get("prime_s") or 0.0) for p in ps) for ps in probed if any("prime_s" in p for p in ps)
+    ]
     walls = [
         (t.datetime_complete - t.datetime_start).total_seconds()
         for t in trials
