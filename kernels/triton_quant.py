@@ -64,6 +64,22 @@ def _store_codes(ptr, t, c, tmask, c_lo, c_hi, BITS: tl.constexpr, POOL_BITS: tl
 
 
 @triton.jit
+def _key_bounds(x_lo, x_hi, tmask, kmin_ptr, ksc_ptr, c, LEVELS: tl.constexpr, DH: tl.constexpr):
+    """Per-channel (min, scale) of one head's keys in a block, both halves, stored; returned as (min, scale)
+    of the low half, then of the high half."""
+    big = float("inf")
+    lo_lo, sc_lo = _min_scale(tl.min(tl.where(tmask[:, None], x_lo, big), 0),
+                              tl.max(tl.where(tmask[:, None], x_lo, -big), 0), LEVELS)  # fmt: skip
+    lo_hi, sc_hi = _min_scale(tl.min(tl.where(tmask[:, None], x_hi, big), 0),
+                              tl.max(tl.where(tmask[:, None], x_hi, -big), 0), LEVELS)  # fmt: skip
+    tl.store(kmin_ptr + c, lo_lo.to(tl.float16))
+    tl.store(kmin_ptr + DH + c, lo_hi.to(tl.float16))
+    tl.store(ksc_ptr + c, sc_lo.to(tl.float16))
+    tl.store(ksc_ptr + DH + c, sc_hi.to(tl.float16))
+    return lo_lo, sc_lo, lo_hi, sc_hi
+
+
+@triton.jit
 def _seal_tile(
     x_lo,
     x_hi,
@@ -82,31 +98,16 @@ def _seal_tile(
     Bits 0: store the block as it is, in the pool's precision, and the keys' min and ``max − min`` per
     channel (the reference's bounds, one level)."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    big = float("inf")
     if BITS == 0:
         if IS_KEY:
-            lo_lo, sc_lo = _min_scale(tl.min(tl.where(tmask[:, None], x_lo, big), 0),
-                                      tl.max(tl.where(tmask[:, None], x_lo, -big), 0), 1)  # fmt: skip
-            lo_hi, sc_hi = _min_scale(tl.min(tl.where(tmask[:, None], x_hi, big), 0),
-                                      tl.max(tl.where(tmask[:, None], x_hi, -big), 0), 1)  # fmt: skip
-            tl.store(kmin_ptr + c, lo_lo.to(tl.float16))
-            tl.store(kmin_ptr + DH + c, lo_hi.to(tl.float16))
-            tl.store(ksc_ptr + c, sc_lo.to(tl.float16))
-            tl.store(ksc_ptr + DH + c, sc_hi.to(tl.float16))
+            _key_bounds(x_lo, x_hi, tmask, kmin_ptr, ksc_ptr, c, 1, DH)
         offs = t[:, None] * (2 * DH) + c[None, :]
         tl.store(code_ptr + offs, x_lo.to(code_ptr.dtype.element_ty), mask=tmask[:, None])
         tl.store(code_ptr + offs + DH, x_hi.to(code_ptr.dtype.element_ty), mask=tmask[:, None])
     elif IS_KEY:
-        lo_lo, sc_lo = _min_scale(tl.min(tl.where(tmask[:, None], x_lo, big), 0),
-                                  tl.max(tl.where(tmask[:, None], x_lo, -big), 0), LEVELS)  # fmt: skip
-        lo_hi, sc_hi = _min_scale(tl.min(tl.where(tmask[:, None], x_hi, big), 0),
-                                  tl.max(tl.where(tmask[:, None], x_hi, -big), 0), LEVELS)  # fmt: skip
+        lo_lo, sc_lo, lo_hi, sc_hi = _key_bounds(x_lo, x_hi, tmask, kmin_ptr, ksc_ptr, c, LEVELS, DH)
         c_lo = _quantize(x_lo, lo_lo[None, :], sc_lo[None, :], LEVELS)
         c_hi = _quantize(x_hi, lo_hi[None, :], sc_hi[None, :], LEVELS)
-        tl.store(kmin_ptr + c, lo_lo.to(tl.float16))
-        tl.store(kmin_ptr + DH + c, lo_hi.to(tl.float16))
-        tl.store(ksc_ptr + c, sc_lo.to(tl.float16))
-        tl.store(ksc_ptr + DH + c, sc_hi.to(tl.float16))
         _store_codes(code_ptr, t, c, tmask, c_lo, c_hi, BITS, POOL_BITS, DH)
     else:
         lo, sc = _min_scale(tl.minimum(tl.min(x_lo, 1), tl.min(x_hi, 1)),

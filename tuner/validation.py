@@ -332,21 +332,23 @@ def validate_capacity(
         its probes); which side goes first rotates from one repeat to the next. ``shifted``: the sides
         after each repeat's first start where the first's search moved its capacity (:func:`window_shift`)."""
         n = len(round_sides)
-        rows = [[SearchRun(r % workers, c, k, (requests,), search(a)) for c, k, a in round_sides]
-                for r in indices]  # fmt: skip
-        if not shifted:
-            run_searches(pool, [run for r, row in zip(indices, rows) for run in row[r % n :] + row[: r % n]],
-                         slo, interleave=False)  # fmt: skip
-            return rows
-        leads = [row[r % n] for r, row in zip(indices, rows)]
-        run_searches(pool, leads, slo, interleave=False)
-        shift = window_shift([lead.search for lead in leads])
-        for r, row in zip(indices, rows):
-            for i, (c, k, a) in enumerate(round_sides):
-                if i != r % n:
-                    row[i] = SearchRun(r % workers, c, k, (requests,), search(a * shift), shift=shift)
-        run_searches(pool, [run for r, row in zip(indices, rows) for run in row[r % n + 1 :] + row[: r % n]],
-                     slo, interleave=False)  # fmt: skip
+        run = lambda r, i, shift=None: SearchRun(
+            r % workers, round_sides[i][0], round_sides[i][1], (requests,),
+            search(round_sides[i][2] * (shift or 1.0)), shift=shift,
+        )  # fmt: skip
+        turn = lambda r, row: row[r % n :] + row[: r % n]
+        rows = [[run(r, i) for i in range(n)] for r in indices]
+        if shifted:  # the first of each repeat, then the others from where the first moved
+            run_searches(pool, [turn(r, row)[0] for r, row in zip(indices, rows)], slo, interleave=False)
+            shift = window_shift([turn(r, row)[0].search for r, row in zip(indices, rows)])
+            rows = [
+                [row[i] if i == r % n else run(r, i, shift) for i in range(n)]
+                for r, row in zip(indices, rows)
+            ]
+        first = 1 if shifted else 0
+        run_searches(
+            pool, [x for r, row in zip(indices, rows) for x in turn(r, row)[first:]], slo, interleave=False
+        )
         return rows
 
     # the first round (one repeat per worker) starts at the study's capacities, the sides after each
