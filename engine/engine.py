@@ -390,9 +390,12 @@ class Engine:
         deadline: Deadline | None = None,
         stop: Stop | None = None,
         timings: list[RequestTiming] | None = None,
+        settings_from: Sequence[Request] | None = None,
     ) -> ReplayMetrics:
         """Replay ``requests`` open-loop (arrivals × ``time_scale``) and measure them; ``timings``, when
         given, receives every finished request's arrival and token times (what the metrics summarize).
+        ``settings_from``: resolve the options (:meth:`settings_for`) from these requests instead, so that
+        a short replay builds the cache a replay of them will reuse (a priming replay with outputs cut).
 
         Requests longer than the model's context are clipped to it; ``clipped`` in the result counts the
         requests a length policy shortened (here, or before: :class:`~kvtune.engine.traces.Request`'s
@@ -415,8 +418,9 @@ class Engine:
             raise ValueError("no request to replay")
         if len({r.rid for r in requests}) != len(requests):
             raise ValueError("request ids (rid) must be unique within a replay")
-        fitted, counts = LengthPolicy(self.spec.max_context).apply(requests)
-        settings = self.settings_for(fitted)
+        policy = LengthPolicy(self.spec.max_context)
+        fitted, counts = policy.apply(requests)
+        settings = self.settings_for(fitted if settings_from is None else policy.apply(settings_from)[0])
         cache, graphs, fresh = self._cache_for(settings)
         settings = replace(settings, max_num_seqs=cache.layout.num_slots)  # the layout may give fewer
         try:

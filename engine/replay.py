@@ -67,16 +67,18 @@ class Replayer:
         stop: Stop | None = None,
         deadline: Deadline | None = None,
         timings: list[RequestTiming] | None = None,
+        settings_from: Sequence[Request] | None = None,
     ) -> ReplayMetrics:
         """Replay ``requests`` under ``config`` (arrivals × ``time_scale``; 0 = all at once), after ``warmup``
-        requests (default: the options') served on a throw-away cache; ``stop`` may end it early and
-        ``timings`` receives the per-request times (:meth:`Engine.replay`)."""
+        requests (default: the options') served on a throw-away cache; ``stop`` may end it early,
+        ``timings`` receives the per-request times and ``settings_from`` gives the requests the cache is
+        built for (:meth:`Engine.replay`)."""
         engine = self.engine(config)
         warmup = self.options.warmup_requests if warmup is None else warmup
         try:
             return engine.replay(
                 list(requests), time_scale, warmup, progress, clipped, stop=stop, deadline=deadline,
-                timings=timings,
+                timings=timings, settings_from=settings_from,
             )  # fmt: skip
         finally:
             del engine

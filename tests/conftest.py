@@ -10,10 +10,12 @@ from typing import Any
 
 # `python -m pytest` puts the checkout's root first on sys.path, where the top-level folder kernels/ stands in
 # for Hugging Face's package of that name, which transformers imports whenever it is installed (transformers
-# 5.25 with kernels 0.19: "cannot import name 'CUDAProperties' from 'kernels'"). The tests import kvtune from
-# its installed package (`pip install -e`), so the root is taken off the path before anything imports them.
+# 5.25 with kernels 0.19: "cannot import name 'CUDAProperties' from 'kernels'"). The root moves to the end of
+# the path before anything imports the tests: installed packages come first, and kvtune (`kvtune/` links the
+# top-level folders) is still found there where it is not installed (a checkout on PYTHONPATH).
 _ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
+_OFF = [p for p in sys.path if Path(p or os.curdir).resolve() == _ROOT]
+sys.path[:] = [p for p in sys.path if p not in _OFF] + _OFF[:1]
 if getattr(sys.modules.get("kernels"), "__file__", None) == str(_ROOT / "kernels" / "__init__.py"):
     del sys.modules["kernels"]
 

@@ -275,6 +275,37 @@ def test_every_new_cache_is_primed_before_it_is_measured(monkeypatch) -> None:
     assert scales == [0.0, 1.0, 0.5, 0.0, 1.0, 0.0, 1.0]  # primed (0: at once) before 1st, 3rd and 4th
 
 
+def test_a_prime_cuts_outputs_on_the_cache_the_probe_reuses(monkeypatch) -> None:
+    """The priming replay serves every prompt whole with outputs cut to ``PRIME_OUTPUT_TOKENS``, on a cache
+    built for the whole requests: the measured replay after it builds none."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.replay import Replayer
+    from kvtune.engine.traces import Request
+    from kvtune.tuner.worker import PRIME_OUTPUT_TOKENS, TrialWorker
+
+    quality = QualitySettings(model="random:tiny", text_path="unused")
+    spec = WorkerSpec(model="random:tiny", device="cpu", quality=quality, threads=1, budget_bytes=1 << 26)
+    worker = TrialWorker(spec)
+    replays: list[tuple[float, int]] = []
+    fresh: list[bool] = []
+    replay, cache_for = Replayer.replay, Engine._cache_for
+    monkeypatch.setattr(
+        Replayer,
+        "replay",
+        lambda self, c, r, t, *a, **k: (
+            replays.append((t, max(x.output_length for x in r))),
+            replay(self, c, r, t, *a, **k),
+        )[1],
+    )
+    monkeypatch.setattr(
+        Engine, "_cache_for", lambda self, s: (out := cache_for(self, s), fresh.append(out[2]))[0]
+    )
+    requests = tuple(Request(i, 50.0 * i, 8, PRIME_OUTPUT_TOKENS + 9) for i in range(4))
+    worker.probe_config(HybridConfig("hybrid_v2", 16, 16, 0), None, (requests,), 1.0, Slo(1e6, 1e6, 90.0), 1)
+    assert replays == [(0.0, PRIME_OUTPUT_TOKENS), (1.0, PRIME_OUTPUT_TOKENS + 9)]
+    assert fresh == [True, False]  # the probe reuses the primed cache
+
+
 # ---- decisions beyond the noise --------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("failed_at", "noise", "pruned"),
