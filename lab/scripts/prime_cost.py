@@ -5,8 +5,9 @@ A study's trial pays one set-up per config (6-12 s on an H200, Llama-3.1-8B shap
 the decode graphs of every bucket it meets. For each config this times, on the gated clock a study uses:
 the priming replay (wall, graph captures, iterations), the same replay again on the kept cache, and a
 priming replay with outputs cut to ``--cut`` tokens followed by the full one (what a short prime would leave
-to the first measured replay). ``--profile`` runs the host profiler (cProfile) over the first priming
-replay. From the repository root on the GPU:
+to the first measured replay); ``--worker``: the worker's own prime (outputs cut, on the cache the whole
+requests reuse), then two whole replays. ``--profile`` runs the host profiler (cProfile) over the first
+priming replay. From the repository root on the GPU:
 
     python lab/scripts/prime_cost.py [--workload examples/traces/azure_conv_later.csv] [--cut 16]
 """
@@ -42,6 +43,7 @@ p.add_argument("--length-scale", type=float, default=0.25)
 p.add_argument("--kv-budget", type=int, default=1 << 30)
 p.add_argument("--cut", type=int, default=16, help="output tokens of the short prime")
 p.add_argument("--profile", action="store_true", help="cProfile the first priming replay")
+p.add_argument("--worker", action="store_true", help="the worker's own prime, then two whole replays")
 p.add_argument("--device", default="cuda")
 args = p.parse_args()
 
@@ -90,6 +92,13 @@ short = tuple(dataclasses.replace(r, output_length=min(r.output_length, args.cut
 for i, (name, config) in enumerate(configs.items()):
     print(name)
     replayer.release()
+    if args.worker:  # the worker's prime, then two whole replays
+        t = time.perf_counter()
+        worker._prime(replayer, config, requests, WARMUP_REQUESTS, None)
+        print(f"  {'worker prime':<22} wall {time.perf_counter() - t:6.2f} s")
+        timed(config, requests, "first whole replay")
+        timed(config, requests, "again (kept cache)")
+        continue
     timed(config, requests, "prime (new cache)", profile=args.profile and i == 0)
     timed(config, requests, "again (kept cache)")
     replayer.release()
