@@ -103,6 +103,7 @@ from kvtune.tuner.validation import (
     median_or,
     repeat_to_interval,
     run_searches,
+    search_line,
     ties,
     validate,
     validate_capacity,
@@ -288,7 +289,7 @@ def _run(
     if finished >= job.trials or (cut_short and finished > 0):
         say(f"search done: {finished} trials in {phases['search_s']:.0f} s"
             + (f"; {plan.describe()}" if plan else ""))  # fmt: skip
-        validation = _validate(job, study, pool, trace, info, time_scale, finished, space, plan)
+        validation = _validate(job, study, pool, trace, info, time_scale, finished, space, plan, say)
         if validation is not None:
             if plan is not None:
                 phases["validation_s"] = time.monotonic() - started - sum(phases.values())
@@ -682,6 +683,7 @@ def _validate(
     finished: int,
     space: SearchSpace | None = None,
     budget: BudgetPlan | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, Any] | None:
     """Re-measure the best feasible trial and its baseline on held-out requests: the record the caller
     stores as kvtune.validation and appends to kvtune.validation_history (a re-validation keeps the earlier
@@ -689,7 +691,8 @@ def _validate(
     of them fits in the time ``budget`` (:func:`~kvtune.tuner.validation.repeat_to_interval`).
     The baseline runs with the best trial's engine knobs resolved for it (the same batched tokens and
     factor of what its budget holds), so the gain is the cache's; on capacity it also runs with the space's
-    default knobs, and each repeat takes the better of its two capacities."""
+    default knobs, and each repeat takes the better of its two capacities. ``say``: a console line as
+    each capacity search ends."""
     best = best_trial(study, job.options)
     if best is None:
         return None
@@ -716,6 +719,12 @@ def _validate(
         slo, granularity = Slo.from_record(attrs[ATTR_SLO]), float(noise["granularity"])
         measured: list[list[dict[str, Any]]] = [[], []]  # both sides' repeats so far
 
+        started = time.monotonic()
+
+        def done(run: SearchRun) -> None:
+            if say is not None:
+                say(f"validation: {search_line(run)} ({time.monotonic() - started:.0f} s in)")
+
         def measure(k: int, first: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             # later calls start near the median of what the repeats so far found
             at = tuple(median_or([r.get("capacity") or 0.0 for r in m], s) for m, s in zip(measured, starts))
@@ -726,7 +735,7 @@ def _validate(
             b, u = validate_capacity(
                 pool, config, (knobs[0], base_knobs), requests, slo, (at[0], at[1]), granularity, k,
                 other, max_rate=top, first=first, confirm=int(noise.get("confirm", 1)),
-                draws=int(noise.get("draws", 0)),
+                draws=int(noise.get("draws", 0)), done=done,
             )  # fmt: skip
             measured[0].extend(b)
             measured[1].extend(u)

@@ -240,8 +240,10 @@ def run_searches(
     slo: Slo,
     warmup: int = WARMUP_REQUESTS,
     interleave: bool = True,
+    done: Callable[[SearchRun], None] | None = None,
 ) -> list[SearchRun]:
-    """Drive every search to its end, each probe on its run's worker; returns ``runs``, updated.
+    """Drive every search to its end, each probe on its run's worker; returns ``runs``, updated; ``done``
+    is called with each run as its search ends.
 
     ``interleave``: the searches sharing a worker send their probes together (the worker runs them in the
     order sent, so they alternate); else a worker runs its searches one whole search after another, in the
@@ -279,6 +281,8 @@ def run_searches(
         run.search = run.search.record(probe["rate"], probe["passed"], probe.get("margin"))
         run.probes.append(probe)
         if not submit(run):
+            if done is not None:
+                done(run)
             start_next(run.worker)
     return runs
 
@@ -297,6 +301,7 @@ def validate_capacity(
     first: int = 0,
     confirm: int = 1,
     draws: int = 0,
+    done: Callable[[SearchRun], None] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The capacity of ``best`` and of ``best.unquantized()`` (with ``knobs`` = (best's, the baseline's)),
     each searched ``repeats`` times on ``requests``: the metrics at each capacity found, with the ``worker``
@@ -312,7 +317,7 @@ def validate_capacity(
     were higher (:func:`better_knobs`). ``max_rate``: the window's saturation rate, above which no search
     probes. ``first``: the index of the first repeat (more repeats after ``first`` done: any number of
     them). ``confirm``, ``draws``: the study's repeated probes near the decision
-    (:class:`~kvtune.tuner.capacity.CapacitySearch`)."""
+    (:class:`~kvtune.tuner.capacity.CapacitySearch`). ``done``: called with each search as it ends."""
     if first == 0 and repeats < MIN_REPEATS:
         raise ValueError(f"`repeats >= {MIN_REPEATS}` must hold, but got repeats={repeats}")
     base = best.unquantized()
@@ -339,16 +344,16 @@ def validate_capacity(
         turn = lambda r, row: row[r % n :] + row[: r % n]
         rows = [[run(r, i) for i in range(n)] for r in indices]
         if shifted:  # the first of each repeat, then the others from where the first moved
-            run_searches(pool, [turn(r, row)[0] for r, row in zip(indices, rows)], slo, interleave=False)
-            shift = window_shift([turn(r, row)[0].search for r, row in zip(indices, rows)])
+            leads = [turn(r, row)[0] for r, row in zip(indices, rows)]
+            run_searches(pool, leads, slo, interleave=False, done=done)
+            shift = window_shift([lead.search for lead in leads])
             rows = [
                 [row[i] if i == r % n else run(r, i, shift) for i in range(n)]
                 for r, row in zip(indices, rows)
             ]
         first = 1 if shifted else 0
-        run_searches(
-            pool, [x for r, row in zip(indices, rows) for x in turn(r, row)[first:]], slo, interleave=False
-        )
+        others = [x for r, row in zip(indices, rows) for x in turn(r, row)[first:]]
+        run_searches(pool, others, slo, interleave=False, done=done)
         return rows
 
     # the first round (one repeat per worker) starts at the study's capacities, the sides after each
@@ -374,6 +379,18 @@ def validate_capacity(
                          "converged": m["search"]["converged"]} for m in options]  # fmt: skip
         base_runs.append({**chosen, "worker": w} | ({"alternatives": alternatives} if len(row) > 2 else {}))
     return best_runs, base_runs
+
+
+def search_line(run: SearchRun) -> str:
+    """One console line of a finished validation search: the config, its capacity, probes and seconds."""
+    c, search = run.config, run.search
+    kind = f"INT{c.quantization_bits}" if c.quantization_bits else "unquantized"
+    found = f"{search.capacity:.3g}x" if search.converged else "not converged"
+    wall = sum(float(p.get("wall_s", 0.0)) for p in run.probes)
+    k = run.knobs
+    knobs = "" if k is None else f" ({k.max_num_seqs} seqs, {k.max_num_batched_tokens} tokens)"
+    probes = f"{len(run.probes)} probes, {wall:.0f} s"
+    return f"{kind} hot {c.hot_tokens} block {c.block_size}{knobs}: {found}, {probes}"
 
 
 def window_shift(searches: Sequence[CapacitySearch]) -> float:
