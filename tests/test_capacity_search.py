@@ -426,18 +426,20 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
         assert all(s["start"] == searches[0]["capacity"] and s["expand"] == NEAR_EXPAND for s in searches[1:])
     validation = attrs["kvtune.validation"]
     best_value = study.trials[validation["trial"]].values[0]
-    for side, start in (("best", best_value), ("baseline", noise["median"])):
+    prior = validation["prior"]  # what the held-out requests are expected to carry against the search's
+    assert prior > 0
+    for side, start in (("best", best_value * prior), ("baseline", noise["median"] * prior)):
         runs = validation[side]
         assert all(r["search"]["expand"] == NEAR_EXPAND for r in runs)
-        # the first round (one repeat per worker): each repeat's first search at its config's capacity in
-        # the study, the others there x the shift the first searches found (the held-out requests carry
-        # more or less); the repeats after it near what the first round found
+        # the first round (one repeat per worker): the baseline at the study's knobs first, at its capacity
+        # in the study x the prior, the others there x the shift its search found (the held-out requests
+        # carry more or less than expected); the repeats after it near what the first round found
         first_round = [
             r
             for r in runs[:3]
             if r["search"]["start"] == pytest.approx(start * r["search"].get("shift", 1.0))
         ]
-        assert runs[0]["search"]["start"] == pytest.approx(start) or side == "baseline"
+        assert "shift" in runs[0]["search"] or side == "baseline"
         shifts = {r["search"]["shift"] for side_runs in (validation["best"], validation["baseline"])
                   for r in side_runs if "shift" in r["search"]}  # fmt: skip
         assert len(shifts) == 1 and all(s > 0 for s in shifts)  # one shift for every config
@@ -689,6 +691,23 @@ def test_the_table_marks_a_capacity_at_the_saturation_rate() -> None:
     console = Console(record=True, width=200)
     console.print(capacity_table(study))
     assert "≥" not in console.export_text()
+
+
+def test_the_prior_and_the_probe_scale_come_from_the_windows_output_tokens() -> None:
+    """The held-out requests' expected capacity against the search's: the search windows' output tokens per
+    second of arrivals over theirs; a validation probe's cost: their output tokens over all the search
+    windows', within [0.5, 2]."""
+    from kvtune.engine.traces import Request
+    from kvtune.tuner.validation import probe_scale, window_prior
+
+    window = lambda n, gap_ms, out: tuple(Request(i, gap_ms * i, 100, out) for i in range(n))
+    search = [window(11, 100.0, 30)]  # 330 output tokens over 1 s
+    held = window(11, 200.0, 45)  # 495 over 2 s: 0.75x the search's output rate
+    assert window_prior(search, held) == pytest.approx(330 / 247.5)
+    assert window_prior(search * 2, held) == pytest.approx(330 / 247.5)  # the windows' mean rate
+    assert window_prior(search, window(11, 0.0, 45)) == 1.0  # a burst spans no time: no prior
+    assert probe_scale(search, held) == pytest.approx(1.5) and probe_scale(search * 2, held) == 0.75
+    assert probe_scale(search, window(11, 1.0, 300)) == 2.0 and probe_scale(search, window(11, 1.0, 1)) == 0.5
 
 
 def test_the_held_out_shift_is_the_median_found_over_start_of_converged_searches() -> None:

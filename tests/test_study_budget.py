@@ -44,6 +44,20 @@ def test_the_plan_counts_each_validation_searchs_set_up_and_the_trials_as_they_t
     assert revised.first_repeats(now=600.0 - EXPORT_S - 1.25 * 7 * 28.0) == 3  # validation just fits
 
 
+def test_validations_first_search_is_planned_from_afar_and_every_probe_at_the_held_out_cost() -> None:
+    """The first round's first search starts from an expected capacity (planned as the baseline's first,
+    cold search); the others start near their answers (its later searches); every probe of the held-out
+    requests costs ``scale`` times a search probe. The figures of an H200 study (run 31d): cold 52.3 s,
+    near 16.7 s, set-up 4.5 s, held-out output tokens 1.59x the search window's; validation took 339 s."""
+    plan = BudgetPlan(540.0, 0.0, 16.7, sides=3, first=3, workers=1, later=2, cold_s=52.3, scale=1.59)
+    plan = plan.observed(switch_s=4.5, trial_s=None)
+    near = 16.7 * 1.59 + 4.5
+    assert plan.validation_s() == pytest.approx(1.25 * ((52.3 * 1.59 + 4.5) + 6 * near))
+    assert 339.0 < plan.validation_s() < 1.25 * 1.25 * 339.0
+    bare = BudgetPlan(540.0, 0.0, 16.7)
+    assert BudgetPlan(540.0, 0.0, 16.7, cold_s=52.3).validation_s() > bare.validation_s()
+
+
 def test_validation_plans_fewer_first_repeats_only_when_the_plans_do_not_fit() -> None:
     """Validation starting late (the budget spent before the search) plans the most first repeats of those
     asked that fit before the end, down to three (the fewest whose interval a user can act on), and says so

@@ -2,10 +2,12 @@
 
 The budget starts when the run starts, so it covers the baseline's measurements (the calibration, the
 unloaded replay, the baseline's capacity searches), the search, validation and the export. Once the baseline
-is measured the plan knows what one capacity search of it costs on one worker, and from that what
-validation's first repeats will cost (each repeat is a search per side, a round of repeats runs one repeat
-per worker; each search there first sets up its config's cache, whose cost the trials measure: the cache's
-build, its graph captures and an unmeasured first replay);
+is measured the plan knows what a capacity search of it costs on one worker, from afar (its first) and near
+its answer (the later ones), and from that what validation's first repeats will cost (each repeat is a
+search per side, a round of repeats runs one repeat per worker; in the first round one side starts from an
+expected capacity, the others near what it found; each search there first sets up its config's cache, whose
+cost the trials measure: the cache's build, its graph captures and a short unmeasured replay; a probe of
+the held-out requests costs in proportion to their output tokens against the search windows');
 the search then starts no trial later than the budget's end less that validation, one more trial (as long
 as the finished ones took), and a margin for the export. The plan is revised as trials finish
 (:meth:`BudgetPlan.observed`). Where less is left when validation starts (the budget was
@@ -50,6 +52,8 @@ class BudgetPlan:
     later: int | None = None
     switch_s: float = 0.0  # setting up another config's cache, which every validation search pays
     trial_s: float | None = None  # a trial's wall as the finished ones took it (None: none finished yet)
+    cold_s: float | None = None  # a search started far from its answer (None: as search_s)
+    scale: float = 1.0  # a validation probe's cost against a search probe's (their output tokens)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.budget_s) and self.budget_s > 0):
@@ -61,12 +65,17 @@ class BudgetPlan:
         return self.started + self.budget_s - EXPORT_S
 
     def validation_s(self, first: int | None = None) -> float:
-        """Validation's first repeats (``first``; None: the plan's), as estimated."""
+        """Validation's first repeats (``first``; None: the plan's), as estimated: in the first round one
+        search per worker from an expected capacity (as far from its answer as the baseline's first, cold
+        search), the other sides and the later rounds near their answers (as the baseline's later
+        searches), each with its config's set-up, every probe at ``scale``."""
         if self.search_s is None:
             return FIXED_RESERVE * self.budget_s
         rounds = math.ceil((self.first if first is None else first) / self.workers)
         later = self.sides if self.later is None else self.later
-        return MARGIN * (self.sides + (rounds - 1) * later) * (self.search_s + self.switch_s)
+        near = self.search_s * self.scale + self.switch_s
+        cold = (self.search_s if self.cold_s is None else self.cold_s) * self.scale + self.switch_s
+        return MARGIN * (cold + (self.sides - 1 + (rounds - 1) * later) * near)
 
     def first_repeats(self, now: float | None = None) -> int:
         """Validation's first repeats when it starts at ``now``: the plan's, or where they do not fit before

@@ -101,12 +101,14 @@ from kvtune.tuner.validation import (
     SearchRun,
     best_trial,
     median_or,
+    probe_scale,
     repeat_to_interval,
     run_searches,
     search_line,
     ties,
     validate,
     validate_capacity,
+    window_prior,
 )
 from kvtune.tuner.worker import TrialWorker
 from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample
@@ -260,7 +262,8 @@ def _run(
     slo, search = _capacity_plan(job, study.user_attrs)
     workload = Workload(windows, time_scale, time_limit_s=job.trial_time_limit_s, slo=slo)
     loop = TrialLoop(study, job.options, pool, workload, suggest, job.bounds, events, knobs, search)
-    plan = _budget_plan(job, study.user_attrs, started, len(pool.actors), bool(space.batched_tokens))
+    scale = probe_scale(windows, job.sample.validation_requests(trace, info.max_context))
+    plan = _budget_plan(job, study.user_attrs, started, len(pool.actors), bool(space.batched_tokens), scale)
     if plan is not None:
         plan = plan.observed(*observed_costs(study))  # a resumed study's trials already measured them
     say(f"baseline done in {phases['baseline_s']:.0f} s" + (f"; {plan.describe()}" if plan else ""))
@@ -350,19 +353,28 @@ def _phase_events(events: Callable[[Event], None] | None) -> Callable[[str], Non
 
 
 def _budget_plan(
-    job: TuneJob, attrs: dict[str, Any], started: float, workers: int, knobs: bool = False
+    job: TuneJob,
+    attrs: dict[str, Any],
+    started: float,
+    workers: int,
+    knobs: bool = False,
+    scale: float = 1.0,
 ) -> BudgetPlan | None:
-    """The split of the time budget (None: no budget), from the baseline's search time when measured.
+    """The split of the time budget (None: no budget), from the baseline's search times when measured.
     ``knobs``: the space searches engine knobs, so validation's baseline may be searched at two in its
     first round (three searches a repeat there, two after it:
-    :func:`~kvtune.tuner.validation.validate_capacity`)."""
+    :func:`~kvtune.tuner.validation.validate_capacity`); ``scale``: a validation probe's cost against a
+    search probe's (:func:`~kvtune.tuner.validation.probe_scale`)."""
     if job.time_budget_s is None:
         return None
     noise = attrs.get(ATTR_NOISE) or {}
     search_s = noise.get("search_s") if job.capacity else None
     sides = (3 if knobs else 2) if job.capacity else 1
     later = 2 if job.capacity else 1
-    return BudgetPlan(job.time_budget_s, started, search_s, sides, job.repeats, workers, later)
+    return BudgetPlan(
+        job.time_budget_s, started, search_s, sides, job.repeats, workers, later,
+        cold_s=noise.get("cold_search_s") if job.capacity else None, scale=scale,
+    )  # fmt: skip
 
 
 def capacity_warnings(attrs: dict[str, Any], capacities: Sequence[float] = ()) -> tuple[str, ...]:
@@ -709,7 +721,11 @@ def _validate(
     if job.capacity:
         attrs = study.user_attrs
         noise = attrs[ATTR_NOISE]
-        starts = (best.values[0] or noise["median"] or noise["start"], noise["median"] or noise["start"])
+        # the first searches start at the study's capacities × what the held-out requests are expected to
+        # carry against the search's
+        prior = window_prior(job.sample.search_windows(trace, info.max_context), requests)
+        study_at = (best.values[0] or noise["median"] or noise["start"], noise["median"] or noise["start"])
+        starts = (study_at[0] * prior, study_at[1] * prior)
         alternative = None  # the baseline at the default knobs too, where they differ
         if base_engine is not None and space is not None:
             default = space.knobs_for(config.unquantized(), *_default_knobs(space))
@@ -741,7 +757,7 @@ def _validate(
             measured[1].extend(u)
             return b, u
 
-        extra |= {"slo": attrs[ATTR_SLO], "noise": noise, "max_rate": top,
+        extra |= {"slo": attrs[ATTR_SLO], "noise": noise, "max_rate": top, "prior": prior,
                   "ties": ties(study, best, float(noise.get("threshold", 0.0)))}  # fmt: skip
     else:
         measure = lambda k, first: validate(

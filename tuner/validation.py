@@ -307,8 +307,9 @@ def validate_capacity(
     each searched ``repeats`` times on ``requests``: the metrics at each capacity found, with the ``worker``
     that ran the repeat and the ``engine`` knobs. Every search starts near a capacity already measured
     (:func:`~kvtune.tuner.capacity.near_search`): the first round's (one repeat per worker) at ``starts`` =
-    (best's, baseline's) capacities in the study, the later repeats at the median of what the first round
-    found on these requests.
+    (best's, baseline's) expected capacities on these requests (the caller's: the study's × the
+    :func:`window_prior`), the baseline at the study's own knobs first and the other sides from where its
+    search moved; the later repeats at the median of what the first round found on these requests.
 
     ``alternative``: other engine knobs for the baseline than ``knobs[1]`` (the space's defaults), searched
     too in the first round; the baseline's side of a repeat there is the higher of its two capacities (its
@@ -334,31 +335,30 @@ def validate_capacity(
         indices: Sequence[int], round_sides: Sequence[Side], shifted: bool = False
     ) -> list[list[SearchRun]]:
         """One repeat per index, each side's whole search after another (each config's cache serves all
-        its probes); which side goes first rotates from one repeat to the next. ``shifted``: the sides
-        after each repeat's first start where the first's search moved its capacity (:func:`window_shift`)."""
+        its probes); which side goes first rotates from one repeat to the next. ``shifted``: the baseline
+        at the study's own knobs (the last side: its study capacity is the best measured, three searches)
+        first in every repeat, the other sides from where its search moved (:func:`window_shift`)."""
         n = len(round_sides)
         run = lambda r, i, shift=None: SearchRun(
             r % workers, round_sides[i][0], round_sides[i][1], (requests,),
             search(round_sides[i][2] * (shift or 1.0)), shift=shift,
         )  # fmt: skip
-        turn = lambda r, row: row[r % n :] + row[: r % n]
         rows = [[run(r, i) for i in range(n)] for r in indices]
-        if shifted:  # the first of each repeat, then the others from where the first moved
-            leads = [turn(r, row)[0] for r, row in zip(indices, rows)]
-            run_searches(pool, leads, slo, interleave=False, done=done)
-            shift = window_shift([lead.search for lead in leads])
+        lead = n - 1 if shifted else None
+        if lead is not None:
+            run_searches(pool, [row[lead] for row in rows], slo, interleave=False, done=done)
+            shift = window_shift([row[lead].search for row in rows])
             rows = [
-                [row[i] if i == r % n else run(r, i, shift) for i in range(n)]
-                for r, row in zip(indices, rows)
+                [row[i] if i == lead else run(r, i, shift) for i in range(n)] for r, row in zip(indices, rows)
             ]
-        first = 1 if shifted else 0
-        others = [x for r, row in zip(indices, rows) for x in turn(r, row)[first:]]
+        order = lambda r: [(r + j) % n for j in range(n)]
+        others = [row[i] for r, row in zip(indices, rows) for i in order(r) if i != lead]
         run_searches(pool, others, slo, interleave=False, done=done)
         return rows
 
-    # the first round (one repeat per worker) starts at the study's capacities, the sides after each
-    # repeat's first where its search moved (the held-out requests carry more or less than the search's);
-    # the repeats after it start near what that round measured on these requests
+    # the first round (one repeat per worker) starts at ``starts``, the sides after the baseline's where its
+    # search moved (the held-out requests carry more or less than the search's); the repeats after it
+    # start near what that round measured on these requests
     indices = list(range(first, first + repeats))
     runs = round_of(indices[:workers], sides, shifted=first == 0)
     results = [[_result(run) for run in row] for row in runs]
@@ -391,6 +391,35 @@ def search_line(run: SearchRun) -> str:
     knobs = "" if k is None else f" ({k.max_num_seqs} seqs, {k.max_num_batched_tokens} tokens)"
     probes = f"{len(run.probes)} probes, {wall:.0f} s"
     return f"{kind} hot {c.hot_tokens} block {c.block_size}{knobs}: {found}, {probes}"
+
+
+def output_rate(requests: Sequence[Request]) -> float:
+    """Output tokens per second of arrivals at the trace's own rate (0 when the requests span no time)."""
+    span_s = (max(r.arrival_ms for r in requests) - min(r.arrival_ms for r in requests)) / 1000.0
+    return sum(r.output_length for r in requests) / span_s if span_s > 0 else 0.0
+
+
+def window_prior(search: Sequence[Sequence[Request]], held_out: Sequence[Request]) -> float:
+    """What the held-out requests are expected to carry against the search's, before any replay: the
+    search windows' output tokens per second of arrivals over the held-out requests' (1 when either is
+    unknown). A capacity is a multiple of a window's own arrival rate, and where decoding binds a config
+    sustains about the same output tokens/s on either window. On an H200 (Llama-3.1-8B shape, 1 GiB,
+    ``azure_conv_later.csv``) this read 0.728 where the held-out capacities were 0.694 and 0.713 of the
+    study's for the baseline (two runs) and 0.728 for INT8; 0.47 for an INT4 trial whose search-window
+    capacity was the best of four."""
+    ours = [output_rate(w) for w in search if len(w) > 1]
+    theirs = output_rate(held_out) if len(held_out) > 1 else 0.0
+    return statistics.mean(ours) / theirs if ours and min(ours) > 0 and theirs > 0 else 1.0
+
+
+def probe_scale(search: Sequence[Sequence[Request]], held_out: Sequence[Request]) -> float:
+    """What a validation probe costs against a search probe, as their output tokens (a replay's wall is
+    mostly decode iterations): the held-out requests' over all the search windows' (a search probe replays
+    every window), within [0.5, 2]. On an H200 (``azure_conv_later.csv``, 96 requests) 1.59, where the
+    held-out probes took 8.3-9.3 s of wall against the search window's 5-7."""
+    ours = sum(r.output_length for w in search for r in w)
+    theirs = sum(r.output_length for r in held_out)
+    return min(2.0, max(0.5, theirs / ours)) if ours > 0 else 1.0
 
 
 def window_shift(searches: Sequence[CapacitySearch]) -> float:
