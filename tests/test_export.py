@@ -156,6 +156,25 @@ def test_a_gain_is_claimed_only_when_its_interval_excludes_1(ratios: list[float]
     assert ex.gain("tpot_p99", best, base)["verdict"].startswith(said)
 
 
+def test_a_capacity_gains_interval_is_never_narrower_than_the_searches_brackets() -> None:
+    """Three repeats that find the same capacities (a deterministic replay) give a t interval of zero
+    width; the interval then is what the searches' brackets allow (a capacity lies between the rate that
+    passed and the lowest that failed above it), as an H200 validation read: 2.101x, 2.050-2.153."""
+    run = lambda c, hi: {"capacity": c, "search": {"capacity": c, "hi": hi}}
+    best = [run(10.916, 11.186)] * 3
+    base = [run(5.196, 5.324)] * 3
+    g = ex.gain("capacity", best, base)
+    assert g["per_repeat"] == pytest.approx([10.916 / 5.196] * 3)
+    assert g["resolution"] == pytest.approx([10.916 / 5.324, 11.186 / 5.196])
+    assert g["interval95"] == pytest.approx(g["resolution"]) and g["verdict"].startswith("better")
+    spread = [run(c, c * 1.025) for c in (10.0, 14.0, 12.0)]  # repeats wider than the brackets
+    wide = ex.gain("capacity", spread, [run(5.0, 5.125)] * 3)
+    assert wide["interval95"] == pytest.approx(ex.interval95(wide["per_repeat"]))  # wider: as it was
+    open_ended = [{"capacity": 10.0, "search": {"capacity": 10.0, "hi": None}}] * 3
+    assert "resolution" not in ex.gain("capacity", open_ended, base)
+    assert "resolution" not in ex.gain("tpot_p99", [{"tpot_p99_ms": 1.0}] * 3, [{"tpot_p99_ms": 2.0}] * 3)
+
+
 def test_a_capacity_of_0_in_a_repeat_is_a_loss_not_a_crash() -> None:
     """The best config's held-out search passed no rate in a repeat: its ratio is 0, which has no log, so
     no interval; the verdict names the repeats, and the preset recommends the baseline."""

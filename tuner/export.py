@@ -285,17 +285,42 @@ def paired_gain(
         side = "the baseline's" if direction == "maximize" else "the preset's"
         return {"metric": metric, "ratio": None, "why": f"{side} {metric} is 0 in a repeat"}
     ratios = [u / b for b, u in pairs]
-    return {
+    resolution = bracket_resolution(best, baseline) if metric == "capacity" else None
+    ci = interval95(ratios)
+    if ci is not None and resolution is not None:  # no narrower than the searches resolve
+        ci = [min(ci[0], resolution[0]), max(ci[1], resolution[1])]
+    out = {
         "metric": metric,
         "ratio": statistics.median(ratios),
         "range": [min(ratios), max(ratios)],
         "per_repeat": ratios,
-        "interval95": interval95(ratios),
-        "verdict": SAME_CONFIG if same_config else verdict(ratios),
+        "interval95": ci,
+        "verdict": SAME_CONFIG if same_config else verdict(ratios, ci),
         "meaning": "per repeat (both configs replayed back to back): baseline / preset for latencies, "
-        "preset / baseline for throughput; ratio is their median, interval95 a t interval on their logs; "
-        "> 1 is a gain",
+        "preset / baseline for throughput; ratio is their median, interval95 a t interval on their logs"
+        + (", widened to what the capacity searches' brackets resolve (resolution)" if resolution else "")
+        + "; > 1 is a gain",
     }
+    return out | ({"resolution": resolution} if resolution is not None else {})
+
+
+def bracket_resolution(
+    best: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]]
+) -> list[float] | None:
+    """The capacity gain the searches' brackets allow: a capacity found lies between the highest rate
+    that passed and the lowest that failed above it (``search`` ``capacity`` and ``hi``), so a repeat's
+    gain lies between best / the baseline's top and the best's top / baseline; the median repeat's bounds.
+    Repeats that find the same capacities (a deterministic replay) give a t interval of zero width, which
+    these bounds keep from claiming more than the searches' granularity. None when a bracket is open."""
+    lows, highs = [], []
+    for b, u in zip(best, baseline, strict=True):
+        sb, su = b.get("search") or {}, u.get("search") or {}
+        bounds = (sb.get("capacity"), sb.get("hi"), su.get("capacity"), su.get("hi"))
+        if not all(isinstance(x, int | float) and x > 0 for x in bounds):
+            return None
+        lows.append(float(sb["capacity"]) / float(su["hi"]))
+        highs.append(float(sb["hi"]) / float(su["capacity"]))
+    return [statistics.median(lows), statistics.median(highs)] if lows else None
 
 
 # Student's t, 97.5th percentile, by degrees of freedom (a two-sided 95 % interval); beyond 30, 1.96 is used
@@ -326,15 +351,15 @@ def interval_text(g: Mapping[str, Any], spec: str) -> str:
     return f"{what} {lo:{spec}}-{hi:{spec}}"
 
 
-def verdict(ratios: Sequence[float]) -> str:
-    """What the repeats support: a gain or a loss only when the 95 % interval of the ratio excludes 1; a
-    preset that scored 0 in a repeat (a capacity search on the held-out window that passed no rate) shows no
-    gain, and a loss when that holds its median ratio below 1."""
+def verdict(ratios: Sequence[float], ci: Sequence[float] | None = None) -> str:
+    """What the repeats support: a gain or a loss only when the 95 % interval of the ratio (``ci``; None:
+    :func:`interval95`'s) excludes 1; a preset that scored 0 in a repeat (a capacity search on the held-out
+    window that passed no rate) shows no gain, and a loss when that holds its median ratio below 1."""
     zeros = sum(1 for r in ratios if r <= 0)
     if zeros:
         said = f"the preset scored 0 in {zeros} of {len(ratios)} repeats"
         return f"worse: {said}" if statistics.median(ratios) < 1.0 else f"no gain shown: {said}"
-    ci = interval95(ratios)
+    ci = interval95(ratios) if ci is None else ci
     if ci is None:
         return "one repeat: no verdict"
     if ci[0] > 1.0:
