@@ -430,6 +430,8 @@ class Engine:
                     cache=cache, graphs=graphs, settings=settings,
                 )  # fmt: skip
             cache.reset()
+            if graphs is not None:
+                graphs.restart()
             run = self._run(
                 fitted, time_scale, progress, deadline=deadline, stop=stop, cache=cache, graphs=graphs,
                 settings=settings,

@@ -229,6 +229,13 @@ class DecodeGraphs:
         ready.record()
         return host, ready
 
+    def restart(self) -> None:
+        """A new replay on these graphs: its steps count from 0, so the same steps of every replay are timed.
+        A timed step runs alone (it lands at once, :meth:`Engine._static_decode`), which frees what it
+        finished an iteration earlier than a step kept in flight: counted on from the replay before, the
+        timed steps fell elsewhere in each repeat and moved admissions and preemptions between repeats."""
+        self._replays = 0
+
     def timing_next(self) -> bool:
         """Whether the next step's attention will be timed (every ``timing_every``-th step)."""
         return self._timed_now()
