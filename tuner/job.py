@@ -41,7 +41,7 @@ from optuna.trial import TrialState
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.options import WARMUP_REQUESTS
-from kvtune.engine.traces import Request, Trace, TraceFile
+from kvtune.engine.traces import Request, TraceFile
 from kvtune.search_spaces.cards import Card, match_card
 from kvtune.search_spaces.space import SearchSpace, WorkloadStats
 from kvtune.studies import names
@@ -262,7 +262,8 @@ def _run(
     slo, search = _capacity_plan(job, study.user_attrs)
     workload = Workload(windows, time_scale, time_limit_s=job.trial_time_limit_s, slo=slo)
     loop = TrialLoop(study, job.options, pool, workload, suggest, job.bounds, events, knobs, search)
-    scale = probe_scale(windows, job.sample.validation_requests(trace, info.max_context))
+    held_out = job.sample.validation_requests(trace, info.max_context)
+    scale = probe_scale(windows, held_out)
     plan = _budget_plan(job, study.user_attrs, started, len(pool.actors), bool(space.batched_tokens), scale)
     if plan is not None:
         plan = plan.observed(*observed_costs(study))  # a resumed study's trials already measured them
@@ -292,7 +293,9 @@ def _run(
     if finished >= job.trials or (cut_short and finished > 0):
         say(f"search done: {finished} trials in {phases['search_s']:.0f} s"
             + (f"; {plan.describe()}" if plan else ""))  # fmt: skip
-        validation = _validate(job, study, pool, trace, info, time_scale, finished, space, plan, say)
+        validation = _validate(
+            job, study, pool, (windows, held_out), info, time_scale, finished, space, plan, say
+        )
         if validation is not None:
             if plan is not None:
                 phases["validation_s"] = time.monotonic() - started - sum(phases.values())
@@ -689,7 +692,7 @@ def _validate(
     job: TuneJob,
     study: optuna.Study,
     pool: WorkerPool,
-    trace: Trace | TraceFile,
+    samples: tuple[tuple[tuple[Request, ...], ...], tuple[Request, ...]],
     info: WorkerInfo,
     time_scale: float,
     finished: int,
@@ -703,12 +706,12 @@ def _validate(
     of them fits in the time ``budget`` (:func:`~kvtune.tuner.validation.repeat_to_interval`).
     The baseline runs with the best trial's engine knobs resolved for it (the same batched tokens and
     factor of what its budget holds), so the gain is the cache's; on capacity it also runs with the space's
-    default knobs, and each repeat takes the better of its two capacities. ``say``: a console line as
-    each capacity search ends."""
+    default knobs, and each repeat takes the better of its two capacities. ``samples``: the search windows
+    and the held-out requests; ``say``: a console line as each capacity search ends."""
     best = best_trial(study, job.options)
     if best is None:
         return None
-    requests = job.sample.validation_requests(trace, info.max_context)
+    windows, requests = samples
     config = HybridConfig.from_dict(best.user_attrs[names.ATTR_CONFIG])
     engine = best.user_attrs.get(ATTR_ENGINE)
     base_engine = None
@@ -723,7 +726,7 @@ def _validate(
         noise = attrs[ATTR_NOISE]
         # the first searches start at the study's capacities × what the held-out requests are expected to
         # carry against the search's
-        prior = window_prior(job.sample.search_windows(trace, info.max_context), requests)
+        prior = window_prior(windows, requests)
         study_at = (best.values[0] or noise["median"] or noise["start"], noise["median"] or noise["start"])
         starts = (study_at[0] * prior, study_at[1] * prior)
         alternative = None  # the baseline at the default knobs too, where they differ

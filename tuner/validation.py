@@ -426,7 +426,8 @@ def window_shift(searches: Sequence[CapacitySearch]) -> float:
     """How much more (or less) the held-out requests carry than the search's: the median over
     ``searches`` (each started at its config's capacity in the study) of capacity found ÷ start, over
     those that converged to a capacity; 1 when none did. Validation starts each other config's first
-    search at its study capacity × this: on an H200 (Llama-3.1-8B shape, 1 GiB, an unseen Azure window)
+    search at its expected capacity × this (the baseline's search corrects the :func:`window_prior`): on an
+    H200, with starts at the study's capacities, (Llama-3.1-8B shape, 1 GiB, an unseen Azure window)
     the held-out requests carried 27 % and 31 % less than the search's for INT8 and the baseline, and
     searches started at the study's capacities took 7 and 9 probes where the later repeats, started near,
     took 3."""

@@ -14,7 +14,7 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,11 @@ UNLOADED_REPEATS = 3  # measured after one unmeasured replay; the median P99 TTF
 # A new cache's priming replay cuts outputs to this many tokens: every prompt's shapes and the largest batch,
 # at a third to a half of a whole replay's wall (H200, 96 requests: 2.6-3.8 s against 4.8-8.4 s).
 PRIME_OUTPUT_TOKENS = 16
+
+
+def outputs_cut(requests: Sequence[Request], tokens: int) -> tuple[Request, ...]:
+    """``requests`` with their outputs cut to at most ``tokens`` tokens."""
+    return tuple(dataclasses.replace(r, output_length=min(r.output_length, tokens)) for r in requests)
 
 
 def trial_deadline(limit_s: float | None, what: str) -> Deadline | None:
@@ -218,8 +223,7 @@ class TrialWorker:
         reach are captured in the measured replay, outside its clock (on an H200 the first whole replay
         on a new cache after a short prime read the clock of a repeat within 1.6 %)."""
         if not replayer.keeps_cache_for(config, requests):
-            cut = lambda r: dataclasses.replace(r, output_length=min(r.output_length, PRIME_OUTPUT_TOKENS))
-            short = tuple(cut(r) for r in requests)
+            short = outputs_cut(requests, PRIME_OUTPUT_TOKENS)
             replayer.replay(config, short, 0.0, warmup=warmup, deadline=deadline, settings_from=requests)
 
     def probe_config(
@@ -290,8 +294,7 @@ class TrialWorker:
         limits, five times that P99, move with each draw (`--slo-ttft-ms` holds them). A prompt served alone
         runs op by op and is launch-bound (host launch time over device time 0.99-1.00, at any SM clock):
         the host's speed is what moves it."""
-        cut = lambda r: dataclasses.replace(r, output_length=min(r.output_length, UNLOADED_OUTPUT_TOKENS))
-        short = tuple(cut(r) for r in requests)
+        short = outputs_cut(requests, UNLOADED_OUTPUT_TOKENS)
         first = self.replay(config, short, UNLOADED_TIME_SCALE, warmup)
         runs = [self.replay(config, short, UNLOADED_TIME_SCALE, warmup) for _ in range(UNLOADED_REPEATS)]
         p99 = [r.get("ttft_p99_ms") for r in runs]

@@ -29,7 +29,7 @@ from kvtune.engine.options import WARMUP_REQUESTS
 from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.engine.traces import LengthPolicy, read_trace
 from kvtune.studies.names import CAPACITY_CLOCK
-from kvtune.tuner.worker import local_worker
+from kvtune.tuner.worker import local_worker, outputs_cut
 from kvtune.tuner.workload import rebase
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def timed(config: HybridConfig, reqs: tuple[Any, ...], label: str, profile: bool
     return d | {"wall_s": wall}
 
 
-short = tuple(dataclasses.replace(r, output_length=min(r.output_length, args.cut)) for r in requests)
+short = outputs_cut(requests, args.cut)
 for i, (name, config) in enumerate(configs.items()):
     print(name)
     replayer.release()
