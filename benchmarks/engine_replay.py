@@ -177,7 +177,8 @@ def main() -> None:
 def _profile(
     engine: Any, requests: Any, args: argparse.Namespace, out: Path, unprofiled_wall_s: float | None
 ) -> None:
-    """One replay under the PyTorch profiler: the 30 kernels with the most device time, and the sum of all
+    """One replay under the PyTorch profiler: the 30 kernels with the most device time (and on a GPU the 30
+    host operations with the most CPU time of their own: where the host waits), and the sum of all
     kernels against the replay's wall time (the rest is the device waiting for the host), profiled and, since
     the profiler slows the host but not the kernels, against the median wall of the unprofiled repeats (the
     device's kernel-busy share as the replay runs)."""
@@ -194,7 +195,11 @@ def _profile(
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_s = sum(e.device_time for e in kernels) / 1e6
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
+    averages = prof.key_averages()
+    table = averages.table(sort_by=sort, row_limit=30, max_name_column_width=70)
+    if cuda:  # the host's side: where it waits on the device (synchronisations, copies to the host)
+        host = averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+        table += "\nthe host's operations by their own CPU time:\n" + host
     head = (
         f"{engine.config.to_json(None)}\nprofiled replay: {wall_s:.2f} s wall, {m.tokens_per_s:.1f} tok/s, "
         f"kernels {busy_s:.2f} s of device time ({100 * busy_s / wall_s:.1f} % of the wall), "

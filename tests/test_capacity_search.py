@@ -706,8 +706,43 @@ def test_the_prior_and_the_probe_scale_come_from_the_windows_output_tokens() -> 
     assert window_prior(search, held) == pytest.approx(330 / 247.5)
     assert window_prior(search * 2, held) == pytest.approx(330 / 247.5)  # the windows' mean rate
     assert window_prior(search, window(11, 0.0, 45)) == 1.0  # a burst spans no time: no prior
-    assert probe_scale(search, held) == pytest.approx(1.5) and probe_scale(search * 2, held) == 0.75
-    assert probe_scale(search, window(11, 1.0, 300)) == 2.0 and probe_scale(search, window(11, 1.0, 1)) == 0.5
+    assert probe_scale(search, held) == pytest.approx(1.5**0.5)
+    assert probe_scale(search * 2, held) == pytest.approx(0.75**0.5)
+    assert probe_scale(search, window(11, 1.0, 3000)) == 2.0
+    assert probe_scale(search, window(11, 1.0, 1)) == 0.5
+
+
+def test_validation_plans_the_baselines_default_knobs_only_where_the_best_trials_differ() -> None:
+    """The budget plans a capacity validation's first repeat from the best trial so far: two searches (the
+    best config, the baseline at its knobs), three where the space's default knobs resolve otherwise for the
+    baseline (searched too); none known before a trial is."""
+    import torch
+
+    from kvtune.cache_impl.layout import ModelKVShape
+    from kvtune.search_spaces.cards import resolve_gpu
+    from kvtune.search_spaces.space import SearchSpace, WorkloadStats
+    from kvtune.tuner.job import baseline_engines, validation_sides
+
+    shape = ModelKVShape(32, 8, 128, 32, torch.bfloat16)
+    stats = WorkloadStats(4096, 2048, 99.0, 1, mean_length=1140)
+    space = SearchSpace.build(resolve_gpu("h200"), "m", shape, stats, False, kv_budget_bytes=4 << 30)
+    config = HybridConfig("hybrid_v2", 32, 64, 4)
+
+    def trial(tokens: int, factor: float) -> optuna.trial.FrozenTrial:
+        engine = space.knobs_for(config, tokens, factor)
+        attrs = {"kvtune.config": config.to_dict(), "kvtune.engine": engine}
+        return optuna.trial.create_trial(value=3.0, user_attrs=attrs)
+
+    default = trial(8192, 1.0)
+    own, other = baseline_engines(default, space)
+    assert own == space.knobs_for(config.unquantized(), 8192, 1.0) and other is None
+    assert validation_sides(default, space) == 2
+    own, other = baseline_engines(trial(2048, 2.0), space)
+    assert own["max_num_batched_tokens"] == 2048 and other == space.knobs_for(config.unquantized(), 8192, 1.0)
+    assert validation_sides(trial(2048, 2.0), space) == 3
+    assert validation_sides(None, space) is None
+    no_knobs = SearchSpace.build(resolve_gpu("h200"), "m", shape, stats, False, 4 << 30, knobs=False)
+    assert validation_sides(trial(2048, 2.0), no_knobs) == 2
 
 
 def test_the_held_out_shift_is_the_median_found_over_start_of_converged_searches() -> None:

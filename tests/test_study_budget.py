@@ -4,6 +4,7 @@ within it and says in its preset what the budget cut (the Ray session of ``tests
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -56,6 +57,18 @@ def test_validations_first_search_is_planned_from_afar_and_every_probe_at_the_he
     assert 339.0 < plan.validation_s() < 1.25 * 1.25 * 339.0
     bare = BudgetPlan(540.0, 0.0, 16.7)
     assert BudgetPlan(540.0, 0.0, 16.7, cold_s=52.3).validation_s() > bare.validation_s()
+
+
+def test_validation_planned_from_a_prior_start_and_two_sides_stays_above_what_it_took() -> None:
+    """An H200 study (run 32b) whose best trial's knobs were the defaults: two searches a repeat; cold 50.0
+    s, near 18.7, set-up 3.4, held-out output tokens 1.59x (a probe at their root, 1.26x); validation took
+    178 s, which the plan with three sides and the tokens' full ratio had put at 352 s."""
+    plan = BudgetPlan(570.0, 0.0, 18.7, sides=2, first=3, workers=1, later=2, cold_s=50.0, scale=1.59**0.5)
+    plan = plan.observed(switch_s=3.4, trial_s=57.0)
+    assert 178.0 < plan.validation_s() < 1.5 * 178.0
+    old = dataclasses.replace(plan, sides=3, scale=1.59)
+    assert old.validation_s() == pytest.approx(352.0, rel=0.01)
+    assert plan.search_deadline() - old.search_deadline() > 90.0  # one trial or two more
 
 
 def test_validation_plans_fewer_first_repeats_only_when_the_plans_do_not_fit() -> None:

@@ -275,6 +275,9 @@ def _run(
         if plan is None:
             return None
         plan = plan.observed(*observed_costs(study))
+        if job.capacity:  # the searches validation's first repeat needs for the best so far
+            sides = validation_sides(best_trial(study, job.options), space)
+            plan = dataclasses.replace(plan, sides=plan.sides if sides is None else sides)
         return plan.search_deadline()
 
     loop.run(job.trials, deadline)
@@ -607,6 +610,29 @@ def _baseline_engines(runs: list[dict[str, Any]], engines: list[dict[str, Any]])
     return {"baseline_engine": engines[chosen], "baseline_engines": listed}
 
 
+def baseline_engines(
+    best: optuna.trial.FrozenTrial, space: SearchSpace | None
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The engine knobs validation runs the baseline of ``best`` at: the best trial's batched tokens and
+    factor resolved for the unquantized cache, and the space's default knobs where they resolve otherwise
+    (None: not searched)."""
+    engine = best.user_attrs.get(ATTR_ENGINE)
+    if engine is None or space is None or not space.batched_tokens:
+        return None, None
+    base = HybridConfig.from_dict(best.user_attrs[names.ATTR_CONFIG]).unquantized()
+    tokens, factor = int(engine["max_num_batched_tokens"]), float(engine["max_num_seqs_factor"])
+    own = space.knobs_for(base, tokens, factor)
+    default = space.knobs_for(base, *_default_knobs(space))
+    return own, (None if EngineKnobs.from_dict(default) == EngineKnobs.from_dict(own) else default)
+
+
+def validation_sides(best: optuna.trial.FrozenTrial | None, space: SearchSpace | None) -> int | None:
+    """The searches of a capacity validation's first repeat if ``best`` were validated: the best config
+    and the baseline at its knobs, and the baseline at the default knobs where those differ (None: no best
+    yet, so not known)."""
+    return None if best is None else 2 + (baseline_engines(best, space)[1] is not None)
+
+
 def _default_knobs(space: SearchSpace) -> tuple[int, float]:
     params = space.knob_params()
     return int(params["max_num_batched_tokens"]), float(params["max_num_seqs_factor"])
@@ -714,10 +740,7 @@ def _validate(
     windows, requests = samples
     config = HybridConfig.from_dict(best.user_attrs[names.ATTR_CONFIG])
     engine = best.user_attrs.get(ATTR_ENGINE)
-    base_engine = None
-    if engine is not None and space is not None and space.batched_tokens:
-        tokens, factor = int(engine["max_num_batched_tokens"]), float(engine["max_num_seqs_factor"])
-        base_engine = space.knobs_for(config.unquantized(), tokens, factor)
+    base_engine, default = baseline_engines(best, space)
     knobs = tuple(EngineKnobs.from_dict(e) if e is not None else None for e in (engine, base_engine))
     extra: dict[str, Any] = {"engine": engine, "baseline_engine": base_engine}
     engines: list[dict[str, Any]] = []
@@ -730,10 +753,8 @@ def _validate(
         study_at = (best.values[0] or noise["median"] or noise["start"], noise["median"] or noise["start"])
         starts = (study_at[0] * prior, study_at[1] * prior)
         alternative = None  # the baseline at the default knobs too, where they differ
-        if base_engine is not None and space is not None:
-            default = space.knobs_for(config.unquantized(), *_default_knobs(space))
-            if EngineKnobs.from_dict(default) != knobs[1]:
-                alternative, engines = EngineKnobs.from_dict(default), [base_engine, default]
+        if base_engine is not None and default is not None:
+            alternative, engines = EngineKnobs.from_dict(default), [base_engine, default]
         top = saturation_rate((requests,), attrs[ATTR_SLO])  # the held-out window's own
         slo, granularity = Slo.from_record(attrs[ATTR_SLO]), float(noise["granularity"])
         measured: list[list[dict[str, Any]]] = [[], []]  # both sides' repeats so far

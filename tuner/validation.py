@@ -413,13 +413,14 @@ def window_prior(search: Sequence[Sequence[Request]], held_out: Sequence[Request
 
 
 def probe_scale(search: Sequence[Sequence[Request]], held_out: Sequence[Request]) -> float:
-    """What a validation probe costs against a search probe, as their output tokens (a replay's wall is
-    mostly decode iterations): the held-out requests' over all the search windows' (a search probe replays
-    every window), within [0.5, 2]. On an H200 (``azure_conv_later.csv``, 96 requests) 1.59, where the
-    held-out probes took 8.3-9.3 s of wall against the search window's 5-7."""
+    """What a validation probe costs against a search probe: the square root of their output tokens' ratio
+    (the held-out requests' over all the search windows': a search probe replays every window), within
+    [0.5, 2]. A probe's wall grows less than its decode iterations: on an H200 (``azure_conv_later.csv``,
+    96 requests, output tokens 1.59×) the held-out probes near a capacity took 1.12× and 1.34× the wall of
+    the search window's near the baseline's (two runs), and the root reads 1.26."""
     ours = sum(r.output_length for w in search for r in w)
     theirs = sum(r.output_length for r in held_out)
-    return min(2.0, max(0.5, theirs / ours)) if ours > 0 else 1.0
+    return min(2.0, max(0.5, math.sqrt(theirs / ours))) if ours > 0 else 1.0
 
 
 def window_shift(searches: Sequence[CapacitySearch]) -> float:
