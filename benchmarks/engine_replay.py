@@ -90,6 +90,12 @@ def _args() -> argparse.Namespace:
         help="the repeats' clock: wall, device, or both comma-separated (each gets --repeats)",
     )
     p.add_argument("--profile", type=Path, default=None, help="folder: one more replay profiled per config")
+    p.add_argument(
+        "--profile-stacks",
+        action="store_true",
+        help="with --profile: record Python stacks and list the host's waits (synchronisations, copies to "
+        "the host) by where they are called",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -174,6 +180,10 @@ def main() -> None:
         print(f"  --versus {args.versus}: no such file (the other run did not finish): no ratio")
 
 
+# the host waiting on the device: synchronisations and copies to the host (which wait for the stream)
+HOST_WAITS = ("cudaEventSynchronize", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
 def _profile(
     engine: Any, requests: Any, args: argparse.Namespace, out: Path, unprofiled_wall_s: float | None
 ) -> None:
@@ -182,12 +192,14 @@ def _profile(
     kernels against the replay's wall time (the rest is the device waiting for the host), profiled and, since
     the profiler slows the host but not the kernels, against the median wall of the unprofiled repeats (the
     device's kernel-busy share as the replay runs)."""
+    from torch._C._profiler import _ExperimentalConfig  # verbose: Python stacks on every operation
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    verbose = _ExperimentalConfig(verbose=True) if args.profile_stacks else None
+    with profile(activities=activities, with_stack=args.profile_stacks, experimental_config=verbose) as prof:
         m = engine.replay(requests, args.time_scale, warmup_requests=WARMUP_REQUESTS)
         if cuda:
             torch.cuda.synchronize(engine.device)
@@ -200,6 +212,22 @@ def _profile(
     if cuda:  # the host's side: where it waits on the device (synchronisations, copies to the host)
         host = averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
         table += "\nthe host's operations by their own CPU time:\n" + host
+    if args.profile_stacks:  # where the host waits: each wait's nearest caller with a Python stack
+        waits: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+        for e in prof.events():
+            if e.name not in HOST_WAITS:
+                continue
+            caller = e
+            while caller is not None and not caller.stack:
+                caller = caller.cpu_parent
+            key = (e.name, tuple(caller.stack[:8]) if caller is not None else ("(no Python caller)",))
+            waits.setdefault(key, []).append(e.self_cpu_time_total)
+        top = sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:20]
+        lines = [
+            f"{name}: {len(t)} calls, {sum(t) / 1e3:.1f} ms\n    " + "\n    ".join(stack)
+            for (name, stack), t in top
+        ]
+        table += "\nthe host's waits by where they are called:\n" + ("\n".join(lines) or "none") + "\n"
     head = (
         f"{engine.config.to_json(None)}\nprofiled replay: {wall_s:.2f} s wall, {m.tokens_per_s:.1f} tok/s, "
         f"kernels {busy_s:.2f} s of device time ({100 * busy_s / wall_s:.1f} % of the wall), "
