@@ -21,6 +21,7 @@ from kvtune.studies.names import ATTR_NOISE, ATTR_PROBES, ATTR_SLO
 from kvtune.studies.study import StudyOptions
 from kvtune.tuner import cli
 from kvtune.tuner.capacity import (
+    CONCURRENCY_EXPONENT,
     EXPAND,
     NEAR_EXPAND,
     CapacitySearch,
@@ -31,6 +32,7 @@ from kvtune.tuner.capacity import (
     near_search,
     noise_record,
     pass_rate_estimate,
+    predicted_start,
     probe_passes,
     should_prune,
     violations_to_fail,
@@ -96,6 +98,30 @@ def test_a_search_started_near_its_answer_steps_by_five_percent_then_more(truth:
         assert len(near.probes) <= 3
     assert near.to_dict()["expand"] == NEAR_EXPAND and near.to_dict()["escalate"] is True
     assert "expand" not in cold.to_dict() and "escalate" not in cold.to_dict()
+
+
+def test_a_trial_starts_where_its_sequences_against_the_baselines_predict() -> None:
+    """A trial's search starts at the baseline's capacity x (its max_num_seqs / the baseline's) ** 0.75 by
+    near steps, and warm_start still starts it at the best capacity so far where that is higher. An H200
+    study's first trial (run 32d: INT8 at 31 sequences against 19, baseline 7.24x, capacity 10.02x) took 7
+    probes from the baseline's capacity; from the prediction the same answer takes 3."""
+    from kvtune.tuner.capacity import warm_start
+
+    base = CapacitySearch(7.24, granularity=0.025)
+    started = predicted_start(base, 31, 19)
+    assert started.start == pytest.approx(7.24 * (31 / 19) ** 0.75) and started.escalate
+    assert started.expand == NEAR_EXPAND and started.granularity == base.granularity
+    predicted, _ = search_to_end(started, 10.02)
+    plain, _ = search_to_end(base, 10.02)
+    assert len(plain.probes) == 7 and len(predicted.probes) <= 3 and predicted.converged
+    assert predicted.lo is not None and predicted.lo <= 10.02 < predicted.hi
+    fewer = predicted_start(base, 10, 19)  # a factor of 0.5: fewer sequences, a lower start
+    assert fewer.start < base.start and search_to_end(fewer, 5.0)[0].converged
+    assert predicted_start(base, None, 19) is base and predicted_start(base, 31, None) is base
+    assert warm_start(started, 9.0) is started  # the prediction above the best: kept
+    below = warm_start(started, 12.0, noise=0.025)
+    assert below.start == 12.0 and below.step_down == pytest.approx(12.0 * 0.975)
+    assert CONCURRENCY_EXPONENT == 0.75
 
 
 def test_a_plain_search_keeps_its_step() -> None:
@@ -467,13 +493,15 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
         passed = any(p["passed"] for p in t.user_attrs[ATTR_PROBES])
         assert bool(steps) == passed  # a trial pruned before any probe passed has no value, not 0
         assert t.state == TrialState.COMPLETE or (t.values is not None) == passed
-        # warm start: the baseline's capacity, or the capacity of a trial completed before this one started
+        # the start: the baseline's capacity x the trial's sequences against the baseline's to the 0.75, or
+        # the capacity of a trial completed before this one started where higher
         first = t.user_attrs[ATTR_PROBES][0]["rate"]
         earlier = [d.values[0] for d in complete if d.datetime_complete <= t.datetime_start]
-        assert first >= noise["median"] * (1 - 1e-9) and all(
-            p["rate"] <= top for p in t.user_attrs[ATTR_PROBES]
-        )
-        assert any(first == pytest.approx(c) for c in [noise["median"], *earlier]), (first, earlier)
+        seqs = t.user_attrs["kvtune.engine"]["max_num_seqs"] / noise["engine"]["max_num_seqs"]
+        predicted = noise["median"] * seqs**CONCURRENCY_EXPONENT
+        assert all(p["rate"] <= top for p in t.user_attrs[ATTR_PROBES])
+        assert any(first == pytest.approx(c) for c in [predicted, *earlier]), (first, predicted, earlier)
+        assert first >= predicted * (1 - 1e-9)
         assert set(t.user_attrs["kvtune.engine"]) >= {"max_num_batched_tokens", "max_num_seqs"}
     for t in study.get_trials(states=(TrialState.COMPLETE,)):
         assert t.values[0] == t.user_attrs["kvtune.metrics"]["capacity"]

@@ -6,8 +6,9 @@ After each window the driver reports that window's objective and may prune (sing
 Pareto mode never prunes). Quality is a constraint, measured once per config and reused.
 
 With the capacity objective a trial is ``configure → probe(rate)... → finish → quality``: the driver holds
-the trial's :class:`~kvtune.tuner.capacity.CapacitySearch` (warm-started at the baseline's capacity, or at
-the best feasible capacity so far when higher: :func:`~kvtune.tuner.capacity.warm_start`), asks
+the trial's :class:`~kvtune.tuner.capacity.CapacitySearch` (started where the trial's ``max_num_seqs``
+against the baseline's predicts from the baseline's capacity, :func:`~kvtune.tuner.capacity.predicted_start`,
+or at the best feasible capacity so far when higher: :func:`~kvtune.tuner.capacity.warm_start`), asks
 it for each rate, reports the capacity found so far (the highest passing rate, which only grows) after each
 probe, and prunes the trial as soon as it failed at a rate below the best capacity of the study's feasible
 trials by more than the study's measured noise (:func:`~kvtune.tuner.capacity.should_prune`): it can
@@ -77,7 +78,7 @@ from kvtune.studies.names import (
 )
 from kvtune.studies.records import finite
 from kvtune.studies.study import OBJECTIVES, PENALTY, StudyOptions, enqueue_rerun, finished_trials
-from kvtune.tuner.capacity import CapacitySearch, probe_summary, should_prune, warm_start
+from kvtune.tuner.capacity import CapacitySearch, predicted_start, probe_summary, should_prune, warm_start
 from kvtune.tuner.pool import WorkerPool, _last_line
 from kvtune.tuner.protocol import Call, EngineKnobs, TrialResult, WorkerInfo, Workload, next_call
 from kvtune.tuner.validation import feasible
@@ -189,6 +190,8 @@ class TrialLoop:
         self._current: _Running | None = None
         # capacity: a trial is pruned only below the best by more than the study's measured noise
         self.noise = float((study.user_attrs.get(ATTR_NOISE) or {}).get("threshold", 0.0))
+        # ... and starts where its max_num_seqs against the baseline's predicts (None: no knobs searched)
+        self.base_seqs = ((study.user_attrs.get(ATTR_NOISE) or {}).get("engine") or {}).get("max_num_seqs")
 
     # ---- the loop ------------------------------------------------------------------------------------
     def run(self, target: int, deadline: float | Callable[[], float | None] | None = None) -> None:
@@ -234,7 +237,10 @@ class TrialLoop:
             return
         knobs = EngineKnobs.from_dict(engine) if engine is not None else None
         best = self._best_capacity()
-        search = warm_start(self.capacity, best, self.noise) if self.capacity is not None else None
+        search = None
+        if self.capacity is not None:
+            seqs = engine.get("max_num_seqs") if engine is not None else None
+            search = warm_start(predicted_start(self.capacity, seqs, self.base_seqs), best, self.noise)
         run = _Running(trial, config, worker, knobs=knobs, search=search)
         self._submit(run, self.pool.actors[worker].configure.remote(config, self.workload_ref, knobs))
         self.events(Event("start", trial.number, worker, message=_short_config(config)))
