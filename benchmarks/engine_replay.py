@@ -91,6 +91,12 @@ def _args() -> argparse.Namespace:
     )
     p.add_argument("--profile", type=Path, default=None, help="folder: one more replay profiled per config")
     p.add_argument(
+        "--forwards",
+        action="store_true",
+        help="record each op-by-op forward with prompt tokens (device and host launch ms) in --json, and "
+        "print per repeat how many the host's launching bound",
+    )
+    p.add_argument(
         "--profile-stacks",
         action="store_true",
         help="with --profile: record Python stacks and list the host's waits (synchronisations, copies to "
@@ -145,11 +151,15 @@ def main() -> None:
                     runs.insert(0, (args.clocks[0], -1))
                 for clock, i in runs:
                     t0 = time.perf_counter()
+                    forwards: list[dict[str, float]] | None = [] if args.forwards else None
                     with GpuSampler() as sampler:
                         m = engine.with_clock(clock).replay(
-                            requests, args.time_scale, warmup_requests=WARMUP_REQUESTS
+                            requests, args.time_scale, warmup_requests=WARMUP_REQUESTS, forwards=forwards
                         )
                     d = m.to_dict()
+                    if forwards is not None:
+                        d["forwards"] = forwards
+                        print(_forwards_line(forwards), flush=True)
                     d["wall_s"] = time.perf_counter() - t0
                     d["gpu"] = sampler.summary()
                     results.append({"config": path.stem, "budget": label, "budget_bytes": budget,
@@ -178,6 +188,19 @@ def main() -> None:
         _versus_run(results, json.loads(args.versus.read_text())["results"], args.versus.name)
     elif args.versus is not None:
         print(f"  --versus {args.versus}: no such file (the other run did not finish): no ratio")
+
+
+def _forwards_line(forwards: list[dict[str, float]]) -> str:
+    """One line over a replay's op-by-op forwards with prompt tokens: their device and host launch time, and
+    those the host bound (launching took at least 90 % of the forward's device time: the device waited)."""
+    device = sum(f["device_ms"] for f in forwards)
+    launch = sum(f["launch_ms"] for f in forwards)
+    bound = [f for f in forwards if f["launch_ms"] >= 0.9 * f["device_ms"]]
+    bound_ms = sum(f["device_ms"] for f in bound)
+    return (
+        f"    prompt forwards: {len(forwards)}, device {device:.0f} ms, host launch {launch:.0f} ms; "
+        f"host-bound (launch >= 0.9 x device) {len(bound)}: device {bound_ms:.0f} ms"
+    )
 
 
 # the host waiting on the device: synchronisations and copies to the host (which wait for the stream)

@@ -339,6 +339,9 @@ class _Run:
     compiles: CompileWatch = field(default_factory=CompileWatch)  # Triton compilations inside the replay
     compile_mark: float = 0.0  # their milliseconds when the current iteration started
     gate: _Gate | None = None  # the open gates of this iteration (the gated clock)
+    # each op-by-op forward with prompt tokens: its decode rows, prompt tokens and chunks, its device time
+    # (its events, the sleeps between layers out) and the host's time launching it, ms
+    forwards: list[dict[str, float]] = field(default_factory=list)
 
     def stall_ms(self) -> float:
         """Milliseconds of compilation since the current iteration started (then marked again)."""
@@ -391,11 +394,14 @@ class Engine:
         stop: Stop | None = None,
         timings: list[RequestTiming] | None = None,
         settings_from: Sequence[Request] | None = None,
+        forwards: list[dict[str, float]] | None = None,
     ) -> ReplayMetrics:
         """Replay ``requests`` open-loop (arrivals × ``time_scale``) and measure them; ``timings``, when
         given, receives every finished request's arrival and token times (what the metrics summarize).
         ``settings_from``: resolve the options (:meth:`settings_for`) from these requests instead, so that
         a short replay builds the cache a replay of them will reuse (a priming replay with outputs cut).
+        ``forwards``, when given, receives a record of each op-by-op forward with prompt tokens (decode rows,
+        prompt tokens, chunks, device and host launch ms): where a repeat's prompt time went.
 
         Requests longer than the model's context are clipped to it; ``clipped`` in the result counts the
         requests a length policy shortened (here, or before: :class:`~kvtune.engine.traces.Request`'s
@@ -441,6 +447,8 @@ class Engine:
             raise
         if timings is not None:
             timings.extend(run.timings)
+        if forwards is not None:
+            forwards.extend(run.forwards)
         return summarize(run.timings, self._counters(run, clipped=clipped + counts.shortened))
 
     def with_config(self, config: HybridConfig) -> Engine:
@@ -902,6 +910,9 @@ class Engine:
         run.add("prefill_chunks", len(chunks))
         run.add("eager_forward_ms", model_ms)
         run.add("eager_launch_ms", launch_ms)
+        prompt = float(sum(n for _, n in chunks))
+        record = {"decode_rows": b, "prompt_tokens": prompt, "chunks": len(chunks)}
+        run.forwards.append(record | {"device_ms": model_ms, "launch_ms": launch_ms})
         if b:
             run.add("decode_steps", 1)
             run.add("mixed_iterations", 1)

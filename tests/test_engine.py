@@ -97,6 +97,21 @@ def test_device_busy_is_the_forwards_time_over_the_replay(tiny, graphs, mixed):
     assert m["launch_ratio"] == pytest.approx(1.0, rel=0.1)
 
 
+def test_a_replay_records_each_prompt_forward_it_launched_op_by_op(tiny):
+    """``forwards`` receives one record per op-by-op forward with prompt tokens (mixed iterations included):
+    together they carry every prompt token and chunk of the replay, each with its decode rows, its device
+    time and the host's time launching it (on a CPU the same span)."""
+    engine = Engine(tiny, _config(), 1 << 24, CPU, SchedulerConfig(max_num_batched_tokens=20))
+    forwards: list[dict[str, float]] = []
+    m = engine.replay(_requests(6, gap_ms=0.5), 1.0, warmup_requests=1, forwards=forwards).to_dict()
+    assert sum(f["prompt_tokens"] for f in forwards) == 6 * 48
+    assert sum(f["chunks"] for f in forwards) == m["prefill_chunks"]
+    assert sum(f["decode_rows"] > 0 for f in forwards) == m["mixed_iterations"] > 0
+    assert all(f["device_ms"] > 0 and f["launch_ms"] > 0 for f in forwards)
+    forward_ms = m["device_busy"] * m["duration_s"] * 1e3  # every forward's device time: theirs a share
+    assert sum(f["device_ms"] for f in forwards) == pytest.approx(m["prefill_share"] * forward_ms, rel=1e-6)
+
+
 def test_device_busy_of_counters():
     c = EngineCounters(duration_ms=200.0, forward_ms=150.0, eager_forward_ms=50.0, eager_launch_ms=60.0)
     m = summarize([RequestTiming(0, 0.0, (1.0, 2.0))], c)
