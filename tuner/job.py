@@ -114,6 +114,11 @@ from kvtune.tuner.worker import TrialWorker
 from kvtune.tuner.workload import SEARCH_FRACTION, WorkloadSample
 
 CALIBRATION_LOAD = 0.75  # the baseline runs at this share of its saturation throughput
+# The baseline's capacity against the calibrated rate (at which it runs at CALIBRATION_LOAD of its saturation
+# throughput): 1.54-1.65 in six H200 studies on the gated clock (Llama-3.1-8B shape, 1 GiB, lengths × 0.25,
+# ``azure_conv_later.csv``, P90 limits derived), 1.89 in two on the device clock. The baseline's first search
+# starts there by near steps: from the calibrated rate by doubling it took 7 probes (50-68 s) in each
+COLD_START = 1.6
 CAPACITY = "capacity"
 
 
@@ -542,9 +547,9 @@ def _capacity_attrs(
     engine = space.knobs_for(BASELINE, *_default_knobs(space)) if space.batched_tokens else None
     knobs = EngineKnobs.from_dict(engine) if engine is not None else None
     top = saturation_rate(windows, slo_record)
-    start = 1.0 / time_scale  # the rate at which the baseline runs at CALIBRATION_LOAD of its saturation
-    cold = CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD, max_rate=top,
-                          confirm=job.probe.confirm, draws=job.probe.draws)  # fmt: skip
+    start = COLD_START / time_scale  # 1 / time_scale: the baseline at CALIBRATION_LOAD of its saturation
+    cold = near_search(CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD, max_rate=top,
+                                      confirm=job.probe.confirm, draws=job.probe.draws), start)  # fmt: skip
     try:
         runs, times = _baseline_searches(pool, cold, knobs, windows, Slo.from_record(slo_record))
     except ray.exceptions.RayTaskError as e:
