@@ -118,7 +118,12 @@ def test_a_trial_starts_where_its_sequences_against_the_baselines_predict() -> N
     fewer = predicted_start(base, 10, 19)  # a factor of 0.5: fewer sequences, a lower start
     assert fewer.start < base.start and search_to_end(fewer, 5.0)[0].converged
     assert predicted_start(base, None, 19) is base and predicted_start(base, 31, None) is base
-    assert warm_start(started, 9.0) is started  # the prediction above the best: kept
+    above = warm_start(started, 9.0, noise=0.025)  # the prediction above the best: kept, and a first
+    assert above.start == started.start and above.step_down == pytest.approx(9.0 * 0.975)  # failure there
+    worse = above.record(above.start, False)  # probes the best's noise edge next, where a failure prunes
+    assert worse.next_rate() == pytest.approx(9.0 * 0.975)
+    assert should_prune(worse.record(9.0 * 0.975, False), 9.0, 0.025)
+    assert warm_start(started, 9.0) is started  # no noise measured: as it was
     below = warm_start(started, 12.0, noise=0.025)
     assert below.start == 12.0 and below.step_down == pytest.approx(12.0 * 0.975)
     assert CONCURRENCY_EXPONENT == 0.75

@@ -489,16 +489,20 @@ def predicted_start(search: CapacitySearch, seqs: float | None, base_seqs: float
 
 
 def warm_start(search: CapacitySearch, best_known: float | None, noise: float = 0.0) -> CapacitySearch:
-    """The search a new trial starts: ``search`` (warm-started at the baseline's capacity), started at the
-    best capacity of the study's feasible trials instead when that is higher. A config that cannot beat the
-    best then fails its first probe; its next probe is at the edge of the study's ``noise`` below the best
-    (``best × (1 − noise)``, the noise record's threshold), where a failure prunes it at once (two probes
-    where a start at the baseline's capacity spends three or four) and a pass keeps it as a possible tie;
-    one that can beat the best goes up from there as a search near its answer does (:func:`near_search`'s
-    steps: a config that beats the best mostly does so by a little)."""
-    if best_known is None or not math.isfinite(best_known) or best_known <= search.start:
+    """The search a new trial starts: ``search`` (started at the baseline's capacity or where the trial's
+    sequences predict, :func:`predicted_start`), started at the best capacity of the study's feasible
+    trials instead when that is higher. A config that cannot beat the best then fails its first probe; its
+    next probe is at the edge of the study's ``noise`` below the best (``best × (1 − noise)``, the noise
+    record's threshold), where a failure prunes it at once (two probes where a start at the baseline's
+    capacity spends three or four) and a pass keeps it as a possible tie; one that can beat the best goes up
+    from there as a search near its answer does (:func:`near_search`'s steps: a config that beats the best
+    mostly does so by a little). A search started above the best keeps its start, and a first failure
+    there probes that edge next too (a prediction too high prunes as fast as a start at the best)."""
+    if best_known is None or not math.isfinite(best_known):
         return search
     down = best_known * (1.0 - noise) if 0.0 < noise < 1.0 else None
+    if best_known <= search.start:
+        return search if down is None else dataclasses.replace(search, step_down=down)
     return dataclasses.replace(
         search, start=float(best_known), step_down=down, expand=NEAR_EXPAND, escalate=True
     )
