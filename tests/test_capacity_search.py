@@ -38,6 +38,7 @@ from kvtune.tuner.capacity import (
     violations_to_fail,
     within_noise,
 )
+from kvtune.tuner.job import COLD_START
 from kvtune.tuner.protocol import Call, EngineKnobs, QualitySettings, WorkerSpec, next_call
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -452,7 +453,10 @@ def test_capacity_study_writes_a_preset(capacity_study: tuple[Path, str, float])
     assert attrs["kvtune.validation"]["max_rate"] > 0
     # on one worker the baseline's searches after the first start near its capacity; so do validation's
     searches = noise["searches"]
-    assert noise["cold_search_s"] > 0 and noise["search_s"] > 0
+    assert noise["cold_search_s"] > 0 and noise["search_s"] > 0 and noise["unloaded_s"] > 0
+    # the first at 1.6x the calibrated rate (the baseline at 75 % of its saturation throughput), near steps
+    assert searches[0]["start"] == pytest.approx(COLD_START / attrs["kvtune.time_scale"])
+    assert searches[0]["expand"] == NEAR_EXPAND
     if searches[0]["converged"]:
         assert all(s["start"] == searches[0]["capacity"] and s["expand"] == NEAR_EXPAND for s in searches[1:])
     validation = attrs["kvtune.validation"]

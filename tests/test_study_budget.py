@@ -161,8 +161,9 @@ def test_a_budgeted_study_ends_within_its_budget_and_says_what_was_cut(
     job = dataclasses.replace(
         tiny_job(tmp_path, trials=500), time_budget_s=budget_s, write_preset=True, out=str(preset)
     )
+    said: list[str] = []
     t0 = time.monotonic()
-    report = tune(job)
+    report = tune(job, events=lambda e: said.append(e.message) if e.kind == "phase" else None)
     elapsed = time.monotonic() - t0
     print(f"budgeted CPU study: {elapsed:.1f} s of {budget_s:g}, {report.finished} trials")
     assert elapsed <= budget_s * 1.15  # the whole run, validation and export included
@@ -170,6 +171,10 @@ def test_a_budgeted_study_ends_within_its_budget_and_says_what_was_cut(
     metrics = json.loads(preset.read_text())["metrics"]
     budget = metrics["budget"]
     assert budget["budget_s"] == budget_s and set(budget["phases_s"]) >= {"baseline_s", "search_s"}
+    # where the phase before the search went, on the console (a capacity study adds the unloaded replay and
+    # the baseline's searches)
+    parts = next(line for line in said if line.startswith("baseline phase: "))
+    assert all(f"{part} " in parts for part in ("workers", "calibration")), parts
     assert f"search: {report.finished} of 500 trials finished when the time budget ended it" in budget["cut"]
     assert metrics["interval"]["goal"] == 0.15 and metrics["repeats"] == metrics["interval"]["repeats"] >= 3
 

@@ -242,15 +242,20 @@ def _run(
     started = time.monotonic() if started is None else started
     say = _phase_events(events)
     info = infos[0]
+    parts = {"workers_s": time.monotonic() - started}  # the baseline phase's parts, for the console
     windows = job.sample.search_windows(trace, info.max_context)
     space = build_space(job, info, windows)
     space_id = SpaceId(space.space_fingerprint(), space.describe())
+    t0 = time.monotonic()
     time_scale = _time_scale(job, stored, pool, job.sample.search_requests(trace, info.max_context))
+    parts["calibration_s"] = time.monotonic() - t0
     attrs = _study_attrs(job, info, time_scale)
     if job.capacity:
         say("baseline: the unloaded replay and the baseline's capacity searches" if stored is None else "")
-        attrs |= _capacity_attrs(job, stored, pool, space, windows, time_scale)
+        attrs |= _capacity_attrs(job, stored, pool, space, windows, time_scale, parts)
     phases = {"baseline_s": time.monotonic() - started}
+    if stored is None:  # where the baseline phase went (the searches' own times are in kvtune.noise)
+        say("baseline phase: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in parts.items()))
     study = open_study(job.options, identity(job, info), space_id, attrs)
     if leases is not None and not leases:  # a new study: its lease is taken as it is created
         leases.append(_lease(job.options, study))
@@ -519,9 +524,11 @@ def _capacity_attrs(
     space: SearchSpace,
     windows: tuple[tuple[Request, ...], ...],
     time_scale: float,
+    parts: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """``kvtune.slo`` and ``kvtune.noise``: a resumed study's (a limit given again must equal the stored
-    one), or measured now on the unquantized baseline (see the module docstring)."""
+    one), or measured now on the unquantized baseline (see the module docstring); ``parts`` receives the
+    seconds of the unloaded replay and of the baseline's searches."""
     given = {"ttft_ms": job.slo_ttft_ms, "tpot_ms": job.slo_tpot_ms, "percentile": job.slo_percentile}
     if stored is not None:  # open_study checks the objective; a capacity study has both records
         slo = stored.get(ATTR_SLO)
@@ -533,7 +540,7 @@ def _capacity_attrs(
                 name = job.options.name
                 raise ValueError(f"study {name!r} was made with {flag} {was:g}, not {value:g}")
         return {}
-    unloaded = None
+    unloaded, t0 = None, time.monotonic()
     if job.slo_ttft_ms is None or job.slo_tpot_ms is None:
         try:
             ref = pool.actors[0].unloaded.remote(BASELINE, windows[0], WARMUP_REQUESTS)
@@ -550,10 +557,14 @@ def _capacity_attrs(
     start = COLD_START / time_scale  # 1 / time_scale: the baseline at CALIBRATION_LOAD of its saturation
     cold = near_search(CapacitySearch(start, job.granularity, CAPACITY_PROBES_COLD, max_rate=top,
                                       confirm=job.probe.confirm, draws=job.probe.draws), start)  # fmt: skip
+    t1 = time.monotonic()
     try:
         runs, times = _baseline_searches(pool, cold, knobs, windows, Slo.from_record(slo_record))
     except ray.exceptions.RayTaskError as e:
         raise ValueError(f"searching the baseline's capacity failed ({_last_line(e)})") from None
+    times["unloaded_s"] = t1 - t0  # the unloaded replay and the limits (none when both are given)
+    if parts is not None:
+        parts |= {"unloaded_s": t1 - t0, "searches_s": time.monotonic() - t1}
     results = [r.result() for r in runs]
     capped = [r for r in runs if r.search.saturated]
     if 2 * len(capped) > len(runs):  # the baseline's median capacity is only a lower bound
