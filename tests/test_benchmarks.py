@@ -119,8 +119,8 @@ def test_engine_replay_and_capacity_compare_smoke(tmp_path: Path) -> None:
               "--length-cap", "96", "--kv-budget", "2e8"]  # fmt: skip
     replay = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "engine_replay.py"), *common, "--repeats", "2",
-         "--clock", "wall,device", "--profile", str(tmp_path / "prof"), "--json",
-         str(tmp_path / "replay.json"), *pair],
+         "--clock", "wall,device", "--profile", str(tmp_path / "prof"), "--profile-stacks", "--forwards",
+         "--json", str(tmp_path / "replay.json"), *pair],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert replay.returncode == 0, replay.stderr[-2000:]
@@ -132,7 +132,11 @@ def test_engine_replay_and_capacity_compare_smoke(tmp_path: Path) -> None:
                           ("q_unquantized", "wall", 1, "wall"), ("q_unquantized", "device", 0, "device"),
                           ("q_unquantized", "device", 1, "device")]  # fmt: skip
     assert len(rows) == 10
-    assert "profiled replay" in (tmp_path / "prof" / "q_int4_2e8.txt").read_text()
+    profiled = (tmp_path / "prof" / "q_int4_2e8.txt").read_text()
+    assert "profiled replay" in profiled and "the host's waits by where they are called" in profiled
+    # each repeat's prompt forwards, and a line of those the host bound
+    assert all(r["metrics"]["forwards"] and r["metrics"]["forwards"][0]["prompt_tokens"] > 0 for r in rows)
+    assert replay.stdout.count("prompt forwards: ") == len(rows)
     capacity = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "capacity_compare.py"), *common, "--repeats", "1",
          "--slo-ttft-ms", "5000", "--slo-tpot-ms", "500", "--json", str(tmp_path / "capacity.json"), *pair],
