@@ -910,9 +910,9 @@ class Engine:
         run.add("prefill_chunks", len(chunks))
         run.add("eager_forward_ms", model_ms)
         run.add("eager_launch_ms", launch_ms)
-        prompt = float(sum(n for _, n in chunks))
-        record = {"decode_rows": b, "prompt_tokens": prompt, "chunks": len(chunks)}
-        run.forwards.append(record | {"device_ms": model_ms, "launch_ms": launch_ms})
+        prompt = sum(n for _, n in chunks)
+        run.forwards.append({"decode_rows": b, "prompt_tokens": prompt, "chunks": len(chunks),
+                             "device_ms": model_ms, "launch_ms": launch_ms})  # fmt: skip
         if b:
             run.add("decode_steps", 1)
             run.add("mixed_iterations", 1)

@@ -613,7 +613,9 @@ def test_a_window_that_never_overloads_the_baseline_is_refused(
 
 
 # ---- the engine knobs in the space and the preset --------------------------------------------------------
-def test_engine_knobs_fit_the_budget_and_grow_with_fewer_bits() -> None:
+def llama_space(knobs: bool = True) -> Any:
+    """The H200's space for the Llama-3.1-8B shape at a 4 GiB budget (memory-bound), engine knobs searched
+    unless ``knobs`` is False."""
     import torch
 
     from kvtune.cache_impl.layout import ModelKVShape
@@ -622,7 +624,11 @@ def test_engine_knobs_fit_the_budget_and_grow_with_fewer_bits() -> None:
 
     shape = ModelKVShape(32, 8, 128, 32, torch.bfloat16)  # Llama-3.1-8B
     stats = WorkloadStats(4096, 2048, 99.0, 1, mean_length=1140)
-    space = SearchSpace.build(resolve_gpu("h200"), "m", shape, stats, False, kv_budget_bytes=4 << 30)
+    return SearchSpace.build(resolve_gpu("h200"), "m", shape, stats, False, 4 << 30, knobs=knobs)
+
+
+def test_engine_knobs_fit_the_budget_and_grow_with_fewer_bits() -> None:
+    space = llama_space()
     holds = [space.auto_seqs(HybridConfig("hybrid_v2", 32, 64, b)) for b in (0, 8, 4)]
     assert holds[0] < holds[1] < holds[2]  # memory-bound: INT8 and INT4 run bigger batches
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
@@ -753,16 +759,9 @@ def test_validation_plans_the_baselines_default_knobs_only_where_the_best_trials
     """The budget plans a capacity validation's first repeat from the best trial so far: two searches (the
     best config, the baseline at its knobs), three where the space's default knobs resolve otherwise for the
     baseline (searched too); none known before a trial is."""
-    import torch
-
-    from kvtune.cache_impl.layout import ModelKVShape
-    from kvtune.search_spaces.cards import resolve_gpu
-    from kvtune.search_spaces.space import SearchSpace, WorkloadStats
     from kvtune.tuner.job import baseline_engines, validation_sides
 
-    shape = ModelKVShape(32, 8, 128, 32, torch.bfloat16)
-    stats = WorkloadStats(4096, 2048, 99.0, 1, mean_length=1140)
-    space = SearchSpace.build(resolve_gpu("h200"), "m", shape, stats, False, kv_budget_bytes=4 << 30)
+    space = llama_space()
     config = HybridConfig("hybrid_v2", 32, 64, 4)
 
     def trial(tokens: int, factor: float) -> optuna.trial.FrozenTrial:
@@ -778,8 +777,7 @@ def test_validation_plans_the_baselines_default_knobs_only_where_the_best_trials
     assert own["max_num_batched_tokens"] == 2048 and other == space.knobs_for(config.unquantized(), 8192, 1.0)
     assert validation_sides(trial(2048, 2.0), space) == 3
     assert validation_sides(None, space) is None
-    no_knobs = SearchSpace.build(resolve_gpu("h200"), "m", shape, stats, False, 4 << 30, knobs=False)
-    assert validation_sides(trial(2048, 2.0), no_knobs) == 2
+    assert validation_sides(trial(2048, 2.0), llama_space(knobs=False)) == 2
 
 
 def test_the_held_out_shift_is_the_median_found_over_start_of_converged_searches() -> None:

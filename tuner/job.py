@@ -252,7 +252,11 @@ def _run(
     attrs = _study_attrs(job, info, time_scale)
     if job.capacity:
         say("baseline: the unloaded replay and the baseline's capacity searches" if stored is None else "")
-        attrs |= _capacity_attrs(job, stored, pool, space, windows, time_scale, parts)
+        t0 = time.monotonic()
+        attrs |= _capacity_attrs(job, stored, pool, space, windows, time_scale)
+        if stored is None:
+            unloaded_s = attrs[ATTR_NOISE]["unloaded_s"]
+            parts |= {"unloaded_s": unloaded_s, "searches_s": time.monotonic() - t0 - unloaded_s}
     phases = {"baseline_s": time.monotonic() - started}
     if stored is None:  # where the baseline phase went (the searches' own times are in kvtune.noise)
         say("baseline phase: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in parts.items()))
@@ -524,11 +528,9 @@ def _capacity_attrs(
     space: SearchSpace,
     windows: tuple[tuple[Request, ...], ...],
     time_scale: float,
-    parts: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """``kvtune.slo`` and ``kvtune.noise``: a resumed study's (a limit given again must equal the stored
-    one), or measured now on the unquantized baseline (see the module docstring); ``parts`` receives the
-    seconds of the unloaded replay and of the baseline's searches."""
+    one), or measured now on the unquantized baseline (see the module docstring)."""
     given = {"ttft_ms": job.slo_ttft_ms, "tpot_ms": job.slo_tpot_ms, "percentile": job.slo_percentile}
     if stored is not None:  # open_study checks the objective; a capacity study has both records
         slo = stored.get(ATTR_SLO)
@@ -563,8 +565,6 @@ def _capacity_attrs(
     except ray.exceptions.RayTaskError as e:
         raise ValueError(f"searching the baseline's capacity failed ({_last_line(e)})") from None
     times["unloaded_s"] = t1 - t0  # the unloaded replay and the limits (none when both are given)
-    if parts is not None:
-        parts |= {"unloaded_s": t1 - t0, "searches_s": time.monotonic() - t1}
     results = [r.result() for r in runs]
     capped = [r for r in runs if r.search.saturated]
     if 2 * len(capped) > len(runs):  # the baseline's median capacity is only a lower bound
