@@ -80,6 +80,7 @@ ATTR_RESUME_OF = "kvtune.resume_of"
 ATTR_RETRY_OF = "kvtune.retry_of"
 ATTR_ENGINE = "kvtune.engine"
 ATTR_PROBES = "kvtune.probes"
+ATTR_QUALITY_S = "kvtune.quality_s"  # the quality call's seconds: {"wall_s", "load_s"} (the model's load)
 
 STUDY_ATTRS_REQUIRED = (ATTR_CARD, ATTR_MODEL, ATTR_WORKLOAD, ATTR_OBJECTIVE, ATTR_VALIDATION)
 # ``kvtune.validation``: trial (best trial number), config and baseline_config (config dicts), window

@@ -86,6 +86,16 @@ def test_every_trial_records(study_dir: tuple[Path, str], attr: str) -> None:
     assert all(attr in t.user_attrs for t in study.trials)
 
 
+def test_the_quality_calls_seconds_are_kept_apart_from_the_quality(study_dir: tuple[Path, str]) -> None:
+    """Each trial that measured its quality records the call's seconds (the model's load in the first
+    one's) beside it, never in it: the quality a later trial of the same config reuses is the measurement
+    alone."""
+    trials = optuna.load_study(study_name="s", storage=study_dir[1]).get_trials(states=(TrialState.COMPLETE,))
+    timed = [t.user_attrs["kvtune.quality_s"] for t in trials if "kvtune.quality_s" in t.user_attrs]
+    assert timed and all(0.0 <= t["load_s"] < t["wall_s"] for t in timed)
+    assert all("wall_s" not in t.user_attrs["kvtune.quality"] for t in trials)
+
+
 def test_study_records_reduced_quality_and_time_scale(study_dir: tuple[Path, str]) -> None:
     attrs = optuna.load_study(study_name="s", storage=study_dir[1]).user_attrs
     assert attrs["kvtune.quality_settings"]["windows"] == 1

@@ -68,6 +68,7 @@ from kvtune.studies.names import (
     ATTR_NOISE,
     ATTR_PROBES,
     ATTR_QUALITY,
+    ATTR_QUALITY_S,
     ATTR_RESUME_OF,
     ATTR_RETRY_OF,
     ATTR_REUSED,
@@ -84,6 +85,7 @@ from kvtune.tuner.protocol import Call, EngineKnobs, TrialResult, WorkerInfo, Wo
 from kvtune.tuner.validation import feasible
 
 WAIT_S = 1.0  # the loop wakes this often (Ctrl-C, deadlines)
+QUALITY_TIMES = ("wall_s", "load_s")  # the quality call's seconds, kept apart from the quality it measured
 Suggest = Callable[[optuna.Trial], dict[str, Any]]  # define-by-run: the trial's resolved hybrid_v2 dict
 # define-by-run, after the config: the trial's engine knobs (EngineKnobs' fields, and how they were chosen)
 SuggestKnobs = Callable[[optuna.Trial, HybridConfig], dict[str, Any] | None]
@@ -159,6 +161,7 @@ class _Running:
     knobs: EngineKnobs | None = None
     search: CapacitySearch | None = None  # the capacity objective's search, after the last probe
     probes: list[dict[str, Any]] = field(default_factory=list)
+    quality_s: dict[str, float] | None = None  # the quality call's seconds (None: an earlier trial's quality)
 
 
 class TrialLoop:
@@ -288,7 +291,9 @@ class TrialLoop:
         if run.stage is Call.FINISH:
             run.result = value
         elif run.stage is Call.QUALITY:
-            self.memo[config_key(run.config)] = value
+            times = {k: float(value[k]) for k in QUALITY_TIMES if k in value}
+            run.quality_s = times or None
+            self.memo[config_key(run.config)] = {k: v for k, v in value.items() if k not in QUALITY_TIMES}
         self._next(run)
 
     def _next(self, run: _Running) -> None:
@@ -372,6 +377,8 @@ class TrialLoop:
         t.set_user_attr(ATTR_QUALITY, finite(quality))
         if run.probes:
             t.set_user_attr(ATTR_PROBES, run.probes)
+        if run.quality_s is not None:
+            t.set_user_attr(ATTR_QUALITY_S, run.quality_s)
         for key, c in self.bounds.constraints(quality).items():
             t.set_constraint(key, c)
         self.study.tell(t, values)

@@ -416,8 +416,8 @@ def probe_scale(search: Sequence[Sequence[Request]], held_out: Sequence[Request]
     """What a validation probe costs against a search probe: the square root of their output tokens' ratio
     (the held-out requests' over all the search windows': a search probe replays every window), within
     [0.5, 2]. A probe's wall grows less than its decode iterations: on an H200 (``azure_conv_later.csv``,
-    96 requests, output tokens 1.59×) the held-out probes near a capacity took 1.12× and 1.34× the wall of
-    the search window's near the baseline's (two runs), and the root reads 1.26."""
+    96 requests, output tokens 1.59×) the held-out probes near a capacity took 1.0-1.34× the wall of the
+    search window's near the baseline's (four runs), and the root reads 1.26."""
     ours = sum(r.output_length for w in search for r in w)
     theirs = sum(r.output_length for r in held_out)
     return min(2.0, max(0.5, math.sqrt(theirs / ours))) if ours > 0 else 1.0

@@ -321,14 +321,19 @@ class TrialWorker:
         return chosen
 
     def quality(self, config: HybridConfig) -> dict[str, Any]:
-        """Quality of ``config`` (teacher-forced over the text, against the unquantized cache)."""
+        """Quality of ``config`` (teacher-forced over the text, against the unquantized cache), with the
+        call's seconds: ``wall_s``, and of them ``load_s`` the quality model's load (0 once loaded)."""
         from kvtune.engine.quality import measure_quality
 
+        started = time.perf_counter()
         self.release()  # the quality run builds its own caches
         q = self.spec.quality
         text = Path(q.text_path).read_text(encoding="utf-8")
+        loading = time.perf_counter()
+        loaded = self._quality_loaded()
+        load_s = time.perf_counter() - loading
         result = measure_quality(
-            self._quality_loaded(),
+            loaded,
             config,
             text,
             windows=q.windows,
@@ -338,7 +343,7 @@ class TrialWorker:
             passkey=q.passkey,
             aggregation=q.aggregation,
         )
-        return dict(result.to_dict())
+        return dict(result.to_dict()) | {"wall_s": time.perf_counter() - started, "load_s": load_s}
 
     def _quality_loaded(self) -> Any:
         """The quality model, always in float32: in bfloat16 any change to the cache flips roundings that
