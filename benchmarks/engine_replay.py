@@ -9,7 +9,10 @@ in iterations that carry prompt tokens; per (config, budget): the mean tokens/s,
 largest distance of a repeat from their median, over the median) of tokens/s and P99 TPOT, the speed-up over
 the baseline, and tokens/s against the first config's. ``--clock wall,device`` runs the repeats once on each
 clock (``SchedulerConfig.clock``: the device clock adds each iteration's CUDA-event time and leaves the host
-between iterations out), on the same kept cache and graphs, and reports each clock apart. ``--profile DIR``
+between iterations out), on the same kept cache and graphs, and reports each clock apart. Each replay runs
+with Python's garbage collector collected before it and off during it, as a trial's probes run (``--gc on``
+leaves it on, to see what its collections cost a replay), and nvidia-smi samples the SM clock, power and
+throttling beside it (``--no-gpu-state``: not). ``--profile DIR``
 replays each (config, budget) once more under the PyTorch profiler after its repeats and writes where the
 device time went (DIR/<config>_<budget>.txt: the kernels with the most device time, their share of the
 replay's wall time).
@@ -35,6 +38,7 @@ clock. ``--time-scale`` (default 0, all requests at once) replays open-loop inst
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -52,6 +56,7 @@ from kvtune.engine.model import load_model
 from kvtune.engine.options import DTYPES, WARMUP_REQUESTS, ReplayOptions
 from kvtune.engine.replay import Replayer
 from kvtune.engine.scheduler import CLOCKS, SchedulerConfig
+from kvtune.tuner.worker import gc_paused
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 DEFAULT_CONFIGS = ("q_unquantized", "q_int8", "q_int4")
@@ -95,6 +100,19 @@ def _args() -> argparse.Namespace:
         action="store_true",
         help="record each op-by-op forward with prompt tokens (device and host launch ms) in --json, and "
         "print per repeat how many the host's launching bound",
+    )
+    p.add_argument(
+        "--gc",
+        choices=("paused", "on"),
+        default="paused",
+        help="Python's garbage collector during each replay: collected before, then off (paused: as a "
+        "trial's probes run) or left on",
+    )
+    p.add_argument(
+        "--no-gpu-state",
+        action="store_true",
+        help="do not sample the SM clock, power and throttling with nvidia-smi during the replays (its "
+        "queries take driver locks the replay's launches may wait on)",
     )
     p.add_argument(
         "--profile-stacks",
@@ -152,7 +170,9 @@ def main() -> None:
                 for clock, i in runs:
                     t0 = time.perf_counter()
                     forwards: list[dict[str, float]] | None = [] if args.forwards else None
-                    with GpuSampler() as sampler:
+                    paused = gc_paused() if args.gc == "paused" else contextlib.nullcontext()
+                    sampler = GpuSampler(enabled=not args.no_gpu_state)
+                    with paused, sampler:
                         m = engine.with_clock(clock).replay(
                             requests, args.time_scale, warmup_requests=WARMUP_REQUESTS, forwards=forwards
                         )
@@ -162,6 +182,7 @@ def main() -> None:
                         print(_forwards_line(forwards), flush=True)
                     d["wall_s"] = time.perf_counter() - t0
                     d["gpu"] = sampler.summary()
+                    d["gc"] = args.gc
                     results.append({"config": path.stem, "budget": label, "budget_bytes": budget,
                                     "engine": engine_name, "clock": clock, "repeat": i,
                                     "metrics": d})  # fmt: skip

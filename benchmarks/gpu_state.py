@@ -22,15 +22,16 @@ KEYS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_throttle_reasons.a
 
 
 class GpuSampler:
-    """Samples GPU ``index`` every ``period_ms`` while the ``with`` block runs (not without nvidia-smi)."""
+    """Samples GPU ``index`` every ``period_ms`` while the ``with`` block runs (not without nvidia-smi, nor
+    when not ``enabled``)."""
 
-    def __init__(self, index: int = 0, period_ms: int = 200) -> None:
-        self.index, self.period_ms = index, period_ms
+    def __init__(self, index: int = 0, period_ms: int = 200, enabled: bool = True) -> None:
+        self.index, self.period_ms, self.enabled = index, period_ms, enabled
         self._proc: subprocess.Popen[str] | None = None
         self.rows: list[tuple[float, float, float, str]] = []
 
     def __enter__(self) -> GpuSampler:
-        if shutil.which("nvidia-smi") is not None:
+        if self.enabled and shutil.which("nvidia-smi") is not None:
             command = ["nvidia-smi", f"--query-gpu={','.join(KEYS)}", "--format=csv,noheader,nounits",
                        "-i", str(self.index), f"-lms={self.period_ms}"]  # fmt: skip
             self._proc = subprocess.Popen(

@@ -137,6 +137,7 @@ def test_engine_replay_and_capacity_compare_smoke(tmp_path: Path) -> None:
     # each repeat's prompt forwards, and a line of those the host bound
     assert all(r["metrics"]["forwards"] and r["metrics"]["forwards"][0]["prompt_tokens"] > 0 for r in rows)
     assert replay.stdout.count("prompt forwards: ") == len(rows)
+    assert all(r["metrics"]["gc"] == "paused" for r in rows)  # as a trial's probes replay
     capacity = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "capacity_compare.py"), *common, "--repeats", "1",
          "--slo-ttft-ms", "5000", "--slo-tpot-ms", "500", "--json", str(tmp_path / "capacity.json"), *pair],
