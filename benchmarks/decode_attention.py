@@ -12,8 +12,10 @@ write) of the same card. Writes ``results.json`` and ``table.md`` under ``--out`
 block, the top-k) with the single-program kernel and with the split selection (``SelectOptions(split=True)``
 and a few variants of it), at 16 x 32K and 4 x 128K, sparse INT8 (L2 blocks demoted to 4 bits), as graph
 replays and as launches, after checking each split variant's table, counts and bytes against the single
-kernel's bit for bit; and the whole sparse INT8 step both ways beside SDPA. It writes ``quest.json`` and
-``quest.md``.
+kernel's bit for bit; both kernels again bounding the blocks from the float8 summary of their key bounds
+(``single fp8``, ``split fp8``: :mod:`kvtune.kernels.quest_summary`, half the bytes), the split one checked
+against the single one, each with the share of the fp16 single kernel's selected blocks it keeps; and the
+whole sparse INT8 step both ways beside SDPA. It writes ``quest.json`` and ``quest.md``.
 
 ``--mixed`` times only the sparse rows, sparse INT8 both ways (its mixed 8/4-bit table on the Triton split
 kernel, the default, and on the Gluon kernel, ``gluon_mixed``), sparse INT4 and unquantized beside them and
@@ -41,6 +43,7 @@ import triton.testing
 
 from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import dequantize_blocks_ref
+from kvtune.kernels.quest_summary import QuestSummary8, summary8
 from kvtune.kernels.sparse_table import L1, L2, ByteCount, sparse_block_table
 from kvtune.kernels.sparse_table_choice import SelectOptions, split_plan
 from kvtune.kernels.triton_decode import (
@@ -229,10 +232,12 @@ def hybrid_case(case: Case, options: DecodeKernelOptions) -> dict:
     return dict(ms=ms, tbs=nbytes / ms / 1e9, bytes=nbytes, splits=splits)
 
 
-def select_table(q, pool, blocks, tier, k_blocks, count, selection: SelectOptions | None) -> tuple:
+def select_table(q, pool, blocks, tier, k_blocks, count, selection: SelectOptions | None,
+                 summary: QuestSummary8 | None = None) -> tuple:  # fmt: skip
     """The sparse tier's table as the cache builds it (``sparse_block_table``): the kernels ``selection``
-    asks for (None: the default, split where the rows are few for the card)."""
-    return sparse_block_table(q, pool, blocks, tier, k_blocks, count, selection)
+    asks for (None: the default, split where the rows are few for the card); ``summary``: Quest's bounds
+    from it instead of the pool's fp16 key mins and scales."""
+    return sparse_block_table(q, pool, blocks, tier, k_blocks, count, selection, summary)
 
 
 def sparse_setup(case: Case) -> tuple[dict, torch.Tensor, torch.Tensor, ByteCount]:
@@ -494,6 +499,10 @@ QUEST_VARIANTS: dict[str, SelectOptions | None] = {
     "split pps 8": SelectOptions(split=True, programs_per_sm=8),  # one chunk per span at 16 x 32K
     "split no cap": SelectOptions(split=True, maxnreg=None),
 }
+QUEST_FP8: dict[str, SelectOptions] = {  # the same kernels bounding the blocks from the e4m3 summary
+    "single fp8": SINGLE,
+    "split fp8": SelectOptions(split=True),
+}
 
 
 def quest_inputs(case: Case) -> tuple[torch.Tensor, ColdPool, torch.Tensor, torch.Tensor]:
@@ -509,33 +518,58 @@ def quest_inputs(case: Case) -> tuple[torch.Tensor, ColdPool, torch.Tensor, torc
     return inp["q"], pool, blocks, tier
 
 
-def selection_case(case: Case, variants: dict[str, SelectOptions | None]) -> dict:
-    """Each variant's selection on one case: µs and TB/s on Quest's key bounds (fp16 mins and scales of
-    every L2 block and KV head), its plan; not timed (the reason instead) where its table, counts or bytes
-    differ from the single kernel's."""
+def shared_fraction(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], k_blocks: int) -> float:
+    """Of the L2 blocks ``want`` selects in a (sequence, KV head) row (its table's places num_l1 ..
+    num_cold), the share ``got`` selects too, averaged over the rows that select any; ``got`` and ``want``:
+    (table, num_cold, num_l1) of the same rows."""
+    picks = []
+    for table, num, n1 in (got, want):
+        places = n1[..., None].long() + torch.arange(k_blocks, device=table.device)  # within the row's width
+        picks.append(torch.where(places < num[..., None], table.gather(2, places), -1))
+    mine, theirs = picks
+    kept = ((theirs[..., :, None] == mine[..., None, :]) & (theirs[..., :, None] >= 0)).any(-1).sum(-1)
+    chosen = (theirs >= 0).sum(-1)
+    return float((kept[chosen > 0] / chosen[chosen > 0]).mean()) if bool((chosen > 0).any()) else 1.0
+
+
+def selection_case(case: Case, variants: dict[str, SelectOptions | None],
+                   fp8_variants: dict[str, SelectOptions]) -> dict:  # fmt: skip
+    """Each variant's selection on one case: µs and TB/s on what Quest reads of every L2 block and KV head
+    (``variants``: the fp16 key mins and scales; ``fp8_variants``: the e4m3 summary's lo and span), its
+    plan; not timed (the reason instead) where its table, counts or bytes differ from the single kernel's
+    on the same bounds. An fp8 variant's table differs from the fp16 one's by design: ``shared`` is the
+    share of the fp16 single kernel's selected blocks it keeps (:func:`shared_fraction`)."""
     q, pool, blocks, tier = quest_inputs(case)
+    summary = summary8(pool)
     k_blocks = SPARSE_TOKENS // BS
-    bounds = case.batch * (case.cold - (case.l1_blocks or 0)) * H * 2 * D * 2
+    l2_blocks = case.batch * (case.cold - (case.l1_blocks or 0))
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE == "cuda" else 4
 
-    def select(opt: SelectOptions | None) -> tuple[tuple[torch.Tensor, ...], ByteCount]:
+    def select(
+        opt: SelectOptions | None, summ: QuestSummary8 | None
+    ) -> tuple[tuple[torch.Tensor, ...], ByteCount]:
         count = ByteCount(torch.arange(9, device=DEVICE, dtype=torch.int64) * 1000 + 7, H * 2 * 2 * D,
                           torch.zeros((), device=DEVICE, dtype=torch.int64))  # fmt: skip
-        return select_table(q, pool, blocks, tier, k_blocks, count, opt), count
+        return select_table(q, pool, blocks, tier, k_blocks, count, opt, summ), count
 
-    want, want_count = select(SINGLE)
+    fp16, fp8 = select(SINGLE, None), select(SINGLE, summary)
+    ways = [(name, opt, None, fp16) for name, opt in variants.items()]
+    ways += [(name, opt, summary, fp8) for name, opt in fp8_variants.items()]
     row: dict = {}
-    for name, opt in variants.items():
-        got, got_count = select(opt)
+    for name, opt, summ, (want, want_count) in ways:
+        got, got_count = select(opt, summ)
         same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
         if not same or int(got_count.total) != int(want_count.total):
             row[name] = dict(error="table, counts or bytes differ from the single kernel's")
             continue
-        us = bench(lambda opt=opt: select(opt)) * 1e3
+        us = bench(lambda opt=opt, summ=summ: select(opt, summ)) * 1e3
         width = blocks.shape[1]
         split = opt.split is not False
         splits, span = split_plan(blocks.shape[0] * H, width, k_blocks, sms, opt) if split else (1, width)
-        row[name] = dict(us=us, bounds_bytes=bounds, tbs=bounds / us / 1e6, splits=splits, span=span)
+        nbytes = l2_blocks * (H * 2 * D * 2 if summ is None else summ.bytes_per_block)
+        row[name] = dict(us=us, bounds_bytes=nbytes, tbs=nbytes / us / 1e6, splits=splits, span=span)
+        if summ is not None:
+            row[name]["shared"] = shared_fraction(got, fp16[0], k_blocks)
     return row
 
 
@@ -547,6 +581,7 @@ def compare_quest(out: Path, smoke: bool = False) -> dict:
         SPARSE_TOKENS, SPARSE_SHAPES = 128, [(1, 1024)]
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
     variants = {k: asdict(o) if o else None for k, o in QUEST_VARIANTS.items()}
+    variants |= {k: {**asdict(o), "summary": "e4m3"} for k, o in QUEST_FP8.items()}
     results: dict = dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=[],
                          variants=variants)  # fmt: skip
     for timing in ("graphs", "launches") if DEVICE == "cuda" else ("launches",):
@@ -554,7 +589,7 @@ def compare_quest(out: Path, smoke: bool = False) -> dict:
         for batch, length in SPARSE_SHAPES:
             case = Case(batch, length, 8, l1_blocks=(length - HOT) // BS // 8)
             row: dict = dict(timing=timing, batch=batch, length=length)
-            row["selection"] = selection_case(case, QUEST_VARIANTS)
+            row["selection"] = selection_case(case, QUEST_VARIANTS, QUEST_FP8)
             if timing == "graphs" or DEVICE == "cpu":
                 row["sdpa_ms"], _ = sdpa_case(batch, length)
                 for key, select in (("step_single", SINGLE), ("step_split", SelectOptions(split=True))):
@@ -565,11 +600,12 @@ def compare_quest(out: Path, smoke: bool = False) -> dict:
 
 
 def format_quest(results: dict) -> str:
-    names = list(QUEST_VARIANTS)
+    names = [*QUEST_VARIANTS, *QUEST_FP8]
     lines = [
         f"{results['device']}, torch {results['torch']}, triton {results['triton']}. Quest selection of the "
         f"sparse INT8 tier (L1 1/8 + top {SPARSE_TOKENS}; L2 blocks 4-bit): median µs, (TB/s on the key "
-        "bounds, 512 B per L2 block and KV head), [spans per row]",
+        f"bounds, {4 * D} B per L2 block and KV head; fp8: on the e4m3 summary, {2 * D} B), [spans per row]; "
+        "fp8: the share of the fp16 single kernel's selected blocks kept",
         "",
         "| B x L | timing | " + " | ".join(names) + " |",
         "| --- | --- | " + " | ".join("---" for _ in names) + " |",
@@ -578,7 +614,8 @@ def format_quest(results: dict) -> str:
         cells = [f"{r['batch']} x {r['length'] // 1024}K", r["timing"]]
         for n in names:
             x = r["selection"][n]
-            cells.append(x["error"] if "error" in x else f"{x['us']:.1f} ({x['tbs']:.2f}) [{x['splits']}]")
+            cell = x.get("error") or f"{x['us']:.1f} ({x['tbs']:.2f}) [{x['splits']}]"
+            cells.append(f"{cell}; {x['shared']:.1%} kept" if "shared" in x else cell)
         lines.append("| " + " | ".join(cells) + " |")
     for r in results["rows"]:
         if "step_split" in r:

@@ -11,6 +11,7 @@ import torch
 from kvtune.kernels.arch import num_sms
 from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.quest_summary import QuestSummary8
 from kvtune.kernels.sparse_table_choice import SelectOptions, select_kernel
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, compact, sparse_block_table_ref
 
@@ -25,16 +26,18 @@ def sparse_block_table(
     k_blocks: int,
     count: ByteCount,
     options: SelectOptions | None = None,
+    summary: QuestSummary8 | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`sparse_block_table_ref`; Triton on CUDA (``options``: which Triton kernels,
-    :func:`kvtune.kernels.sparse_table_choice.select_kernel`; None: the default)."""
+    :func:`kvtune.kernels.sparse_table_choice.select_kernel`; None: the default). ``summary``: select from
+    the pool's float8 key bounds (:mod:`kvtune.kernels.quest_summary`) instead of its fp16 ones."""
     rows = q.shape[0] * pool.layout.num_kv_heads
     if use_triton(q) and select_kernel(k_blocks, q.shape[2], options, rows, num_sms(q.device)) == "split":
         from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
 
-        return sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, options)
+        return sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, options, summary)
     if use_triton(q):
         from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
 
-        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
-    return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)
+        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summary)
+    return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count, summary)

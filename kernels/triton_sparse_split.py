@@ -18,7 +18,9 @@ follow the batch and the row width only (capturable in a CUDA graph), one compil
    ``n1 + rank`` of the table with its block's id; their bytes are added to the count.
 
 Ties: keys order by bound, then by position (later first), in both kernels, so the tables are the same
-(the bounds are the same sums over the same ``[64, D]`` tiles of 8 warps, so the same floats).
+(the bounds are the same sums over the same ``[64, D]`` tiles of 8 warps, so the same floats). From a
+:class:`~kvtune.kernels.quest_summary.QuestSummary8` (``SUMMARY8``) the spans score its float8 bounds, as
+the single kernel does.
 
 Why: the single kernel scores a row's L2 blocks one chunk after another in one program per row, 128
 programs at 16 sequences x 8 KV heads (about one per multiprocessor of an H200, each waiting on its chunks'
@@ -39,6 +41,7 @@ import triton.language as tl
 
 from kvtune.kernels.arch import num_sms
 from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.quest_summary import QuestSummary8
 from kvtune.kernels.sparse_table_choice import (
     CHUNK,
     DEFAULT_SELECT,
@@ -58,6 +61,7 @@ from kvtune.kernels.triton_sparse_table import (
     _merge_top,
     _query_sums,
     _scan_chunk,
+    quest_bounds,
     sparse_block_table_triton,
     table_outputs,
 )
@@ -113,13 +117,14 @@ def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr
 def _score_span(q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, keys_ptr, scratch_ptr, bh, s, M,
                 K, SPAN, P, s_qb, s_qh, s_kn, s_kh, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                 MB: tl.constexpr, TOPK: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr,
-                MIXED: tl.constexpr):  # fmt: skip
+                MIXED: tl.constexpr, SUMMARY8: tl.constexpr):  # fmt: skip
     """The K largest keys of the L2 blocks at row positions [s * SPAN, (s + 1) * SPAN) of row bh (descending,
-    NONE after) to keys[bh, s]; candidates and merges as in the single kernel's step 2."""
+    NONE after) to keys[bh, s]; candidates and merges as in the single kernel's step 2 (SUMMARY8: kmin_ptr
+    and kscale_ptr are a summary's lo and span)."""
     b = bh // H
     h = bh % H
     row = blocks_ptr + b.to(tl.int64) * M
-    qs, qp = _query_sums(q_ptr, b, h, s_qb, s_qh, G, D, POOL_BITS, MIXED)
+    qs, qp = _query_sums(q_ptr, b, h, s_qb, s_qh, G, D, POOL_BITS, MIXED, SUMMARY8)
     slot = bh.to(tl.int64) * P + s
     cands = scratch_ptr + slot * (SPAN + TOPK)  # keys above the K-th best when they were scored
     best_buf = cands + SPAN
@@ -141,7 +146,7 @@ def _score_span(q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, key
         blk_n = tl.load(row + p, mask=p < end, other=-1)
         t = tl.load(tier_ptr + tl.where(blk_n >= 0, blk_n, 0), mask=blk_n >= 0, other=0)
         best, floor, wp, rp = _scan_chunk(lo, sc, bits, blk, c0, qs, qp, best, floor, wp, rp, cands, best_buf,
-                                          K, TOPK, MB, MIXED)  # fmt: skip
+                                          K, TOPK, MB, MIXED, SUMMARY8)  # fmt: skip
         blk = blk_n
     if wp > rp:  # the last candidates
         tl.debug_barrier()
@@ -156,7 +161,7 @@ def _span_kernel(
     bytes_ptr, keys_ptr, scratch_ptr, M, W, K, SPAN, P, quest_cost, s_qb, s_qh, s_kn, s_kh,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, MB: tl.constexpr, SPLIT: tl.constexpr,
     TOPK: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr, MIXED: tl.constexpr,
-    FILL: tl.constexpr,
+    SUMMARY8: tl.constexpr, FILL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, 0): the row's L1 blocks, counts, padding and bytes; (row, s > 0): span s - 1's top-K."""
     bh = tl.program_id(0)
@@ -166,8 +171,8 @@ def _span_kernel(
                 quest_cost, H, SPLIT, T1, T2, POOL_BITS, MIXED, FILL)  # fmt: skip
     else:
         _score_span(q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, keys_ptr, scratch_ptr, bh,
-                    s - 1, M, K, SPAN, P, s_qb, s_qh, s_kn, s_kh, H, G, D, MB, TOPK, T2, POOL_BITS,
-                    MIXED)  # fmt: skip
+                    s - 1, M, K, SPAN, P, s_qb, s_qh, s_kn, s_kh, H, G, D, MB, TOPK, T2, POOL_BITS, MIXED,
+                    SUMMARY8)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M", "W", "K", "P"])
@@ -200,15 +205,16 @@ def sparse_block_table_split_triton(
     k_blocks: int,
     count: ByteCount,
     options: SelectOptions | None = None,
+    summary: QuestSummary8 | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~kvtune.kernels.triton_sparse_table.sparse_block_table_triton`'s contract and results (the same
     table, counts and bytes) in two launches, planned with ``options`` (None: the defaults;
-    ``options.split`` is not read). With nothing to select (``k_blocks`` 0) or a head dim the kernels do
-    not tile, the single-program launcher's path."""
+    ``options.split`` is not read); ``summary``: the bounds from its e4m3 lo and span. With nothing to
+    select (``k_blocks`` 0) or a head dim the kernels do not tile, the single-program launcher's path."""
     opts = DEFAULT_SELECT if options is None else options
     if select_kernel(k_blocks, q.shape[2], replace(opts, split=True)) != "split":
-        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
-    table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count)
+        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summary)
+    table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count, summary)
     B, M = blocks.shape
     if B == 0:
         return table, num, n1
@@ -221,11 +227,12 @@ def sparse_block_table_split_triton(
     keys = torch.empty((B * H, plan.splits, topk), dtype=torch.int64, device=dev)
     scratch = torch.empty((B * H, plan.splits, plan.span + topk), dtype=torch.int64, device=dev)
     cap = {"maxnreg": opts.maxnreg} if opts.maxnreg else {}
+    k_lo, k_span, quest_cost = quest_bounds(pool, count, summary)
     _span_kernel[(B * H, plan.splits + 1)](
-        q, pool.k_min, pool.k_scale, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total,
-        keys, scratch, M, W, k_blocks, plan.span, plan.splits, count.quest_cost, q.stride(0), q.stride(1),
-        pool.k_min.stride(0), pool.k_min.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=CHUNK,
-        SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote,
+        q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, keys,
+        scratch, M, W, k_blocks, plan.span, plan.splits, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0),
+        k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=CHUNK, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2,
+        POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote, SUMMARY8=summary is not None,
         FILL=FILL, num_warps=NUM_WARPS, num_stages=1, **cap,
     )  # fmt: skip
     _merge_spans_kernel[(B * H,)](

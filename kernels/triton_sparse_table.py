@@ -20,6 +20,12 @@ The bound. With ``s = scale · levels`` (``hi = lo + s``; ``scale >= 0`` in ever
 per key channel instead of ``G`` times that, which keeps the scoring under the loads' time. It equals
 :func:`kvtune.kernels.quest.quest_scores_ref` up to float rounding (the same sums in another order).
 
+From a :class:`~kvtune.kernels.quest_summary.QuestSummary8` (``SUMMARY8``) the tiles are its float8 ``lo``
+and ``span`` instead (16 KB a chunk at ``D`` 128, half the bytes): ``span`` is the range with the levels
+folded in, so the bound is ``Σ_d S_d·lo_d + P_d·span_d`` with no levels applied; each block's bits are
+still loaded where its key packs them (an 8-bit pool that may hold demoted blocks), for the bytes of the
+selected ones. It equals :func:`kvtune.kernels.quest_summary.summary_scores_ref` up to float rounding.
+
 The top-k. A block's key is an int64: its bound's float bits made order-preserving as a signed int in the
 high half, its position in the list and its bits in the low half (-2^63: no block). Keys are distinct, so a
 key's rank in a set is the number of keys above it. ``best`` holds the ``k_blocks`` largest keys merged so
@@ -44,6 +50,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.quest_summary import E4M3, QuestSummary8
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, sparse_block_table_ref
 from kvtune.kernels.triton_common import cdiv, next_pow2, tileable_head_dim
 
@@ -57,8 +64,9 @@ NONE = tl.constexpr(-(2**63))  # the key of a position that is not an L2 block
 @triton.jit
 def _bounds(kmin_ptr, kscale_ptr, bits_ptr, blk, s_kn, D: tl.constexpr, POOL_BITS: tl.constexpr,
             MIXED: tl.constexpr):  # fmt: skip
-    """Key min and scale tiles [MB, D] (fp16 as stored; pointers at the program's head) of blocks blk
-    (undefined where blk < 0), and the blocks' bits (the pool's unless MIXED)."""
+    """Key min and scale tiles [MB, D] (fp16 as stored, or a summary's float8 lo and span: the pointers'
+    type; pointers at the program's head) of blocks blk (undefined where blk < 0), and the blocks' bits (the
+    pool's unless MIXED)."""
     valid = blk >= 0
     offs = blk[:, None] * s_kn + tl.arange(0, D)[None, :]
     lo = tl.load(kmin_ptr + offs, mask=valid[:, None])
@@ -90,13 +98,13 @@ def _merge_top(best, keys, K, best_buf, TOPK: tl.constexpr):
 
 @triton.jit
 def _scan_chunk(lo, sc, bits, blk, c0, qs, qp, best, floor, wp, rp, cands, best_buf, K, TOPK: tl.constexpr,
-                MB: tl.constexpr, MIXED: tl.constexpr):  # fmt: skip
+                MB: tl.constexpr, MIXED: tl.constexpr, SUMMARY8: tl.constexpr):  # fmt: skip
     """Quest's bound of the blocks ``blk`` at positions c0... of the L2 list; their keys above ``floor`` (the
     K-th best so far) appended to ``cands[wp:]``, merged into ``best`` MB at a time (``cands[rp:rp + MB]``).
-    Returns (best, floor, wp, rp)."""
+    Returns (best, floor, wp, rp). SUMMARY8: ``sc`` is a summary's span, the levels in it."""
     jj = tl.arange(0, MB)
     s = sc.to(tl.float32)
-    if MIXED:
+    if MIXED and not SUMMARY8:
         s = s * tl.where(bits > 0, (1 << bits) - 1, 1).to(tl.float32)[:, None]
     score = tl.sum(lo.to(tl.float32) * qs[None, :] + s * qp[None, :], 1)
     score = score.to(tl.int32, bitcast=True)
@@ -115,9 +123,9 @@ def _scan_chunk(lo, sc, bits, blk, c0, qs, qp, best, floor, wp, rp, cands, best_
 
 @triton.jit
 def _query_sums(q_ptr, b, h, s_qb, s_qh, G: tl.constexpr, D: tl.constexpr, POOL_BITS: tl.constexpr,
-                MIXED: tl.constexpr):  # fmt: skip
+                MIXED: tl.constexpr, SUMMARY8: tl.constexpr):  # fmt: skip
     """S = sum_g q_g and P = sum_g max(q_g, 0) over KV head h's query group (P times the levels unless
-    MIXED)."""
+    MIXED or SUMMARY8: a summary's spans hold them)."""
     d = tl.arange(0, D)
     q_row = q_ptr + b.to(tl.int64) * s_qb + (h * G) * s_qh + d
     qs = tl.zeros([D], tl.float32)
@@ -126,7 +134,7 @@ def _query_sums(q_ptr, b, h, s_qb, s_qh, G: tl.constexpr, D: tl.constexpr, POOL_
         qg = tl.load(q_row + g * s_qh).to(tl.float32)
         qs += qg
         qp += tl.maximum(qg, 0.0)
-    if not MIXED:  # every block has the pool's levels: fold them into P
+    if not MIXED and not SUMMARY8:  # every block has the pool's levels: fold them into P
         qp = qp * (1.0 if POOL_BITS == 0 else (1 << POOL_BITS) - 1.0)
     return qs, qp
 
@@ -137,10 +145,11 @@ def _sparse_table_kernel(
     bytes_ptr, scratch_ptr, M, W, K, quest_cost, s_qb, s_qh, s_kn, s_kh,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, MB: tl.constexpr, SPLIT: tl.constexpr,
     TOPK: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr, MIXED: tl.constexpr,
-    SELECT: tl.constexpr, FILL: tl.constexpr,
+    SUMMARY8: tl.constexpr, SELECT: tl.constexpr, FILL: tl.constexpr,
 ):  # fmt: skip
     """Row (b, h): table = its L1 blocks in order ++ its K best L2 blocks for head h, -1 after; the count,
-    the L1 count, and the bytes attention and Quest read (Quest's once per sequence, by h == 0)."""
+    the L1 count, and the bytes attention and Quest read (Quest's once per sequence, by h == 0). SUMMARY8:
+    ``kmin_ptr``/``kscale_ptr`` are a summary's lo and span."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -150,7 +159,7 @@ def _sparse_table_kernel(
     cands = l2_list + M  # keys above the K-th best when they were scored, merged or not yet
     best_buf = cands + M  # the best keys after the last merge, descending
     if SELECT:  # the group's query sums, loaded while the split runs
-        qs, qp = _query_sums(q_ptr, b, h, s_qb, s_qh, G, D, POOL_BITS, MIXED)
+        qs, qp = _query_sums(q_ptr, b, h, s_qb, s_qh, G, D, POOL_BITS, MIXED, SUMMARY8)
 
     # 1. split: L1 blocks in order to the table, L2 blocks in order to the list (the tiers of the next chunk
     # and the ids of the one after in flight while a chunk is split)
@@ -199,14 +208,15 @@ def _sparse_table_kernel(
             p = c0 + 2 * MB + jj
             blk_n = tl.load(l2_list + p, mask=p < c2, other=-1)
             best, floor, wp, rp = _scan_chunk(lo_a, sc_a, bits_a, blk_a, c0, qs, qp, best, floor, wp, rp,
-                                              cands, best_buf, K, TOPK, MB, MIXED)  # fmt: skip
+                                              cands, best_buf, K, TOPK, MB, MIXED, SUMMARY8)  # fmt: skip
             lo_a, sc_a, bits_a = _bounds(kmin_h, kscale_h, bits_ptr, blk_n, s_kn, D, POOL_BITS, MIXED)
             blk_a = blk_n
             p = c0 + 3 * MB + jj
             blk_n = tl.load(l2_list + p, mask=p < c2, other=-1)
             if c0 + MB < c2:
                 best, floor, wp, rp = _scan_chunk(lo_b, sc_b, bits_b, blk_b, c0 + MB, qs, qp, best, floor, wp,
-                                                  rp, cands, best_buf, K, TOPK, MB, MIXED)  # fmt: skip
+                                                  rp, cands, best_buf, K, TOPK, MB, MIXED,
+                                                  SUMMARY8)  # fmt: skip
             blk_b = blk_n
         if wp > rp:  # the last candidates
             tl.debug_barrier()
@@ -242,13 +252,31 @@ def _pair(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, .
     return buf[:n].view(shape), buf[stride : stride + n].view(shape)
 
 
+def quest_bounds(
+    pool: ColdPool, count: ByteCount, summary: QuestSummary8 | None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What the selection's bound reads, the kernels' ``kmin_ptr`` and ``kscale_ptr`` (the pool's fp16 key
+    mins and scales, or the summary's e4m3 lo and span), and Quest's bytes per L2 block (``count.quest_cost``,
+    or the summary's: :class:`~kvtune.kernels.sparse_table_ref.ByteCount`)."""
+    if summary is None:
+        return pool.k_min, pool.k_scale, count.quest_cost
+    return summary.lo, summary.span, summary.bytes_per_block
+
+
 def table_outputs(
-    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
+    q: torch.Tensor,
+    pool: ColdPool,
+    blocks: torch.Tensor,
+    tier: torch.Tensor,
+    k_blocks: int,
+    count: ByteCount,
+    summary: QuestSummary8 | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A table launch's checks (ValueError naming the rule that does not hold) and its outputs, unwritten:
     table [B, H, M + k_blocks], num_cold and num_l1 [B, H], int32."""
     B, M = blocks.shape
     H = pool.layout.num_kv_heads
+    lo, span, _ = quest_bounds(pool, count, summary)
     rules = {
         "blocks int64 [B, M] contiguous": blocks.dtype == torch.int64 and blocks.is_contiguous(),
         "tier int8 [N] contiguous": tier.dtype == torch.int8 and tier.is_contiguous(),
@@ -257,6 +285,13 @@ def table_outputs(
         "q is [B, Hq, D]": q.dim() == 3 and q.shape[0] == B and q.shape[1] % H == 0,
         "k_blocks >= 0": k_blocks >= 0,
         "blocks per row < 2^28 (a key holds the position)": M < 1 << 28,
+        "summary: lo and span e4m3 [N, H, D] of one layout, channels contiguous": summary is None
+        or (
+            lo.dtype == span.dtype == E4M3
+            and lo.shape == span.shape == pool.k_min.shape
+            and lo.stride() == span.stride()
+            and lo.stride(2) == 1
+        ),
     }
     broken = [rule for rule, ok in rules.items() if not ok]
     if broken:
@@ -267,7 +302,13 @@ def table_outputs(
 
 
 def sparse_block_table_triton(
-    q: torch.Tensor, pool: ColdPool, blocks: torch.Tensor, tier: torch.Tensor, k_blocks: int, count: ByteCount
+    q: torch.Tensor,
+    pool: ColdPool,
+    blocks: torch.Tensor,
+    tier: torch.Tensor,
+    k_blocks: int,
+    count: ByteCount,
+    summary: QuestSummary8 | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract of :func:`kvtune.kernels.sparse_table_ref.sparse_block_table_ref`, in one launch.
 
@@ -275,11 +316,12 @@ def sparse_block_table_triton(
     the reference's order (later in the row first); bounds within float rounding of each other may be
     ordered differently. In an 8-bit pool that may hold demoted blocks each block's own bits give its levels
     and byte cost; in any other pool every block has the pool's bits (:mod:`kvtune.kernels.layout`), which
-    the kernel uses without reading ``block_bits``.
+    the kernel uses without reading ``block_bits``. ``summary``: the bounds from its e4m3 lo and span (the
+    same kernel built with ``SUMMARY8``).
     """
     if not tileable_head_dim(q.shape[2]):
-        return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count)
-    table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count)
+        return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count, summary)
+    table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count, summary)
     B, M = blocks.shape
     H = pool.layout.num_kv_heads
     dev = q.device
@@ -290,11 +332,12 @@ def sparse_block_table_triton(
         q = q.contiguous()
     topk = next_pow2(k_blocks)
     scratch = torch.empty((B * H, 2 * M + topk if k_blocks else 0), dtype=torch.int64, device=dev)
+    k_lo, k_span, quest_cost = quest_bounds(pool, count, summary)
     _sparse_table_kernel[(B * H,)](
-        q, pool.k_min, pool.k_scale, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total,
-        scratch, M, W, k_blocks, count.quest_cost, q.stride(0), q.stride(1), pool.k_min.stride(0),
-        pool.k_min.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=CHUNK, SPLIT=SPLIT, TOPK=topk, T1=L1,
-        T2=L2, POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote, SELECT=k_blocks > 0, FILL=FILL,
-        num_warps=NUM_WARPS, num_stages=1,
+        q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, scratch, M,
+        W, k_blocks, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0), k_lo.stride(1), H=H,
+        G=q.shape[1] // H, D=q.shape[2], MB=CHUNK, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits,
+        MIXED=pool.bits == 8 and pool.may_demote, SUMMARY8=summary is not None, SELECT=k_blocks > 0,
+        FILL=FILL, num_warps=NUM_WARPS, num_stages=1,
     )  # fmt: skip
     return table, num, n1

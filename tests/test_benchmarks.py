@@ -52,11 +52,13 @@ def test_decode_attention_mixed_smoke(tmp_path: Path) -> None:
 
 def test_decode_attention_quest_smoke(tmp_path: Path) -> None:
     """``--quest``: the selection with the single-program kernel and every split variant, each checked against
-    the single kernel's table first and timed; the whole sparse INT8 step both ways."""
+    the single kernel's table first and timed, and both from the float8 summary with the share of the fp16
+    selection they keep; the whole sparse INT8 step both ways."""
     _smoke("decode_attention.py", tmp_path, "--quest")
     table = (tmp_path / "quest.md").read_text()
     (row,) = [line for line in table.splitlines() if line.startswith("| 1 x 1K | launches |")]
-    assert row.count(" µs") == 0 and row.count(") [") == 6 and "differ" not in row
+    assert row.count(" µs") == 0 and row.count(") [") == 8 and "differ" not in row
+    assert row.count("% kept") == 2  # the fp8 variants
     (step,) = [line for line in table.splitlines() if line.startswith("Sparse INT8 step at 1 x 1K")]
     assert "single " in step and "split " in step and step.count("x SDPA") == 2
     assert (tmp_path / "quest.json").exists()

@@ -23,7 +23,7 @@ HAS_CUDA = torch.cuda.is_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 TESTS = Path(__file__).resolve().parent
 # the interpreted tests of these files run in the child pytest (``-k interpreted``)
-INTERPRETED_FILES = ("test_triton_kernels.py", "test_triton_step.py")
+INTERPRETED_FILES = ("test_triton_kernels.py", "test_triton_step.py", "test_quest_summary.py")
 _suite: list[tuple[subprocess.Popen, Any]] = []  # the child started for this run, and its output file
 
 

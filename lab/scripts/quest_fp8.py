@@ -29,23 +29,10 @@ from pathlib import Path
 import torch
 
 from kvtune.engine.model import causal_attention, load_model
+from kvtune.kernels.quest_summary import outward
 
 TEXT = Path(__file__).resolve().parents[2] / "examples" / "text" / "wikitext2_excerpt.txt"
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
-def outward(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
-    """``x`` rounded to ``dtype`` towards +inf (``up``) or -inf, back in float32."""
-    y = x.to(dtype).float()
-    wrong = y < x if up else y > x
-    if not wrong.any():
-        return y
-    bits = x.to(dtype).view(torch.uint8).to(torch.int16)
-    # one step in magnitude away from zero where the sign agrees with the direction, towards it otherwise
-    away = (x > 0) if up else (x < 0)
-    step = torch.where(away, 1, -1).to(torch.int16)
-    nudged = (bits + step).to(torch.uint8).view(dtype).float()
-    return torch.where(wrong, nudged, y)
 
 
 def select(qg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, top: int) -> torch.Tensor:
