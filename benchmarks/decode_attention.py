@@ -15,14 +15,16 @@ replays and as launches, after checking each split variant's table, counts and b
 kernel's bit for bit; both kernels again bounding the blocks from the float8 summary of their key bounds
 (``single fp8``, ``split fp8``: :mod:`kvtune.kernels.quest_summary`, half the bytes), the split one checked
 against the single one, each with the share of the fp16 single kernel's selected blocks it keeps; and the
-whole sparse INT8 step both ways beside SDPA. It writes ``quest.json`` and ``quest.md``.
+whole sparse INT8 step both ways beside SDPA. It writes ``quest.json`` and ``quest.md``. ``--top N`` sets the
+sparse tier's top-k in tokens (default 2048) for every mode.
 
 ``--mixed`` times only the sparse rows, sparse INT8 both ways (its mixed 8/4-bit table on the Triton split
 kernel, the default, and on the Gluon kernel, ``gluon_mixed``), sparse INT4 and unquantized beside them and
 SDPA, each as CUDA graph replays and as launches, after checking both INT8 ways against the fp32 reference
 on a pool with demoted blocks; it writes ``mixed.json`` and ``mixed.md``.
 
-    python benchmarks/decode_attention.py --out $OUT [--sweep] [--quick] [--graphs] [--mixed] [--quest]
+    python benchmarks/decode_attention.py --out $OUT [--sweep] [--quick] [--graphs] [--mixed] [--quest] \\
+        [--top N]
 """
 
 from __future__ import annotations
@@ -642,6 +644,7 @@ def profile(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    global SPARSE_TOKENS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--sweep", action="store_true", help="try kernel variants at 64x8K first")
@@ -668,7 +671,16 @@ def main() -> int:
         action="store_true",
         help="only the selection: the single-program kernel against the split one, graphs and launches",
     )
+    ap.add_argument(
+        "--top",
+        type=int,
+        default=SPARSE_TOKENS,
+        help=f"the sparse tier's top-k in tokens (default {SPARSE_TOKENS}; --smoke: 128)",
+    )
     args = ap.parse_args()
+    if args.top < BS or args.top % BS:
+        ap.error(f"--top {args.top}: a positive multiple of the block size, {BS}")
+    SPARSE_TOKENS = args.top
     if args.profile is not None:
         return profile(args)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -682,7 +694,7 @@ def main() -> int:
     global GRAPHS
     GRAPHS = args.graphs and DEVICE == "cuda"
     if args.smoke:
-        global SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS, SPARSE_SHAPES, CHECK_SHAPE
+        global SWEEP_SHAPE, PPS_SHAPES, SPARSE_SHAPES, CHECK_SHAPE
         SWEEP_SHAPE, PPS_SHAPES, SPARSE_TOKENS, SPARSE_SHAPES = (2, 256), [(1, 512)], 128, [(1, 1024)]
         CHECK_SHAPE = (1, 4 * BS + 37)
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"

@@ -27,6 +27,14 @@ def _smoke(script: str, out: Path, *extra: str) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def test_decode_attention_refuses_a_top_k_that_is_not_whole_blocks(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--top", "100", "--out",
+         str(tmp_path)], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and "--top 100: a positive multiple of the block size, 64" in run.stderr
+
+
 def test_decode_attention_smoke(tmp_path: Path) -> None:
     _smoke("decode_attention.py", tmp_path)
     table = (tmp_path / "table.md").read_text()
