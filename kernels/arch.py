@@ -51,6 +51,11 @@ class Arch:
         """Programmatic dependent launch (``griddepcontrol``): Hopper and later."""
         return self.capability >= (9, 0)
 
+    @property
+    def fp8(self) -> bool:
+        """Float8 e4m3 loads and conversions (Triton's ``float8e4nv``): Ada (sm_89) and later."""
+        return self.capability >= (8, 9)
+
 
 ARCHS: dict[str, Arch] = {
     a.name: a

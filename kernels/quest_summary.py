@@ -19,9 +19,11 @@ single kernel took 20.6 µs from the summary against 22.5 µs from fp16 at 16 ×
 against 26.6 µs at 4 × 128K: half the bytes took 8-17 % off, so the bytes are not the whole of the
 selection's time. The cache does not keep a summary yet (its seal would write one beside the fp16 bounds).
 
-e4m3 has 4 significant bits and no infinities: its largest finite value is 448, past which no e4m3 value
-bounds a key. Keys are O(10), so :func:`summary8` refuses a pool whose key minimum or span lies past ±448
-(ValueError) instead of scaling the bounds.
+The kernels load e4m3 tiles, which Triton compiles for sm_89 (Ada) and newer only: on an A100 or an A10G
+:func:`~kvtune.kernels.sparse_table.sparse_block_table` refuses a summary (ValueError) and the selection
+reads the fp16 bounds. e4m3 has 4 significant bits and no infinities: its largest finite value is 448, past
+which no e4m3 value bounds a key. Keys are O(10), so :func:`summary8` refuses a pool whose key minimum or span
+lies past ±448 (ValueError) instead of scaling the bounds.
 """
 
 from __future__ import annotations

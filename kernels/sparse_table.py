@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.arch import num_sms
+from kvtune.kernels.arch import arch_of, num_sms
 from kvtune.kernels.backend import use_triton
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quest_summary import QuestSummary8
@@ -32,6 +32,11 @@ def sparse_block_table(
     :func:`kvtune.kernels.sparse_table_choice.select_kernel`; None: the default). ``summary``: select from
     the pool's float8 key bounds (:mod:`kvtune.kernels.quest_summary`) instead of its fp16 ones."""
     rows = q.shape[0] * pool.layout.num_kv_heads
+    if summary is not None and use_triton(q) and not arch_of(q.device).fp8:
+        raise ValueError(
+            f"the float8 Quest summary needs sm_89 or newer (e4m3 loads), but {q.device} is "
+            f"{arch_of(q.device).name}: select from the pool's fp16 key bounds (summary=None)"
+        )
     if use_triton(q) and select_kernel(k_blocks, q.shape[2], options, rows, num_sms(q.device)) == "split":
         from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
 

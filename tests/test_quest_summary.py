@@ -171,12 +171,15 @@ def test_summary_selection_gpu(gpu_kernels, b: int, h: int, g: int, d: int, m: i
 
 
 @pytest.mark.skipif(INTERPRETING, reason="kernels defined under the interpreter do not compile")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
 @pytest.mark.parametrize("kind", ["int8 mixed", "int4"])
 @pytest.mark.parametrize("split", [False, True])
-def test_summary_kernels_compile_for_sm90(kind: str, split: bool) -> None:
-    """The launches with a summary (Llama-3-8B heads, 16 rows of 512 blocks, top 32) compile for Hopper, on
-    any machine (:mod:`kvtune.kernels.aot`), and score e4m3 tiles."""
-    from kvtune.kernels.aot import compile_launch, record_launches
+def test_summary_kernels_compile_from_ada_on(arch: str, kind: str, split: bool) -> None:
+    """The launches with a summary (Llama-3-8B heads, 16 rows of 512 blocks, top 32) compile for sm_89 and
+    sm_90, on any machine (:mod:`kvtune.kernels.aot`), and score e4m3 tiles; for sm_80 and sm_86 Triton has
+    no e4m3 loads, which is why the dispatcher refuses a summary there (next test)."""
+    from kvtune.kernels.aot import compile_launch, record_launches, target_of
+    from kvtune.kernels.arch import ARCHS
     from kvtune.kernels.sparse_table_choice import SelectOptions
     from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
     from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
@@ -189,9 +192,30 @@ def test_summary_kernels_compile_for_sm90(kind: str, split: bool) -> None:
                                                                            summary8(pool)))  # fmt: skip
     else:
         launches = record_launches(lambda: sparse_block_table_triton(*args, summary8(pool)))
-    ptx = [compile_launch(launch).asm["ptx"] for launch in launches]
-    assert len(ptx) == 1 + split and all(".target sm_90" in p for p in ptx)
-    assert "e4m3" in ptx[0] and launches[0].kwargs["SUMMARY8"]
+    assert len(launches) == 1 + split and launches[0].kwargs["SUMMARY8"]
+    target = target_of(ARCHS[arch])
+    if not ARCHS[arch].fp8:
+        with pytest.raises(Exception, match=r"fp8e4nv not supported in this architecture"):
+            compile_launch(launches[0], target)
+        return
+    ptx = [compile_launch(launch, target).asm["ptx"] for launch in launches]
+    assert all(f".target {arch}" in p for p in ptx) and "e4m3" in ptx[0]
+
+
+def test_the_selection_refuses_a_summary_below_ada(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an A100 or an A10G the selection refuses a summary in one line naming the rule and the way out,
+    before any launch."""
+    from kvtune.kernels import sparse_table
+    from kvtune.kernels.arch import ARCHS
+
+    pool = _pool("int4", 8, 2, 32, torch.Generator().manual_seed(0), "cpu")
+    blocks, tier = torch.arange(8).view(1, 8), torch.full((8,), L2, dtype=torch.int8)
+    monkeypatch.setattr(sparse_table, "use_triton", lambda q: True)
+    for arch in ("sm_80", "sm_86"):
+        monkeypatch.setattr(sparse_table, "arch_of", lambda device, arch=arch: ARCHS[arch])
+        with pytest.raises(ValueError, match=f"needs sm_89 or newer .e4m3 loads., but cpu is {arch}: select"):
+            sparse_table.sparse_block_table(torch.zeros(1, 4, 32), pool, blocks, tier, 2, _count("cpu"),
+                                            summary=summary8(pool))  # fmt: skip
 
 
 # ---- the selection from the summary against the fp16 one
