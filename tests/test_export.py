@@ -359,3 +359,23 @@ def test_search_rate_counts_busy_time_and_complete_trials() -> None:
     line = ex.describe_rate(rate)
     assert line.startswith("4 trials (1 pruned, 1 failed) in 130 s of search on 2 worker(s): 111 trials per")
     assert ex.search_rate([optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING)]) is None
+    assert rate["parts_s"] is None  # no trial probed: not a capacity study
+
+
+def test_search_rate_says_where_a_capacity_trials_time_went() -> None:
+    """A trial's wall split into its replays, its new cache's set-up (in the first probe), its quality call
+    (none where an earlier trial's quality was reused) and the rest; a study stored before the quality call
+    was timed has it in the rest, said so."""
+    first, second = _timed(0, 60, 0), _timed(60, 30, 0)
+    first.user_attrs.update({names.ATTR_PROBES: [{"wall_s": 20.0, "prime_s": 8.0}, {"wall_s": 10.0}],
+                             names.ATTR_QUALITY_S: {"wall_s": 22.0, "load_s": 7.0}})  # fmt: skip
+    second.user_attrs[names.ATTR_PROBES] = [{"wall_s": 12.0, "prime_s": 4.0}, {"wall_s": 9.0}]
+    rate = ex.search_rate([first, second])
+    assert rate is not None
+    assert rate["parts_s"] == pytest.approx({"probes": (22 + 17) / 2, "set_up": 6.0, "quality": 11.0,
+                                             "other": (8 + 9) / 2})  # fmt: skip
+    assert "(probes 19.5, a new cache's set-up 6.0, quality 11.0, other 8.5 s" in ex.describe_rate(rate)
+    del first.user_attrs[names.ATTR_QUALITY_S]
+    older = ex.search_rate([first, second])
+    assert older is not None and older["parts_s"]["quality"] is None
+    assert "set-up 6.0, other (quality included) 19.5 s" in ex.describe_rate(older)

@@ -43,8 +43,10 @@ from kvtune.studies.names import (
     ATTR_DEVICE,
     ATTR_MODEL,
     ATTR_OBJECTIVE,
+    ATTR_PROBES,
     ATTR_QUALITY,
     ATTR_QUALITY_LIMITS,
+    ATTR_QUALITY_S,
     ATTR_SAMPLE,
     ATTR_SEED,
     ATTR_SPACE,
@@ -375,7 +377,8 @@ def search_rate(trials: Sequence[Any]) -> dict[str, Any] | None:
     ``busy_s`` is the union of the trials' intervals, so the gaps between runs of a resumed study are not
     counted; ``per_hour`` counts finished trials (complete or pruned: the study's trial count), not failed
     ones (their time is spent, not credited); ``workers`` is how many distinct workers ran a trial
-    (``kvtune.worker``). None when no trial has both times."""
+    (``kvtune.worker``); ``parts_s``: where a capacity trial's wall went on average (:func:`trial_parts`),
+    None without one. None when no trial has both times."""
     timed = [t for t in trials if t.datetime_start is not None and t.datetime_complete is not None]
     if not timed:
         return None
@@ -396,16 +399,47 @@ def search_rate(trials: Sequence[Any]) -> dict[str, Any] | None:
         "busy_s": busy,
         "per_hour": 3600.0 * finished / busy if busy > 0 else None,
         "mean_trial_s": statistics.fmean((end - start).total_seconds() for start, end in spans),
+        "parts_s": trial_parts(timed),
     }
+
+
+def trial_parts(trials: Sequence[Any]) -> dict[str, float | None] | None:
+    """Where the capacity trials' wall went, the mean over those that probed (``kvtune.probes``): ``probes``
+    (the replays), ``set_up`` (a new config's cache, in its first probe), ``quality`` (the quality call,
+    ``kvtune.quality_s``; 0 where an earlier trial's was reused; None in a study stored before trials timed
+    it, where it is in ``other``) and ``other`` (the rest: the driver's calls, the study's storage). None when
+    no trial probed."""
+    parts, timed = [], False
+    for t in trials:
+        probes = t.user_attrs.get(ATTR_PROBES)
+        if not probes or t.datetime_start is None or t.datetime_complete is None:
+            continue
+        set_up = sum(float(p.get("prime_s") or 0.0) for p in probes)
+        replays = sum(float(p.get("wall_s") or 0.0) for p in probes) - set_up
+        timed = timed or ATTR_QUALITY_S in t.user_attrs
+        quality = float((t.user_attrs.get(ATTR_QUALITY_S) or {}).get("wall_s") or 0.0)
+        wall = (t.datetime_complete - t.datetime_start).total_seconds()
+        parts.append((replays, set_up, quality, max(0.0, wall - replays - set_up - quality)))
+    if not parts:
+        return None
+    names = ("probes", "set_up", "quality", "other")
+    means: dict[str, float | None] = {n: statistics.fmean(p[i] for p in parts) for i, n in enumerate(names)}
+    return means if timed else means | {"quality": None}
 
 
 def describe_rate(rate: Mapping[str, Any]) -> str:
     """One line for :func:`search_rate`'s result."""
     extra = ", ".join(f"{rate[k]} {k}" for k in ("pruned", "failed") if rate[k])
     per_hour = "-" if rate["per_hour"] is None else f"{rate['per_hour']:.0f}"
+    parts, where = rate.get("parts_s"), ""
+    if parts:
+        quality = "" if parts["quality"] is None else f"quality {parts['quality']:.1f}, "
+        other = "other" if parts["quality"] is not None else "other (quality included)"
+        where = (f" (probes {parts['probes']:.1f}, a new cache's set-up {parts['set_up']:.1f}, {quality}"
+                 f"{other} {parts['other']:.1f} s: the capacity trials' means)")  # fmt: skip
     return (f"{rate['finished']} trials{f' ({extra})' if extra else ''} in {rate['busy_s']:.0f} s of search"
             f" on {rate['workers'] or '?'} worker(s): {per_hour} trials per hour, "
-            f"{rate['mean_trial_s']:.1f} s per trial")  # fmt: skip
+            f"{rate['mean_trial_s']:.1f} s per trial{where}")  # fmt: skip
 
 
 def _objective(objective: str) -> tuple[str, str]:
