@@ -127,6 +127,9 @@ def test_a_trial_starts_where_its_sequences_against_the_baselines_predict() -> N
     assert warm_start(started, 9.0) is started  # no noise measured: as it was
     below = warm_start(started, 12.0, noise=0.025)
     assert below.start == 12.0 and below.step_down == pytest.approx(12.0 * 0.975)
+    # a best of 0 (a feasible trial that passed no rate) is no best: no edge at 0 to probe after a failure
+    nothing = warm_start(started, 0.0, noise=0.34)
+    assert nothing is started and nothing.record(started.start, False).next_rate() > 0
     assert CONCURRENCY_EXPONENT == 0.75
 
 

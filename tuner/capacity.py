@@ -498,7 +498,7 @@ def warm_start(search: CapacitySearch, best_known: float | None, noise: float = 
     from there as a search near its answer does (:func:`near_search`'s steps: a config that beats the best
     mostly does so by a little). A search started above the best keeps its start, and a first failure
     there probes that edge next too (a prediction too high prunes as fast as a start at the best)."""
-    if best_known is None or not math.isfinite(best_known):
+    if best_known is None or not (math.isfinite(best_known) and best_known > 0):  # 0: no rate passed yet
         return search
     down = best_known * (1.0 - noise) if 0.0 < noise < 1.0 else None
     if best_known <= search.start:
