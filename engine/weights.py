@@ -349,18 +349,20 @@ _GGUF_NAMES = {
 def load_gguf(
     path: str | Path, device: torch.device, dtype: torch.dtype
 ) -> tuple[ModelSpec, dict[str, torch.Tensor], dict[str, Any]]:
-    """Spec, dequantized weights and metadata of a llama-architecture GGUF file."""
+    """Spec, dequantized weights and metadata of a llama-architecture GGUF file (its header read by
+    :func:`kvtune.engine.gguf_file.read_gguf`, its tensors dequantized by the ``gguf`` package)."""
     import gguf
 
+    from kvtune.engine.gguf_file import read_gguf
+
     try:
-        reader = gguf.GGUFReader(str(path))
+        meta, file_tensors = read_gguf(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: unreadable GGUF file ({e})") from None
-    meta = gguf_metadata(reader)
     spec = _spec_from_gguf(str(path), meta)
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name, w = _hf_name(t.name), gguf.quants.dequantize(t.data, t.tensor_type)
+    for t in file_tensors:
+        name, w = _hf_name(t.name), gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
         if name.endswith("q_proj.weight"):
             w = unpermute_rope_rows(w, spec.num_heads)
         elif name.endswith("k_proj.weight"):
@@ -369,11 +371,6 @@ def load_gguf(
     spec = replace(spec, tie_embeddings="lm_head.weight" not in tensors)
     check_shapes(str(path), spec, tensors)
     return spec, tensors, meta
-
-
-def gguf_metadata(reader: Any) -> dict[str, Any]:
-    """Scalar and array metadata of a GGUFReader as Python values."""
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
 def _spec_from_gguf(where: str, meta: dict[str, Any]) -> ModelSpec:

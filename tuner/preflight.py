@@ -136,17 +136,17 @@ def _needs_gguf_reader() -> None:
 
 def _gguf_context(path: Path) -> int:
     """The context length of a GGUF file's Llama model, from its header alone (no tensor is read)."""
-    import gguf
+    from kvtune.engine.gguf_file import read_gguf
 
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ValueError(f"{path}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
     try:
-        fields = gguf.GGUFReader(str(path)).fields
-        arch = fields["general.architecture"].contents()
+        meta, _ = read_gguf(path)
+        arch = meta["general.architecture"]
         if arch != "llama":
             raise ValueError(f"{path}: general.architecture={arch!r}, expected 'llama'")
-        context = int(fields["llama.context_length"].contents())
+        context = int(meta["llama.context_length"])
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a Llama GGUF (missing {e})") from None
     return context
