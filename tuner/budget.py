@@ -18,9 +18,9 @@ plans fewer first repeats than ``--repeats`` asked, down to three, the fewest wh
 towards its interval goal only while a round fits (:class:`~kvtune.tuner.validation.RepeatPlan`). What the
 budget cut is stored with the validation (``budget``) and shown in the preset.
 
-On an H200 (Llama-3.1-8B shape, 1 GiB, 96 requests of an unseen Azure window, three studies) this plan puts
-validation at 198-241 s where it took 135-196 s; the plan before it, which priced the first search as the
-baseline's cold one, every search's set-up as a new config's and reserved 1.25x, put it at 251-311 s.
+On an H200 (Llama-3.1-8B shape, 1 GiB, 96 requests of an unseen Azure window, four studies) this plan puts
+validation at 198-261 s where it took 135-225 s; the plan before it, which priced the first search as the
+baseline's cold one, every search's set-up as a new config's and reserved 1.25x, put it at 251-365 s.
 
 For the fixed-rate objectives, which measure no baseline search, the plan keeps :data:`FIXED_RESERVE` of the
 budget for validation.

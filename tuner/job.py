@@ -401,7 +401,7 @@ def revisit_s(noise: dict[str, Any]) -> float | None:
     """Setting a config's cache up again, as the baseline's first probe did (the calibration and the
     unloaded replay had met the config before it); None where the record has no probe times. Validation
     pays it once per search: 2.8-3.6 s a search on an H200 where the baseline's first probe took 3.8-5.0
-    s and a trial's first probe, a config met anew, 3-8 s."""
+    s and a trial's first probe, a config met anew, 3-12 s."""
     searches = noise.get("searches") or []
     probes = (searches[0].get("probes") or []) if searches else []
     prime = probes[0].get("prime_s") if probes else None
