@@ -12,7 +12,9 @@ clock (``SchedulerConfig.clock``: the device clock adds each iteration's CUDA-ev
 between iterations out), on the same kept cache and graphs, and reports each clock apart. Each replay runs
 with Python's garbage collector collected before it and off during it, as a trial's probes run (``--gc on``
 leaves it on, to see what its collections cost a replay), and nvidia-smi samples the SM clock, power and
-throttling beside it (``--no-gpu-state``: not). ``--profile DIR``
+throttling beside it (``--no-gpu-state``: not). ``--no-mixed`` prefills prompts in forwards of their own
+between decode steps, which then all replay their CUDA graphs (``SchedulerConfig.mixed``), where by default
+decode rows and prompt chunks share one op-by-op forward. ``--profile DIR``
 replays each (config, budget) once more under the PyTorch profiler after its repeats and writes where the
 device time went (DIR/<config>_<budget>.txt: the kernels with the most device time, their share of the
 replay's wall time).
@@ -120,6 +122,12 @@ def _args() -> argparse.Namespace:
         help="with --profile: record Python stacks and list the host's waits (synchronisations, copies to "
         "the host) by where they are called",
     )
+    p.add_argument(
+        "--no-mixed",
+        action="store_true",
+        help="prompts prefilled in forwards of their own between decode steps (which keep their CUDA graphs) "
+        "instead of sharing a forward with the decode rows",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -144,7 +152,7 @@ def main() -> None:
     )
     configs = args.configs or [CONFIGS / f"{c}.json" for c in DEFAULT_CONFIGS]
     budgets = [(b, _budget(b, loaded, device)) for b in (args.kv_budget or ["default"])]
-    ours = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    ours = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, mixed=not args.no_mixed)
     engines = [("engine", ours, args.repeats)] + ([("baseline", BASELINE, 1)] if args.baseline else [])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     mean_in = statistics.mean(r.input_length for r in requests)

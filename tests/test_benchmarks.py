@@ -148,6 +148,14 @@ def test_engine_replay_and_capacity_compare_smoke(tmp_path: Path) -> None:
     assert all(r["metrics"]["forwards"] and r["metrics"]["forwards"][0]["prompt_tokens"] > 0 for r in rows)
     assert replay.stdout.count("prompt forwards: ") == len(rows)
     assert all(r["metrics"]["gc"] == "paused" for r in rows)  # as a trial's probes replay
+    separate = subprocess.run(  # prompts in forwards of their own: no mixed iteration
+        [sys.executable, str(ROOT / "benchmarks" / "engine_replay.py"), *common, "--repeats", "1",
+         "--no-prime", "--no-mixed", "--json", str(tmp_path / "separate.json"), pair[1]],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert separate.returncode == 0, separate.stderr[-2000:]
+    run = json.loads((tmp_path / "separate.json").read_text())
+    assert run["engine_options"]["mixed"] is False and run["results"][0]["metrics"]["mixed_iterations"] == 0
     capacity = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "capacity_compare.py"), *common, "--repeats", "1",
          "--slo-ttft-ms", "5000", "--slo-tpot-ms", "500", "--json", str(tmp_path / "capacity.json"), *pair],
