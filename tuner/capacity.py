@@ -67,8 +67,9 @@ NEAR_EXPAND = 1.05
 # sequences its KV budget holds, times the trial's factor). H200 studies, Llama-3.1-8B shape, 1 GiB, lengths
 # × 0.25, 11 complete trials of 7 studies on the gated and device clocks (INT8 and INT4 at 31-116 sequences
 # against the baseline's 19): exponents 0.62-1.02, and at 0.75 the prediction fell within 0.88-1.22× of the
-# capacity found; 10 trials of older studies (28 and 20 baseline sequences) within 0.70-1.53×. A
-# trial's search starts where it predicts (:func:`predicted_start`), near steps from there
+# capacity found (three more, started from it: 0.91-0.95×); 10 trials of older studies (28 and 20 baseline
+# sequences) within 0.70-1.53×. A trial's search starts where it predicts (:func:`predicted_start`), near
+# steps from there
 CONCURRENCY_EXPONENT = 0.75
 # A search with ``draws`` (:class:`CapacitySearch`) bisects only until its bracket is this wide (hi / lo − 1),
 # then spends its draws at the estimate of the rate a replay passes half the time
