@@ -41,16 +41,19 @@ def quest_topk_ref(
     exist. Ties: of blocks with equal bounds the one later in ``l2_table`` comes first (and is kept where
     the ``k_blocks``-th place falls among them), as in the Triton kernels' keys.
     """
-    bsz, h = q.shape[0], pool.layout.num_kv_heads
-    out = torch.full((bsz, h, k_blocks), -1, dtype=torch.int32, device=q.device)
-    m2 = l2_table.shape[1]
+    return topk_of_scores(quest_scores_ref(q, pool, l2_table, l2_count), l2_table, k_blocks)
+
+
+def topk_of_scores(scores: torch.Tensor, l2_table: torch.Tensor, k_blocks: int) -> torch.Tensor:
+    """The block ids of the ``k_blocks`` best of ``scores`` [B, H, M2] (``-inf``: padding) per sequence and
+    KV head, with :func:`quest_topk_ref`'s order, ties and padding."""
+    bsz, h, m2 = scores.shape
+    out = torch.full((bsz, h, k_blocks), -1, dtype=torch.int32, device=scores.device)
     kk = min(k_blocks, m2)
     if kk == 0:
         return out
     # a stable descending sort of the reversed list: equal bounds keep the reversed order, later first
-    values, rev = (
-        quest_scores_ref(q, pool, l2_table, l2_count).flip(-1).sort(dim=-1, descending=True, stable=True)
-    )
+    values, rev = scores.flip(-1).sort(dim=-1, descending=True, stable=True)
     values, idx = values[..., :kk], m2 - 1 - rev[..., :kk]
     ids = torch.gather(l2_table[:, None, :].expand(bsz, h, -1), 2, idx)
     out[..., :kk] = torch.where(torch.isfinite(values), ids, -1).to(torch.int32)

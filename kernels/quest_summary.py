@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtune.kernels.layout import ColdPool
+from kvtune.kernels.layout import ColdPool, block_levels
+from kvtune.kernels.quest_ref import topk_of_scores
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448: the largest finite e4m3 value
@@ -70,22 +71,13 @@ class QuestSummary8:
         return 2 * math.prod(self.lo.shape[1:])
 
 
-def summary_levels(pool: ColdPool) -> torch.Tensor:
-    """Each block's levels as the selection kernels apply them, float64 [num_blocks]: its own bits' in an
-    8-bit pool that may hold demoted blocks, the pool's in any other (2^bits - 1; 1 where unquantized)."""
-    if pool.bits == 8 and pool.may_demote:
-        bits = pool.block_bits.to(torch.int64)
-    else:
-        bits = torch.full_like(pool.block_bits, pool.bits, dtype=torch.int64)
-    return torch.where(bits > 0, (1 << bits) - 1, 1).to(torch.float64)
-
-
 def summary8(pool: ColdPool) -> QuestSummary8:
     """The e4m3 summary of the pool's key bounds. The maximum ``min + scale · levels`` and the span are
     computed in float64, where both are exact: ``lo + span`` bounds the true maximum, not only its float32
     rounding. ValueError where a key minimum or span lies past ±448 (no e4m3 value bounds it)."""
     k_min = pool.k_min.double()
-    hi = k_min + pool.k_scale.double() * summary_levels(pool)[:, None, None]
+    levels = block_levels(pool, torch.arange(pool.num_blocks, device=pool.k_min.device)).double()
+    hi = k_min + pool.k_scale.double() * levels[:, None, None]
     lo = outward(k_min, E4M3, up=False)
     span = hi - lo.double()
     if not bool((k_min.abs() <= E4M3_MAX).all() and (span <= E4M3_MAX).all()):
@@ -118,14 +110,4 @@ def summary_topk_ref(
     """:func:`kvtune.kernels.quest_ref.quest_topk_ref`'s contract and tie rule (of equal bounds the block
     later in ``l2_table`` first) with the summary's bounds: [B, H, k_blocks] int32 ids, best first, -1
     padded."""
-    bsz, h, m2 = q.shape[0], summary.lo.shape[1], l2_table.shape[1]
-    out = torch.full((bsz, h, k_blocks), -1, dtype=torch.int32, device=q.device)
-    kk = min(k_blocks, m2)
-    if kk == 0:
-        return out
-    scores = summary_scores_ref(q, summary, l2_table, l2_count)
-    values, rev = scores.flip(-1).sort(dim=-1, descending=True, stable=True)  # equal bounds: later first
-    values, idx = values[..., :kk], m2 - 1 - rev[..., :kk]
-    ids = torch.gather(l2_table[:, None, :].expand(bsz, h, -1), 2, idx)
-    out[..., :kk] = torch.where(torch.isfinite(values), ids, -1).to(torch.int32)
-    return out
+    return topk_of_scores(summary_scores_ref(q, summary, l2_table, l2_count), l2_table, k_blocks)
