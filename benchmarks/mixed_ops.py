@@ -106,6 +106,7 @@ class Scene:
 KERNELS = {
     "kvtune.cache_impl.hybrid_cache": (
         "update_access", "hybrid_decode_attention", "seal_blocks", "requantize_int4", "sparse_block_table",
+        "chunks_attention",  # one FlashAttention call on a GPU; chunk by chunk on a CPU
     ),
     "kvtune.engine.model": ("add_rms_norm", "rope_qkv", "silu_mul"),
 }  # fmt: skip

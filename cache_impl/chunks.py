@@ -1,15 +1,23 @@
 """The prompt chunks of one engine iteration, planned once for every layer (``HybridCache.prefill_chunks``).
 
 Per layer, what ``HybridCache.prefill`` does chunk by chunk (attend over the cached prefix and the chunk;
-seal the blocks the chunk fills; put the rest in the hot zone) runs here with the writes of all chunks
-fused: each chunk's hot tokens and new tokens form one *stream* ``[S, 2, H, D]`` (K and V stacked), the
-sealed blocks are one gather of its rows and one ``seal_blocks`` call, the new hot zones one gather and one
-scatter. Only attention stays per chunk. The indices are the same in every layer: the host computes them at
-layer 0 into one array, uploaded in one copy (pinned, without waiting for the device on CUDA).
+seal the blocks the chunk fills; put the rest in the hot zone) runs here for all chunks at once, in a fixed
+number of operations whatever the number of chunks: the chunks' keys and values are *packed* ``[K, 2, H,
+D]`` (K and V stacked), each chunk's segment its cached prefix (sealed blocks, dequantized), its hot tokens
+and its new tokens, which is what its queries attend to (causally, the queries at the segment's end). One
+gather builds the packed rows from the layer's dequantized prefix blocks, hot tokens and new tokens; one
+attention call covers every chunk (FlashAttention's variable-length form on a GPU, one call per chunk
+elsewhere: :func:`kvtune.cache_impl.hybrid_cache.chunks_attention`); the sealed blocks are one gather of the
+packed rows and one ``seal_blocks`` call, the new hot zones one gather and one scatter. The indices are the
+same in every layer: the host computes them at layer 0 into one array, uploaded in one copy (pinned,
+without waiting for the device on CUDA).
 
-Stream layout, per chunk in order: its ``hot_len`` hot tokens (a later chunk of a prompt), then its ``T``
-new tokens. Rows ``[0, n_seal · bs)`` of a chunk's segment seal into its fresh blocks; the rest becomes its
-hot zone, from position 0.
+Packed layout, per chunk in order: its ``sealed × bs`` prefix tokens, its ``hot_len`` hot tokens, then its
+``T`` new tokens. Of the chunk's *stream* (hot then new tokens), rows ``[0, n_seal · bs)`` seal into its
+fresh blocks; the rest becomes its hot zone, from position 0.
+
+The source the packing gathers from is ``[every chunk's prefix tokens | every chunk's hot tokens | the new
+tokens]``, each part chunk after chunk.
 """
 
 from __future__ import annotations
@@ -36,26 +44,35 @@ class ChunkSpec:
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """Device indices of an iteration's chunks (views of one uploaded int64 buffer).
+    """Device indices of an iteration's chunks (views of one uploaded int64 buffer, and the two int32
+    offsets FlashAttention takes).
 
-    bounds: per chunk (q start, q end, stream start), host ints · prefix [p]: every chunk's sealed blocks
-    before it, chunk after chunk (dequantized in one call per layer) · prefix_bounds: per chunk its
-    (start, end) in ``prefix``, host ints · seal_blocks [n]: the fresh blocks, chunk by chunk · seal_rows
-    [n · bs]: their stream rows · hot_rows, hot_slots, hot_pos [m]: the stream rows that become hot tokens,
-    their slot and position · has_hot: whether any chunk starts with hot tokens (else the stream is just
-    the chunks' K and V).
+    bounds: per chunk (q start, q end), host ints · key_bounds: per chunk its (start, end) in the packed
+    rows, host ints · done: per chunk the tokens cached before it, host ints · prefix [p]: every chunk's
+    sealed blocks before it, chunk after chunk (dequantized in one call per layer) · hot_src_slots,
+    hot_src_pos [h]: the hot tokens the chunks start with, chunk after chunk · pack [K]: the packed rows'
+    rows in the source · seal_blocks [n]: the fresh blocks, chunk by chunk · seal_rows [n · bs]: their
+    packed rows · hot_rows, hot_slots, hot_pos [m]: the packed rows that become hot tokens, their slot and
+    position · cu_q, cu_k [C + 1] int32: the chunks' query and key offsets · max_q, max_k: the longest.
     """
 
     specs: tuple[ChunkSpec, ...]
-    bounds: tuple[tuple[int, int, int], ...]
+    bounds: tuple[tuple[int, int], ...]
+    key_bounds: tuple[tuple[int, int], ...]
+    done: tuple[int, ...]
     prefix: torch.Tensor
-    prefix_bounds: tuple[tuple[int, int], ...]
+    hot_src_slots: torch.Tensor
+    hot_src_pos: torch.Tensor
+    pack: torch.Tensor
     seal_blocks: torch.Tensor
     seal_rows: torch.Tensor
     hot_rows: torch.Tensor
     hot_slots: torch.Tensor
     hot_pos: torch.Tensor
-    has_hot: bool
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -69,37 +86,63 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def build_chunk_plan(specs: list[ChunkSpec], block_size: int, device: torch.device) -> ChunkPlan:
     """The indices of ``specs`` (in the order their tokens come), packed on the host and uploaded once."""
-    bounds, prefix_bounds, q0, s0, p0 = [], [], 0, 0, 0
-    prefix, seal_ids, seal_rows, hot_rows, hot_slots, hot_pos = [], [], [], [], [], []
+    bs = block_size
+    prefix_total = bs * sum(s.sealed for s in specs)
+    hot_total = sum(s.hot_len for s in specs)
+    bounds, key_bounds, done = [], [], []
+    prefix, hot_src_slots, hot_src_pos, pack = [], [], [], []
+    seal_ids, seal_rows, hot_rows, hot_slots, hot_pos = [], [], [], [], []
+    q0 = k0 = p0 = h0 = 0
     for s in specs:
-        bounds.append((q0, q0 + s.tokens, s0))
+        cached = s.sealed * bs
+        segment = cached + s.hot_len + s.tokens
+        bounds.append((q0, q0 + s.tokens))
+        key_bounds.append((k0, k0 + segment))
+        done.append(cached + s.hot_len)
         prefix.append(s.blocks[: s.sealed])
-        prefix_bounds.append((p0, p0 + s.sealed))
-        p0 += s.sealed
+        hot_src_slots.append(np.full(s.hot_len, s.slot))
+        hot_src_pos.append(np.arange(s.hot_len))
+        pack.append(np.arange(p0, p0 + cached))
+        pack.append(prefix_total + np.arange(h0, h0 + s.hot_len))
+        pack.append(prefix_total + hot_total + np.arange(q0, q0 + s.tokens))
+        stream = k0 + cached  # the chunk's hot then new tokens in the packed rows
         seal_ids.append(s.blocks[s.sealed : s.sealed + s.n_seal])
-        seal_rows.append(s0 + np.arange(s.n_seal * block_size))
-        segment = s.hot_len + s.tokens
-        tail = np.arange(s.n_seal * block_size, segment)
-        hot_rows.append(s0 + tail)
+        seal_rows.append(stream + np.arange(s.n_seal * bs))
+        tail = np.arange(s.n_seal * bs, s.hot_len + s.tokens)
+        hot_rows.append(stream + tail)
         hot_slots.append(np.full(len(tail), s.slot))
-        hot_pos.append(tail - s.n_seal * block_size)
-        q0, s0 = q0 + s.tokens, s0 + segment
-    fields = [np.concatenate(x) for x in (prefix, seal_ids, seal_rows, hot_rows, hot_slots, hot_pos)]
+        hot_pos.append(tail - s.n_seal * bs)
+        q0, k0, p0, h0 = q0 + s.tokens, k0 + segment, p0 + cached, h0 + s.hot_len
+    fields = [
+        np.concatenate(x)
+        for x in (prefix, hot_src_slots, hot_src_pos, pack, seal_ids, seal_rows, hot_rows, hot_slots, hot_pos)
+    ]
+    cu = np.zeros((2, len(specs) + 1), dtype=np.int64)
+    cu[0, 1:] = np.cumsum([b - a for a, b in bounds])
+    cu[1, 1:] = np.cumsum([b - a for a, b in key_bounds])
     sizes = [len(f) for f in fields]
-    dev = upload(torch.from_numpy(np.concatenate(fields).astype(np.int64)), device)
+    dev = upload(torch.from_numpy(np.concatenate([*fields, cu.ravel()]).astype(np.int64)), device)
     views, at = [], 0
     for n in sizes:
         views.append(dev[at : at + n])
         at += n
+    offsets = dev[at:].view(2, -1).to(torch.int32)
     return ChunkPlan(
         specs=tuple(specs),
         bounds=tuple(bounds),
+        key_bounds=tuple(key_bounds),
+        done=tuple(done),
         prefix=views[0],
-        prefix_bounds=tuple(prefix_bounds),
-        seal_blocks=views[1],
-        seal_rows=views[2],
-        hot_rows=views[3],
-        hot_slots=views[4],
-        hot_pos=views[5],
-        has_hot=any(s.hot_len for s in specs),
+        hot_src_slots=views[1],
+        hot_src_pos=views[2],
+        pack=views[3],
+        seal_blocks=views[4],
+        seal_rows=views[5],
+        hot_rows=views[6],
+        hot_slots=views[7],
+        hot_pos=views[8],
+        cu_q=offsets[0],
+        cu_k=offsets[1],
+        max_q=max(b - a for a, b in bounds),
+        max_k=max(b - a for a, b in key_bounds),
     )

@@ -452,39 +452,27 @@ class HybridCache:
     def _prefill_chunks_layer(
         self, layer: int, plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """One layer of every chunk: attention per chunk, then the fused seal and hot-zone writes."""
+        """One layer of every chunk: the packed keys and values, one attention, the fused seal and hot-zone
+        writes (:mod:`kvtune.cache_impl.chunks`)."""
         bs, pool, dt = self.config.block_size, self.pools[layer], self.shape.dtype
-        outs, stream_k, stream_v = [], [], []
-        if plan.prefix.numel():  # every chunk's cached blocks, dequantized at once
-            all_k, all_v = (x.to(k.dtype) for x in dequantize_blocks(pool, plan.prefix))  # [p, H, bs, D]
-        for spec, (a, b, _), (p0, p1) in zip(plan.specs, plan.bounds, plan.prefix_bounds):
-            hot_k = self.hot_k[layer, spec.slot, :, : spec.hot_len].transpose(0, 1)  # [hot_len, H, D]
-            hot_v = self.hot_v[layer, spec.slot, :, : spec.hot_len].transpose(0, 1)
-            keys, values = k[a:b], v[a:b]
-            done = spec.sealed * bs + spec.hot_len  # tokens cached before the chunk
-            if done:
-                prefix_k = all_k[p0:p1].transpose(1, 2).flatten(0, 1) if p1 > p0 else keys[:0]
-                prefix_v = all_v[p0:p1].transpose(1, 2).flatten(0, 1) if p1 > p0 else values[:0]
-                keys = torch.cat([prefix_k, hot_k.to(k.dtype), keys])
-                values = torch.cat([prefix_v, hot_v.to(v.dtype), values])
-            outs.append(_causal_attention(q[a:b], keys, values, done, self.sm_scale))
-            if spec.hot_len:
-                stream_k.append(hot_k.to(dt))
-                stream_v.append(hot_v.to(dt))
-            stream_k.append(k[a:b].to(dt))
-            stream_v.append(v[a:b].to(dt))
-        if plan.has_hot:
-            kv = torch.stack([torch.cat(stream_k), torch.cat(stream_v)], dim=1)  # [S, 2, H, D]
-        else:
-            kv = torch.stack([k.to(dt), v.to(dt)], dim=1)
+        parts = []
+        if plan.prefix.numel():  # every chunk's cached blocks, dequantized at once: [p, H, bs, D] each
+            pk, pv = dequantize_blocks(pool, plan.prefix)
+            parts.append(torch.stack([pk, pv], dim=1).permute(0, 3, 1, 2, 4).flatten(0, 1).to(dt))
+        if plan.hot_src_slots.numel():  # [h, 2, H, D]
+            parts.append(self.hot_kv[layer][:, plan.hot_src_slots, :, plan.hot_src_pos])
+        parts.append(torch.stack([k.to(dt), v.to(dt)], dim=1))
+        source = parts[0] if len(parts) == 1 else torch.cat(parts)
+        packed = source if len(parts) == 1 else source[plan.pack]  # [K, 2, H, D]
+        out = chunks_attention(q, packed[:, 0].to(q.dtype), packed[:, 1].to(q.dtype), plan, self.sm_scale)
         if plan.seal_blocks.numel():
-            sealed = kv[plan.seal_rows].unflatten(0, (-1, bs))  # [n, bs, 2, H, D]
+            sealed = packed[plan.seal_rows].unflatten(0, (-1, bs))  # [n, bs, 2, H, D]
             k_new, v_new = sealed[:, :, 0], sealed[:, :, 1]
             seal_blocks(pool, plan.seal_blocks, k_new, v_new, self.config.quantization_bits)
             self.debug.sealed(pool, plan.seal_blocks, k_new, v_new)
         if plan.hot_rows.numel():
-            self.hot_kv[layer][:, plan.hot_slots, :, plan.hot_pos] = kv[plan.hot_rows]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            self.hot_kv[layer][:, plan.hot_slots, :, plan.hot_pos] = packed[plan.hot_rows]
+        return out
 
     def _finish_chunks(self, plan: ChunkPlan, chunks: Sequence[tuple[int, int]]) -> None:
         """After the last layer: what :meth:`prefill` records per sequence when its chunk is done."""
@@ -941,3 +929,43 @@ def _causal_attention(
             enable_gqa=True,
         )
     return out[0].transpose(0, 1)
+
+
+def chunks_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: ChunkPlan,
+    sm_scale: float,
+    flash: bool | None = None,
+) -> torch.Tensor:
+    """Every chunk's causal attention over its packed keys: q [ΣT, Hq, D] (the chunks' rows in order), k, v
+    [K, H, D] (each chunk's segment: cached tokens, then its own) → [ΣT, Hq, D].
+
+    On a GPU in half precision (the engine's case) one FlashAttention call over all chunks, its
+    variable-length form with grouped-query heads, whose causal mask is aligned to each segment's end
+    (query ``i`` of a chunk with ``done`` tokens before it sees keys ``0 … done + i``). Elsewhere (a CPU,
+    float32) :func:`_causal_attention` chunk by chunk over the same packed keys. ``flash``: force either
+    (None: the first where it runs).
+    """
+    if _flash_varlen(q) if flash is None else flash:
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, 0.0, True, False, scale=sm_scale
+        )[0]
+    outs = [
+        _causal_attention(q[a:b], k[c:d], v[c:d], done, sm_scale)
+        for (a, b), (c, d), done in zip(plan.bounds, plan.key_bounds, plan.done)
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _flash_varlen(q: torch.Tensor) -> bool:
+    """Whether FlashAttention's variable-length kernel takes ``q``: CUDA, fp16/bf16, an Ampere or later
+    card, a head size it was built for (multiples of 8 up to 256)."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+    )

@@ -293,6 +293,109 @@ def test_fused_chunk_writes_give_the_chunk_by_chunk_prefill(tiny, bits, extra, d
     _same_state(caches[0], caches[1], [0, 1, *prompts])
 
 
+def _chunk_plan(device: torch.device | str = CPU):
+    """Three chunks (block size 4): a first chunk, a later one with a cached prefix of 2 blocks and 3 hot
+    tokens that seals 2 blocks, a later one with only hot tokens."""
+    from kvtune.cache_impl.chunks import ChunkSpec, build_chunk_plan
+
+    specs = [
+        ChunkSpec(slot=2, hot_len=0, sealed=0, tokens=6, n_seal=0, blocks=np.array([], dtype=np.int64)),
+        ChunkSpec(slot=0, hot_len=3, sealed=2, tokens=7, n_seal=2, blocks=np.array([9, 4, 7, 1])),
+        ChunkSpec(slot=5, hot_len=2, sealed=0, tokens=1, n_seal=0, blocks=np.array([], dtype=np.int64)),
+    ]
+    return build_chunk_plan(specs, 4, torch.device(device))
+
+
+def test_chunk_plan_packs_each_chunks_prefix_hot_and_new_tokens():
+    """The packed rows of each chunk: its cached prefix (blocks dequantized, chunk after chunk), its hot
+    tokens, its new tokens; the seals and the new hot zones index the packed rows; the offsets are what
+    FlashAttention's variable-length form takes."""
+    plan = _chunk_plan()
+    # source: 8 prefix tokens (chunk 1's two blocks) | 5 hot tokens (3 of chunk 1, 2 of chunk 2) | 14 new
+    new = 8 + 5
+    chunk0 = [*range(new, new + 6)]  # its new tokens
+    chunk1 = [*range(0, 8), 8, 9, 10, *range(new + 6, new + 13)]  # prefix, hot, new
+    chunk2 = [11, 12, new + 13]  # hot, new
+    assert plan.pack.tolist() == chunk0 + chunk1 + chunk2
+    assert plan.key_bounds == ((0, 6), (6, 24), (24, 27)) and plan.done == (0, 11, 2)
+    assert plan.bounds == ((0, 6), (6, 13), (13, 14))
+    assert plan.cu_q.tolist() == [0, 6, 13, 14] and plan.cu_k.tolist() == [0, 6, 24, 27]
+    assert plan.cu_q.dtype == plan.cu_k.dtype == torch.int32 and (plan.max_q, plan.max_k) == (7, 18)
+    assert plan.prefix.tolist() == [9, 4] and plan.seal_blocks.tolist() == [7, 1]
+    assert plan.seal_rows.tolist() == list(range(14, 22))  # chunk 1's stream starts after its prefix
+    # new hot zones: chunk 0's 6 tokens, chunk 1's last 2 of its 10, chunk 2's 3
+    assert plan.hot_rows.tolist() == [*range(6), 22, 23, 24, 25, 26]
+    assert plan.hot_slots.tolist() == [2] * 6 + [0, 0] + [5] * 3
+    assert plan.hot_pos.tolist() == [*range(6), 0, 1, 0, 1, 2]
+    assert plan.hot_src_slots.tolist() == [0, 0, 0, 5, 5] and plan.hot_src_pos.tolist() == [0, 1, 2, 0, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: FlashAttention's variable-length kernel")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flash_chunks_attention_gives_the_chunk_by_chunk_attention_gpu(head_dim):
+    """On CUDA in bfloat16: one FlashAttention call over every chunk's packed keys (grouped-query heads,
+    the causal mask at each segment's end) gives what SDPA gives chunk by chunk, within bf16 rounding."""
+    from kvtune.cache_impl.hybrid_cache import chunks_attention
+
+    plan = _chunk_plan("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    q = torch.randn(14, 8, head_dim, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(27, 2, head_dim, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    scale = head_dim**-0.5
+    flash = chunks_attention(q, k, v, plan, scale, flash=True)
+    each = chunks_attention(q, k, v, plan, scale, flash=False)
+    assert flash.shape == each.shape == q.shape
+    torch.testing.assert_close(flash.float(), each.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: FlashAttention's variable-length kernel")
+@pytest.mark.parametrize("bits", [0, 8, 4])
+def test_fused_chunks_on_cuda_give_the_chunk_by_chunk_prefill_gpu(bits):
+    """SmolLM2's shape in bfloat16 on CUDA: prompt chunks beside decode rows through one FlashAttention call
+    per layer give the chunk-by-chunk prefill's logits within bf16 rounding (4 ulps of each row's largest
+    logit, :func:`bf16_logit_bound`: the two attentions sum in other orders, and every layer rounds), and
+    hot zones within 4 ulps of their largest value."""
+    from kvtune.engine.model import load_model
+
+    model = load_model("random:smollm2-135m", "cuda", torch.bfloat16).model
+    config = _config(bits, block_size=16)
+    caches = []
+    for _ in range(2):
+        shape = model.kv_shape
+        cache = HybridCache(config, shape, kv_bytes_for(config, shape, [400] * 6), "cuda", max_seqs=6)
+        for seq_id, n in ((0, 70), (1, 90)):
+            cache.add_sequence(seq_id, list(range(3, 3 + n)))
+            model.prefill(cache, seq_id, torch.arange(3, 3 + n, device="cuda"), 0, last_only=True)
+        caches.append(cache)
+    prompts = {10: list(range(5, 150)), 11: list(range(200, 240))}
+    done = dict.fromkeys(prompts, 0)
+    for step, chunks in enumerate([[(10, 100), (11, 30)], [(10, 45), (11, 10)]]):
+        ids = [4, 9, *(t for i, n in chunks for t in prompts[i][done[i] : done[i] + n])]
+        pos = [*caches[0].lengths(np.arange(2)).tolist()]
+        pos += [p for i, n in chunks for p in range(done[i], done[i] + n)]
+        logits = []
+        for cache, view in ((caches[0], caches[0]), (caches[1], _ChunkByChunk(caches[1]))):
+            if step == 0:
+                for seq_id, prompt in prompts.items():
+                    cache.add_sequence(seq_id, prompt)
+            plan = cache.begin_step([0, 1], 1.0 + step)
+            ids_t, pos_t = torch.tensor(ids, device="cuda"), torch.tensor(pos, device="cuda")
+            logits.append(model.forward_mixed(view, plan, ids_t, pos_t, 2, chunks))
+            cache.end_step(plan)
+        diff = (logits[0] - logits[1]).abs()
+        assert (diff <= 4 * bf16_logit_bound(logits[1])).all(), (step, float(diff.max()))
+        for i, n in chunks:
+            done[i] += n
+    for i in prompts:
+        a, b = caches[0]._seqs[i], caches[1]._seqs[i]
+        assert (a.hot_len, a.sealed) == (b.hot_len, b.sealed)
+        za = caches[0].hot_kv[:, :, a.slot, :, : a.hot_len].float()
+        zb = caches[1].hot_kv[:, :, b.slot, :, : b.hot_len].float()
+        assert float((za - zb).abs().max()) <= 4 * float(bf16_ulp(zb.abs().max())), i
+
+
 def test_fused_chunks_refuse_a_layer_out_of_order(tiny):
     cache = _prefilled(tiny, _config(8), [], CPU, spare=2)
     cache.add_sequence(5, list(range(40)))
