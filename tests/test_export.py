@@ -373,8 +373,15 @@ def test_search_rate_says_where_a_capacity_trials_time_went() -> None:
     rate = ex.search_rate([first, second])
     assert rate is not None
     assert rate["parts_s"] == pytest.approx({"probes": (22 + 17) / 2, "set_up": 6.0, "quality": 11.0,
-                                             "other": (8 + 9) / 2})  # fmt: skip
-    assert "(probes 19.5, a new cache's set-up 6.0, quality 11.0, other 8.5 s" in ex.describe_rate(rate)
+                                             "other": (8 + 9) / 2, "compile": None})  # fmt: skip
+    assert "(probes 19.5, a new cache's set-up 6.0, quality 11.0, other 8.5 s:" in ex.describe_rate(rate)
+    # the worker times Triton's compilations inside the set-up and the quality call
+    first.user_attrs[names.ATTR_PROBES][0]["compile_s"] = 5.0
+    first.user_attrs[names.ATTR_QUALITY_S]["compile_s"] = 3.0
+    second.user_attrs[names.ATTR_PROBES][0]["compile_s"] = 0.0
+    compiled = ex.search_rate([first, second])
+    assert compiled is not None and compiled["parts_s"]["compile"] == pytest.approx(4.0)
+    assert "other 8.5 s; compiling 4.0 s of them:" in ex.describe_rate(compiled)
     del first.user_attrs[names.ATTR_QUALITY_S]
     older = ex.search_rate([first, second])
     assert older is not None and older["parts_s"]["quality"] is None

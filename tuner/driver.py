@@ -85,7 +85,8 @@ from kvtune.tuner.protocol import Call, EngineKnobs, TrialResult, WorkerInfo, Wo
 from kvtune.tuner.validation import feasible
 
 WAIT_S = 1.0  # the loop wakes this often (Ctrl-C, deadlines)
-QUALITY_TIMES = ("wall_s", "load_s")  # the quality call's seconds, kept apart from the quality it measured
+# the quality call's seconds (all; the model's load; Triton's compiler), apart from the quality it measured
+QUALITY_TIMES = ("wall_s", "load_s", "compile_s")
 Suggest = Callable[[optuna.Trial], dict[str, Any]]  # define-by-run: the trial's resolved hybrid_v2 dict
 # define-by-run, after the config: the trial's engine knobs (EngineKnobs' fields, and how they were chosen)
 SuggestKnobs = Callable[[optuna.Trial, HybridConfig], dict[str, Any] | None]

@@ -407,9 +407,10 @@ def trial_parts(trials: Sequence[Any]) -> dict[str, float | None] | None:
     """Where the capacity trials' wall went, the mean over those that probed (``kvtune.probes``): ``probes``
     (the replays), ``set_up`` (a new config's cache, in its first probe), ``quality`` (the quality call,
     ``kvtune.quality_s``; 0 where an earlier trial's was reused; None in a study stored before trials timed
-    it, where it is in ``other``) and ``other`` (the rest: the driver's calls, the study's storage). None when
-    no trial probed."""
-    parts, timed = [], False
+    it, where it is in ``other``) and ``other`` (the rest: the driver's calls, the study's storage); and
+    ``compile``, the part of set-up and quality spent in Triton's compiler or loading from its disk cache
+    (None in a study stored before the worker timed it). None when no trial probed."""
+    parts, timed, compiled = [], False, False
     for t in trials:
         probes = t.user_attrs.get(ATTR_PROBES)
         if not probes or t.datetime_start is None or t.datetime_complete is None:
@@ -417,13 +418,19 @@ def trial_parts(trials: Sequence[Any]) -> dict[str, float | None] | None:
         set_up = sum(float(p.get("prime_s") or 0.0) for p in probes)
         replays = sum(float(p.get("wall_s") or 0.0) for p in probes) - set_up
         timed = timed or ATTR_QUALITY_S in t.user_attrs
-        quality = float((t.user_attrs.get(ATTR_QUALITY_S) or {}).get("wall_s") or 0.0)
+        quality_s = t.user_attrs.get(ATTR_QUALITY_S) or {}
+        quality = float(quality_s.get("wall_s") or 0.0)
+        compiled = compiled or any("compile_s" in p for p in probes)
+        compile_s = sum(float(p.get("compile_s") or 0.0) for p in probes)
+        compile_s += float(quality_s.get("compile_s") or 0.0)
         wall = (t.datetime_complete - t.datetime_start).total_seconds()
-        parts.append((replays, set_up, quality, max(0.0, wall - replays - set_up - quality)))
+        parts.append((replays, set_up, quality, max(0.0, wall - replays - set_up - quality), compile_s))
     if not parts:
         return None
-    names = ("probes", "set_up", "quality", "other")
+    names = ("probes", "set_up", "quality", "other", "compile")
     means: dict[str, float | None] = {n: statistics.fmean(p[i] for p in parts) for i, n in enumerate(names)}
+    if not compiled:
+        means["compile"] = None
     return means if timed else means | {"quality": None}
 
 
@@ -435,8 +442,9 @@ def describe_rate(rate: Mapping[str, Any]) -> str:
     if parts:
         quality = "" if parts["quality"] is None else f"quality {parts['quality']:.1f}, "
         other = "other" if parts["quality"] is not None else "other (quality included)"
+        compiling = "" if parts.get("compile") is None else f"; compiling {parts['compile']:.1f} s of them"
         where = (f" (probes {parts['probes']:.1f}, a new cache's set-up {parts['set_up']:.1f}, {quality}"
-                 f"{other} {parts['other']:.1f} s: the capacity trials' means)")  # fmt: skip
+                 f"{other} {parts['other']:.1f} s{compiling}: the capacity trials' means)")  # fmt: skip
     return (f"{rate['finished']} trials{f' ({extra})' if extra else ''} in {rate['busy_s']:.0f} s of search"
             f" on {rate['workers'] or '?'} worker(s): {per_hour} trials per hour, "
             f"{rate['mean_trial_s']:.1f} s per trial{where}")  # fmt: skip

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtune.cache_impl.config import HybridConfig
+from kvtune.engine.compiles import CompileWatch
 from kvtune.engine.options import ReplayOptions
 from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.engine.traces import Request
@@ -250,9 +251,11 @@ class TrialWorker:
         shared = ProbeStop(slo, sum(len(w) for w in windows)) if slo.pooled else None
         margins = []
         prime_s = 0.0
+        compiles = CompileWatch()
         for requests in windows:
             primed = time.perf_counter()
-            self._prime(replayer, config, requests, warmup, deadline)
+            with compiles:
+                self._prime(replayer, config, requests, warmup, deadline)
             prime_s += time.perf_counter() - primed
             stop = shared or ProbeStop(slo, len(requests))
             timings: list[RequestTiming] = []
@@ -277,8 +280,10 @@ class TrialWorker:
         margin = None if aborted else min(margins, default=None)
         record = probe_record(rate, passed, aborted, runs, mean_metrics(tuple(runs)), margin)
         # the probe's host seconds, and of them the new cache's set-up (a config or window met anew): what
-        # the time budget plans a search of another config with (kvtune.tuner.budget)
-        return record | {"wall_s": time.perf_counter() - started, "prime_s": prime_s}
+        # the time budget plans a search of another config with (kvtune.tuner.budget); of the set-up, Triton's
+        # compilations (or loads from its disk cache)
+        wall = time.perf_counter() - started
+        return record | {"wall_s": wall, "prime_s": prime_s, "compile_s": compiles.ms / 1e3}
 
     def unloaded(self, config: HybridConfig, requests: tuple[Request, ...], warmup: int) -> dict[str, Any]:
         """``requests`` at 1/1000 of their rate (outputs cut to ``UNLOADED_OUTPUT_TOKENS``): one at a time
@@ -322,7 +327,8 @@ class TrialWorker:
 
     def quality(self, config: HybridConfig) -> dict[str, Any]:
         """Quality of ``config`` (teacher-forced over the text, against the unquantized cache), with the
-        call's seconds: ``wall_s``, and of them ``load_s`` the quality model's load (0 once loaded)."""
+        call's seconds: ``wall_s``, and of them ``load_s`` the quality model's load (0 once loaded) and
+        ``compile_s`` Triton's compilations (or loads from its disk cache) for the quality model's shapes."""
         from kvtune.engine.quality import measure_quality
 
         started = time.perf_counter()
@@ -332,18 +338,20 @@ class TrialWorker:
         loading = time.perf_counter()
         loaded = self._quality_loaded()
         load_s = time.perf_counter() - loading
-        result = measure_quality(
-            loaded,
-            config,
-            text,
-            windows=q.windows,
-            prefill_tokens=q.prefill_tokens,
-            decode_tokens=q.decode_tokens,
-            step_ms=q.step_ms,
-            passkey=q.passkey,
-            aggregation=q.aggregation,
-        )
-        return dict(result.to_dict()) | {"wall_s": time.perf_counter() - started, "load_s": load_s}
+        with CompileWatch() as compiles:
+            result = measure_quality(
+                loaded,
+                config,
+                text,
+                windows=q.windows,
+                prefill_tokens=q.prefill_tokens,
+                decode_tokens=q.decode_tokens,
+                step_ms=q.step_ms,
+                passkey=q.passkey,
+                aggregation=q.aggregation,
+            )
+        times = {"wall_s": time.perf_counter() - started, "load_s": load_s, "compile_s": compiles.ms / 1e3}
+        return dict(result.to_dict()) | times
 
     def _quality_loaded(self) -> Any:
         """The quality model, always in float32: in bfloat16 any change to the cache flips roundings that
