@@ -128,6 +128,12 @@ def _args() -> argparse.Namespace:
         help="prompts prefilled in forwards of their own between decode steps (which keep their CUDA graphs) "
         "instead of sharing a forward with the decode rows",
     )
+    p.add_argument(
+        "--piecewise",
+        action="store_true",
+        help="forwards with prompt tokens run their dense parts as CUDA graphs per token bucket, attention "
+        "eagerly between them (kvtune.engine.piecewise)",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -152,7 +158,9 @@ def main() -> None:
     )
     configs = args.configs or [CONFIGS / f"{c}.json" for c in DEFAULT_CONFIGS]
     budgets = [(b, _budget(b, loaded, device)) for b in (args.kv_budget or ["default"])]
-    ours = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, mixed=not args.no_mixed)
+    ours = SchedulerConfig(
+        args.max_num_seqs, args.max_num_batched_tokens, mixed=not args.no_mixed, piecewise=args.piecewise
+    )
     engines = [("engine", ours, args.repeats)] + ([("baseline", BASELINE, 1)] if args.baseline else [])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     mean_in = statistics.mean(r.input_length for r in requests)

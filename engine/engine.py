@@ -32,6 +32,7 @@ import math
 import os
 import statistics
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,7 @@ from kvtune.engine.metrics import (
 )
 from kvtune.engine.options import CPU_BUDGET_CAP_BYTES, max_num_seqs_for
 from kvtune.engine.outputs import SlotOutputs
+from kvtune.engine.piecewise import PIECE_BUCKETS, PiecewiseForward
 from kvtune.engine.scheduler import Scheduler, SchedulerConfig
 from kvtune.engine.scheduler import Sequence as Seq
 from kvtune.engine.traces import LengthCounts, LengthPolicy, Request, prompt_token_ids, read_trace
@@ -80,6 +82,10 @@ GATE_FIRST_MS = 10.0
 # a host time more than GATE_CLIP × the median of its history (8 or more) counts as that much: a pause of the
 # host (a garbage collection, a library's first call) would otherwise size the next GATE_HISTORY gates
 GATE_CLIP = 3.0
+
+
+# each model's piecewise forward (Engine._piecewise), kept while the model lives
+_PIECES: weakref.WeakKeyDictionary[Any, PiecewiseForward] = weakref.WeakKeyDictionary()
 
 
 class GateSizes:
@@ -427,6 +433,7 @@ class Engine:
         policy = LengthPolicy(self.spec.max_context)
         fitted, counts = policy.apply(requests)
         settings = self.settings_for(fitted if settings_from is None else policy.apply(settings_from)[0])
+        self._piecewise()  # built and captured once per model, before anything is timed
         cache, graphs, fresh = self._cache_for(settings)
         settings = replace(settings, max_num_seqs=cache.layout.num_slots)  # the layout may give fewer
         try:
@@ -524,6 +531,18 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    def _piecewise(self) -> PiecewiseForward | None:
+        """The model's piecewise forward where the options ask for it (``piecewise``): one per model, shared
+        by every engine over it, its graphs captured when first built (on CUDA)."""
+        if not self.scheduler_config.piecewise:
+            return None
+        pieces = _PIECES.get(self.model)
+        if pieces is None:
+            pieces = PiecewiseForward(self.model, PIECE_BUCKETS[-1], capture=self.device.type == "cuda")
+            pieces.capture_all()
+            _PIECES[self.model] = pieces
+        return pieces
 
     def _decode_graphs(self, cache: HybridCache, settings: EngineSettings) -> DecodeGraphs | None:
         if not settings.graphs:
@@ -885,14 +904,19 @@ class Engine:
         plan = cache.begin_step_slots(slots, run.clock.now_ms()) if b else None
         packed = np.stack([np.concatenate(ids), np.concatenate(positions)])
         inputs = upload(torch.from_numpy(packed), self.device)
+        pieces = self._piecewise()
+        if pieces is not None and pieces.fits(packed.shape[1]):
+            run.add("piecewise_forwards", 1)
         model_start, launch_t0 = self.timer.mark(), time.perf_counter()
         between = self._layer_gates(run)
         if b == 0 and len(chunks) == 1:  # a prompt chunk alone: the model's prefill, as it always was
             seq, n = chunks[0]
-            logits = self.model.prefill(cache, seq.seq_id, inputs[0], seq.prefilled, True, between)
+            logits = self.model.prefill(cache, seq.seq_id, inputs[0], seq.prefilled, True, between, pieces)
         else:
             segments = [(seq.seq_id, n) for seq, n in chunks]
-            logits = self.model.forward_mixed(run.timed, plan, inputs[0], inputs[1], b, segments, between)
+            logits = self.model.forward_mixed(
+                run.timed, plan, inputs[0], inputs[1], b, segments, between, pieces
+            )
         model_end = self.timer.mark()
         launch_ms = (time.perf_counter() - launch_t0) * 1000.0
         next_tokens = logits.argmax(dim=-1)
@@ -997,6 +1021,7 @@ class Engine:
             forward_ms=c.get("forward_ms", 0.0),
             graph_steps=int(c.get("graph_steps", 0)),
             mixed_iterations=int(c.get("mixed_iterations", 0)),
+            piecewise_forwards=int(c.get("piecewise_forwards", 0)),
             graph_captures=graphs.captures - run.captures_before if graphs is not None else 0,
             graph_capture_ms=c.get("graph_capture_ms", 0.0),
             compiles=run.compiles.count,

@@ -93,6 +93,7 @@ class EngineCounters:
     forward_ms: float = 0.0  # device time of every forward (decode, mixed, prefill)
     graph_steps: int = 0  # decode steps run as static steps (replayed as CUDA graphs on CUDA)
     mixed_iterations: int = 0  # iterations with decode tokens and prompt chunks in one forward
+    piecewise_forwards: int = 0  # forwards with prompt tokens whose dense parts ran as pieces (piecewise)
     graph_captures: int = 0
     graph_capture_ms: float = 0.0  # left out of the replay's clock
     compiles: int = 0  # Triton compilations inside the measured replay (kvtune.engine.compiles)
@@ -150,6 +151,7 @@ class ReplayMetrics:
     prefill_share: float = math.nan  # of the forwards' device time, in iterations that carry prompt tokens
     graph_steps: int = 0
     mixed_iterations: int = 0
+    piecewise_forwards: int = 0
     graph_captures: int = 0
     graph_capture_ms: float = 0.0
     compiles: int = 0
@@ -245,6 +247,7 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         prefill_share=c.prefill_ms / c.forward_ms if c.forward_ms > 0 else math.nan,
         graph_steps=c.graph_steps,
         mixed_iterations=c.mixed_iterations,
+        piecewise_forwards=c.piecewise_forwards,
         graph_captures=c.graph_captures,
         graph_capture_ms=c.graph_capture_ms,
         compiles=c.compiles,

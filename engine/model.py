@@ -144,15 +144,20 @@ class LlamaModel:
         start_pos: int,
         last_only: bool = False,
         between_layers: Callable[[], None] | None = None,
+        pieces: Any = None,
     ) -> torch.Tensor:
         """Logits [T, V] float32 (``last_only``: [1, V]) of T tokens at positions ``start_pos + arange(T)``.
 
         Calls ``cache.prefill(layer, seq_id, q, k, v)`` once per layer with the rotated q/k of these tokens
-        (and ``between_layers()`` before every layer but the first: the engine's gated clock).
+        (and ``between_layers()`` before every layer but the first: the engine's gated clock). ``pieces``: a
+        :class:`~kvtune.engine.piecewise.PiecewiseForward` of this model that runs the dense parts (where
+        the tokens fit its buckets).
         """
         positions = torch.arange(start_pos, start_pos + len(token_ids), device=self.device)
         attend: Attend = lambda i, q, k, v: cache.prefill(i, seq_id, q, k, v)
-        return self._forward(token_ids, positions, attend, last_only, between_layers=between_layers)
+        return self._forward(
+            token_ids, positions, attend, last_only, between_layers=between_layers, pieces=pieces
+        )
 
     @torch.inference_mode()
     def decode(
@@ -180,9 +185,10 @@ class LlamaModel:
         num_decode: int,
         chunks: Sequence[tuple[int, int]],
         between_layers: Callable[[], None] | None = None,
+        pieces: Any = None,
     ) -> torch.Tensor:
         """One forward over ``num_decode`` decode tokens then prompt chunks, logits [num_decode + len(chunks),
-        V] float32: each decode row's, then each chunk's last token's.
+        V] float32: each decode row's, then each chunk's last token's (``pieces``: as :meth:`prefill`).
 
         token_ids, positions [N]: the decode tokens (one per sequence of ``plan``), then each chunk's tokens
         (``chunks``: (seq_id, length), in order). Embeddings, norms, projections and the MLP see all N rows
@@ -213,7 +219,8 @@ class LlamaModel:
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         rows = upload(torch.tensor(list(range(num_decode)) + [b - 1 for b in bounds[1:]]), self.device)
-        return self._forward(token_ids, positions.to(self.device), attend, False, rows, between_layers)
+        positions = positions.to(self.device)
+        return self._forward(token_ids, positions, attend, False, rows, between_layers, pieces)
 
     @torch.inference_mode()
     def forward_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -229,10 +236,15 @@ class LlamaModel:
         last_only: bool,
         rows: torch.Tensor | None = None,
         between_layers: Callable[[], None] | None = None,
+        pieces: Any = None,
     ) -> torch.Tensor:
         """Residual stream ``x``; each layer adds attention then MLP, the add fused with the next RMSNorm.
         Logits of every row, of the last (``last_only``) or of ``rows`` (indices). ``between_layers()`` is
-        called before every layer but the first."""
+        called before every layer but the first. ``pieces`` (where the tokens fit it) runs the same with the
+        dense parts as its pieces."""
+        if pieces is not None and pieces.fits(len(token_ids)):
+            ids = token_ids.to(self.device)
+            return pieces.forward(ids, positions, attend, rows, last_only, between_layers)
         eps = self.spec.rms_eps
         x = F.embedding(token_ids.to(self.device), self.embed)  # [N, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions)

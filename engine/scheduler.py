@@ -66,6 +66,9 @@ class SchedulerConfig:
     than the host took to enqueue recent iterations, so its kernels run back to back from its start mark; an
     iteration whose gate opened before the host had enqueued it is counted (``gate_leaks``). The gates cost
     wall time (``gate_ms``), not clock time.
+    piecewise: a forward with prompt tokens of at most 2,048 tokens runs its dense parts (projections, norms,
+    MLP, RoPE) as CUDA graphs captured per token-count bucket, its attention eagerly between them
+    (:mod:`kvtune.engine.piecewise`; on a CPU the same pieces run directly). False (the default): op by op.
 
     """
 
@@ -74,6 +77,7 @@ class SchedulerConfig:
     graphs: bool = True
     mixed: bool = True
     clock: str = "wall"
+    piecewise: bool = False
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -99,7 +103,7 @@ class SchedulerConfig:
             "graphs": self.graphs,
             "mixed": self.mixed,
             "clock": self.clock,
-        }
+        } | ({"piecewise": True} if self.piecewise else {})  # a record made before it compares equal
 
 
 @dataclass

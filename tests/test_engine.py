@@ -112,6 +112,21 @@ def test_a_replay_records_each_prompt_forward_it_launched_op_by_op(tiny):
     assert sum(f["device_ms"] for f in forwards) == pytest.approx(m["prefill_share"] * forward_ms, rel=1e-6)
 
 
+def test_piecewise_forwards_serve_the_same_replay(tiny):
+    """With ``piecewise`` every forward with prompt tokens (at most 2,048 of them) runs its dense parts as
+    pieces: the same iterations, chunks and completions as op by op, and the same token counts."""
+    requests = _requests(6)
+    eager, pieces = (
+        _replay(tiny, _config(), 1 << 24, requests, 0.0, piecewise=p, max_num_batched_tokens=20)
+        for p in (False, True)
+    )
+    for key in ("completed", "prefill_chunks", "mixed_iterations", "decode_steps"):
+        assert pieces[key] == eager[key], key
+    assert eager["piecewise_forwards"] == 0 and pieces["piecewise_forwards"] > 0
+    assert SchedulerConfig(piecewise=True).to_dict()["piecewise"] is True
+    assert "piecewise" not in SchedulerConfig().to_dict()  # a record made before the option compares equal
+
+
 def test_device_busy_of_counters():
     c = EngineCounters(duration_ms=200.0, forward_ms=150.0, eager_forward_ms=50.0, eager_launch_ms=60.0)
     m = summarize([RequestTiming(0, 0.0, (1.0, 2.0))], c)

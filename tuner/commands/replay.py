@@ -115,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "decode tokens and prompt chunks in one forward)",
     )
     parser.add_argument(
+        "--piecewise",
+        action="store_true",
+        help="forwards with prompt tokens (up to 2,048) run their projections, norms and MLP as CUDA graphs "
+        "captured per token bucket, their attention eagerly between them (default: op by op)",
+    )
+    parser.add_argument(
         "--clock",
         choices=CLOCKS,
         default="wall",
@@ -144,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     check_numbers(args, LIMITS)
     config = HybridConfig.from_json_file(args.config)
     scheduler = SchedulerConfig(  # bad limits fail before loading
-        args.max_num_seqs, args.max_num_batched_tokens, graphs=args.graphs, mixed=args.mixed, clock=args.clock
-    )
+        args.max_num_seqs, args.max_num_batched_tokens, graphs=args.graphs, mixed=args.mixed,
+        clock=args.clock, piecewise=args.piecewise,
+    )  # fmt: skip
     device = resolve_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

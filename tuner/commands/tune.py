@@ -175,6 +175,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "it (gated: an iteration on an idle GPU starts behind a sleep while the host enqueues it); default "
         "gated for the capacity objective, else wall; stored, a resumed study keeps it",
     )
+    add(
+        "--piecewise",
+        action="store_true",
+        help="the replays' forwards with prompt tokens (up to 2,048) run their projections, norms and MLP as "
+        "CUDA graphs captured per token bucket, attention eagerly between them (default: op by op)",
+    )
     add("--max-ppl-increase", type=float, default=2.0, help="quality bound: perplexity increase, %% (2.0)")
     add("--max-kl", type=float, default=None, help="quality bound: mean KL in nats (default: none)")
     add(
@@ -321,7 +327,9 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
         dtype=pick(args.dtype, d.dtype),
         budget_bytes=parse_bytes(args.kv_budget) if args.kv_budget else None,
         threads=None if card.is_gpu else _threads(args),
-        scheduler=SchedulerConfig(clock=args.clock or _default_clock(args.objective)),
+        scheduler=SchedulerConfig(
+            clock=args.clock or _default_clock(args.objective), piecewise=args.piecewise
+        ),
     )
     name = args.study or study_name(card.id, args.model, args.workload)
     options = StudyOptions(
