@@ -10,6 +10,7 @@ kernel on a GPU, its PyTorch reference on a CPU, counted as one) and each top-le
 that is not a view or a no-op conversion.
 
     python benchmarks/mixed_ops.py examples/configs/q_int8.json --decode 16 --chunks 4 --chunk 64
+    python benchmarks/mixed_ops.py examples/configs/q_int8.json --decode 16 --chunks 4 --chunk 64 --piecewise
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvtune.cache_impl.hybrid_cache import HybridCache
 from kvtune.cache_impl.layout import kv_bytes_for
 from kvtune.engine.model import load_model
 from kvtune.engine.options import DTYPES
+from kvtune.engine.piecewise import PiecewiseForward
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
@@ -44,6 +46,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--chunks", type=int, default=4, help="prompt chunks in the iteration")
     p.add_argument("--chunk", type=int, default=64, help="tokens per chunk")
     p.add_argument("--context", type=int, default=256, help="prompt tokens of the decoding sequences")
+    p.add_argument(
+        "--piecewise",
+        action="store_true",
+        help="the dense parts as pieces (kvtune.engine.piecewise), each piece counted as one graph launch",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--top", type=int, default=20)
@@ -67,6 +74,7 @@ class Scene:
         self.vocab = vocab
         self.decoding = [self._add(args.context, prefill=args.context) for _ in range(args.decode)]
         self.slots = np.asarray([self.cache.slot_of(i) for i in self.decoding], dtype=np.int64)
+        self.pieces = PiecewiseForward(self.model, 2048, capture=False) if args.piecewise else None
 
     def _add(self, n: int, prefill: int) -> int:
         seq_id, self.next_id = self.next_id, self.next_id + 1
@@ -94,7 +102,7 @@ class Scene:
         inputs = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(positions)]))
         inputs = inputs.to(self.device)
         segments = [(seq_id, n) for seq_id, _, n in chunks]
-        logits = self.model.forward_mixed(cache, plan, inputs[0], inputs[1], b, segments)
+        logits = self.model.forward_mixed(cache, plan, inputs[0], inputs[1], b, segments, pieces=self.pieces)
         tokens = logits.argmax(dim=-1)
         cache.end_step(plan)
         return tokens.cpu()
@@ -109,6 +117,7 @@ KERNELS = {
         "chunks_attention",  # one FlashAttention call on a GPU; chunk by chunk on a CPU
     ),
     "kvtune.engine.model": ("add_rms_norm", "rope_qkv", "silu_mul"),
+    "kvtune.engine.piecewise": ("add_rms_norm",),  # the final norm, eager
 }  # fmt: skip
 # operators that launch nothing (views, metadata, allocation)
 NO_LAUNCH = {
@@ -130,6 +139,8 @@ def kernels_marked() -> Iterator[None]:
             fn = getattr(module, name)
             saved.append((module, name, fn))
             setattr(module, name, _marked(name, fn))
+    saved.append((PiecewiseForward, "_piece", PiecewiseForward._piece))  # a graph replay on a GPU
+    PiecewiseForward._piece = _marked("piece", PiecewiseForward._piece)  # type: ignore[method-assign]
     try:
         yield
     finally:
