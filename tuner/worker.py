@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtune.cache_impl.config import HybridConfig
-from kvtune.engine.compiles import CompileWatch
 from kvtune.engine.options import ReplayOptions
 from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.engine.traces import Request
@@ -250,6 +249,8 @@ class TrialWorker:
         pooled: list[RequestTiming] = []
         shared = ProbeStop(slo, sum(len(w) for w in windows)) if slo.pooled else None
         margins = []
+        from kvtune.engine.compiles import CompileWatch  # the driver's process imports no engine
+
         prime_s = 0.0
         compiles = CompileWatch()
         for requests in windows:
@@ -329,6 +330,7 @@ class TrialWorker:
         """Quality of ``config`` (teacher-forced over the text, against the unquantized cache), with the
         call's seconds: ``wall_s``, and of them ``load_s`` the quality model's load (0 once loaded) and
         ``compile_s`` Triton's compilations (or loads from its disk cache) for the quality model's shapes."""
+        from kvtune.engine.compiles import CompileWatch
         from kvtune.engine.quality import measure_quality
 
         started = time.perf_counter()

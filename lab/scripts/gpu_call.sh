@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest plugin busy bound step sparse collapse)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces plugin busy bound step sparse collapse)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # sparse: SPARSE_SHAPES (batch:context ...), SPARSE_HOLD=1 (tiers held as set up: decode_step.py --hold-tiers), SPARSE_S
+# pieces: PIECES_TESTS_S, PIECES_S (each replay), PIECES_BUDGET (4e9), PIECES_REPEATS (3)
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -57,6 +58,17 @@ for stage in "$@"; do
     log "Quest selection: single-program kernel vs split (graphs, launches), 16x32K and 4x128K"
     timeout ${QUEST_BENCH_S:-65} python3 benchmarks/decode_attention.py --quest --out "$OUT/quest" > "$OUT/quest.log" 2>&1
     grep -E "Traceback|Error" "$OUT/quest.log" | tail -4; cat "$OUT/quest/quest.md" 2>/dev/null || tail -5 "$OUT/quest.log" ;;
+  pieces)
+    log "gpu tests: one attention for every prompt chunk, piecewise forwards"
+    timeout ${PIECES_TESTS_S:-150} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_piecewise.py \
+      tests/test_graphs.py -k "chunk or pieces" 2>&1 | tee "$OUT/pieces_tests.log" | tail -8
+    for pw in "" --piecewise; do
+      log "INT8, ${PIECES_BUDGET:-4e9} B, op by op or piecewise: '$pw'"
+      timeout ${PIECES_S:-150} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ \
+        --requests 96 --kv-budget ${PIECES_BUDGET:-4e9} --repeats ${PIECES_REPEATS:-3} --forwards $pw \
+        --json "$OUT/pieces$pw.json" $C/q_int8.json > "$OUT/pieces$pw.log" 2>&1
+      tail -10 "$OUT/pieces$pw.log"
+    done ;;
   plugin)
     log "gpu tests: the vLLM plugin's CUDA step and kvtune's kernels over its pages"
     timeout ${PLUGIN_S:-300} python3 -m pytest tests/test_vllm_plugin.py -m gpu -q -p no:cacheprovider -rf 2>&1 | tail -5 ;;
