@@ -130,6 +130,7 @@ def test_engine_replay_and_capacity_compare_smoke(tmp_path: Path) -> None:
     replay = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "engine_replay.py"), *common, "--repeats", "2",
          "--clock", "wall,device", "--profile", str(tmp_path / "prof"), "--profile-stacks", "--forwards",
+         "--piecewise",
          "--json", str(tmp_path / "replay.json"), *pair],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -148,6 +149,7 @@ def test_engine_replay_and_capacity_compare_smoke(tmp_path: Path) -> None:
     assert all(r["metrics"]["forwards"] and r["metrics"]["forwards"][0]["prompt_tokens"] > 0 for r in rows)
     assert replay.stdout.count("prompt forwards: ") == len(rows)
     assert all(r["metrics"]["gc"] == "paused" for r in rows)  # as a trial's probes replay
+    assert all(r["metrics"]["piecewise_forwards"] > 0 for r in rows)  # --piecewise: prompts through pieces
     separate = subprocess.run(  # prompts in forwards of their own: no mixed iteration
         [sys.executable, str(ROOT / "benchmarks" / "engine_replay.py"), *common, "--repeats", "1",
          "--no-prime", "--no-mixed", "--json", str(tmp_path / "separate.json"), pair[1]],

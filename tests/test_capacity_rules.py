@@ -387,3 +387,20 @@ def test_the_probe_flags_set_the_jobs_rule(flags: tuple[str, ...], rule: tuple[s
     args = parser.parse_args(["--gpu", "cpu", "--workload", trace, "--model", "random:tiny", *flags])
     job = tune.build_job(args, resolve_gpu("cpu", []), tune.CPU)
     assert (job.probe.statistic, job.probe.pooled, job.probe.confirm, job.probe.draws) == rule
+
+
+@pytest.mark.parametrize(("flags", "piecewise"), [((), False), (("--piecewise",), True)])
+def test_the_piecewise_flag_reaches_the_workers_engine(flags: tuple[str, ...], piecewise: bool) -> None:
+    import argparse
+    from pathlib import Path
+
+    from kvtune.search_spaces.cards import resolve_gpu
+    from kvtune.tuner.commands import tune
+
+    root = Path(__file__).resolve().parents[1]
+    parser = argparse.ArgumentParser()
+    tune.add_arguments(parser)
+    trace = str(root / "examples" / "traces" / "azure_conv_sample.csv")
+    args = parser.parse_args(["--gpu", "cpu", "--workload", trace, "--model", "random:tiny", *flags])
+    job = tune.build_job(args, resolve_gpu("cpu", []), tune.CPU)
+    assert job.spec.scheduler.piecewise is piecewise
