@@ -223,10 +223,12 @@ class LlamaModel:
         return self._forward(token_ids, positions, attend, False, rows, between_layers, pieces)
 
     @torch.inference_mode()
-    def forward_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [T, V] float32 of a whole sequence with dense causal attention (no cache)."""
+    def forward_dense(self, token_ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [T, V] float32 of a whole sequence with dense causal attention (no cache); ``rows``: only
+        those positions' [len(rows), V]."""
         positions = torch.arange(len(token_ids), device=self.device)
-        return self._forward(token_ids, positions, lambda i, q, k, v: causal_attention(q, k, v), False)
+        attend: Attend = lambda i, q, k, v: causal_attention(q, k, v)
+        return self._forward(token_ids.to(self.device), positions, attend, False, rows)
 
     def _forward(
         self,

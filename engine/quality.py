@@ -1,13 +1,16 @@
 """What a cache configuration costs in quality, measured (docs/DESIGN.md §2).
 
 A model runs teacher-forced over windows of real text: each window is a prefill of ``prefill_tokens``
-tokens, then ``decode_tokens`` tokens decoded one by one through the hybrid cache, and the same through an
+tokens, then ``decode_tokens`` tokens decoded one by one through the hybrid cache; the baseline is the
 unquantized cache (``config.unquantized()``: same hot zone and block size, nothing quantized, no sparse
-tier). Per decoded token: KL(base ‖ config) of the next-token distributions, whether the top-1 tokens agree,
-and the negative log likelihood of the true next token under each (→ perplexities). The cache's debug
-statistics give the share of attention on cold (L1 + L2) and on L2 blocks. Time is virtual: decode step
-``i`` happens at ``i × step_ms``, so tier decisions, and hence the result, depend only on the inputs
-(memo-friendly).
+tier), whose logits over a teacher-forced window are those of one dense causal forward over it: it keeps
+every key and value in the model's precision, so its decode steps attend to exactly the keys and values a
+causal forward does and differ from it only in the order of their sums (:func:`baseline_logits`, computed
+once per model and windows, so a study's trials share it). Per decoded token: KL(base ‖ config) of the
+next-token distributions, whether the top-1 tokens agree, and the negative log likelihood of the true next
+token under each (→ perplexities). The cache's debug statistics give the share of attention on cold (L1 +
+L2) and on L2 blocks. Time is virtual: decode step ``i`` happens at ``i × step_ms``, so tier decisions, and
+hence the result, depend only on the inputs (memo-friendly).
 
 The passkey check hides a 5-digit number at 10 depths in filler text of ``prefill_tokens / 2`` to
 ``2 × prefill_tokens`` tokens (1-4K at the default 2,048), then greedy-decodes the answer; the unquantized
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +54,10 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 KEY_SENTENCE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is"
 _SEQ = 0  # the one sequence id of each single-sequence cache
+# each model's baseline logits by windows (baseline_logits); a few settings at most
+_BASELINES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[torch.Tensor]]]
+_BASELINES = weakref.WeakKeyDictionary()
+_BASELINES_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -203,6 +211,22 @@ def _window_ids(loaded: Any, ids: Sequence[int], start: int, length: int) -> lis
     return window if bos is None else [bos, *window[1:]]
 
 
+def baseline_logits(loaded: Any, windows: Sequence[Sequence[int]], prefill_tokens: int) -> list[torch.Tensor]:
+    """The unquantized cache's logits at each decoded position of each teacher-forced window, [decode_tokens,
+    V] float32 per window: one dense causal forward over the window (see the module docstring), kept per
+    model and windows."""
+    model = loaded.model
+    key = (prefill_tokens, tuple(tuple(w) for w in windows))
+    kept = _BASELINES.setdefault(model, {})
+    if key not in kept:
+        rows = torch.arange(prefill_tokens, len(windows[0]) - 1, device=model.device)
+        out = [model.forward_dense(torch.tensor(list(w[:-1]), dtype=torch.long), rows) for w in windows]
+        if len(kept) >= _BASELINES_KEPT:
+            kept.pop(next(iter(kept)))
+        kept[key] = out
+    return kept[key]
+
+
 def single_sequence_cache(
     loaded: Any, config: HybridConfig, num_tokens: int, num_seqs: int = 1
 ) -> HybridCache:
@@ -221,10 +245,18 @@ class _Pair:
 
     Holds ``num_seqs`` sequences of equal length decoded as one batch (the text windows): each sequence only
     attends its own blocks and the load factor is the same for all, so batching changes no decision.
+    ``base=False``: the config's cache alone (its baseline's logits come from :func:`baseline_logits`; the
+    methods return None in their place).
     """
 
     def __init__(
-        self, loaded: Any, config: HybridConfig, num_tokens: int, step_ms: float, num_seqs: int = 1
+        self,
+        loaded: Any,
+        config: HybridConfig,
+        num_tokens: int,
+        step_ms: float,
+        num_seqs: int = 1,
+        base: bool = True,
     ) -> None:
         self.model = loaded.model
         self.device = loaded.model.device
@@ -233,23 +265,27 @@ class _Pair:
         self.seqs = list(range(num_seqs))
         debug = config.replace(kv_cache_debug=True)
         self.cache = single_sequence_cache(loaded, debug, num_tokens, num_seqs)
-        self.base = single_sequence_cache(loaded, config.unquantized(), num_tokens, num_seqs)
+        unquantized = config.unquantized()
+        self.base = single_sequence_cache(loaded, unquantized, num_tokens, num_seqs) if base else None
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _caches(self) -> list[HybridCache]:
+        return [self.cache] if self.base is None else [self.cache, self.base]
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, Any]:
         """Last-position logits [num_seqs, V] under the config and the base."""
         out = []
-        for cache in (self.cache, self.base):
+        for cache in self._caches():
             rows = []
             for seq, ids in zip(self.seqs, prompts, strict=True):
                 cache.add_sequence(seq, list(ids))
                 t = torch.tensor(list(ids), dtype=torch.long, device=self.device)
                 rows.append(self.model.prefill(cache, seq, t, 0, last_only=True)[-1])
             out.append(torch.stack(rows))
-        return out[0], out[1]
+        return out[0], (out[1] if len(out) > 1 else None)
 
     def decode(
         self, tokens: Sequence[int], position: int, base_tokens: Sequence[int] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, Any]:
         """Feed ``tokens`` (the base: ``base_tokens``, default: the same) at ``position``.
 
         Returns the logits [num_seqs, V] under the config and the base.
@@ -258,15 +294,13 @@ class _Pair:
         now = self.steps * self.step_ms
         pos = torch.full((len(self.seqs),), position, dtype=torch.long, device=self.device)
         out = []
-        for cache, toks in (
-            (self.cache, tokens),
-            (self.base, tokens if base_tokens is None else base_tokens),
-        ):
+        fed = (tokens, tokens if base_tokens is None else base_tokens)
+        for cache, toks in zip(self._caches(), fed):
             plan = cache.begin_step(self.seqs, now)
             ids = torch.tensor(list(toks), dtype=torch.long, device=self.device)
             out.append(self.model.decode(cache, plan, ids, pos))
             cache.end_step(plan)
-        return out[0], out[1]
+        return out[0], (out[1] if len(out) > 1 else None)
 
     def attention_shares(self) -> tuple[float, float]:
         """Mean share of attention on cold (L1 + L2) and on L2 blocks over the config's decode steps."""
@@ -288,13 +322,15 @@ def _measure_windows(
     totals: _Totals,
     ticker: _Ticker,
 ) -> None:
-    """All windows (equal lengths) prefilled, then decoded teacher-forced as one batch."""
-    pair = _Pair(loaded, config, len(windows[0]), step_ms, num_seqs=len(windows))
+    """All windows (equal lengths) prefilled, then decoded teacher-forced as one batch through the config's
+    cache; the baseline's logits from :func:`baseline_logits`."""
+    base = baseline_logits(loaded, windows, prefill_tokens)
+    pair = _Pair(loaded, config, len(windows[0]), step_ms, num_seqs=len(windows), base=False)
     pair.prefill([w[:prefill_tokens] for w in windows])
-    for pos in range(prefill_tokens, len(windows[0]) - 1):
-        logits, base = pair.decode([w[pos] for w in windows], pos)
+    for step, pos in enumerate(range(prefill_tokens, len(windows[0]) - 1)):
+        logits, _ = pair.decode([w[pos] for w in windows], pos)
         for row, window in enumerate(windows):
-            totals.add_step(logits[row], base[row], window[pos + 1])
+            totals.add_step(logits[row], base[row][step], window[pos + 1])
         ticker.tick(len(windows))
     cold, l2 = pair.attention_shares()
     totals.cold_share.append(cold)

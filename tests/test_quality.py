@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.aggregation import AGGREGATION_PAIRS, aggregation_prompt, aggregation_prompts
@@ -198,3 +199,21 @@ def test_quality_command_reports_the_aggregation_probe_unless_skipped(tmp_path, 
     rate = json.loads(out.read_text())["aggregation_rate"]
     assert (rate is None) if skip else (0.0 <= rate <= 1.0)
     assert ("skipped" in capsys.readouterr().out.split("pairs recalled")[1].splitlines()[0]) == skip
+
+
+def test_the_baselines_dense_forward_gives_the_unquantized_caches_decode_logits(tiny, text):
+    """The baseline's logits come from one dense causal forward per window: those of decoding the window
+    through the unquantized cache step by step (same keys and values, sums in another order), and kept per
+    model and windows, so a second config's measurement reuses them."""
+    from kvtune.engine.quality import _Pair, _window_ids, baseline_logits
+
+    ids = text_token_ids(tiny, text)
+    windows = [_window_ids(tiny, ids, s, 64 + 24 + 1) for s in (0, 500)]
+    dense = baseline_logits(tiny, windows, 64)
+    pair = _Pair(tiny, _config(0), len(windows[0]), 50.0, num_seqs=2)
+    pair.prefill([w[:64] for w in windows])
+    for step, pos in enumerate(range(64, len(windows[0]) - 1)):
+        _, base = pair.decode([w[pos] for w in windows], pos)
+        for row in range(2):
+            torch.testing.assert_close(dense[row][step], base[row], rtol=1e-5, atol=1e-5)
+    assert baseline_logits(tiny, windows, 64) is dense
