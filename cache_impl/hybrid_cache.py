@@ -183,8 +183,9 @@ class HybridCache:
         self._now = 0.0
         self._bytes_dev = torch.zeros((), dtype=torch.int64, device=self.device)
         self._bytes_host = 0
-        self._cost_host = self._bytes_per_entry()
-        self._cost = self._cost_host.to(self.device)
+        cost = self._bytes_per_entry()
+        self._cost = cost.to(self.device)
+        self._cost_host = cost.tolist()  # Python ints: a decode layer reads one without a tensor op
         self._quest_cost = shape.num_kv_heads * 2 * 2 * shape.head_dim  # an L2 block's key mins + scales
         self.counters = {"prefix_lookup_blocks": 0, "prefix_hit_blocks": 0, "plans": 0}
 
@@ -782,7 +783,7 @@ class HybridCache:
             return
         if not pool.may_demote:  # every block has the pool's bits and every head reads all of them
             if not plan.static:
-                self._bytes_host += plan.cold_blocks * h * int(self._cost_host[pool.bits])
+                self._bytes_host += plan.cold_blocks * h * self._cost_host[pool.bits]
             return
         bits = pool.block_bits[table.long().clamp(min=0)].long()
         self._bytes_dev += torch.where(table >= 0, self._cost[bits], 0).sum()
@@ -792,7 +793,7 @@ class HybridCache:
         h, d, elem = self.shape.num_kv_heads, self.shape.head_dim, self.shape.element_size
         per_layer = 2 * hot_tokens * h * d * elem
         if self.config.sparse_top_k == 0 and not self.pools[0].may_demote:
-            per_layer += cold_blocks * h * int(self._cost_host[self.pools[0].bits])
+            per_layer += cold_blocks * h * self._cost_host[self.pools[0].bits]
         self._bytes_host += self.shape.num_layers * per_layer
 
     @property
