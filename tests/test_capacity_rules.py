@@ -8,6 +8,7 @@ import math
 import random
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -374,23 +375,17 @@ def test_configs_within_the_noise_of_the_best_are_named_as_ties_in_the_claim() -
     ],
 )
 def test_the_probe_flags_set_the_jobs_rule(flags: tuple[str, ...], rule: tuple[str, bool, int, int]) -> None:
-    import argparse
-    from pathlib import Path
-
-    from kvtune.search_spaces.cards import resolve_gpu
-    from kvtune.tuner.commands import tune
-
-    root = Path(__file__).resolve().parents[1]
-    parser = argparse.ArgumentParser()
-    tune.add_arguments(parser)
-    trace = str(root / "examples" / "traces" / "azure_conv_sample.csv")
-    args = parser.parse_args(["--gpu", "cpu", "--workload", trace, "--model", "random:tiny", *flags])
-    job = tune.build_job(args, resolve_gpu("cpu", []), tune.CPU)
+    job = _cpu_job(flags)
     assert (job.probe.statistic, job.probe.pooled, job.probe.confirm, job.probe.draws) == rule
 
 
 @pytest.mark.parametrize(("flags", "piecewise"), [((), False), (("--piecewise",), True)])
 def test_the_piecewise_flag_reaches_the_workers_engine(flags: tuple[str, ...], piecewise: bool) -> None:
+    assert _cpu_job(flags).spec.scheduler.piecewise is piecewise
+
+
+def _cpu_job(flags: tuple[str, ...]) -> Any:
+    """The job ``kvtune --gpu cpu`` builds from ``flags`` on the tiny model and the Azure sample."""
     import argparse
     from pathlib import Path
 
@@ -402,5 +397,4 @@ def test_the_piecewise_flag_reaches_the_workers_engine(flags: tuple[str, ...], p
     tune.add_arguments(parser)
     trace = str(root / "examples" / "traces" / "azure_conv_sample.csv")
     args = parser.parse_args(["--gpu", "cpu", "--workload", trace, "--model", "random:tiny", *flags])
-    job = tune.build_job(args, resolve_gpu("cpu", []), tune.CPU)
-    assert job.spec.scheduler.piecewise is piecewise
+    return tune.build_job(args, resolve_gpu("cpu", []), tune.CPU)
