@@ -2,15 +2,16 @@
 
 Per layer, what ``HybridCache.prefill`` does chunk by chunk (attend over the cached prefix and the chunk;
 seal the blocks the chunk fills; put the rest in the hot zone) runs here for all chunks at once, in a fixed
-number of operations whatever the number of chunks: the chunks' keys and values are *packed* ``[K, 2, H,
-D]`` (K and V stacked), each chunk's segment its cached prefix (sealed blocks, dequantized), its hot tokens
-and its new tokens, which is what its queries attend to (causally, the queries at the segment's end). One
-gather builds the packed rows from the layer's dequantized prefix blocks, hot tokens and new tokens; one
-attention call covers every chunk (FlashAttention's variable-length form on a GPU, one call per chunk
-elsewhere: :func:`kvtune.cache_impl.hybrid_cache.chunks_attention`); the sealed blocks are one gather of the
-packed rows and one ``seal_blocks`` call, the new hot zones one gather and one scatter. The indices are the
-same in every layer: the host computes them at layer 0 into one array, uploaded in one copy (pinned,
-without waiting for the device on CUDA).
+number of operations whatever the number of chunks: the chunks' keys and values are *packed* ``[2, K, H,
+D]`` (a K plane and a V plane, each contiguous for the attention), each chunk's segment its cached prefix
+(sealed blocks, dequantized), its hot tokens and its new tokens, which is what its queries attend to
+(causally, the queries at the segment's end). One gather builds the packed rows from the layer's
+dequantized prefix blocks, hot tokens and new tokens; one attention call covers every chunk
+(FlashAttention's variable-length form on a GPU, one call per chunk elsewhere:
+:func:`kvtune.cache_impl.hybrid_cache.chunks_attention`); the sealed blocks are one gather of the packed
+rows and one ``seal_blocks`` call, the new hot zones one gather and one scatter. The indices are the same in
+every layer: the host computes them at layer 0 into one array, uploaded in one copy (pinned, without waiting
+for the device on CUDA).
 
 Packed layout, per chunk in order: its ``sealed × bs`` prefix tokens, its ``hot_len`` hot tokens, then its
 ``T`` new tokens. Of the chunk's *stream* (hot then new tokens), rows ``[0, n_seal · bs)`` seal into its

@@ -454,25 +454,25 @@ class HybridCache:
         self, layer: int, plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """One layer of every chunk: the packed keys and values, one attention, the fused seal and hot-zone
-        writes (:mod:`kvtune.cache_impl.chunks`)."""
+        writes (:mod:`kvtune.cache_impl.chunks`). K and V are packed as two planes [2, K, H, D], so each is
+        contiguous where the attention reads it."""
         bs, pool, dt = self.config.block_size, self.pools[layer], self.shape.dtype
         parts = []
         if plan.prefix.numel():  # every chunk's cached blocks, dequantized at once: [p, H, bs, D] each
             pk, pv = dequantize_blocks(pool, plan.prefix)
-            parts.append(torch.stack([pk, pv], dim=1).permute(0, 3, 1, 2, 4).flatten(0, 1).to(dt))
-        if plan.hot_src_slots.numel():  # [h, 2, H, D]
-            parts.append(self.hot_kv[layer][:, plan.hot_src_slots, :, plan.hot_src_pos])
-        parts.append(torch.stack([k.to(dt), v.to(dt)], dim=1))
-        source = parts[0] if len(parts) == 1 else torch.cat(parts)
-        packed = source if len(parts) == 1 else source[plan.pack]  # [K, 2, H, D]
-        out = chunks_attention(q, packed[:, 0].to(q.dtype), packed[:, 1].to(q.dtype), plan, self.sm_scale)
+            parts.append(torch.stack([pk, pv]).permute(0, 1, 3, 2, 4).flatten(1, 2).to(dt))
+        if plan.hot_src_slots.numel():  # [h, 2, H, D] read as [2, h, H, D]
+            parts.append(self.hot_kv[layer][:, plan.hot_src_slots, :, plan.hot_src_pos].transpose(0, 1))
+        parts.append(torch.stack([k.to(dt), v.to(dt)]))
+        packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)[:, plan.pack]  # [2, K, H, D]
+        out = chunks_attention(q, packed[0].to(q.dtype), packed[1].to(q.dtype), plan, self.sm_scale)
         if plan.seal_blocks.numel():
-            sealed = packed[plan.seal_rows].unflatten(0, (-1, bs))  # [n, bs, 2, H, D]
-            k_new, v_new = sealed[:, :, 0], sealed[:, :, 1]
+            sealed = packed[:, plan.seal_rows].unflatten(1, (-1, bs))  # [2, n, bs, H, D]
+            k_new, v_new = sealed[0], sealed[1]
             seal_blocks(pool, plan.seal_blocks, k_new, v_new, self.config.quantization_bits)
             self.debug.sealed(pool, plan.seal_blocks, k_new, v_new)
         if plan.hot_rows.numel():
-            self.hot_kv[layer][:, plan.hot_slots, :, plan.hot_pos] = packed[plan.hot_rows]
+            self.hot_kv[layer][:, plan.hot_slots, :, plan.hot_pos] = packed[:, plan.hot_rows].transpose(0, 1)
         return out
 
     def _finish_chunks(self, plan: ChunkPlan, chunks: Sequence[tuple[int, int]]) -> None:
