@@ -373,7 +373,8 @@ def test_search_rate_says_where_a_capacity_trials_time_went() -> None:
     rate = ex.search_rate([first, second])
     assert rate is not None
     assert rate["parts_s"] == pytest.approx({"probes": (22 + 17) / 2, "set_up": 6.0, "quality": 11.0,
-                                             "other": (8 + 9) / 2, "compile": None})  # fmt: skip
+                                             "other": (8 + 9) / 2, "compile": None,
+                                             "probes_clock": 0.0})  # fmt: skip
     assert "(probes 19.5, a new cache's set-up 6.0, quality 11.0, other 8.5 s:" in ex.describe_rate(rate)
     # the worker times Triton's compilations inside the set-up and the quality call
     first.user_attrs[names.ATTR_PROBES][0]["compile_s"] = 5.0
@@ -382,6 +383,12 @@ def test_search_rate_says_where_a_capacity_trials_time_went() -> None:
     compiled = ex.search_rate([first, second])
     assert compiled is not None and compiled["parts_s"]["compile"] == pytest.approx(4.0)
     assert "other 8.5 s; compiling 4.0 s of them:" in ex.describe_rate(compiled)
+    # what the replays measured on their clock, beside their wall (the rest the host's)
+    for p in (*first.user_attrs[names.ATTR_PROBES], *second.user_attrs[names.ATTR_PROBES]):
+        p["duration_s"] = 2.5
+    clocked = ex.search_rate([first, second])
+    assert clocked is not None and clocked["parts_s"]["probes_clock"] == pytest.approx(5.0)
+    assert "(probes 19.5 measuring 5.0 on their clock, a new cache's set-up 6.0" in ex.describe_rate(clocked)
     del first.user_attrs[names.ATTR_QUALITY_S]
     older = ex.search_rate([first, second])
     assert older is not None and older["parts_s"]["quality"] is None

@@ -409,7 +409,9 @@ def trial_parts(trials: Sequence[Any]) -> dict[str, float | None] | None:
     ``kvtune.quality_s``; 0 where an earlier trial's was reused; None in a study stored before trials timed
     it, where it is in ``other``) and ``other`` (the rest: the driver's calls, the study's storage); and
     ``compile``, the part of set-up and quality spent in Triton's compiler or loading from its disk cache
-    (None in a study stored before the worker timed it). None when no trial probed."""
+    (None in a study stored before the worker timed it); ``probes_clock``, the time the probes' replays
+    measured on their clock (on the gated clock the device's; the rest of ``probes`` is the host's). None when
+    no trial probed."""
     parts, timed, compiled = [], False, False
     for t in trials:
         probes = t.user_attrs.get(ATTR_PROBES)
@@ -423,11 +425,13 @@ def trial_parts(trials: Sequence[Any]) -> dict[str, float | None] | None:
         compiled = compiled or any("compile_s" in p for p in probes)
         compile_s = sum(float(p.get("compile_s") or 0.0) for p in probes)
         compile_s += float(quality_s.get("compile_s") or 0.0)
+        clock = sum(float(p.get("duration_s") or 0.0) for p in probes)
         wall = (t.datetime_complete - t.datetime_start).total_seconds()
-        parts.append((replays, set_up, quality, max(0.0, wall - replays - set_up - quality), compile_s))
+        other = max(0.0, wall - replays - set_up - quality)
+        parts.append((replays, set_up, quality, other, compile_s, clock))
     if not parts:
         return None
-    names = ("probes", "set_up", "quality", "other", "compile")
+    names = ("probes", "set_up", "quality", "other", "compile", "probes_clock")
     means: dict[str, float | None] = {n: statistics.fmean(p[i] for p in parts) for i, n in enumerate(names)}
     if not compiled:
         means["compile"] = None
@@ -443,8 +447,11 @@ def describe_rate(rate: Mapping[str, Any]) -> str:
         quality = "" if parts["quality"] is None else f"quality {parts['quality']:.1f}, "
         other = "other" if parts["quality"] is not None else "other (quality included)"
         compiling = "" if parts.get("compile") is None else f"; compiling {parts['compile']:.1f} s of them"
-        where = (f" (probes {parts['probes']:.1f}, a new cache's set-up {parts['set_up']:.1f}, {quality}"
-                 f"{other} {parts['other']:.1f} s{compiling}: the capacity trials' means)")  # fmt: skip
+        clock = parts.get("probes_clock")
+        measured = f" measuring {clock:.1f} on their clock" if clock else ""
+        where = (f" (probes {parts['probes']:.1f}{measured}, a new cache's set-up {parts['set_up']:.1f}, "
+                 f"{quality}{other} {parts['other']:.1f} s{compiling}: "
+                 "the capacity trials' means)")  # fmt: skip
     return (f"{rate['finished']} trials{f' ({extra})' if extra else ''} in {rate['busy_s']:.0f} s of search"
             f" on {rate['workers'] or '?'} worker(s): {per_hour} trials per hour, "
             f"{rate['mean_trial_s']:.1f} s per trial{where}")  # fmt: skip
