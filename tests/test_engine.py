@@ -400,13 +400,16 @@ def test_replay_command_prints_and_writes_json(tmp_path, capsys):
         "1",
         "--warmup",
         "0",
+        "--piecewise",
         "--json",
         str(out),
     ]
     assert main(argv) == 0
     record = json.loads(out.read_text())
     assert record["metrics"]["completed"] == 5 and record["config"]["quantization_bits"] == 4
-    assert "TPOT" in capsys.readouterr().out
+    assert record["metrics"]["piecewise_forwards"] > 0
+    printed = capsys.readouterr().out
+    assert "TPOT" in printed and "prompt forwards in pieces" in printed
 
 
 @pytest.mark.parametrize(

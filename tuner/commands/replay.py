@@ -240,7 +240,8 @@ def _table(m: dict[str, Any], config: HybridConfig, model: str, time_scale: floa
     table.add_row(
         "engine",
         f"max_num_seqs {m.get('max_num_seqs')}, max_num_batched_tokens {m.get('max_num_batched_tokens')}, "
-        f"{graphs}, {'mixed' if m.get('mixed') else 'separate'} iterations",
+        f"{graphs}, {'mixed' if m.get('mixed') else 'separate'} iterations"
+        + (f", {m['piecewise_forwards']} prompt forwards in pieces" if m.get("piecewise_forwards") else ""),
     )
     table.add_row("completed / refused / clipped", f"{m['completed']} / {m['refused']} / {m['clipped']}")
     table.add_row("preemptions", str(m["preemptions"]))
