@@ -22,6 +22,7 @@
 # quality measurement QWINDOWS (2) x (QPREFILL 1024 + QDECODE tokens: 64 for llama, 128 for smol), CLOCK (kvtune --clock; unset: gated,
 # kvtune's default for capacity), QMODEL (kvtune --quality-model; unset: the real SmolLM2, which needs the GGUF), SLO_PERCENTILE (kvtune --slo-percentile; unset: 90), SLO_TTFT_MS and SLO_TPOT_MS
 # (kvtune --slo-ttft-ms / --slo-tpot-ms; unset: derived from the unloaded replay, whose P99 TTFT moves ±25 %).
+# EXTRA: more kvtune options for every study (e.g. EXTRA=--piecewise).
 set -u
 out=${1:?usage: lab/scripts/h200_capacity_study.sh OUTDIR [llama|smol|both]}
 which=${2:-both}
@@ -63,7 +64,7 @@ study() {  # name model budget length-scale [extra options]
     --trials "$TRIALS" --time-budget "$MINUTES" --quality-windows "${QWINDOWS:-2}" \
     --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey ${QMODEL:+--quality-model $QMODEL} ${CLOCK:+--clock $CLOCK} ${SLO_PERCENTILE:+--slo-percentile $SLO_PERCENTILE} \
     ${SLO_TTFT_MS:+--slo-ttft-ms $SLO_TTFT_MS} ${SLO_TPOT_MS:+--slo-tpot-ms $SLO_TPOT_MS} \
-    ${RESUME:+--resume} "$@" \
+    ${RESUME:+--resume} ${EXTRA:-} "$@" \
     --study "$name" --storage "sqlite:///$out/$name.db" --out "$out/preset_$name.json" 2>&1 \
     | tee -a "$out/$name.log" | tail -40
   log "study $name: wall $(( SECONDS - start )) s"
