@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +34,6 @@ from kvtune.engine.weights import (
     smollm2_gguf_path,
 )
 from kvtune.kernels.elementwise import add_rms_norm, rope_qkv, silu_mul
-
-if TYPE_CHECKING:  # the pieces import this module's RoPE when they run
-    from kvtune.engine.piecewise import PiecewiseForward
 
 __all__ = [
     "SHAPES",
@@ -59,6 +56,22 @@ class KVCacheLike(Protocol):
 
     def decode(
         self, layer: int, plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class Pieces(Protocol):
+    """What runs a forward's dense parts as pieces (:class:`kvtune.engine.piecewise.PiecewiseForward`)."""
+
+    def fits(self, tokens: int) -> bool: ...
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        rows: torch.Tensor | None = None,
+        last_only: bool = False,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -147,7 +160,7 @@ class LlamaModel:
         start_pos: int,
         last_only: bool = False,
         between_layers: Callable[[], None] | None = None,
-        pieces: PiecewiseForward | None = None,
+        pieces: Pieces | None = None,
     ) -> torch.Tensor:
         """Logits [T, V] float32 (``last_only``: [1, V]) of T tokens at positions ``start_pos + arange(T)``.
 
@@ -188,7 +201,7 @@ class LlamaModel:
         num_decode: int,
         chunks: Sequence[tuple[int, int]],
         between_layers: Callable[[], None] | None = None,
-        pieces: PiecewiseForward | None = None,
+        pieces: Pieces | None = None,
     ) -> torch.Tensor:
         """One forward over ``num_decode`` decode tokens then prompt chunks, logits [num_decode + len(chunks),
         V] float32: each decode row's, then each chunk's last token's (``pieces``: as :meth:`prefill`).
@@ -241,7 +254,7 @@ class LlamaModel:
         last_only: bool,
         rows: torch.Tensor | None = None,
         between_layers: Callable[[], None] | None = None,
-        pieces: PiecewiseForward | None = None,
+        pieces: Pieces | None = None,
     ) -> torch.Tensor:
         """Residual stream ``x``; each layer adds attention then MLP, the add fused with the next RMSNorm.
         Logits of every row, of the last (``last_only``) or of ``rows`` (indices). ``between_layers()`` is

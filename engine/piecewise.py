@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvtune.engine.model import rope_cos_sin
 from kvtune.kernels.elementwise import add_rms_norm, rope_qkv, silu_mul
 
 # token-count buckets: a forward of N tokens pads to the first one >= N
@@ -132,8 +133,6 @@ class PiecewiseForward:
         m = self.model
         eps, layers = m.spec.rms_eps, m.layers
         if i == 0:
-            from kvtune.engine.model import rope_cos_sin
-
             cos, sin = rope_cos_sin(m.inv_freq, self._positions[:nb])
             self._cos[:nb].copy_(cos)
             self._sin[:nb].copy_(sin)
