@@ -35,6 +35,7 @@ end of their step); blocks holding generated tokens are never shared; blocks sea
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -947,17 +948,40 @@ def chunks_attention(
     variable-length form with grouped-query heads, whose causal mask is aligned to each segment's end
     (query ``i`` of a chunk with ``done`` tokens before it sees keys ``0 … done + i``). Elsewhere (a CPU,
     float32) :func:`_causal_attention` chunk by chunk over the same packed keys. ``flash``: force either
-    (None: the first where it runs).
+    (None: the first where it runs; where the FlashAttention call is refused, a PyTorch built without it
+    say, the other from then on, with a warning).
     """
-    if _flash_varlen(q) if flash is None else flash:
-        return torch.ops.aten._flash_attention_forward(
-            q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, 0.0, True, False, scale=sm_scale
-        )[0]
+    if flash or (flash is None and _flash_varlen(q) and q.device not in _FLASH_REFUSED):
+        try:
+            return _flash_chunks(q, k, v, plan, sm_scale)
+        except RuntimeError as e:
+            if flash:
+                raise
+            _FLASH_REFUSED.add(q.device)
+            warnings.warn(
+                f"prompt chunks: FlashAttention's variable-length kernel refused ({str(e).splitlines()[0]}); "
+                "attending chunk by chunk on this device from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     outs = [
         _causal_attention(q[a:b], k[c:d], v[c:d], done, sm_scale)
         for (a, b), (c, d), done in zip(plan.bounds, plan.key_bounds, plan.done)
     ]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+# devices where the variable-length FlashAttention call was refused (chunks_attention falls back there)
+_FLASH_REFUSED: set[torch.device] = set()
+
+
+def _flash_chunks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ChunkPlan, sm_scale: float
+) -> torch.Tensor:
+    """One FlashAttention variable-length call over every chunk, causal at each segment's end."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, 0.0, True, False, scale=sm_scale
+    )[0]
 
 
 def _flash_varlen(q: torch.Tensor) -> bool:

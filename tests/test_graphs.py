@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -328,6 +329,32 @@ def test_chunk_plan_packs_each_chunks_prefix_hot_and_new_tokens():
     assert plan.hot_slots.tolist() == [2] * 6 + [0, 0] + [5] * 3
     assert plan.hot_pos.tolist() == [*range(6), 0, 1, 0, 1, 2]
     assert plan.hot_src_slots.tolist() == [0, 0, 0, 5, 5] and plan.hot_src_pos.tolist() == [0, 1, 2, 0, 1]
+
+
+def test_a_refused_flash_call_falls_back_to_chunk_by_chunk_attention(monkeypatch):
+    """Where FlashAttention's variable-length call is refused (a PyTorch built without it, say), the chunks
+    attend one by one from then on, with a warning; a forced call raises."""
+    from kvtune.cache_impl import hybrid_cache as hc
+
+    def refused(*args: Any) -> torch.Tensor:
+        raise RuntimeError("no kernel image is available\nmore")
+
+    plan = _chunk_plan()
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(14, 8, 16, generator=gen)
+    k, v = (torch.randn(27, 2, 16, generator=gen) for _ in range(2))
+    want = hc.chunks_attention(q, k, v, plan, 0.25, flash=False)
+    monkeypatch.setattr(hc, "_flash_varlen", lambda q: True)
+    monkeypatch.setattr(hc, "_flash_chunks", refused)
+    monkeypatch.setattr(hc, "_FLASH_REFUSED", set())
+    with pytest.warns(RuntimeWarning, match="refused \\(no kernel image is available\\); attending chunk by"):
+        assert torch.equal(hc.chunks_attention(q, k, v, plan, 0.25), want)
+    assert q.device in hc._FLASH_REFUSED
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second try, no second warning
+        assert torch.equal(hc.chunks_attention(q, k, v, plan, 0.25), want)
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        hc.chunks_attention(q, k, v, plan, 0.25, flash=True)
 
 
 @pytest.mark.gpu
