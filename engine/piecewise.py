@@ -34,13 +34,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvtune.engine.model import rope_cos_sin
+from kvtune.engine.model import Attend, rope_cos_sin
 from kvtune.kernels.elementwise import add_rms_norm, rope_qkv, silu_mul
 
 # token-count buckets: a forward of N tokens pads to the first one >= N
 PIECE_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
-
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def piece_buckets(max_tokens: int) -> list[int]:

@@ -55,8 +55,9 @@ KEY_SENTENCE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is"
 _SEQ = 0  # the one sequence id of each single-sequence cache
 # each model's baseline logits by windows (baseline_logits); a few settings at most
-_BASELINES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[torch.Tensor]]]
-_BASELINES = weakref.WeakKeyDictionary()
+_BASELINES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
 _BASELINES_KEPT = 4
 
 
