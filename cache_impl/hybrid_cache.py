@@ -341,8 +341,8 @@ class HybridCache:
 
     # ---- prefill ---------------------------------------------------------------------------------------
     def prefill(
-        self, layer: int, seq_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+        self, layer: int, seq_id: int, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor | None:
         """Write one layer of the next ``T`` prompt tokens (a chunk, or all the uncached rest) and attend.
 
         q: [T, Hq, D], k, v: [T, H, D]; returns [T, Hq, D] (q.dtype). Attention is dense and causal over the
@@ -350,10 +350,12 @@ class HybridCache:
         chunk then seal as many blocks as leave at least ``hot_tokens`` tokens in the hot zone (after the last
         chunk: every block the prompt fills); the rest is the new hot zone. Every layer of a chunk gets the
         same ``T``, layer 0 first; after the last layer of the last chunk the sequence is ready for decode and
-        its prompt blocks become reusable.
+        its prompt blocks become reusable. ``q`` None: the writes alone, no attention (returns None): keys
+        and values computed elsewhere (a dense forward over the same tokens) put in the cache as a prefill
+        would.
         """
         seq = self._seq(seq_id)
-        t, start = q.shape[0], seq.layers_done == 0
+        t, start = k.shape[0], seq.layers_done == 0
         fits = 0 < t <= seq.length - seq.prefilled if start else t == seq.chunk
         if seq.ready or layer != seq.layers_done or not fits:
             want = f"1..{seq.length - seq.prefilled}" if start else str(seq.chunk)
@@ -378,20 +380,21 @@ class HybridCache:
         return out
 
     def _prefill_layer(
-        self, layer: int, seq: _Seq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, int, int]:
-        """One layer of a chunk: attend, seal, refill the hot zone; (output, blocks sealed, hot length)."""
+        self, layer: int, seq: _Seq, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor | None, int, int]:
+        """One layer of a chunk: attend (not where ``q`` is None), seal, refill the hot zone; (output, blocks
+        sealed, hot length)."""
         bs, pool, dt = self.config.block_size, self.pools[layer], self.shape.dtype
         zone = slice(0, seq.hot_len)
         hot_k = self.hot_k[layer, seq.slot, :, zone].transpose(0, 1)  # [hot_len, H, D]
         hot_v = self.hot_v[layer, seq.slot, :, zone].transpose(0, 1)
         keys, values = k, v
         ids = seq.chunk_blocks
-        if seq.prefilled:  # the tokens cached so far: sealed blocks (dequantized), then the hot zone
+        if seq.prefilled and q is not None:  # the tokens cached so far: sealed blocks, then the hot zone
             prefix_k, prefix_v = self._prefix_kv(pool, ids[: seq.sealed])
             keys = torch.cat([prefix_k.to(k.dtype), hot_k.to(k.dtype), k])
             values = torch.cat([prefix_v.to(v.dtype), hot_v.to(v.dtype), v])
-        out = _causal_attention(q, keys, values, seq.prefilled, self.sm_scale)
+        out = None if q is None else _causal_attention(q, keys, values, seq.prefilled, self.sm_scale)
         new_k, new_v = k.to(dt), v.to(dt)
         if seq.hot_len:  # a later chunk: the hot zone goes first (a whole prompt starts with it empty)
             new_k, new_v = torch.cat([hot_k.to(dt), new_k]), torch.cat([hot_v.to(dt), new_v])

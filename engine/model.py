@@ -27,11 +27,14 @@ from kvtune.engine.weights import (
     SHAPES,
     ModelSpec,
     RopeScaling,
+    expected_shapes,
     load_gguf,
     load_hf_dir,
     random_tensors,
     save_hf_dir,
     smollm2_gguf_path,
+    spec_from_gguf,
+    spec_from_hf_config,
 )
 from kvtune.kernels.elementwise import add_rms_norm, rope_qkv, silu_mul
 
@@ -51,8 +54,8 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 class KVCacheLike(Protocol):
     def prefill(
-        self, layer: int, seq_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor: ...
+        self, layer: int, seq_id: int, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor | None: ...
 
     def decode(
         self, layer: int, plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -170,7 +173,12 @@ class LlamaModel:
         the tokens fit its buckets).
         """
         positions = torch.arange(start_pos, start_pos + len(token_ids), device=self.device)
-        attend: Attend = lambda i, q, k, v: cache.prefill(i, seq_id, q, k, v)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = cache.prefill(i, seq_id, q, k, v)
+            assert out is not None  # a prefill given queries attends
+            return out
+
         return self._forward(
             token_ids, positions, attend, last_only, between_layers=between_layers, pieces=pieces
         )
@@ -231,7 +239,9 @@ class LlamaModel:
                 outs.append(cache.prefill_chunks(i, chunks, q[n:], k[n:], v[n:]))  # type: ignore[attr-defined]
             else:
                 for (seq_id, _), a, b in zip(chunks, bounds, bounds[1:]):
-                    outs.append(cache.prefill(i, seq_id, q[a:b], k[a:b], v[a:b]))
+                    out = cache.prefill(i, seq_id, q[a:b], k[a:b], v[a:b])
+                    assert out is not None  # a prefill given queries attends
+                    outs.append(out)
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         rows = upload(torch.tensor(list(range(num_decode)) + [b - 1 for b in bounds[1:]]), self.device)
@@ -239,11 +249,22 @@ class LlamaModel:
         return self._forward(token_ids, positions, attend, False, rows, between_layers, pieces)
 
     @torch.inference_mode()
-    def forward_dense(self, token_ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_dense(
+        self,
+        token_ids: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
         """Logits [T, V] float32 of a whole sequence with dense causal attention (no cache); ``rows``: only
-        those positions' [len(rows), V]."""
+        those positions' [len(rows), V]; ``kv``: a list that gets each layer's rotated keys and values [T,
+        H, D] (what a prefill of these tokens writes to a cache, layer by layer)."""
         positions = torch.arange(len(token_ids), device=self.device)
-        attend: Attend = lambda i, q, k, v: causal_attention(q, k, v)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if kv is not None:
+                kv.append((k, v))
+            return causal_attention(q, k, v)
+
         return self._forward(token_ids.to(self.device), positions, attend, False, rows)
 
     def _forward(
@@ -344,6 +365,29 @@ def load_model(
         f"model {name!r}: not found; expected one of {model_names()}, a Hugging Face model directory "
         "(config.json + *.safetensors) or a .gguf file"
     )
+
+
+def model_parameters(name: str) -> int | None:
+    """The parameter count of the model :func:`load_model` would load for ``name``, from its spec alone
+    (a shape, ``config.json`` or the GGUF header; no weights read); None where the name is no model."""
+    spec = None
+    path = Path(name)
+    try:
+        if name == "smollm2":
+            spec = SHAPES["smollm2-135m"]
+        elif name.startswith("random:"):
+            spec = SHAPES.get(name.removeprefix("random:"))
+        elif path.is_dir():
+            spec = spec_from_hf_config(path / "config.json")
+        elif path.suffix == ".gguf" and path.is_file():
+            from kvtune.engine.gguf_file import read_gguf
+
+            spec = spec_from_gguf(str(path), read_gguf(path)[0])
+    except (OSError, ValueError, KeyError):
+        return None
+    if spec is None:
+        return None
+    return sum(math.prod(shape) for shape in expected_shapes(spec).values())
 
 
 def _from_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:

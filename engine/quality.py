@@ -5,8 +5,11 @@ tokens, then ``decode_tokens`` tokens decoded one by one through the hybrid cach
 unquantized cache (``config.unquantized()``: same hot zone and block size, nothing quantized, no sparse
 tier), whose logits over a teacher-forced window are those of one dense causal forward over it: it keeps
 every key and value in the model's precision, so its decode steps attend to exactly the keys and values a
-causal forward does and differ from it only in the order of their sums (:func:`baseline_logits`, computed
-once per model and windows, so a study's trials share it). Per decoded token: KL(base ‖ config) of the
+causal forward does and differ from it only in the order of their sums (:func:`baseline`, computed once
+per model and windows, so a study's trials share it). The same forward gives the prompts' keys and values,
+which a one-chunk prefill through any config's cache computes alike (a prompt attends only to its own keys
+and values, unquantized): each config's cache takes them as its prefill would (sealed, quantized) without
+running the model over the prompt again. Per decoded token: KL(base ‖ config) of the
 next-token distributions, whether the top-1 tokens agree, and the negative log likelihood of the true next
 token under each (→ perplexities). The cache's debug statistics give the share of attention on cold (L1 +
 L2) and on L2 blocks. Time is virtual: decode step ``i`` happens at ``i × step_ms``, so tier decisions, and
@@ -54,11 +57,10 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 KEY_SENTENCE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is"
 _SEQ = 0  # the one sequence id of each single-sequence cache
-# each model's baseline logits by windows (baseline_logits); a few settings at most
-_BASELINES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[torch.Tensor]]] = (
-    weakref.WeakKeyDictionary()
-)
+# each model's baselines by windows (baseline); a few settings at most, the newest alone with its prompts' K/V
+_BASELINES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Baseline]] = weakref.WeakKeyDictionary()
 _BASELINES_KEPT = 4
+_PROMPT_KV_MAX_BYTES = 2 << 30  # larger prompts' keys and values are not kept: the model prefills them
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,17 @@ class QualityResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class Baseline:
+    """What every config's measurement over the same windows shares: the unquantized cache's logits at
+    each decoded position, [decode_tokens, V] float32 per window, and the windows' prompts' keys and values
+    per layer (``kv[window][layer]`` = (k, v) [prefill_tokens, H, D]; None where too large to keep), which
+    a prefill through any config's cache computes the same way (see :func:`baseline`)."""
+
+    logits: list[torch.Tensor]
+    kv: list[list[tuple[torch.Tensor, torch.Tensor]]] | None
 
 
 @dataclass
@@ -212,20 +225,41 @@ def _window_ids(loaded: Any, ids: Sequence[int], start: int, length: int) -> lis
     return window if bos is None else [bos, *window[1:]]
 
 
-def baseline_logits(loaded: Any, windows: Sequence[Sequence[int]], prefill_tokens: int) -> list[torch.Tensor]:
-    """The unquantized cache's logits at each decoded position of each teacher-forced window, [decode_tokens,
-    V] float32 per window: one dense causal forward over the window (see the module docstring), kept per
-    model and windows."""
+def baseline(loaded: Any, windows: Sequence[Sequence[int]], prefill_tokens: int) -> Baseline:
+    """One dense causal forward over each window, kept per model and windows (:class:`Baseline`).
+
+    Its logits are the unquantized cache's (see the module docstring). Its keys and values at the prompt's
+    positions are what a prefill of the prompt through any config's cache computes and writes: a prompt
+    prefilled in one chunk attends only to its own keys and values, in the model's precision, whatever the
+    config, so the config shows only from the first decoded token on. Every config of a study writes them
+    to its cache (sealing and quantizing them as a prefill does) instead of running the model over the
+    prompt again."""
     model = loaded.model
     key = (prefill_tokens, tuple(tuple(w) for w in windows))
     kept = _BASELINES.setdefault(model, {})
     if key not in kept:
         rows = torch.arange(prefill_tokens, len(windows[0]) - 1, device=model.device)
-        out = [model.forward_dense(torch.tensor(list(w[:-1]), dtype=torch.long), rows) for w in windows]
+        s = model.spec
+        kv_bytes = len(windows) * prefill_tokens * s.num_layers * 2 * s.num_kv_heads * s.head_dim
+        keep_kv = kv_bytes * model.dtype.itemsize <= _PROMPT_KV_MAX_BYTES
+        logits, kvs = [], []
+        for w in windows:
+            layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+            ids = torch.tensor(list(w[:-1]), dtype=torch.long)
+            logits.append(model.forward_dense(ids, rows, kv=layers if keep_kv else None))
+            kvs.append([(k[:prefill_tokens].clone(), v[:prefill_tokens].clone()) for k, v in layers])
         if len(kept) >= _BASELINES_KEPT:
             kept.pop(next(iter(kept)))
-        kept[key] = out
+        for older in kept.values():  # only the newest setting keeps its prompts' keys and values
+            older.kv = None
+        kept[key] = Baseline(logits, kvs if keep_kv else None)
     return kept[key]
+
+
+def baseline_logits(loaded: Any, windows: Sequence[Sequence[int]], prefill_tokens: int) -> list[torch.Tensor]:
+    """The unquantized cache's logits at each decoded position of each teacher-forced window,
+    [decode_tokens, V] float32 per window (:func:`baseline`)."""
+    return baseline(loaded, windows, prefill_tokens).logits
 
 
 def single_sequence_cache(
@@ -284,6 +318,18 @@ class _Pair:
             out.append(torch.stack(rows))
         return out[0], (out[1] if len(out) > 1 else None)
 
+    @torch.inference_mode()
+    def prefill_kv(
+        self, prompts: Sequence[Sequence[int]], kv: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]
+    ) -> None:
+        """What :meth:`prefill` leaves in the caches, from each prompt's keys and values per layer (a dense
+        forward's: :func:`baseline`), without running the model."""
+        for cache in self._caches():
+            for seq, ids, layers in zip(self.seqs, prompts, kv, strict=True):
+                cache.add_sequence(seq, list(ids))
+                for layer, (k, v) in enumerate(layers):
+                    cache.prefill(layer, seq, None, k, v)
+
     def decode(
         self, tokens: Sequence[int], position: int, base_tokens: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, Any]:
@@ -324,14 +370,19 @@ def _measure_windows(
     ticker: _Ticker,
 ) -> None:
     """All windows (equal lengths) prefilled, then decoded teacher-forced as one batch through the config's
-    cache; the baseline's logits from :func:`baseline_logits`."""
-    base = baseline_logits(loaded, windows, prefill_tokens)
+    cache; the baseline's logits, and the prompts' keys and values the prefill writes, from
+    :func:`baseline`."""
+    base = baseline(loaded, windows, prefill_tokens)
     pair = _Pair(loaded, config, len(windows[0]), step_ms, num_seqs=len(windows), base=False)
-    pair.prefill([w[:prefill_tokens] for w in windows])
+    prompts = [w[:prefill_tokens] for w in windows]
+    if base.kv is not None:
+        pair.prefill_kv(prompts, base.kv)
+    else:
+        pair.prefill(prompts)
     for step, pos in enumerate(range(prefill_tokens, len(windows[0]) - 1)):
         logits, _ = pair.decode([w[pos] for w in windows], pos)
         for row, window in enumerate(windows):
-            totals.add_step(logits[row], base[row][step], window[pos + 1])
+            totals.add_step(logits[row], base.logits[row][step], window[pos + 1])
         ticker.tick(len(windows))
     cold, l2 = pair.attention_shares()
     totals.cold_share.append(cold)

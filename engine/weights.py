@@ -359,7 +359,7 @@ def load_gguf(
         meta, file_tensors = read_gguf(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: unreadable GGUF file ({e})") from None
-    spec = _spec_from_gguf(str(path), meta)
+    spec = spec_from_gguf(str(path), meta)
     tensors: dict[str, torch.Tensor] = {}
     for t in file_tensors:
         name, w = _hf_name(t.name), gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
@@ -373,7 +373,7 @@ def load_gguf(
     return spec, tensors, meta
 
 
-def _spec_from_gguf(where: str, meta: dict[str, Any]) -> ModelSpec:
+def spec_from_gguf(where: str, meta: dict[str, Any]) -> ModelSpec:
     if meta.get("general.architecture") != "llama":
         raise ValueError(
             f"{where}: general.architecture={meta.get('general.architecture')!r}, expected 'llama'"

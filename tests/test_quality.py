@@ -217,3 +217,38 @@ def test_the_baselines_dense_forward_gives_the_unquantized_caches_decode_logits(
         for row in range(2):
             torch.testing.assert_close(dense[row][step], base[row], rtol=1e-5, atol=1e-5)
     assert baseline_logits(tiny, windows, 64) is dense
+
+
+@pytest.mark.parametrize("config", [_config(8), _config(4, sparse_top_k=32)], ids=["int8", "int4-sparse"])
+def test_prompts_written_from_the_dense_forward_match_a_prefill_through_the_cache(tiny, text, config):
+    """The windows' prompts go into each config's cache as the dense forward's keys and values (no model
+    pass), sealed and quantized as a prefill would: the decoded logits are those of prefilling the prompts
+    through the model and the cache (same keys and values up to the order of the attention's sums)."""
+    from kvtune.engine.quality import _Pair, _window_ids, baseline
+
+    ids = text_token_ids(tiny, text)
+    windows = [_window_ids(tiny, ids, s, 64 + 24 + 1) for s in (0, 500)]
+    prompts = [w[:64] for w in windows]
+    kv = baseline(tiny, windows, 64).kv
+    assert kv is not None and len(kv[0]) == tiny.spec.num_layers and kv[0][0][0].shape[0] == 64
+    written = _Pair(tiny, config, len(windows[0]), 50.0, num_seqs=2, base=False)
+    written.prefill_kv(prompts, kv)
+    prefilled = _Pair(tiny, config, len(windows[0]), 50.0, num_seqs=2, base=False)
+    prefilled.prefill(prompts)
+    for cache in (written.cache, prefilled.cache):
+        cache.check_integrity()
+    for pos in range(64, len(windows[0]) - 1):
+        a, _ = written.decode([w[pos] for w in windows], pos)
+        b, _ = prefilled.decode([w[pos] for w in windows], pos)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert written.attention_shares() == pytest.approx(prefilled.attention_shares(), abs=1e-6)
+
+
+def test_only_the_newest_windows_keep_their_prompts_keys_and_values(tiny, text):
+    from kvtune.engine.quality import _window_ids, baseline
+
+    ids = text_token_ids(tiny, text)
+    first = baseline(tiny, [_window_ids(tiny, ids, 0, 40)], 32)
+    second = baseline(tiny, [_window_ids(tiny, ids, 700, 40)], 32)
+    assert first.kv is None and second.kv is not None
+    assert baseline(tiny, [_window_ids(tiny, ids, 0, 40)], 32) is first  # the logits are still kept
