@@ -374,7 +374,7 @@ def test_search_rate_says_where_a_capacity_trials_time_went() -> None:
     assert rate is not None
     assert rate["parts_s"] == pytest.approx({"probes": (22 + 17) / 2, "set_up": 6.0, "quality": 11.0,
                                              "other": (8 + 9) / 2, "compile": None,
-                                             "probes_clock": 0.0})  # fmt: skip
+                                             "probes_clock": 0.0, "quality_beside": None})  # fmt: skip
     assert "(probes 19.5, a new cache's set-up 6.0, quality 11.0, other 8.5 s:" in ex.describe_rate(rate)
     # the worker times Triton's compilations inside the set-up and the quality call
     first.user_attrs[names.ATTR_PROBES][0]["compile_s"] = 5.0
@@ -389,6 +389,11 @@ def test_search_rate_says_where_a_capacity_trials_time_went() -> None:
     clocked = ex.search_rate([first, second])
     assert clocked is not None and clocked["parts_s"]["probes_clock"] == pytest.approx(5.0)
     assert "(probes 19.5 measuring 5.0 on their clock, a new cache's set-up 6.0" in ex.describe_rate(clocked)
+    # quality measured by a CPU process while the probes ran: the call waits, the process measures
+    first.user_attrs[names.ATTR_QUALITY_S] = {"wall_s": 0.4, "measure_s": 5.2, "load_s": 2.0}
+    beside = ex.search_rate([first, second])
+    assert beside is not None and beside["parts_s"]["quality_beside"] == pytest.approx(2.6)
+    assert "quality 0.2 (measured 2.6 beside the probes), other" in ex.describe_rate(beside)
     del first.user_attrs[names.ATTR_QUALITY_S]
     older = ex.search_rate([first, second])
     assert older is not None and older["parts_s"]["quality"] is None

@@ -30,12 +30,14 @@ CRASH_BITS = 4  # the config the crashing worker refuses
 class CrashingWorker(TrialWorker):
     """The real worker, but every config with ``quantization_bits == 4`` raises (as a CUDA OOM would)."""
 
-    def configure(self, config: HybridConfig, workload: Any, knobs: Any = None) -> None:
+    def configure(
+        self, config: HybridConfig, workload: Any, knobs: Any = None, quality: bool = False
+    ) -> None:
         if config.quantization_bits == CRASH_BITS:
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)"
             )
-        super().configure(config, workload, knobs)
+        super().configure(config, workload, knobs, quality)
 
 
 class BrokenWorker(TrialWorker):

@@ -86,7 +86,7 @@ from kvtune.tuner.validation import feasible
 
 WAIT_S = 1.0  # the loop wakes this often (Ctrl-C, deadlines)
 # the quality call's seconds (all; the model's load; Triton's compiler), apart from the quality it measured
-QUALITY_TIMES = ("wall_s", "load_s", "compile_s")
+QUALITY_TIMES = ("wall_s", "load_s", "compile_s", "measure_s")
 Suggest = Callable[[optuna.Trial], dict[str, Any]]  # define-by-run: the trial's resolved hybrid_v2 dict
 # define-by-run, after the config: the trial's engine knobs (EngineKnobs' fields, and how they were chosen)
 SuggestKnobs = Callable[[optuna.Trial, HybridConfig], dict[str, Any] | None]
@@ -246,7 +246,9 @@ class TrialLoop:
             seqs = engine.get("max_num_seqs") if engine is not None else None
             search = warm_start(predicted_start(self.capacity, seqs, self.base_seqs), best, self.noise)
         run = _Running(trial, config, worker, knobs=knobs, search=search)
-        self._submit(run, self.pool.actors[worker].configure.remote(config, self.workload_ref, knobs))
+        quality = config_key(config) not in self.memo  # a worker may measure it beside the probes
+        actor = self.pool.actors[worker]
+        self._submit(run, actor.configure.remote(config, self.workload_ref, knobs, quality))
         self.events(Event("start", trial.number, worker, message=_short_config(config)))
 
     def _measured(

@@ -410,9 +410,10 @@ def trial_parts(trials: Sequence[Any]) -> dict[str, float | None] | None:
     it, where it is in ``other``) and ``other`` (the rest: the driver's calls, the study's storage); and
     ``compile``, the part of set-up and quality spent in Triton's compiler or loading from its disk cache
     (None in a study stored before the worker timed it); ``probes_clock``, the time the probes' replays
-    measured on their clock (on the gated clock the device's; the rest of ``probes`` is the host's). None when
-    no trial probed."""
-    parts, timed, compiled = [], False, False
+    measured on their clock (on the gated clock the device's; the rest of ``probes`` is the host's);
+    ``quality_beside``, the quality's own seconds where a CPU process measured it while the probes ran
+    (``quality`` is then the trial's wait for it; None where none did). None when no trial probed."""
+    parts, timed, compiled, beside = [], False, False, False
     for t in trials:
         probes = t.user_attrs.get(ATTR_PROBES)
         if not probes or t.datetime_start is None or t.datetime_complete is None:
@@ -422,19 +423,23 @@ def trial_parts(trials: Sequence[Any]) -> dict[str, float | None] | None:
         timed = timed or ATTR_QUALITY_S in t.user_attrs
         quality_s = t.user_attrs.get(ATTR_QUALITY_S) or {}
         quality = float(quality_s.get("wall_s") or 0.0)
+        beside = beside or "measure_s" in quality_s
+        measured = float(quality_s.get("measure_s") or 0.0)
         compiled = compiled or any("compile_s" in p for p in probes)
         compile_s = sum(float(p.get("compile_s") or 0.0) for p in probes)
         compile_s += float(quality_s.get("compile_s") or 0.0)
         clock = sum(float(p.get("duration_s") or 0.0) for p in probes)
         wall = (t.datetime_complete - t.datetime_start).total_seconds()
         other = max(0.0, wall - replays - set_up - quality)
-        parts.append((replays, set_up, quality, other, compile_s, clock))
+        parts.append((replays, set_up, quality, other, compile_s, clock, measured))
     if not parts:
         return None
-    names = ("probes", "set_up", "quality", "other", "compile", "probes_clock")
+    names = ("probes", "set_up", "quality", "other", "compile", "probes_clock", "quality_beside")
     means: dict[str, float | None] = {n: statistics.fmean(p[i] for p in parts) for i, n in enumerate(names)}
     if not compiled:
         means["compile"] = None
+    if not beside:
+        means["quality_beside"] = None
     return means if timed else means | {"quality": None}
 
 
@@ -445,6 +450,10 @@ def describe_rate(rate: Mapping[str, Any]) -> str:
     parts, where = rate.get("parts_s"), ""
     if parts:
         quality = "" if parts["quality"] is None else f"quality {parts['quality']:.1f}, "
+        if parts["quality"] is not None and parts.get("quality_beside") is not None:
+            quality = (
+                f"quality {parts['quality']:.1f} (measured {parts['quality_beside']:.1f} beside the probes), "
+            )
         other = "other" if parts["quality"] is not None else "other (quality included)"
         compiling = "" if parts.get("compile") is None else f"; compiling {parts['compile']:.1f} s of them"
         clock = parts.get("probes_clock")

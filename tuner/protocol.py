@@ -72,6 +72,9 @@ def next_call(
     return None
 
 
+QUALITY_DEVICES = ("auto", "cpu", "worker")
+
+
 @dataclass(frozen=True)
 class QualitySettings:
     """How quality is measured (docs/DESIGN.md §2; the CPU defaults are a stated, reduced size)."""
@@ -85,6 +88,9 @@ class QualitySettings:
     passkey: bool = True
     dtype: str = "float32"  # whatever the replay's dtype (see TrialWorker._quality_loaded)
     aggregation: bool = False  # the aggregation probe (engine/aggregation.py), on where a bound needs it
+    # where: "cpu" in a process of its own beside the probes (tuner/quality_host.py), "worker" on the
+    # worker's device after them, "auto" the first on a GPU worker and the second on a CPU one
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         check_quality_args(self.windows, self.prefill_tokens, self.decode_tokens, self.step_ms)
@@ -92,12 +98,24 @@ class QualitySettings:
             raise ValueError(
                 f"dtype must be one of ['float32', 'bfloat16', 'float16'], but got {self.dtype!r}"
             )
+        if self.device not in QUALITY_DEVICES:
+            raise ValueError(
+                f"quality device must be one of {list(QUALITY_DEVICES)}, but got {self.device!r}"
+            )
+
+    def beside(self, worker_device: str) -> bool:
+        """Whether a worker on ``worker_device`` ("cuda" or "cpu") measures quality in a CPU process of its
+        own while its probes run (:mod:`kvtune.tuner.quality_host`)."""
+        return self.device == "cpu" or (self.device == "auto" and worker_device == "cuda")
 
     def to_dict(self) -> dict[str, Any]:
-        """As stored with a study; ``aggregation`` only where on (a study made before it compares equal)."""
+        """As stored with a study; ``aggregation`` only where on and ``device`` only where not "auto" (a
+        study made before either compares equal)."""
         d = dict(self.__dict__)
         if not d["aggregation"]:
             del d["aggregation"]
+        if d["device"] == "auto":
+            del d["device"]
         return d
 
 

@@ -44,6 +44,7 @@ from kvtune.tuner.protocol import (
     Workload,
     mean_metrics,
 )
+from kvtune.tuner.quality_host import QualityHost
 
 if TYPE_CHECKING:
     from kvtune.engine.engine import Deadline, Stop
@@ -58,6 +59,8 @@ UNLOADED_REPEATS = 3  # measured after one unmeasured replay; the median P99 TTF
 # A new cache's priming replay cuts outputs to this many tokens: every prompt's shapes and the largest batch,
 # at a third to a half of a whole replay's wall (H200, 96 requests: 2.6-3.8 s against 4.8-8.4 s).
 PRIME_OUTPUT_TOKENS = 16
+# the largest quality model measured on the CPU beside the probes by default (SmolLM2-135M is 0.13 B)
+QUALITY_BESIDE_MAX_PARAMS = 1_000_000_000
 
 
 def outputs_cut(requests: Sequence[Request], tokens: int) -> tuple[Request, ...]:
@@ -106,6 +109,9 @@ class TrialWorker:
         self.replayer = Replayer(self.loaded, self.device, options)
         self.budget_bytes = self.replayer.budget_bytes
         self._quality_model: Any = None
+        self._quality_host: QualityHost | None = None  # quality beside the probes (quality_host.py)
+        if quality_beside(spec.quality, self.device.type):
+            self._quality_host = QualityHost(spec.quality)
         self._config: HybridConfig | None = None
         self._workload: Workload | None = None
         self._windows: list[dict[str, Any]] = []
@@ -145,10 +151,19 @@ class TrialWorker:
         )
 
     # ---- one trial -----------------------------------------------------------------------------------
-    def configure(self, config: HybridConfig, workload: Workload, knobs: EngineKnobs | None = None) -> None:
+    def configure(
+        self,
+        config: HybridConfig,
+        workload: Workload,
+        knobs: EngineKnobs | None = None,
+        quality: bool = False,
+    ) -> None:
         """Start a trial (``config`` was validated by the driver; ``knobs``: its engine options, None for the
-        worker's own); free what the last trial left."""
+        worker's own); free what the last trial left. ``quality``: the trial will ask for its config's
+        quality, which a worker that measures it beside the probes starts measuring now."""
         self._config, self._workload, self._windows, self._probes = None, None, [], []
+        if quality and self._quality_host is not None:
+            self._quality_host.submit(config.to_dict())
         self.release()
         self._config, self._workload, self._knobs = config, workload, knobs
         self._deadline = trial_deadline(workload.time_limit_s, "the trial")
@@ -329,11 +344,17 @@ class TrialWorker:
     def quality(self, config: HybridConfig) -> dict[str, Any]:
         """Quality of ``config`` (teacher-forced over the text, against the unquantized cache), with the
         call's seconds: ``wall_s``, and of them ``load_s`` the quality model's load (0 once loaded) and
-        ``compile_s`` Triton's compilations (or loads from its disk cache) for the quality model's shapes."""
+        ``compile_s`` Triton's compilations (or loads from its disk cache) for the quality model's shapes.
+        Measured beside the probes (:mod:`kvtune.tuner.quality_host`): ``wall_s`` is the call's wait for
+        the answer, ``measure_s`` the CPU process's time on it and ``load_s`` its load of the model (in the
+        first answer), both beside the probes."""
         from kvtune.engine.compiles import CompileWatch
         from kvtune.engine.quality import measure_quality
 
         started = time.perf_counter()
+        if self._quality_host is not None:
+            answer = self._quality_host.result(config.to_dict())
+            return answer | {"wall_s": time.perf_counter() - started}
         self.release()  # the quality run builds its own caches
         q = self.spec.quality
         text = Path(q.text_path).read_text(encoding="utf-8")
@@ -377,6 +398,26 @@ class TrialWorker:
 
     def ping(self) -> bool:
         return True
+
+    def close(self) -> None:
+        """End the quality process, if one was started (it also ends with this process)."""
+        if self._quality_host is not None:
+            self._quality_host.close()
+
+
+def quality_beside(quality: QualitySettings, device: str) -> bool:
+    """Whether a worker on ``device`` measures quality on the CPU beside its probes: asked for (``cpu``), or
+    on a GPU worker by default (``auto``) where the quality model has at most
+    :data:`QUALITY_BESIDE_MAX_PARAMS` parameters (a larger one in float32 on the CPU would outlast the
+    probes)."""
+    from kvtune.engine.model import model_parameters
+
+    if not quality.beside(device):
+        return False
+    if quality.device == "cpu":
+        return True
+    params = model_parameters(quality.model)
+    return params is not None and params <= QUALITY_BESIDE_MAX_PARAMS
 
 
 def _window_passes(metrics: dict[str, Any], timings: list[Any], slo: Slo, requests: int) -> bool:

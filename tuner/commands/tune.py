@@ -66,7 +66,7 @@ from kvtune.tuner.job import CAPACITY, TuneJob, TuneReport, tune
 from kvtune.tuner.local_ray import ADDRESS_ENV, init_ray
 from kvtune.tuner.outcome import no_feasible_reasons
 from kvtune.tuner.preflight import Preflight, preflight
-from kvtune.tuner.protocol import QualitySettings, WorkerSpec
+from kvtune.tuner.protocol import QUALITY_DEVICES, QualitySettings, WorkerSpec
 from kvtune.tuner.resources import CPU_WORKER_OVERHEAD_BYTES, check_ram, check_seed, raise_resource_error
 from kvtune.tuner.workload import WorkloadSample, load_trace
 
@@ -211,6 +211,14 @@ def _add_more(parser: argparse.ArgumentParser) -> None:
     add("--quality-prefill", type=int, default=None, help=f"{GPU.quality_prefill}; CPU {CPU.quality_prefill}")
     add("--quality-decode", type=int, default=None, help=f"{GPU.quality_decode}; CPU {CPU.quality_decode}")
     add("--no-passkey", action="store_true", help="skip the passkey check (always skipped on CPU)")
+    add(
+        "--quality-device",
+        choices=list(QUALITY_DEVICES),
+        default="auto",
+        help="where quality is measured: cpu (a process of its own, while the trial's probes run), worker "
+        "(the worker's device, after them); auto (default): cpu on a GPU worker for a quality model of at "
+        "most 1 B parameters, else worker",
+    )
     add("--repeats", type=int, default=3, help="validation repeats of best and baseline (3)")
     add(
         "--time-budget",
@@ -393,6 +401,7 @@ def _quality(args: argparse.Namespace, d: Defaults) -> QualitySettings:
         decode_tokens=pick(args.quality_decode, d.quality_decode),
         passkey=d.passkey and not args.no_passkey,
         aggregation=args.min_aggregation is not None,
+        device=args.quality_device,
     )
 
 
