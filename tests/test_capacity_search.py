@@ -796,3 +796,10 @@ def test_the_held_out_shift_is_the_median_found_over_start_of_converged_searches
     assert 0.69 < window_shift(runs[:2]) < 0.76  # two searches: the mean of their ratios
     unbracketed = CapacitySearch(5.0, 0.025, 1).record(5.0, True)  # out of probes: not converged
     assert window_shift([unbracketed]) == 1.0 and window_shift([]) == 1.0
+
+
+def test_one_unloaded_replay_is_measured_on_a_gpus_gated_clock() -> None:
+    from kvtune.tuner.worker import UNLOADED_REPEATS, unloaded_repeats
+
+    assert unloaded_repeats("gated", "cuda") == 1
+    assert unloaded_repeats("gated", "cpu") == unloaded_repeats("device", "cuda") == UNLOADED_REPEATS == 3

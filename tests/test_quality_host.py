@@ -65,6 +65,15 @@ def test_a_request_no_trial_waits_for_is_cancelled(host: QualityHost) -> None:
     assert host.result(first, timeout=120)["config"] == first
 
 
+def test_a_wait_past_its_timeout_raises_and_a_later_one_gets_the_answer(host: QualityHost) -> None:
+    """The trial's time limit bounds the quality call's wait (the worker turns the timeout into the trial's
+    time-limit error); the same config asked for again is answered."""
+    config = _config(0).to_dict()
+    with pytest.raises(TimeoutError):
+        host.result(config, timeout=0.0)
+    assert host.result(config, timeout=120)["mean_kl"] == pytest.approx(0.0, abs=1e-9)
+
+
 def cli_key(config: dict[str, Any]) -> str:
     from kvtune.tuner.quality_host import config_key
 

@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 UNLOADED_TIME_SCALE = 1000.0
 UNLOADED_OUTPUT_TOKENS = 8
 UNLOADED_REPEATS = 3  # measured after one unmeasured replay; the median P99 TTFT's replay is kept
+# ... one on a GPU's gated clock, where the three read within 0.12 % of each other in five H200 studies
+# (runs 31d-33c: 24.32-24.71 ms, each study's three within 0.02-0.12 %), the unmeasured one 2.4-6.6 % above
+UNLOADED_REPEATS_GATED = 1
 # A new cache's priming replay cuts outputs to this many tokens: every prompt's shapes and the largest batch,
 # at a third to a half of a whole replay's wall (H200, 96 requests: 2.6-3.8 s against 4.8-8.4 s).
 PRIME_OUTPUT_TOKENS = 16
@@ -77,6 +80,13 @@ def trial_deadline(limit_s: float | None, what: str) -> Deadline | None:
 
     reason = f"{what} ran past its time limit of {limit_s:g} s (--trial-timeout): infeasible here"
     return Deadline(time.monotonic() + limit_s, reason)
+
+
+def deadline_error(deadline: Deadline) -> Exception:
+    """The error a replay past ``deadline`` raises (the driver records the trial infeasible)."""
+    from kvtune.engine.engine import ReplayTimeoutError
+
+    return ReplayTimeoutError(deadline.reason)
 
 
 @contextlib.contextmanager
@@ -306,18 +316,18 @@ class TrialWorker:
         except the trace's own bursts of simultaneous arrivals, which no rate spreads. The unloaded
         latencies that the default capacity limits are derived from.
 
-        One unmeasured replay primes the cache, then ``UNLOADED_REPEATS`` are measured and the one with the
-        median P99 TTFT is returned (``ttft_p99_repeats``: all of them; ``unprimed_ttft_p99_ms``: the
+        One unmeasured replay primes the cache, then :func:`unloaded_repeats` are measured and the one with
+        the median P99 TTFT is returned (``ttft_p99_repeats``: all of them; ``unprimed_ttft_p99_ms``: the
         priming replay's). The priming of a new cache serves the requests all at once, which leaves the
-        shapes of requests served alone to the first unloaded replay; and even primed the P99 TTFT moves
-        between replays. On an H200 (96 requests) single replays read 30.7-57.0 ms primed and 34.9-61.6 ms
-        unprimed (106.7 ms against 55.1 and 53.3 with 288 requests), the median of three 31.8-53.5 ms: the
-        limits, five times that P99, move with each draw (`--slo-ttft-ms` holds them). A prompt served alone
-        runs op by op and is launch-bound (host launch time over device time 0.99-1.00, at any SM clock):
-        the host's speed is what moves it."""
+        shapes of requests served alone to the first unloaded replay. On the wall and device clocks even a
+        primed P99 TTFT moves between replays: on an H200 (96 requests) single replays read 30.7-57.0 ms
+        primed and 34.9-61.6 ms unprimed, the median of three 31.8-53.5 ms, since a prompt served alone runs
+        op by op and is launch-bound (host launch time over device time 0.99-1.00): the host's speed moves
+        it. The gated clock leaves the host's launch time out, and there one measured replay is enough."""
         short = outputs_cut(requests, UNLOADED_OUTPUT_TOKENS)
         first = self.replay(config, short, UNLOADED_TIME_SCALE, warmup)
-        runs = [self.replay(config, short, UNLOADED_TIME_SCALE, warmup) for _ in range(UNLOADED_REPEATS)]
+        repeats = unloaded_repeats(self.spec.scheduler.clock, self.device.type)
+        runs = [self.replay(config, short, UNLOADED_TIME_SCALE, warmup) for _ in range(repeats)]
         p99 = [r.get("ttft_p99_ms") for r in runs]
         ranked = sorted(range(len(runs)), key=lambda i: (p99[i] is None, p99[i] or 0.0))
         median = runs[ranked[(len(runs) - 1) // 2]]
@@ -353,7 +363,13 @@ class TrialWorker:
 
         started = time.perf_counter()
         if self._quality_host is not None:
-            answer = self._quality_host.result(config.to_dict())
+            deadline = self._deadline  # the trial's time limit bounds the wait
+            timeout = None if deadline is None else max(0.0, deadline.at - time.monotonic())
+            try:
+                answer = self._quality_host.result(config.to_dict(), timeout=timeout)
+            except TimeoutError:
+                assert deadline is not None
+                raise deadline_error(deadline) from None
             return answer | {"wall_s": time.perf_counter() - started}
         self.release()  # the quality run builds its own caches
         q = self.spec.quality
@@ -399,10 +415,12 @@ class TrialWorker:
     def ping(self) -> bool:
         return True
 
-    def close(self) -> None:
-        """End the quality process, if one was started (it also ends with this process)."""
-        if self._quality_host is not None:
-            self._quality_host.close()
+
+def unloaded_repeats(clock: str, device: str) -> int:
+    """The unloaded replays measured after the priming one: :data:`UNLOADED_REPEATS_GATED` on a GPU's gated
+    clock (their P99 TTFT is the device's and does not move), :data:`UNLOADED_REPEATS` otherwise (on the
+    wall or device clock the host's launch time moved it ±25 %; on a CPU the gated clock is the wall's)."""
+    return UNLOADED_REPEATS_GATED if clock == "gated" and device == "cuda" else UNLOADED_REPEATS
 
 
 def quality_beside(quality: QualitySettings, device: str) -> bool:
