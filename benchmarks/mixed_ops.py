@@ -11,13 +11,26 @@ that is not a view or a no-op conversion.
 
     python benchmarks/mixed_ops.py examples/configs/q_int8.json --decode 16 --chunks 4 --chunk 64
     python benchmarks/mixed_ops.py examples/configs/q_int8.json --decode 16 --chunks 4 --chunk 64 --piecewise
+
+``--host N`` times instead where the host's time goes, on the device given (a GPU's host is what the capacity
+probes wait for): N iterations, each from an idle device, the host's launch time (from the step's plan to its
+last enqueued op, before the tokens are read back) and the whole iteration's wall, in all and per layer; then
+one more under ``cProfile``, its 25 costliest functions by their own time.
+
+    python benchmarks/mixed_ops.py examples/configs/q_int8.json --model random:llama-3.1-8b --device cuda \
+        --dtype bfloat16 --host 20 [--piecewise]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib
+import io
 import json
+import pstats
+import statistics
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,6 +65,13 @@ def _args() -> argparse.Namespace:
         help="the dense parts as pieces (kvtune.engine.piecewise), each piece counted as one graph launch",
     )
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument(
+        "--host",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of counting launches: time N iterations' host launch time and wall, then profile one",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--json", type=Path, default=None)
@@ -74,7 +94,11 @@ class Scene:
         self.vocab = vocab
         self.decoding = [self._add(args.context, prefill=args.context) for _ in range(args.decode)]
         self.slots = np.asarray([self.cache.slot_of(i) for i in self.decoding], dtype=np.int64)
-        self.pieces = PiecewiseForward(self.model, 2048, capture=False) if args.piecewise else None
+        self.pieces = None
+        if args.piecewise:  # replayed as graphs where the host is timed on a GPU, run directly where counted
+            capture = bool(args.host) and self.device.type == "cuda"
+            self.pieces = PiecewiseForward(self.model, 2048, capture=capture)
+            self.pieces.capture_all()
 
     def _add(self, n: int, prefill: int) -> int:
         seq_id, self.next_id = self.next_id, self.next_id + 1
@@ -93,8 +117,17 @@ class Scene:
             out.append((seq_id, c if started else 0, c))
         return out
 
+    def release(self, chunks: list[tuple[int, int, int]]) -> None:
+        """Free the chunks' sequences (so that iterations can repeat within the budget)."""
+        for seq_id, _, _ in chunks:
+            self.cache.free_sequence(seq_id)
+
     def iteration(self, chunks: list[tuple[int, int, int]]) -> torch.Tensor:
         """One mixed iteration as the engine runs it (``Engine._forward``)."""
+        return self.launch(chunks).cpu()
+
+    def launch(self, chunks: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The iteration's work enqueued; its tokens on the device (not yet read)."""
         cache, b = self.cache, len(self.slots)
         ids = [np.full(b, 3, dtype=np.int64)] + [np.full(n, 5, dtype=np.int64) for _, _, n in chunks]
         positions = [cache.lengths(self.slots)] + [np.arange(s, s + n) for _, s, n in chunks]
@@ -105,7 +138,7 @@ class Scene:
         logits = self.model.forward_mixed(cache, plan, inputs[0], inputs[1], b, segments, pieces=self.pieces)
         tokens = logits.argmax(dim=-1)
         cache.end_step(plan)
-        return tokens.cpu()
+        return tokens
 
 
 # functions of kvtune.kernels the cache and the model call that are one Triton kernel (or a few) each on a GPU
@@ -183,10 +216,58 @@ def count_ops(scene: Scene) -> Counter[str]:
     return Counter(name for e in prof.events() if (name := _launches(e)) is not None)
 
 
+def host_times(scene: Scene, n: int) -> dict[str, Any]:
+    """``n`` iterations after two unmeasured, each from an idle device: the host's launch time and the
+    iteration's wall (ms); then one under cProfile (its stats, as text)."""
+    sync = torch.cuda.synchronize if scene.device.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        chunks = scene.chunks()
+        scene.iteration(chunks)
+        scene.release(chunks)
+    launch, wall = [], []
+    for _ in range(n):
+        chunks = scene.chunks()
+        sync()
+        t0 = time.perf_counter()
+        tokens = scene.launch(chunks)
+        t1 = time.perf_counter()
+        tokens.cpu()
+        t2 = time.perf_counter()
+        launch.append((t1 - t0) * 1e3)
+        wall.append((t2 - t0) * 1e3)
+        scene.release(chunks)
+    chunks = scene.chunks()
+    sync()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    scene.iteration(chunks)
+    profiler.disable()
+    scene.release(chunks)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return {"launch_ms": launch, "wall_ms": wall, "profile": text.getvalue()}
+
+
 def main() -> None:
     args = _args()
     loaded = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
     config = HybridConfig.from_json_file(args.config)
+    if args.host:
+        with torch.inference_mode():
+            host = host_times(Scene(loaded, config, args), args.host)
+        layers = loaded.spec.num_layers
+        launch, wall = statistics.median(host["launch_ms"]), statistics.median(host["wall_ms"])
+        pieces = " (pieces)" if args.piecewise else ""
+        print(
+            f"{args.model} · {args.config.stem} · {args.decode} decode rows + {args.chunks} chunks of "
+            f"{args.chunk} on {args.device}{pieces}: host launch {launch:.2f} ms "
+            f"({1e3 * launch / layers:.0f} us a layer), wall {wall:.2f} ms (medians of {args.host}; launch "
+            f"{min(host['launch_ms']):.2f}-{max(host['launch_ms']):.2f} ms)"
+        )
+        print(host["profile"])
+        if args.json:
+            args.json.write_text(json.dumps(host | {"layers": layers}, indent=1))
+        return
     with torch.inference_mode():
         ops = count_ops(Scene(loaded, config, args))
     layers = loaded.spec.num_layers

@@ -396,3 +396,19 @@ def test_grid_stop(violators: int, prior: str, fired: bool) -> None:
     seqs = [seq(i < violators) for i in range(20)]
     stop = grid.GridStop(slo, 20, 40, before)
     assert stop(500.0, seqs) is fired and stop.p90.fired is (violators >= 3)
+
+
+def test_mixed_ops_times_the_host_and_profiles_an_iteration(tmp_path: Path) -> None:
+    """``mixed_ops.py --host N``: N iterations' host launch time and wall, one more profiled (what a GPU
+    call reads to see where a probe's host time goes); the tiny model on the CPU here."""
+    out = tmp_path / "host.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "mixed_ops.py"), "--host", "3", "--decode", "4",
+         "--chunks", "2", "--chunk", "16", "--context", "48", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "4 decode rows + 2 chunks of 16 on cpu: host launch " in run.stdout and "tottime" in run.stdout
+    host = json.loads(out.read_text())
+    assert len(host["launch_ms"]) == len(host["wall_ms"]) == 3 and host["layers"] == 2
+    assert all(0 < a <= b for a, b in zip(host["launch_ms"], host["wall_ms"]))

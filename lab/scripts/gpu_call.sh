@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces plugin busy bound step sparse collapse)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces host plugin busy bound step sparse collapse)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # sparse: SPARSE_SHAPES (batch:context ...), SPARSE_HOLD=1 (tiers held as set up: decode_step.py --hold-tiers), SPARSE_S
 # pieces: PIECES_TESTS_S, PIECES_S (each replay), PIECES_BUDGET (4e9), PIECES_REPEATS (3)
+# host: HOST_N (20 iterations), HOST_S (each run); the host's launch time of a mixed iteration, op by op and in pieces
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -68,6 +69,17 @@ for stage in "$@"; do
         --requests 96 --kv-budget ${PIECES_BUDGET:-4e9} --repeats ${PIECES_REPEATS:-3} --forwards $pw \
         --json "$OUT/pieces$pw.json" $C/q_int8.json > "$OUT/pieces$pw.log" 2>&1
       tail -10 "$OUT/pieces$pw.log"
+    done ;;
+  host)
+    for shape in "1 256" "4 64"; do
+      read -r n t <<< "$shape"
+      for pw in "" --piecewise; do
+        log "host time of a mixed iteration: Llama-3.1-8B shape, INT8, 16 decode rows + $n chunks of $t '$pw'"
+        timeout ${HOST_S:-120} python3 benchmarks/mixed_ops.py $C/q_int8.json --model random:llama-3.1-8b --device cuda \
+          --dtype bfloat16 --decode 16 --chunks $n --chunk $t --context 512 --host ${HOST_N:-20} $pw \
+          --json "$OUT/host_${n}x$t$pw.json" > "$OUT/host_${n}x$t$pw.log" 2>&1
+        head -22 "$OUT/host_${n}x$t$pw.log"
+      done
     done ;;
   plugin)
     log "gpu tests: the vLLM plugin's CUDA step and kvtune's kernels over its pages"
