@@ -114,20 +114,29 @@ def test_close_ends_the_child() -> None:
     assert proc.poll() is not None
 
 
+LIGHT = {"windows": 2, "prefill_tokens": 1024, "decode_tokens": 64, "passkey": False}  # the H200 studies'
+
+
 @pytest.mark.parametrize(
-    ("device", "model", "worker", "beside"),
+    ("device", "model", "worker", "settings", "beside"),
     [
-        ("auto", "smollm2", "cuda", True),
-        ("auto", "smollm2", "cpu", False),  # a CPU worker measures in its own process, after its probes
-        ("auto", "random:llama-3.1-8b", "cuda", False),  # 8 B parameters in float32 would outlast the probes
-        ("cpu", "random:llama-3.1-8b", "cuda", True),
-        ("cpu", "random:tiny", "cpu", True),
-        ("worker", "smollm2", "cuda", False),
+        ("auto", "smollm2", "cuda", LIGHT, True),
+        ("auto", "smollm2", "cpu", LIGHT, False),  # a CPU worker measures in its process, after its probes
+        ("auto", "random:llama-3.1-8b", "cuda", LIGHT, False),  # 8 B parameters in float32: too slow there
+        ("auto", "smollm2", "cuda", {}, False),  # the GPU default, 8 × (2,048 + 512) and the passkey check
+        ("auto", "smollm2", "cuda", LIGHT | {"passkey": True}, False),
+        ("auto", "smollm2", "cuda", LIGHT | {"aggregation": True}, False),
+        ("auto", "smollm2", "cuda", LIGHT | {"windows": 8}, False),  # 8,704 window tokens
+        ("cpu", "random:llama-3.1-8b", "cuda", {}, True),
+        ("cpu", "random:tiny", "cpu", LIGHT, True),
+        ("worker", "smollm2", "cuda", LIGHT, False),
     ],
 )
-def test_where_quality_is_measured(device: str, model: str, worker: str, beside: bool) -> None:
-    settings = QualitySettings(model, str(TEXT), device=device)
-    assert quality_beside(settings, worker) is beside
+def test_where_quality_is_measured(
+    device: str, model: str, worker: str, settings: dict[str, Any], beside: bool
+) -> None:
+    quality = QualitySettings(model, str(TEXT), device=device, **settings)
+    assert quality_beside(quality, worker) is beside
 
 
 def test_the_default_leaves_the_stored_settings_as_they_were() -> None:

@@ -89,7 +89,8 @@ class QualitySettings:
     dtype: str = "float32"  # whatever the replay's dtype (see TrialWorker._quality_loaded)
     aggregation: bool = False  # the aggregation probe (engine/aggregation.py), on where a bound needs it
     # where: "cpu" in a process of its own beside the probes (tuner/quality_host.py), "worker" on the
-    # worker's device after them, "auto" the first on a GPU worker and the second on a CPU one
+    # worker's device after them, "auto" the first on a GPU worker for a light measurement
+    # (tuner.worker.quality_beside), else the second
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -104,8 +105,9 @@ class QualitySettings:
             )
 
     def beside(self, worker_device: str) -> bool:
-        """Whether a worker on ``worker_device`` ("cuda" or "cpu") measures quality in a CPU process of its
-        own while its probes run (:mod:`kvtune.tuner.quality_host`)."""
+        """Whether a worker on ``worker_device`` ("cuda" or "cpu") may measure quality in a CPU process of
+        its own while its probes run (:mod:`kvtune.tuner.quality_host`; for "auto" the worker also weighs the
+        measurement, :func:`kvtune.tuner.worker.quality_beside`)."""
         return self.device == "cpu" or (self.device == "auto" and worker_device == "cuda")
 
     def to_dict(self) -> dict[str, Any]:

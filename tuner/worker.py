@@ -62,8 +62,12 @@ UNLOADED_REPEATS_GATED = 1
 # A new cache's priming replay cuts outputs to this many tokens: every prompt's shapes and the largest batch,
 # at a third to a half of a whole replay's wall (H200, 96 requests: 2.6-3.8 s against 4.8-8.4 s).
 PRIME_OUTPUT_TOKENS = 16
-# the largest quality model measured on the CPU beside the probes by default (SmolLM2-135M is 0.13 B)
+# what is measured on the CPU beside the probes by default: a quality model of at most 1 B parameters
+# (SmolLM2-135M is 0.13 B), windows of at most 8,192 tokens in all, no passkey, no aggregation probe. On a
+# 2-core CPU (2 threads) SmolLM2 took 5.1-6.5 s at 2 × (1,024 + 64), 19.2 s at 2 × (2,048 + 128), and the
+# passkey check alone at 2,048 tokens 110 s: that one stays on the GPU
 QUALITY_BESIDE_MAX_PARAMS = 1_000_000_000
+QUALITY_BESIDE_MAX_TOKENS = 8192
 
 
 def outputs_cut(requests: Sequence[Request], tokens: int) -> tuple[Request, ...]:
@@ -425,15 +429,18 @@ def unloaded_repeats(clock: str, device: str) -> int:
 
 def quality_beside(quality: QualitySettings, device: str) -> bool:
     """Whether a worker on ``device`` measures quality on the CPU beside its probes: asked for (``cpu``), or
-    on a GPU worker by default (``auto``) where the quality model has at most
-    :data:`QUALITY_BESIDE_MAX_PARAMS` parameters (a larger one in float32 on the CPU would outlast the
-    probes)."""
+    on a GPU worker by default (``auto``) where the measurement is light enough for the CPU to finish it
+    while the probes run (:data:`QUALITY_BESIDE_MAX_PARAMS`, :data:`QUALITY_BESIDE_MAX_TOKENS`, no passkey
+    and no aggregation probe)."""
     from kvtune.engine.model import model_parameters
 
     if not quality.beside(device):
         return False
     if quality.device == "cpu":
         return True
+    tokens = quality.windows * (quality.prefill_tokens + quality.decode_tokens)
+    if quality.passkey or quality.aggregation or tokens > QUALITY_BESIDE_MAX_TOKENS:
+        return False
     params = model_parameters(quality.model)
     return params is not None and params <= QUALITY_BESIDE_MAX_PARAMS
 

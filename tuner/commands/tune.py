@@ -216,8 +216,9 @@ def _add_more(parser: argparse.ArgumentParser) -> None:
         choices=list(QUALITY_DEVICES),
         default="auto",
         help="where quality is measured: cpu (a process of its own, while the trial's probes run), worker "
-        "(the worker's device, after them); auto (default): cpu on a GPU worker for a quality model of at "
-        "most 1 B parameters, else worker",
+        "(the worker's device, after them); auto (default): cpu on a GPU worker for a light measurement (a "
+        "model of at most 1 B parameters, at most 8,192 window tokens, no passkey, no aggregation probe), "
+        "else worker",
     )
     add("--repeats", type=int, default=3, help="validation repeats of best and baseline (3)")
     add(
