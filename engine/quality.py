@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import math
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,10 +58,15 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 KEY_SENTENCE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is"
 _SEQ = 0  # the one sequence id of each single-sequence cache
-# each model's baselines by windows (baseline); a few settings at most, the newest alone with its prompts' K/V
-_BASELINES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Baseline]] = weakref.WeakKeyDictionary()
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # a prompt's keys and values, per layer
+# each model's baseline logits by windows (baseline_logits); a few settings at most
+_BASELINES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
 _BASELINES_KEPT = 4
-_PROMPT_KV_MAX_BYTES = 2 << 30  # larger prompts' keys and values are not kept: the model prefills them
+# each model's prompts' keys and values (prompt_kv), on the CPU; the least recently used go past the bound
+_PROMPT_KV: weakref.WeakKeyDictionary[Any, OrderedDict[tuple[int, ...], KV]] = weakref.WeakKeyDictionary()
+PROMPT_KV_MAX_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -92,17 +98,6 @@ class QualityResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
-
-
-@dataclass
-class Baseline:
-    """What every config's measurement over the same windows shares: the unquantized cache's logits at
-    each decoded position, [decode_tokens, V] float32 per window, and the windows' prompts' keys and values
-    per layer (``kv[window][layer]`` = (k, v) [prefill_tokens, H, D]; None where too large to keep), which
-    a prefill through any config's cache computes the same way (see :func:`baseline`)."""
-
-    logits: list[torch.Tensor]
-    kv: list[list[tuple[torch.Tensor, torch.Tensor]]] | None
 
 
 @dataclass
@@ -225,41 +220,62 @@ def _window_ids(loaded: Any, ids: Sequence[int], start: int, length: int) -> lis
     return window if bos is None else [bos, *window[1:]]
 
 
-def baseline(loaded: Any, windows: Sequence[Sequence[int]], prefill_tokens: int) -> Baseline:
-    """One dense causal forward over each window, kept per model and windows (:class:`Baseline`).
-
-    Its logits are the unquantized cache's (see the module docstring). Its keys and values at the prompt's
-    positions are what a prefill of the prompt through any config's cache computes and writes: a prompt
-    prefilled in one chunk attends only to its own keys and values, in the model's precision, whatever the
-    config, so the config shows only from the first decoded token on. Every config of a study writes them
-    to its cache (sealing and quantizing them as a prefill does) instead of running the model over the
-    prompt again."""
+def baseline_logits(loaded: Any, windows: Sequence[Sequence[int]], prefill_tokens: int) -> list[torch.Tensor]:
+    """The unquantized cache's logits at each decoded position of each teacher-forced window, [decode_tokens,
+    V] float32 per window: one dense causal forward over the window (see the module docstring), kept per
+    model and windows. The same forward's keys and values of each window's prompt are kept for
+    :func:`prompt_kv`."""
     model = loaded.model
     key = (prefill_tokens, tuple(tuple(w) for w in windows))
     kept = _BASELINES.setdefault(model, {})
     if key not in kept:
         rows = torch.arange(prefill_tokens, len(windows[0]) - 1, device=model.device)
-        s = model.spec
-        kv_bytes = len(windows) * prefill_tokens * s.num_layers * 2 * s.num_kv_heads * s.head_dim
-        keep_kv = kv_bytes * model.dtype.itemsize <= _PROMPT_KV_MAX_BYTES
-        logits, kvs = [], []
+        out = []
         for w in windows:
-            layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-            ids = torch.tensor(list(w[:-1]), dtype=torch.long)
-            logits.append(model.forward_dense(ids, rows, kv=layers if keep_kv else None))
-            kvs.append([(k[:prefill_tokens].clone(), v[:prefill_tokens].clone()) for k, v in layers])
+            layers: KV = []
+            out.append(model.forward_dense(torch.tensor(list(w[:-1]), dtype=torch.long), rows, kv=layers))
+            _keep_kv(model, tuple(w[:prefill_tokens]), layers)
         if len(kept) >= _BASELINES_KEPT:
             kept.pop(next(iter(kept)))
-        for older in kept.values():  # only the newest setting keeps its prompts' keys and values
-            older.kv = None
-        kept[key] = Baseline(logits, kvs if keep_kv else None)
+        kept[key] = out
     return kept[key]
 
 
-def baseline_logits(loaded: Any, windows: Sequence[Sequence[int]], prefill_tokens: int) -> list[torch.Tensor]:
-    """The unquantized cache's logits at each decoded position of each teacher-forced window,
-    [decode_tokens, V] float32 per window (:func:`baseline`)."""
-    return baseline(loaded, windows, prefill_tokens).logits
+def prompt_kv(loaded: Any, ids: Sequence[int]) -> KV:
+    """The keys and values a prefill of ``ids`` writes to a cache, per layer ([len(ids), H, D], on the
+    CPU): a dense causal forward's, kept per model (the most recently used, up to
+    :data:`PROMPT_KV_MAX_BYTES`); a kept prompt that starts with ``ids`` serves them (causal: its first
+    rows are theirs).
+
+    A prompt prefilled in one chunk attends only to its own keys and values, in the model's precision,
+    whatever the config, so they are the same for every config (up to the order of the attention's sums):
+    each config's cache takes them as its prefill would (sealed into blocks, quantized, the rest in the hot
+    zone) instead of the model running over the prompt again, and the config shows from the first decoded
+    token on."""
+    model, key = loaded.model, tuple(ids)
+    kept = _PROMPT_KV.setdefault(model, OrderedDict())
+    for other, layers in kept.items():
+        if len(other) >= len(key) and other[: len(key)] == key:
+            kept.move_to_end(other)
+            return [(k[: len(key)], v[: len(key)]) for k, v in layers]
+    layers = []
+    none = torch.zeros(0, dtype=torch.long, device=model.device)  # no logits wanted
+    model.forward_dense(torch.tensor(list(key), dtype=torch.long), none, kv=layers)
+    return _keep_kv(model, key, layers)
+
+
+def _keep_kv(model: Any, key: tuple[int, ...], layers: KV) -> KV:
+    """CPU copies of a prompt's first ``len(key)`` keys and values, kept for :func:`prompt_kv`."""
+    n = len(key)
+    copies = [(k[:n].to("cpu", copy=True), v[:n].to("cpu", copy=True)) for k, v in layers]
+    kept = _PROMPT_KV.setdefault(model, OrderedDict())
+    kept[key] = copies
+    size = lambda kv: sum(2 * k.numel() * k.element_size() for k, _ in kv)
+    while len(kept) > 1 and sum(size(kv) for kv in kept.values()) > PROMPT_KV_MAX_BYTES:
+        kept.popitem(last=False)
+    if sum(size(kv) for kv in kept.values()) > PROMPT_KV_MAX_BYTES:
+        kept.clear()  # one prompt above the bound: used once, not kept
+    return copies
 
 
 def single_sequence_cache(
@@ -293,7 +309,7 @@ class _Pair:
         num_seqs: int = 1,
         base: bool = True,
     ) -> None:
-        self.model = loaded.model
+        self.loaded, self.model = loaded, loaded.model
         self.device = loaded.model.device
         self.step_ms = step_ms
         self.steps = 0
@@ -306,29 +322,24 @@ class _Pair:
     def _caches(self) -> list[HybridCache]:
         return [self.cache] if self.base is None else [self.cache, self.base]
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, Any]:
-        """Last-position logits [num_seqs, V] under the config and the base."""
-        out = []
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Prefill each prompt into both caches, from its keys and values (:func:`prompt_kv`): what a prefill
+        through the model leaves in them, without the model's pass."""
+        for seq, ids in zip(self.seqs, prompts, strict=True):
+            layers = prompt_kv(self.loaded, ids)
+            for cache in self._caches():
+                cache.add_sequence(seq, list(ids))
+                for layer, (k, v) in enumerate(layers):
+                    cache.prefill(layer, seq, None, k.to(self.device), v.to(self.device))
+
+    def prefill_through_model(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Prefill each prompt into both caches through the model (what :meth:`prefill` stands for)."""
         for cache in self._caches():
-            rows = []
             for seq, ids in zip(self.seqs, prompts, strict=True):
                 cache.add_sequence(seq, list(ids))
                 t = torch.tensor(list(ids), dtype=torch.long, device=self.device)
-                rows.append(self.model.prefill(cache, seq, t, 0, last_only=True)[-1])
-            out.append(torch.stack(rows))
-        return out[0], (out[1] if len(out) > 1 else None)
-
-    @torch.inference_mode()
-    def prefill_kv(
-        self, prompts: Sequence[Sequence[int]], kv: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]
-    ) -> None:
-        """What :meth:`prefill` leaves in the caches, from each prompt's keys and values per layer (a dense
-        forward's: :func:`baseline`), without running the model."""
-        for cache in self._caches():
-            for seq, ids, layers in zip(self.seqs, prompts, kv, strict=True):
-                cache.add_sequence(seq, list(ids))
-                for layer, (k, v) in enumerate(layers):
-                    cache.prefill(layer, seq, None, k, v)
+                self.model.prefill(cache, seq, t, 0, last_only=True)
 
     def decode(
         self, tokens: Sequence[int], position: int, base_tokens: Sequence[int] | None = None
@@ -370,19 +381,15 @@ def _measure_windows(
     ticker: _Ticker,
 ) -> None:
     """All windows (equal lengths) prefilled, then decoded teacher-forced as one batch through the config's
-    cache; the baseline's logits, and the prompts' keys and values the prefill writes, from
-    :func:`baseline`."""
-    base = baseline(loaded, windows, prefill_tokens)
+    cache; the baseline's logits from :func:`baseline_logits` (whose forward also gives the prompts' keys and
+    values the prefill writes)."""
+    base = baseline_logits(loaded, windows, prefill_tokens)
     pair = _Pair(loaded, config, len(windows[0]), step_ms, num_seqs=len(windows), base=False)
-    prompts = [w[:prefill_tokens] for w in windows]
-    if base.kv is not None:
-        pair.prefill_kv(prompts, base.kv)
-    else:
-        pair.prefill(prompts)
+    pair.prefill([w[:prefill_tokens] for w in windows])
     for step, pos in enumerate(range(prefill_tokens, len(windows[0]) - 1)):
         logits, _ = pair.decode([w[pos] for w in windows], pos)
         for row, window in enumerate(windows):
-            totals.add_step(logits[row], base.logits[row][step], window[pos + 1])
+            totals.add_step(logits[row], base[row][step], window[pos + 1])
         ticker.tick(len(windows))
     cold, l2 = pair.attention_shares()
     totals.cold_share.append(cold)
@@ -478,7 +485,10 @@ def _passkey_trial(
     prompt = passkey_prompt(loaded, trial)
     pair = _Pair(loaded, config, len(prompt) + PASSKEY_ANSWER_TOKENS, step_ms)
     split = len(prompt) - trial.forced
-    logits = pair.prefill([prompt[:split]])
+    assert trial.forced >= 1, "the answer's first token comes from a decode step"
+    prompt_kv(loaded, prompt)  # the whole prompt's, so that every config's split is served from it
+    pair.prefill([prompt[:split]])
+    logits: tuple[torch.Tensor, Any] = (torch.zeros(0), None)
     for pos in range(split, len(prompt)):
         logits = pair.decode([prompt[pos]], pos)
         ticker.tick()

@@ -211,7 +211,7 @@ def test_the_baselines_dense_forward_gives_the_unquantized_caches_decode_logits(
     windows = [_window_ids(tiny, ids, s, 64 + 24 + 1) for s in (0, 500)]
     dense = baseline_logits(tiny, windows, 64)
     pair = _Pair(tiny, _config(0), len(windows[0]), 50.0, num_seqs=2)
-    pair.prefill([w[:64] for w in windows])
+    pair.prefill_through_model([w[:64] for w in windows])
     for step, pos in enumerate(range(64, len(windows[0]) - 1)):
         _, base = pair.decode([w[pos] for w in windows], pos)
         for row in range(2):
@@ -221,34 +221,46 @@ def test_the_baselines_dense_forward_gives_the_unquantized_caches_decode_logits(
 
 @pytest.mark.parametrize("config", [_config(8), _config(4, sparse_top_k=32)], ids=["int8", "int4-sparse"])
 def test_prompts_written_from_the_dense_forward_match_a_prefill_through_the_cache(tiny, text, config):
-    """The windows' prompts go into each config's cache as the dense forward's keys and values (no model
-    pass), sealed and quantized as a prefill would: the decoded logits are those of prefilling the prompts
-    through the model and the cache (same keys and values up to the order of the attention's sums)."""
-    from kvtune.engine.quality import _Pair, _window_ids, baseline
+    """The prompts go into each config's cache as the dense forward's keys and values (no model pass),
+    sealed and quantized as a prefill would: the decoded logits are those of prefilling the prompts through
+    the model and the cache (same keys and values up to the order of the attention's sums)."""
+    from kvtune.engine.quality import _Pair, _window_ids, prompt_kv
 
     ids = text_token_ids(tiny, text)
     windows = [_window_ids(tiny, ids, s, 64 + 24 + 1) for s in (0, 500)]
     prompts = [w[:64] for w in windows]
-    kv = baseline(tiny, windows, 64).kv
-    assert kv is not None and len(kv[0]) == tiny.spec.num_layers and kv[0][0][0].shape[0] == 64
-    written = _Pair(tiny, config, len(windows[0]), 50.0, num_seqs=2, base=False)
-    written.prefill_kv(prompts, kv)
-    prefilled = _Pair(tiny, config, len(windows[0]), 50.0, num_seqs=2, base=False)
-    prefilled.prefill(prompts)
-    for cache in (written.cache, prefilled.cache):
+    kv = prompt_kv(tiny, prompts[0])
+    assert len(kv) == tiny.spec.num_layers and kv[0][0].shape[0] == 64 and kv[0][0].device.type == "cpu"
+    written = _Pair(tiny, config, len(windows[0]), 50.0, num_seqs=2)
+    written.prefill(prompts)
+    prefilled = _Pair(tiny, config, len(windows[0]), 50.0, num_seqs=2)
+    prefilled.prefill_through_model(prompts)
+    for cache in (written.cache, prefilled.cache, written.base, prefilled.base):
         cache.check_integrity()
     for pos in range(64, len(windows[0]) - 1):
-        a, _ = written.decode([w[pos] for w in windows], pos)
-        b, _ = prefilled.decode([w[pos] for w in windows], pos)
+        a, base_a = written.decode([w[pos] for w in windows], pos)
+        b, base_b = prefilled.decode([w[pos] for w in windows], pos)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(base_a, base_b, rtol=1e-5, atol=1e-5)
     assert written.attention_shares() == pytest.approx(prefilled.attention_shares(), abs=1e-6)
 
 
-def test_only_the_newest_windows_keep_their_prompts_keys_and_values(tiny, text):
-    from kvtune.engine.quality import _window_ids, baseline
+def test_a_kept_prompt_serves_its_prefixes_and_the_store_keeps_its_bound(tiny, text, monkeypatch):
+    """A prompt's keys and values serve every prompt it starts with (a passkey prompt split anywhere); past
+    the bound the least recently used go, and one prompt above it is not kept."""
+    from kvtune.engine import quality
+    from kvtune.engine.quality import _PROMPT_KV, prompt_kv
 
-    ids = text_token_ids(tiny, text)
-    first = baseline(tiny, [_window_ids(tiny, ids, 0, 40)], 32)
-    second = baseline(tiny, [_window_ids(tiny, ids, 700, 40)], 32)
-    assert first.kv is None and second.kv is not None
-    assert baseline(tiny, [_window_ids(tiny, ids, 0, 40)], 32) is first  # the logits are still kept
+    ids = text_token_ids(tiny, text)[:300]
+    whole = prompt_kv(tiny, ids[:96])
+    part = prompt_kv(tiny, ids[:40])
+    for (k, v), (k2, v2) in zip(whole, part, strict=True):
+        assert torch.equal(k[:40], k2) and torch.equal(v[:40], v2)
+    one = sum(2 * k.numel() * k.element_size() for k, _ in whole)  # 96 tokens' bytes
+    monkeypatch.setattr(quality, "PROMPT_KV_MAX_BYTES", 2 * one)
+    _PROMPT_KV.pop(tiny.model, None)
+    for start in (0, 100, 200):
+        prompt_kv(tiny, ids[start : start + 96])
+    assert list(_PROMPT_KV[tiny.model]) == [tuple(ids[100:196]), tuple(ids[200:296])]
+    prompt_kv(tiny, ids[:250])  # above the bound alone
+    assert not _PROMPT_KV[tiny.model]
