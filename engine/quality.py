@@ -5,11 +5,12 @@ tokens, then ``decode_tokens`` tokens decoded one by one through the hybrid cach
 unquantized cache (``config.unquantized()``: same hot zone and block size, nothing quantized, no sparse
 tier), whose logits over a teacher-forced window are those of one dense causal forward over it: it keeps
 every key and value in the model's precision, so its decode steps attend to exactly the keys and values a
-causal forward does and differ from it only in the order of their sums (:func:`baseline`, computed once
-per model and windows, so a study's trials share it). The same forward gives the prompts' keys and values,
-which a one-chunk prefill through any config's cache computes alike (a prompt attends only to its own keys
-and values, unquantized): each config's cache takes them as its prefill would (sealed, quantized) without
-running the model over the prompt again. Per decoded token: KL(base ‖ config) of the
+causal forward does and differ from it only in the order of their sums (:func:`baseline_logits`, computed
+once per model and windows, so a study's trials share it). Every prompt a cache is given here (the windows',
+the passkey prompts, the aggregation probe's) is prefilled from a dense forward's keys and values, which a
+one-chunk prefill through any config's cache computes alike (a prompt attends only to its own keys and
+values, unquantized): each cache takes them as its prefill would (sealed, quantized) without the model
+running over the prompt again (:func:`prompt_kv`). Per decoded token: KL(base ‖ config) of the
 next-token distributions, whether the top-1 tokens agree, and the negative log likelihood of the true next
 token under each (→ perplexities). The cache's debug statistics give the share of attention on cold (L1 +
 L2) and on L2 blocks. Time is virtual: decode step ``i`` happens at ``i × step_ms``, so tier decisions, and
