@@ -29,6 +29,7 @@ Trial attributes::
     kvtune.config             the resolved config dict        kvtune.seed, kvtune.versions, kvtune.device
     kvtune.metrics            the trial's mean replay metrics kvtune.window_metrics, one dict per window
     kvtune.quality            the quality dict                kvtune.error, one line when the config failed
+    kvtune.quality_s          the quality call's seconds {wall_s, load_s, compile_s; measure_s: beside}
     kvtune.worker, kvtune.host  who ran it                    kvtune.reused_from, kvtune.retry_of,
     kvtune.lost_worker, kvtune.interrupted, kvtune.enqueued_from, kvtune.abandoned, kvtune.resume_of
     kvtune.engine             the engine knobs {max_num_batched_tokens, max_num_seqs, max_num_seqs_factor}
@@ -80,7 +81,9 @@ ATTR_RESUME_OF = "kvtune.resume_of"
 ATTR_RETRY_OF = "kvtune.retry_of"
 ATTR_ENGINE = "kvtune.engine"
 ATTR_PROBES = "kvtune.probes"
-ATTR_QUALITY_S = "kvtune.quality_s"  # the quality call's seconds: {"wall_s", "load_s"} (the model's load)
+# the quality call's seconds: {"wall_s", "load_s" (the model's load), "compile_s" (Triton's)}; measured beside
+# the probes (tuner/quality_host.py): "wall_s" the call's wait, "measure_s" and "load_s" the CPU process's
+ATTR_QUALITY_S = "kvtune.quality_s"
 
 STUDY_ATTRS_REQUIRED = (ATTR_CARD, ATTR_MODEL, ATTR_WORKLOAD, ATTR_OBJECTIVE, ATTR_VALIDATION)
 # ``kvtune.validation``: trial (best trial number), config and baseline_config (config dicts), window
