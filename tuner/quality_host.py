@@ -107,16 +107,17 @@ class QualityHost:
     def submit(self, config: dict[str, Any]) -> None:
         """Start measuring ``config`` (once), cancelling the requests no quality call waits for."""
         key = config_key(config)
-        with self._lock:
-            self._start()
-            for other in [k for k, f in self._futures.items() if k != key and k not in self._wanted]:
-                if not self._futures[other].done():
-                    self._write(("cancel", other))
-                del self._futures[other]
-            if key in self._futures:
-                return
-            self._futures[key] = Future()
-            self._write(("measure", key, dict(config)))
+        self._start()
+        messages: list[tuple[Any, ...]] = []
+        with self._lock:  # the reader thread takes it too: no write to the child while it is held
+            for other in [k for k in self._futures if k != key and k not in self._wanted]:
+                if not self._futures.pop(other).done():
+                    messages.append(("cancel", other))
+            if key not in self._futures:
+                self._futures[key] = Future()
+                messages.append(("measure", key, dict(config)))
+        for message in messages:
+            self._write(message)
 
     def result(self, config: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """The quality of ``config`` (submitted now if it was not) with ``load_s`` (the child's load of the
