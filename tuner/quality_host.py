@@ -6,8 +6,9 @@ thread launching work and the GPU busy; the quality call (a small model in float
 of a trial's config is measured from ``configure`` on by a child process on the CPU, with the kernels'
 PyTorch references (the GPU kernels are held to them by the tests), and the quality call only waits for
 its answer: the trial's wall loses the quality call, and no Triton kernel is compiled for the quality
-model's shapes. The child sees no GPU (``CUDA_VISIBLE_DEVICES`` empty) and uses at most
-:func:`quality_threads` cores, leaving the worker's launching thread its own.
+model's shapes. The child sees no GPU (``CUDA_VISIBLE_DEVICES`` empty), uses at most
+:func:`quality_threads` cores and runs at a lower priority (``nice`` 10), leaving the worker's launching
+thread its own core and the first claim on the others.
 
 One child per worker, started at the first request and kept (it loads the quality model once). Requests
 are answered in order; a request the worker no longer wants (its trial was pruned before the quality
@@ -38,6 +39,7 @@ from typing import Any, BinaryIO
 
 _HEADER = struct.Struct("<Q")
 MAX_THREADS = 8
+NICE = 10  # the child's scheduling priority, below the worker's
 
 
 def quality_threads(cpus: int | None = None) -> int:
@@ -233,6 +235,8 @@ def _child(in_fd: int, out_fd: int) -> None:
         return
     _, settings, threads = first
     torch.set_num_threads(int(threads))
+    with contextlib.suppress(OSError):  # the worker's launching thread goes first where cores are short
+        os.nice(NICE)
     started = time.perf_counter()
     try:
         loaded = load_model(settings["model"], torch.device("cpu"), getattr(torch, settings["dtype"]))
