@@ -392,9 +392,10 @@ def test_fused_chunks_on_cuda_give_the_chunk_by_chunk_prefill_gpu(bits):
     for _ in range(2):
         shape = model.kv_shape
         cache = HybridCache(config, shape, kv_bytes_for(config, shape, [400] * 6), "cuda", max_seqs=6)
-        for seq_id, n in ((0, 70), (1, 90)):
-            cache.add_sequence(seq_id, list(range(3, 3 + n)))
-            model.prefill(cache, seq_id, torch.arange(3, 3 + n, device="cuda"), 0, last_only=True)
+        for seq_id, n in ((0, 70), (1, 90)):  # prompts of their own (none a prefix of another's blocks)
+            first = 3 + 1000 * seq_id
+            cache.add_sequence(seq_id, list(range(first, first + n)))
+            model.prefill(cache, seq_id, torch.arange(first, first + n, device="cuda"), 0, last_only=True)
         caches.append(cache)
     prompts = {10: list(range(5, 150)), 11: list(range(200, 240))}
     done = dict.fromkeys(prompts, 0)
