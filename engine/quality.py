@@ -328,11 +328,11 @@ class _Pair:
         """Prefill each prompt into both caches, from its keys and values (:func:`prompt_kv`): what a prefill
         through the model leaves in them, without the model's pass."""
         for seq, ids in zip(self.seqs, prompts, strict=True):
-            layers = prompt_kv(self.loaded, ids)
+            layers = [(k.to(self.device), v.to(self.device)) for k, v in prompt_kv(self.loaded, ids)]
             for cache in self._caches():
                 cache.add_sequence(seq, list(ids))
                 for layer, (k, v) in enumerate(layers):
-                    cache.prefill(layer, seq, None, k.to(self.device), v.to(self.device))
+                    cache.prefill(layer, seq, None, k, v)
 
     def prefill_through_model(self, prompts: Sequence[Sequence[int]]) -> None:
         """Prefill each prompt into both caches through the model (what :meth:`prefill` stands for)."""

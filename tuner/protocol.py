@@ -104,12 +104,6 @@ class QualitySettings:
                 f"quality device must be one of {list(QUALITY_DEVICES)}, but got {self.device!r}"
             )
 
-    def beside(self, worker_device: str) -> bool:
-        """Whether a worker on ``worker_device`` ("cuda" or "cpu") may measure quality in a CPU process of
-        its own while its probes run (:mod:`kvtune.tuner.quality_host`; for "auto" the worker also weighs the
-        measurement, :func:`kvtune.tuner.worker.quality_beside`)."""
-        return self.device == "cpu" or (self.device == "auto" and worker_device == "cuda")
-
     def to_dict(self) -> dict[str, Any]:
         """As stored with a study; ``aggregation`` only where on and ``device`` only where not "auto" (a
         study made before either compares equal)."""

@@ -86,13 +86,6 @@ def trial_deadline(limit_s: float | None, what: str) -> Deadline | None:
     return Deadline(time.monotonic() + limit_s, reason)
 
 
-def deadline_error(deadline: Deadline) -> Exception:
-    """The error a replay past ``deadline`` raises (the driver records the trial infeasible)."""
-    from kvtune.engine.engine import ReplayTimeoutError
-
-    return ReplayTimeoutError(deadline.reason)
-
-
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Collect, then keep Python's garbage collector off for the block: no collection pause inside a probe
@@ -372,8 +365,10 @@ class TrialWorker:
             try:
                 answer = self._quality_host.result(config.to_dict(), timeout=timeout)
             except TimeoutError:
+                from kvtune.engine.engine import ReplayTimeoutError  # as a replay past the limit
+
                 assert deadline is not None
-                raise deadline_error(deadline) from None
+                raise ReplayTimeoutError(deadline.reason) from None
             return answer | {"wall_s": time.perf_counter() - started}
         self.release()  # the quality run builds its own caches
         q = self.spec.quality
@@ -434,10 +429,10 @@ def quality_beside(quality: QualitySettings, device: str) -> bool:
     and no aggregation probe)."""
     from kvtune.engine.model import model_parameters
 
-    if not quality.beside(device):
+    if quality.device != "auto":
+        return quality.device == "cpu"
+    if device != "cuda":
         return False
-    if quality.device == "cpu":
-        return True
     tokens = quality.windows * (quality.prefill_tokens + quality.decode_tokens)
     if quality.passkey or quality.aggregation or tokens > QUALITY_BESIDE_MAX_TOKENS:
         return False
