@@ -15,7 +15,8 @@ that is not a view or a no-op conversion.
 ``--host N`` times instead where the host's time goes, on the device given (a GPU's host is what the capacity
 probes wait for): N iterations, each from an idle device, the host's launch time (from the step's plan to its
 last enqueued op, before the tokens are read back) and the whole iteration's wall, in all and per layer; then
-one more under ``cProfile``, its 25 costliest functions by their own time.
+one more under ``cProfile``, its 25 costliest functions by their own time, then kvtune's and Triton's
+launchers' 40 costliest by cumulative time.
 
     python benchmarks/mixed_ops.py examples/configs/q_int8.json --model random:llama-3.1-8b --device cuda \
         --dtype bfloat16 --host 20 [--piecewise]
@@ -244,7 +245,10 @@ def host_times(scene: Scene, n: int) -> dict[str, Any]:
     profiler.disable()
     scene.release(chunks)
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(25)
+    text.write("kvtune's and the launchers' functions by cumulative time:\n")
+    stats.sort_stats("cumulative").print_stats(r"kvtune|jit\.py|driver\.py", 40)
     return {"launch_ms": launch, "wall_ms": wall, "profile": text.getvalue()}
 
 

@@ -30,7 +30,9 @@ tokens (scaled-dot-product attention in the model dtype); a prefix hit is limite
 itself would seal (so the hot zone keeps at least ``hot_tokens`` tokens); blocks become findable for prefix
 reuse once the owning sequence has prefilled every layer (prompt blocks sealed later, during decode, at the
 end of their step); blocks holding generated tokens are never shared; blocks sealed by a prefill get
-``last_access`` = the latest clock the cache was given (or the ``now_ms`` passed to ``add_sequence``).
+``last_access`` = the latest clock the cache was given (or the ``now_ms`` passed to ``add_sequence``);
+without the sparse tier (``sparse_top_k`` 0) nothing is demoted, so no decision reads the access statistics
+and decode does not update them (two launches a layer fewer in every step).
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ class HybridCache:
             requantize_int4_masked(self.pools, torch.zeros_like(self.tiers.tier, dtype=torch.bool))
         for pool in self.pools:
             pool.block_bits[0] = pool.bits
-        if self.device.type == "cuda":  # the access update with a device clock (static steps)
+        if self.sparse and self.device.type == "cuda":  # the access update with a device clock (static steps)
             mass = torch.zeros((1, s.num_kv_heads, 1), dtype=torch.float32, device=self.device)
             table = torch.zeros((1, s.num_kv_heads, 1), dtype=torch.int32, device=self.device)
             count = torch.zeros((1, s.num_kv_heads), dtype=torch.int32, device=self.device)
@@ -731,15 +733,16 @@ class HybridCache:
         out, mass, hot_mass = hybrid_decode_attention(
             q, hk, hv, plan.hot_slot, plan.hot_len, pool, table, num_cold, self.sm_scale
         )
-        update_access(
-            self.tiers.last_access[layer],
-            self.tiers.ema[layer],
-            mass,
-            table,
-            num_cold,
-            plan.now,
-            self.tiers.flags,
-        )
+        if self.sparse:  # without the sparse tier no decision reads the access statistics
+            update_access(
+                self.tiers.last_access[layer],
+                self.tiers.ema[layer],
+                mass,
+                table,
+                num_cold,
+                plan.now,
+                self.tiers.flags,
+            )
         self._count_bytes(pool, plan, table, counted)
         self.debug.attention(mass, hot_mass, num_l1)
         return out
