@@ -53,6 +53,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kvtune.kernels.arch import Arch
+from kvtune.kernels.launch import launch
 
 if TYPE_CHECKING:
     from kvtune.kernels.layout import ColdPool
@@ -718,5 +719,5 @@ def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: i
     channels = D if kind == 8 else D // 2
     constants = build_constants(channels, T, stages, key_rows, table_ahead)
     order = (grid[1], grid[0]) if SPLIT_MAJOR else grid
-    return _cold_kernel[order](*args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, ROW=row or channels,
-                               SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **constants)  # fmt: skip
+    return launch(_cold_kernel, order, *args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, ROW=row or channels,
+                  SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **constants)  # fmt: skip

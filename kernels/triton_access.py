@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.access_ref import EMA_WEIGHT
+from kvtune.kernels.launch import launch
 
 MB = 64
 
@@ -108,8 +109,8 @@ def update_access_triton(
     else:
         now_t = last_access  # unused pointer
         now_lo, now_hi = struct.unpack("<ii", struct.pack("<d", float(now_ms)))
-    _mark_kernel[(b * h,)](block_mass, block_table, num_cold, flags, m, MB=MB, num_warps=2)
-    _update_kernel[(b * h,)](
+    launch(_mark_kernel, (b * h,), block_mass, block_table, num_cold, flags, m, MB=MB, num_warps=2)
+    launch(_update_kernel, (b * h,),
         block_table, num_cold, flags, last_access, ema, now_t, now_lo, now_hi, m, EMA_W=EMA_WEIGHT, MB=MB,
         NOW_PTR=on_device, num_warps=2,
     )  # fmt: skip

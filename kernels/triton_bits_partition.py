@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.bits_partition_ref import BitsPartition, empty_partition, partition_width
+from kvtune.kernels.launch import launch
 
 PARTITION_TILE = 128  # table entries per step of a program
 PAD_TILE = 512  # padding entries per store (the padding is written without loads)
@@ -67,7 +68,7 @@ def partition_by_bits_triton(
     out = empty_partition(b, h, m, block_table.device)
     if b * h == 0:
         return out
-    _partition_kernel[(b * h,)](
+    launch(_partition_kernel, (b * h,),
         block_table.to(torch.int32).contiguous(), num_cold.to(torch.int32).contiguous(), block_bits,
         out.table, out.counts, out.positions, m, partition_width(m), out.counts.stride(0),
         MB=PARTITION_TILE, ZB=PAD_TILE, num_warps=NUM_WARPS,

@@ -51,6 +51,7 @@ from kvtune.kernels.decode_choice import DecodeKernel, decode_kernel, options_fo
 from kvtune.kernels.decode_choice import DecodeKernelOptions as DecodeKernelOptions
 from kvtune.kernels.decode_choice import default_options as default_options
 from kvtune.kernels.decode_ref import hybrid_decode_attention_ref
+from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.triton_bits_partition import partition_by_bits_triton
 from kvtune.kernels.triton_common import cdiv, next_pow2
@@ -856,7 +857,7 @@ def hybrid_decode_attention_triton(
             key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead,
         )  # fmt: skip
     else:
-        _split_kernel[(B * H, splits) if SPLIT_MAJOR else (splits, B * H)](
+        launch(_split_kernel, (B * H, splits) if SPLIT_MAJOR else (splits, B * H),
             q, hot_k, hot_v, hot_slot, hot_len,
             pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale, pool.block_bits, table, ncold,
             part_acc, part_ml, blk_lse, hot_lse,
@@ -876,7 +877,7 @@ def hybrid_decode_attention_triton(
     hot_args = {"HOT_T": meta["HOT_T"], "PREC": meta["PREC"], "WAIT": pdl, "launch_pdl": pdl} if gluon else {}
     if gluon and MERGE_STAGES:
         hot_args["num_stages"] = MERGE_STAGES
-    _merge_kernel[(B * H,)](
+    launch(_merge_kernel, (B * H,),
         part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass,
         q, hot_k, hot_v, hot_slot, hot_len, qk_scale,
         slots, M, out.stride(0), out.stride(1),

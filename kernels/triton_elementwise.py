@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtune.kernels.launch import launch
 from kvtune.kernels.triton_common import cdiv, next_pow2
 
 
@@ -45,7 +46,7 @@ def add_rms_norm_triton(
     s = x if delta is None else torch.empty_like(x)
     d = x if delta is None else delta
     block = next_pow2(hidden)
-    _add_rms_norm_kernel[(n,)](
+    launch(_add_rms_norm_kernel, (n,),
         x, d, weight, s, out, hidden, eps, x.stride(0), d.stride(0), s.stride(0), out.stride(0),
         HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )  # fmt: skip
@@ -118,7 +119,7 @@ def rope_qkv_triton(
     k = torch.empty((n, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
     if n:
-        _rope_qkv_kernel[(n, heads)](
+        launch(_rope_qkv_kernel, (n, heads),
             qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0),
             HQ=num_heads, H=num_kv_heads, D=d, HALF=next_pow2(d // 2), num_warps=1,
         )  # fmt: skip
@@ -146,7 +147,6 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, f), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, next_pow2(f))
     if n:
-        _silu_mul_kernel[(n, cdiv(f, block))](
-            gate_up, out, f, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
-        )
+        grid, strides = (n, cdiv(f, block)), (gate_up.stride(0), out.stride(0))
+        launch(_silu_mul_kernel, grid, gate_up, out, f, *strides, BLOCK=block, num_warps=4)
     return out

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant_ref import check_seal_bits, seal_blocks_ref
 from kvtune.kernels.requant_ref import requantize_int4_ref
@@ -254,7 +255,7 @@ def seal_blocks_triton(
     bs, H, D = k.shape[1], k.shape[2], k.shape[3]
     ids = block_ids.to(torch.int64).contiguous()
     row_ids = ids if rows is None else rows.to(torch.int64).contiguous()
-    _seal_kernel[(n, H)](
+    launch(_seal_kernel, (n, H),
         k, v, ids, row_ids, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min,
         pool.v_scale, k.stride(0), k.stride(1), k.stride(2), pool.k.stride(0), pool.k.stride(1),
         pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1),
@@ -278,7 +279,7 @@ def requantize_int4_triton(pool: ColdPool, block_ids: torch.Tensor) -> None:
     ids = block_ids.to(torch.int64).contiguous()
     keep = (pool.block_bits[ids] == 4).to(torch.int8)
     bs, H, D = pool.k.shape[2], pool.k.shape[1], pool.k.shape[3]
-    _requant_kernel[(n, H)](
+    launch(_requant_kernel, (n, H),
         ids, keep, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale,
         pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0), pool.k_min.stride(1),
         pool.v_min.stride(0), pool.v_min.stride(1),
@@ -336,7 +337,7 @@ def requantize_int4_masked_triton(pools: Sequence[ColdPool], mask: torch.Tensor)
     ids.index_copy_(0, torch.where(todo, pos, layers * n), torch.arange(layers * n, device=mask.device))
     bs, H, D = pool.k.shape[2], pool.k.shape[1], pool.k.shape[3]
     programs = LIST_PROGRAMS if mask.is_cuda else 1  # the interpreter runs every program in Python
-    _requant_list_kernel[(programs, H)](
+    launch(_requant_list_kernel, (programs, H),
         ids, count, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale,
         n, strides[0], strides[2], strides[4],
         pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0), pool.k_min.stride(1),

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quest_ref import quest_topk_ref
 from kvtune.kernels.triton_common import cdiv, tileable_head_dim
@@ -65,7 +66,7 @@ def quest_scores_triton(
     if M2 == 0:
         return scores
     mb = QUEST_TILE
-    _quest_score_kernel[(cdiv(M2, mb), B * H)](
+    launch(_quest_score_kernel, (cdiv(M2, mb), B * H),
         q, pool.k_min, pool.k_scale, pool.block_bits, l2_table, l2_count.to(torch.int32), scores,
         M2, q.stride(0), q.stride(1), pool.k_min.stride(0), pool.k_min.stride(1),
         H=H, G=Hq // H, D=D, MB=mb, POOL_BITS=pool.bits, MIXED=pool.bits == 8,

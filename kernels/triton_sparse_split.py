@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.arch import num_sms
+from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quest_summary import QuestSummary8
 from kvtune.kernels.sparse_table_choice import (
@@ -228,14 +229,14 @@ def sparse_block_table_split_triton(
     scratch = torch.empty((B * H, plan.splits, plan.span + topk), dtype=torch.int64, device=dev)
     cap = {"maxnreg": opts.maxnreg} if opts.maxnreg else {}
     k_lo, k_span, quest_cost = quest_bounds(pool, count, summary)
-    _span_kernel[(B * H, plan.splits + 1)](
+    launch(_span_kernel, (B * H, plan.splits + 1),
         q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, keys,
         scratch, M, W, k_blocks, plan.span, plan.splits, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0),
         k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=CHUNK, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2,
         POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote, SUMMARY8=summary is not None,
         FILL=FILL, num_warps=NUM_WARPS, num_stages=1, **cap,
     )  # fmt: skip
-    _merge_spans_kernel[(B * H,)](
+    launch(_merge_spans_kernel, (B * H,),
         keys, blocks, count.cost, table, n1, count.total, M, W, k_blocks, plan.splits, H=H,
         TOPK=topk, NK=max_splits(k_blocks) * topk, num_warps=MERGE_WARPS,
     )  # fmt: skip

@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quest_summary import E4M3, QuestSummary8
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, sparse_block_table_ref
@@ -333,7 +334,7 @@ def sparse_block_table_triton(
     topk = next_pow2(k_blocks)
     scratch = torch.empty((B * H, 2 * M + topk if k_blocks else 0), dtype=torch.int64, device=dev)
     k_lo, k_span, quest_cost = quest_bounds(pool, count, summary)
-    _sparse_table_kernel[(B * H,)](
+    launch(_sparse_table_kernel, (B * H,),
         q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, scratch, M,
         W, k_blocks, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0), k_lo.stride(1), H=H,
         G=q.shape[1] // H, D=q.shape[2], MB=CHUNK, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits,

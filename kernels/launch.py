@@ -1,0 +1,112 @@
+"""Kernel launches without the JIT's per-call work, where a launch specializes as an earlier one did.
+
+``kernel[grid](*args, **kwargs)`` makes Triton bind every argument, specialize each (a tensor's dtype and
+16-byte alignment, an int's width, whether it is 1 and whether 16 divides it), build the cache key from all of
+that and the compile-time values (for a Gluon kernel, its layouts hashed at every launch), and only then call
+the compiled kernel's launcher. On an H200's host that is the largest part of a prompt forward's launching
+(the decode attention alone took 0.4-0.5 ms of host time a layer). :func:`launch` does the same launch and
+keeps what the JIT returned under a key of its own: per runtime argument what Triton's specialization reads
+(for a tensor its dtype and whether its address is 16-byte aligned; for an int whether it is 1, whether 16
+divides it and its width; for a float or bool its type) and the compile-time values (by value, or by identity
+for objects such as layouts, which the entry keeps alive). A later launch with the same key calls the compiled
+kernel's launcher directly. The key is never coarser than Triton's (it keys ints on 1 and 16 also where the
+kernel does not specialize them), so a hit launches the kernel the JIT itself would pick; anything else (a
+launch hook installed, an argument of another type, a grid given as a function, the interpreter, a CPU
+tensor) takes the JIT's own path.
+
+``KVTUNE_FAST_LAUNCH=0`` in the environment turns this off (read once per process).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+MAX_ENTRIES = 4096  # kept compiled launches, all kernels together; beyond it launches take the JIT's path
+_I32 = 1 << 31
+_I64 = 1 << 63
+
+_Key = tuple[Any, ...]
+_entries: dict[_Key, tuple[Any, tuple[Any, ...]]] = {}
+
+
+@functools.cache
+def enabled() -> bool:
+    """Fast launches on (``KVTUNE_FAST_LAUNCH``, default on; never under the Triton interpreter)."""
+    return os.environ.get("KVTUNE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+@functools.cache
+def _params(fn: JITFunction) -> tuple[tuple[bool, ...], tuple[tuple[str, Any], ...]]:
+    """Per parameter whether it is a compile-time value; per parameter, its name and default."""
+    return tuple(p.is_constexpr for p in fn.params), tuple((p.name, p.default) for p in fn.params)
+
+
+def arg_key(arg: Any, constexpr: bool) -> Any:
+    """What the JIT's specialization reads of one argument (None: a type this module does not key)."""
+    if constexpr:
+        return ("c", _value_key(arg))
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool):
+        return bool
+    if isinstance(arg, int):
+        return (arg == 1, arg % 16 == 0, 0 if -_I32 <= arg < _I32 else (1 if -_I64 <= arg < _I64 else 2))
+    if isinstance(arg, float):
+        return float
+    if arg is None:
+        return ("c", None)
+    return None
+
+
+def _value_key(value: Any) -> Any:
+    """A compile-time value as a key: ints, floats, strings, bools and None (and tuples of them) by value
+    (with their type: True and 1 compile apart), anything else by identity."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value), value)
+    if isinstance(value, tuple):
+        return tuple(_value_key(v) for v in value)
+    return (type(value), id(value))
+
+
+def launch(fn: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
+    """``fn[grid](*args, **kwargs)``; returns the compiled kernel as the JIT does (module docstring)."""
+    hooked = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    if not enabled() or hooked or not isinstance(grid, tuple):
+        return fn[grid](*args, **kwargs)
+    constexpr, names = _params(fn)
+    keys = []
+    for a, c in zip(args, constexpr):
+        k = arg_key(a, c)
+        if k is None or (isinstance(a, torch.Tensor) and not a.is_cuda):
+            return fn[grid](*args, **kwargs)
+        keys.append(k)
+    device = driver.active.get_current_device()
+    key = (fn, device, tuple(keys), tuple((n, _value_key(v)) for n, v in kwargs.items()))
+    entry = _entries.get(key)
+    if entry is None:
+        kernel = fn[grid](*args, **kwargs)
+        if kernel is None or len(_entries) >= MAX_ENTRIES:
+            return kernel
+        # the parameters after the positional ones, in order, as the JIT binds them (kwargs, else defaults)
+        tail = tuple(kwargs.get(n, d) for n, d in names[len(args) :])
+        _entries[key] = (kernel, tail)
+        return kernel
+    kernel, tail = entry
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = driver.active.get_current_stream(device)  # as the JIT reads it
+    run, fn_handle, meta = kernel.run, kernel.function, kernel.packed_metadata
+    run(grid[0], g1, g2, stream, fn_handle, meta, None, None, None, *args, *tail)
+    return kernel
+
+
+def clear() -> None:
+    """Forget every kept launch (tests)."""
+    _entries.clear()

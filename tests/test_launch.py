@@ -1,0 +1,79 @@
+"""Fast launches (:mod:`kvtune.kernels.launch`): keyed at least as finely as Triton specializes, and on a GPU
+the same results as the JIT's own launches, including where an argument's specialization changes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
+from kvtune.kernels import launch as fast  # noqa: E402
+from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING  # noqa: E402
+
+
+def _triton(value: object) -> tuple[object, ...]:
+    return tuple(native_specialize_impl(BaseBackend, value, False, True, True))
+
+
+def _values() -> list[object]:
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
+            2**63 - 16, 2**63, 2**64 - 16]  # fmt: skip
+    base = torch.zeros(64, dtype=torch.float16)
+    tensors = [base, base[1:], base[8:], torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.uint8)[3:]]
+    return [*ints, True, False, 0.5, 1.0, None, *tensors]
+
+
+def test_the_key_is_never_coarser_than_tritons_specialization() -> None:
+    """Two arguments that Triton specializes apart never share a key (else a kept kernel would run where
+    the JIT compiles another); ints are keyed apart also where Triton would share one kernel."""
+    values = _values()
+    for a, b in itertools.combinations(values, 2):
+        if _triton(a) != _triton(b):
+            assert fast.arg_key(a, False) != fast.arg_key(b, False), (a, b, _triton(a), _triton(b))
+
+
+def test_compile_time_values_are_keyed_by_value_and_type() -> None:
+    assert fast.arg_key(1, True) != fast.arg_key(True, True)
+    assert fast.arg_key(2, True) != fast.arg_key(3, True)
+    assert fast.arg_key((1, 2), True) == fast.arg_key((1, 2), True)
+    marker = object()
+    assert fast.arg_key(marker, True) == fast.arg_key(marker, True) != fast.arg_key(object(), True)
+    assert fast.arg_key("x", False) is None  # a type this module does not key: the JIT's path
+
+
+@pytest.mark.gpu
+def test_fast_launches_give_the_jits_results_gpu() -> None:
+    """The fused add + RMSNorm and the seal through kept launches, with aligned and misaligned inputs in
+    turn (each specializes apart), against the kernels launched by the JIT each time."""
+    if not HAS_CUDA or INTERPRETING:
+        pytest.skip("needs a CUDA GPU (and no TRITON_INTERPRET)")
+    from kvtune.kernels.triton_elementwise import add_rms_norm_triton
+
+    assert fast.enabled(), "KVTUNE_FAST_LAUNCH=0 in the environment"
+    torch.manual_seed(0)
+    fast.clear()
+    hidden = 200
+    weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    flat = torch.randn(8 * hidden + 8, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for off in (0, 1, 0, 3, 8, 0):  # offsets of 2, 6 and 16 bytes: aligned and not
+        x = flat[off : off + 4 * hidden].view(4, hidden)
+        delta = torch.randn(4, hidden, device="cuda", dtype=torch.bfloat16)
+        rows.append((x.clone(), delta, add_rms_norm_triton(x.clone(), delta, weight, 1e-6)))
+    assert len(fast._entries) >= 2, "aligned and misaligned inputs keep two launches"
+    fast.clear()
+    enabled = fast.enabled
+    try:
+        fast.enabled = lambda: False  # type: ignore[assignment,method-assign]
+        for x, delta, (s, out) in rows:
+            s_jit, out_jit = add_rms_norm_triton(x.clone(), delta, weight, 1e-6)
+            torch.testing.assert_close(s, s_jit, rtol=0, atol=0)
+            torch.testing.assert_close(out, out_jit, rtol=0, atol=0)
+    finally:
+        fast.enabled = enabled  # type: ignore[method-assign]
