@@ -75,10 +75,16 @@ def _value_key(value: Any) -> Any:
     return (type(value), id(value))
 
 
+def _hooked(hook: Any) -> bool:
+    """A launch hook is installed: Triton 3.6 keeps an empty chain (its ``calls``) where none is."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def launch(fn: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
     """``fn[grid](*args, **kwargs)``; returns the compiled kernel as the JIT does (module docstring)."""
-    hooked = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
-    if not enabled() or hooked or not isinstance(grid, tuple):
+    if not enabled() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        return fn[grid](*args, **kwargs)
+    if not isinstance(grid, tuple):
         return fn[grid](*args, **kwargs)
     constexpr, names = _params(fn)
     keys = []
