@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
-from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
 
-from kvtune.kernels import launch as fast  # noqa: E402
-from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING  # noqa: E402
+from kvtune.kernels import launch as fast
+from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING
 
 
 def _triton(value: object) -> tuple[object, ...]:
@@ -25,7 +25,13 @@ def _values() -> list[object]:
     ints = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
             2**63 - 16, 2**63, 2**64 - 16]  # fmt: skip
     base = torch.zeros(64, dtype=torch.float16)
-    tensors = [base, base[1:], base[8:], torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.uint8)[3:]]
+    tensors = [
+        base,
+        base[1:],
+        base[8:],
+        torch.zeros(8, dtype=torch.int32),
+        torch.zeros(8, dtype=torch.uint8)[3:],
+    ]
     return [*ints, True, False, 0.5, 1.0, None, *tensors]
 
 
