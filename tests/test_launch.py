@@ -68,17 +68,18 @@ def test_fast_launches_give_the_jits_results_gpu() -> None:
     weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
     flat = torch.randn(8 * hidden + 8, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for off in (0, 1, 0, 3, 8, 0):  # offsets of 2, 6 and 16 bytes: aligned and not
-        x = flat[off : off + 4 * hidden].view(4, hidden)
+    for off in (0, 1, 0, 3, 8, 0):  # offsets of 0, 2, 6 and 16 bytes: x aligned and not
+        x = flat[off : off + 4 * hidden].view(4, hidden)  # a view: its address as the offset puts it
         delta = torch.randn(4, hidden, device="cuda", dtype=torch.bfloat16)
-        rows.append((x.clone(), delta, add_rms_norm_triton(x.clone(), delta, weight, 1e-6)))
+        rows.append((off, delta, add_rms_norm_triton(x, delta, weight, 1e-6)))
     assert len(fast._entries) >= 2, "aligned and misaligned inputs keep two launches"
     fast.clear()
     enabled = fast.enabled
     try:
         fast.enabled = lambda: False  # type: ignore[assignment,method-assign]
-        for x, delta, (s, out) in rows:
-            s_jit, out_jit = add_rms_norm_triton(x.clone(), delta, weight, 1e-6)
+        for off, delta, (s, out) in rows:
+            x = flat[off : off + 4 * hidden].view(4, hidden)
+            s_jit, out_jit = add_rms_norm_triton(x, delta, weight, 1e-6)
             torch.testing.assert_close(s, s_jit, rtol=0, atol=0)
             torch.testing.assert_close(out, out_jit, rtol=0, atol=0)
     finally:
