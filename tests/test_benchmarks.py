@@ -412,3 +412,21 @@ def test_mixed_ops_times_the_host_and_profiles_an_iteration(tmp_path: Path) -> N
     host = json.loads(out.read_text())
     assert len(host["launch_ms"]) == len(host["wall_ms"]) == 3 and host["layers"] == 2
     assert all(0 < a <= b for a, b in zip(host["launch_ms"], host["wall_ms"]))
+
+
+def test_prompt_forward_runs_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/prompt_forward.py end to end on a tiny model (pieces uncaptured, host wall): its lines and
+    its JSON, one time per repeat and side."""
+    out = tmp_path / "pf.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "prompt_forward.py"), "--device", "cpu", "--model",
+         "random:tiny", "--dtype", "float32", "--lengths", "5,17", "--repeats", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "N     5 (bucket 16" in run.stdout and "N    17 (bucket 32" in run.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["n"], r["bucket"], len(r["eager"]), len(r["pieces"])) for r in rows] == [
+        (5, 16, 2, 2),
+        (17, 32, 2, 2),
+    ]
