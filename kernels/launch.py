@@ -43,9 +43,11 @@ def enabled() -> bool:
 
 
 @functools.cache
-def _params(fn: JITFunction) -> tuple[tuple[bool, ...], tuple[tuple[str, Any], ...]]:
-    """Per parameter whether it is a compile-time value; per parameter, its name and default."""
-    return tuple(p.is_constexpr for p in fn.params), tuple((p.name, p.default) for p in fn.params)
+def _params(fn: JITFunction) -> tuple[tuple[bool, ...], tuple[tuple[str, Any], ...], frozenset[str]]:
+    """Per parameter whether it is a compile-time value; per parameter, its name and default; the names of
+    the runtime parameters."""
+    runtime = frozenset(p.name for p in fn.params if not p.is_constexpr)
+    return tuple(p.is_constexpr for p in fn.params), tuple((p.name, p.default) for p in fn.params), runtime
 
 
 def arg_key(arg: Any, constexpr: bool) -> Any:
@@ -86,7 +88,9 @@ def launch(fn: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) ->
         return fn[grid](*args, **kwargs)
     if not isinstance(grid, tuple):
         return fn[grid](*args, **kwargs)
-    constexpr, names = _params(fn)
+    constexpr, names, runtime = _params(fn)
+    if not runtime.isdisjoint(kwargs):  # a runtime argument by keyword: kept, it would be kept by value
+        return fn[grid](*args, **kwargs)
     keys = []
     for a, c in zip(args, constexpr):
         k = arg_key(a, c)

@@ -84,3 +84,23 @@ def test_fast_launches_give_the_jits_results_gpu() -> None:
             torch.testing.assert_close(out, out_jit, rtol=0, atol=0)
     finally:
         fast.enabled = enabled  # type: ignore[method-assign]
+
+
+def test_a_runtime_argument_by_keyword_takes_the_jits_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime argument passed by keyword would be kept by value with the launch: such a launch is never
+    kept (nor is one on a CPU tensor); every such call reaches the JIT."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _k(x_ptr, n, BLOCK: tl.constexpr) -> None:  # pragma: no cover (never compiled here)
+        pass
+
+    constexpr, _, runtime = fast._params(_k)
+    assert constexpr == (False, False, True) and runtime == {"x_ptr", "n"}
+    calls = []
+    monkeypatch.setattr(type(_k), "__getitem__", lambda self, grid: lambda *a, **k: calls.append((a, k)))
+    fast.clear()
+    fast.launch(_k, (1,), torch.zeros(4), n=4, BLOCK=16)
+    fast.launch(_k, (1,), torch.zeros(4), 4, BLOCK=16)  # a CPU tensor
+    assert len(calls) == 2 and not fast._entries
