@@ -3,9 +3,11 @@ reads it.
 
 For each prompt length ``N``: a dense causal forward of ``N`` tokens (the model's own attention, no cache;
 the last row's logits), enqueued behind a sleep long enough for the host to enqueue all of it, and timed
-with CUDA events from the sleep's end to the forward's end: the device's time alone. Op by op, and through
-the pieces of the smallest bucket ``>= N`` (whose dense parts compute the bucket's rows, the padding
-included); the two alternate, ``--repeats`` times each, after one unmeasured forward of each. ``--idle S``:
+with CUDA events from the sleep's end to the forward's end: the device's time alone. Op by op; through the
+pieces of the smallest bucket ``>= N`` (whose dense parts compute the bucket's rows, the padding included)
+run directly, uncaptured; and through the same pieces replayed as CUDA graphs. So the padding and the static
+buffers' copies show apart from what capturing changes. The three alternate, ``--repeats`` times each, after
+one unmeasured forward of each. ``--idle S``:
 the device idles ``S`` seconds before each timed forward (what an unloaded replay's prompts meet), so a
 clock that has dropped shows. Prints one line per length (medians, min-max, pieces ÷ op by op, the
 bucket's padding) and, with ``--json``, writes every time. ``--device cpu`` runs the pieces uncaptured and
@@ -55,23 +57,25 @@ def main() -> None:
     model = loaded.model
     pieces = PiecewiseForward(model, PIECE_BUCKETS[-1], capture=device.type == "cuda")
     pieces.capture_all()
+    direct = PiecewiseForward(model, PIECE_BUCKETS[-1], capture=False)
     timer = DeviceTimer(device)
     attend = lambda i, q, k, v: causal_attention(q, k, v)
     vocab = loaded.spec.vocab_size
 
-    def forward(n: int, piecewise: bool) -> None:
+    def forward(n: int, way: str) -> None:
         ids = torch.randint(0, vocab, (n,), device=device)
-        if piecewise:
-            pieces.forward(ids, torch.arange(n, device=device), attend, last_only=True)
-        else:
+        if way == "eager":
             model.forward_dense(ids, rows=torch.tensor([n - 1], device=device))
+        else:
+            runner = pieces if way == "pieces" else direct
+            runner.forward(ids, torch.arange(n, device=device), attend, last_only=True)
 
-    def timed(n: int, piecewise: bool) -> float:
+    def timed(n: int, way: str) -> float:
         if args.idle:
             timer.synchronize()
             time.sleep(args.idle)
         start = timer.gate(args.sleep_ms)
-        forward(n, piecewise)
+        forward(n, way)
         end = timer.mark()
         return timer.elapsed_ms(start, end)
 
@@ -79,18 +83,19 @@ def main() -> None:
     with torch.inference_mode():
         for n in lengths:
             bucket = pieces.bucket(n)
-            for piecewise in (False, True):
-                forward(n, piecewise)  # unmeasured: plans, allocator
-            times: dict[str, list[float]] = {"eager": [], "pieces": []}
+            ways = ("eager", "direct", "pieces")
+            for way in ways:
+                forward(n, way)  # unmeasured: plans, allocator
+            times: dict[str, list[float]] = {way: [] for way in ways}
             for _ in range(args.repeats):
-                times["eager"].append(timed(n, False))
-                times["pieces"].append(timed(n, True))
+                for way in ways:
+                    times[way].append(timed(n, way))
             med = {k: statistics.median(v) for k, v in times.items()}
+            cells = {w: f"{med[w]:.3f} ms ({min(t):.3f}-{max(t):.3f})" for w, t in times.items()}
             print(
                 f"N {n:5d} (bucket {bucket}, padding {100 * (bucket / n - 1):.1f} %): op by op "
-                f"{med['eager']:.3f} ms ({min(times['eager']):.3f}-{max(times['eager']):.3f}), pieces "
-                f"{med['pieces']:.3f} ms ({min(times['pieces']):.3f}-{max(times['pieces']):.3f}): "
-                f"{med['pieces'] / med['eager']:.3f}x",
+                f"{cells['eager']}, pieces uncaptured {cells['direct']} {med['direct'] / med['eager']:.3f}x, "
+                f"captured {cells['pieces']} {med['pieces'] / med['eager']:.3f}x",
                 flush=True,
             )
             rows.append({"n": n, "bucket": bucket, **times})

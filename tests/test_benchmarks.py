@@ -426,7 +426,7 @@ def test_prompt_forward_runs_on_the_cpu(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     assert "N     5 (bucket 16" in run.stdout and "N    17 (bucket 32" in run.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["n"], r["bucket"], len(r["eager"]), len(r["pieces"])) for r in rows] == [
-        (5, 16, 2, 2),
-        (17, 32, 2, 2),
+    assert [(r["n"], r["bucket"], len(r["eager"]), len(r["direct"]), len(r["pieces"])) for r in rows] == [
+        (5, 16, 2, 2, 2),
+        (17, 32, 2, 2, 2),
     ]
