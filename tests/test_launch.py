@@ -61,7 +61,8 @@ def test_fast_launches_give_the_jits_results_gpu() -> None:
         pytest.skip("needs a CUDA GPU (and no TRITON_INTERPRET)")
     from kvtune.kernels.triton_elementwise import add_rms_norm_triton
 
-    assert fast.enabled(), "KVTUNE_FAST_LAUNCH=0 in the environment"
+    if not fast.enabled():
+        pytest.skip("KVTUNE_FAST_LAUNCH=0 in the environment: nothing is kept")
     torch.manual_seed(0)
     fast.clear()
     hidden = 200
