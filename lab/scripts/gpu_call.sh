@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces host plugin busy bound step sparse collapse)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces host plugin busy bound step sparse collapse forward launch hostab)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # sparse: SPARSE_SHAPES (batch:context ...), SPARSE_HOLD=1 (tiers held as set up: decode_step.py --hold-tiers), SPARSE_S
 # pieces: PIECES_TESTS_S, PIECES_S (each replay), PIECES_BUDGET (4e9), PIECES_REPEATS (3)
 # host: HOST_N (20 iterations), HOST_S (each run); the host's launch time of a mixed iteration, op by op and in pieces
+# forward: FORWARD_LENGTHS, FORWARD_S; launch: LAUNCH_S; hostab: HOSTAB_S, ROUNDS (needs .old/, a git archive)
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -120,6 +121,19 @@ for stage in "$@"; do
     log "whole replays near capacity, the first on each new cache primed (window:rate, repeated)"
     timeout ${COLLAPSE_S:-200} python3 lab/scripts/collapse.py --replays ${COLLAPSE_REPEATS:-3} --at 1:2.376 --at 0:2.830 \
       2>&1 | grep -v -i warn | tee "$OUT/collapse.log" | tail -8 ;;
+  forward)
+    log "a prompt forward's device time: op by op, pieces uncaptured, pieces as graphs (busy, then after 0.5 s idle)"
+    for idle in 0 0.5; do
+      timeout ${FORWARD_S:-120} python3 benchmarks/prompt_forward.py --lengths ${FORWARD_LENGTHS:-254,328,573,1018} \
+        --repeats 10 --idle $idle --json "$OUT/forward_idle$idle.json" 2>&1 | grep -v -i warn | tee "$OUT/forward_idle$idle.log"
+    done ;;
+  launch)
+    log "gpu tests with kept launches (kernels/launch.py)"
+    timeout ${LAUNCH_S:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_launch.py \
+      tests/test_triton_kernels.py tests/test_triton_step.py tests/test_graphs.py 2>&1 | tee "$OUT/launch_tests.log" | tail -8 ;;
+  hostab)
+    log "host launch time: .old/ against this tree, kept launches off and on, the trees taking turns"
+    SITE=/tmp/site timeout ${HOSTAB_S:-300} bash lab/scripts/host_ab.sh 2>&1 | tee "$OUT/hostab.log" ;;
   esac
 done
 log done
