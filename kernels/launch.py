@@ -5,16 +5,17 @@
 that and the compile-time values (for a Gluon kernel, its layouts hashed at every launch), and only then call
 the compiled kernel's launcher. On an H200's host Triton's launch path was the largest single part of a
 mixed iteration's host time (18 of 50 profiled ms; the decode attention's launches alone 0.4-0.5 ms a layer).
-:func:`launch` does the same launch and
-keeps what the JIT returned under a key of its own: per runtime argument what Triton's specialization reads
-(for a tensor its dtype and whether its address is 16-byte aligned; for an int whether it is 1, whether 16
-divides it and its width; for a float or bool its type) and the compile-time values (by value, or by identity
-for objects such as layouts, which the entry keeps alive). A later launch with the same key calls the compiled
-kernel's launcher directly. The key is never coarser than Triton's (it keys ints on 1 and 16 also where the
-kernel does not specialize them), so a hit launches the kernel the JIT itself would pick (the JIT's check
-that the kernel's global constants have not changed since it compiled is not repeated: kvtune's do not
-change). Anything else takes the JIT's own path: a launch hook installed, an argument of another type, a
-runtime argument passed by keyword, a grid given as a function, the interpreter, a CPU tensor.
+
+:func:`launch` does the same launch and keeps what the JIT returned under a key of its own: per runtime
+argument what Triton's specialization reads (for a tensor its dtype and whether its address is 16-byte
+aligned; for an int whether it is 1, whether 16 divides it and its width; for a float or bool its type) and
+the compile-time values (by value, or by identity for objects such as layouts, which the entry keeps alive).
+A later launch with the same key calls the compiled kernel's launcher directly. The key is never coarser than
+Triton's (it keys ints on 1 and 16 also where the kernel does not specialize them), so a hit launches the
+kernel the JIT itself would pick (the JIT's check that the kernel's global constants have not changed since
+it compiled is not repeated: kvtune's do not change). Anything else takes the JIT's own path: a launch hook
+installed, an argument of another type, a runtime argument passed by keyword, a grid given as a function,
+the interpreter, a CPU tensor.
 
 ``KVTUNE_FAST_LAUNCH=0`` in the environment turns this off (read once per process).
 """
