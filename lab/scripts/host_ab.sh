@@ -2,14 +2,15 @@
 # The host's launch time of a mixed iteration, the checkout against an older tree carried in .old/ (a `git
 # archive` of it) and against itself with KVTUNE_FAST_LAUNCH=0, in one call: Llama-3.1-8B shape, INT8 (CFGS:
 # the configs), 16 decode rows with one prompt chunk of 256 tokens op by op and in pieces, and with none in
-# pieces (benchmarks/mixed_ops.py --host). The trees take turns, ROUNDS (2) times over, so a host whose speed
-# drifts during the call (run 36a: ±20 % within a run) moves every tree alike. Logs under
-# $OUT/host/<tree>/<config>_<shape>.r<round>.log.
+# pieces (benchmarks/mixed_ops.py --host; SHAPES: "chunks [--piecewise]" separated by ";", in that order). The
+# trees take turns, ROUNDS (2) times over, so a host whose speed drifts during the call (run 36a: ±20 % within
+# a run) moves every tree alike. Logs under $OUT/host/<tree>/<config>_<shape>.r<round>.log.
 #   git archive <commit> | tar -x -C .old; bash lab/scripts/host_ab.sh     (on the GPU; HOST_N, HOST_S, ROUNDS)
 set -u
 mkdir -p "$OUT/host"
 for cfg in ${CFGS:-q_int8}; do
-  for shape in "1 " "1 --piecewise" "0 --piecewise"; do
+  IFS=';' read -r -a shapes <<< "${SHAPES:-1 --piecewise;1 ;0 --piecewise}"
+  for shape in "${shapes[@]}"; do
     read -r c pw <<< "$shape"
     name="${cfg}_${c}x256${pw:-}"
     for round in $(seq 1 "${ROUNDS:-2}"); do
