@@ -87,12 +87,12 @@ def _hooked(hook: Any) -> bool:
 
 def launch(fn: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
     """``fn[grid](*args, **kwargs)``; returns the compiled kernel as the JIT does (module docstring)."""
-    if not enabled() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-        return fn[grid](*args, **kwargs)
-    if not isinstance(grid, tuple):
-        return fn[grid](*args, **kwargs)
+    hooks = knobs.runtime
+    if not enabled() or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
+        return fn[grid](*args, **kwargs)  # (under the interpreter ``fn`` is not a JITFunction)
     constexpr, names, runtime = _params(fn)
-    if not runtime.isdisjoint(kwargs):  # a runtime argument by keyword: kept, it would be kept by value
+    # a runtime argument by keyword would be kept by value with the launch
+    if not isinstance(grid, tuple) or not runtime.isdisjoint(kwargs):
         return fn[grid](*args, **kwargs)
     keys = []
     for a, c in zip(args, constexpr):
