@@ -56,6 +56,7 @@ from kvtune.cache_impl.layout import CacheLayout, ModelKVShape, cache_layout, ho
 from kvtune.cache_impl.plan import DecodePlan, StepBuffers, StepInfo, StepShape
 from kvtune.cache_impl.tiers import L2, TierState, threshold_ms
 from kvtune.kernels.access import update_access
+from kvtune.kernels.backend import on_gpu
 from kvtune.kernels.decode_attention import hybrid_decode_attention
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
@@ -223,7 +224,7 @@ class HybridCache:
             requantize_int4_masked(self.pools, torch.zeros_like(self.tiers.tier, dtype=torch.bool))
         for pool in self.pools:
             pool.block_bits[0] = pool.bits
-        if self.sparse and self.device.type == "cuda":  # the access update with a device clock (static steps)
+        if self.sparse and on_gpu(self.device):  # the access update with a device clock (static steps)
             mass = torch.zeros((1, s.num_kv_heads, 1), dtype=torch.float32, device=self.device)
             table = torch.zeros((1, s.num_kv_heads, 1), dtype=torch.int32, device=self.device)
             count = torch.zeros((1, s.num_kv_heads), dtype=torch.int32, device=self.device)

@@ -15,7 +15,10 @@ Gluon's, a subclass) compiles a kernel or loads it from its disk cache, by wrapp
 entered. Triton's public ``jit_cache_hook`` / ``jit_post_compile_hook`` would be the obvious handles, but
 with a hook installed Triton 3.6 serializes every compilation's constants to JSON first, which fails for Gluon
 kernels (their layouts are constants): the wrap leaves the compilation itself untouched. Without Triton, or
-with a Triton that has no such method, nothing is timed and the clock is as before.
+with a Triton that has no such method, nothing is timed and the clock is as before. Of those calls, the ones
+that only loaded a kernel from the disk cache (compiled ahead, :mod:`kvtune.engine.warm`, or by an earlier
+process) are counted apart (``loaded``), from Triton's compilation listener, which a watch chains to any
+listener already set.
 """
 
 from __future__ import annotations
@@ -39,12 +42,25 @@ class CompileWatch:
 
     def __init__(self) -> None:
         self.count = 0
+        self.loaded = 0  # of ``count``, loads from the disk cache
         self.ms = 0.0
         self._saved: tuple[Any, Any] | None = None
+        self._listener: tuple[Any, Any] | None = None
 
     def __enter__(self) -> CompileWatch:
         jit = _jit_class()
         if jit is not None:
+            from triton import knobs
+
+            before = knobs.compilation.listener
+
+            def listen(**kwargs: Any) -> None:
+                self.loaded += bool(kwargs.get("cache_hit"))
+                if before is not None:
+                    before(**kwargs)
+
+            self._listener = (knobs.compilation, before)
+            knobs.compilation.listener = listen
             original = jit._do_compile
 
             def _do_compile(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -60,6 +76,10 @@ class CompileWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._listener is not None:
+            compilation, before = self._listener
+            compilation.listener = before
+            self._listener = None
         if self._saved is not None:
             jit, original = self._saved
             jit._do_compile = original

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtune.kernels.backend import ahead
+
 KB = 1024
 
 
@@ -83,10 +85,12 @@ def arch_for(capability: tuple[int, int]) -> Arch:
 @functools.lru_cache(maxsize=16)
 def arch_of(device: torch.device) -> Arch:
     """The limits of ``device``: its capability's entry, with the shared memory and registers the driver
-    reports. A CPU device (the Triton interpreter, launches recorded for a compile) plans as sm_90; a newer
-    capability than the catalog's plans as the newest entry with the driver's figures."""
+    reports. A CPU device (the Triton interpreter, launches recorded for a compile) plans as sm_90, or as the
+    GPU a planning process compiles for (``kernels.backend.plan_ahead``); a newer capability than the
+    catalog's plans as the newest entry with the driver's figures."""
     if device.type != "cuda":
-        return HOPPER
+        planned = ahead()
+        return HOPPER if planned is None else planned.arch
     cap = torch.cuda.get_device_capability(device)
     known = [a for a in ARCHS.values() if a.capability <= cap]
     if not known:
@@ -106,7 +110,9 @@ def arch_of(device: torch.device) -> Arch:
 
 @functools.lru_cache(maxsize=16)
 def num_sms(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (a CPU, the interpreter's or a recorded launch, plans with 4)."""
+    """Multiprocessors of ``device`` (a CPU, the interpreter's or a recorded launch, plans with 4; planning
+    ahead, with the planned GPU's)."""
     if device.type != "cuda":
-        return 4
+        planned = ahead()
+        return 4 if planned is None else planned.sms
     return int(torch.cuda.get_device_properties(device).multi_processor_count)

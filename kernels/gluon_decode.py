@@ -53,6 +53,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kvtune.kernels.arch import Arch
+from kvtune.kernels.backend import on_gpu
 from kvtune.kernels.launch import launch
 
 if TYPE_CHECKING:
@@ -671,7 +672,7 @@ def supported(q: torch.Tensor, pool_bits: int, mixed: bool, block_size: int, cod
     most 8 query heads per KV head, code rows contiguous."""
     d = q.shape[2]
     return (
-        q.is_cuda
+        on_gpu(q)
         and q.dtype in (torch.float16, torch.bfloat16)
         and (pool_bits == 4 or (pool_bits == 8 and not mixed))
         and d in (64, 128)

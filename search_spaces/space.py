@@ -324,6 +324,25 @@ class SearchSpace:
                 out.append(config)
         return out or [self._middle()]
 
+    def warm_configs(self) -> list[HybridConfig]:
+        """A config for each choice that gives a cache other kernels, for compiling ahead
+        (:mod:`kvtune.engine.warm`): the default points first, then every bit width × block size at the
+        middle hot-zone size (a hot zone's size is no kernel's compile-time value), and with the sparse tier
+        searched, each of those with one and with two sparse blocks (a count of 1 specializes), throttled
+        and not."""
+        hot = self.hot_tokens[len(self.hot_tokens) // 2]
+        out = [c for c in self.default_configs() if _inside(self, c)]
+        for block in self.block_sizes:
+            for bits in self.bits:
+                out.append(HybridConfig("hybrid_v2", hot, block, bits, **TIER_FIXED))
+        if self.real_weights:
+            for block in self.block_sizes:
+                for bits in self.bits:
+                    for blocks, throttled in ((1, False), (2, True)):
+                        tier = {"sparse_top_k": blocks * block, "migration_throttling": throttled}
+                        out.append(HybridConfig("hybrid_v2", hot, block, bits, **{**TIER_FIXED, **tier}))
+        return list(dict.fromkeys(out))
+
     def _middle(self) -> HybridConfig:
         pick = lambda xs: xs[len(xs) // 2]
         return HybridConfig(

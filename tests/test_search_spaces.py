@@ -247,3 +247,20 @@ def test_gpus_command_bad_input_is_one_line(
     assert main(["gpus", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("kvtune: error: ") and message in err[-1]
+
+
+@pytest.mark.parametrize("real", [False, True])
+def test_warm_configs_cover_every_kernel_choice_once_defaults_first(real: bool) -> None:
+    """What a study compiles ahead: the default points first, then every bit width × block size, and with
+    the sparse tier each of those with one and two sparse blocks; each once, each inside the space."""
+    space = _space(real=real)
+    configs = space.warm_configs()
+    assert configs[: len(space.default_configs())] == space.default_configs()
+    assert len(set(configs)) == len(configs)
+    dense = {(c.quantization_bits, c.block_size) for c in configs if c.sparse_top_k == 0}
+    assert dense == {(q, b) for q in space.bits for b in space.block_sizes}
+    sparse = {(c.quantization_bits, c.block_size, c.sparse_blocks) for c in configs if c.sparse_top_k}
+    expected = {(q, b, k) for q in space.bits for b in space.block_sizes for k in (1, 2)}
+    assert sparse == (expected if real else set())
+    for c in configs:
+        space.params_for(c)  # raises for a config outside the space

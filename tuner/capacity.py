@@ -706,11 +706,13 @@ PROBE_DETAILS = ("completed", "duration_s", "step_ms", "decode_steps", "mixed_it
 def probe_summary(probe: Mapping[str, Any]) -> dict[str, Any]:
     """The probe as a study stores it (a trial's ``kvtune.probes``, the baseline's searches in
     ``kvtune.noise``): its verdict, P99s and P90s, its host seconds (``wall_s``, of them ``prime_s`` setting
-    up a new cache, and of those ``compile_s`` in Triton's compiler or its disk cache) where the worker
-    measured them, and from its windows' mean what explains them (requests
-    finished, replay time, decode step, iterations, peak batch, preemptions); no per-window metrics."""
+    up a new cache, and of those ``compile_s`` in Triton's compiler or its disk cache: ``compiles`` kernels,
+    ``compile_loads`` of them loaded from the disk) where the worker measured them, and from its windows'
+    mean what explains them (requests finished, replay time, decode step, iterations, peak batch,
+    preemptions); no per-window metrics."""
     verdict = ("rate", "passed", "aborted", "margin", "ttft_p99_ms", "tpot_p99_ms", "ttft_p90_ms",
-               "tpot_p90_ms", "tokens_per_s", "wall_s", "prime_s", "compile_s")  # fmt: skip
+               "tpot_p90_ms", "tokens_per_s", "wall_s", "prime_s", "compile_s", "compiles",
+               "compile_loads")  # fmt: skip
     summary = {k: probe[k] for k in verdict if k in probe}
     mean = probe.get("mean", {})
     return summary | {k: mean[k] for k in PROBE_DETAILS if _finite(mean.get(k))}

@@ -246,6 +246,7 @@ def _run(
     windows = job.sample.search_windows(trace, info.max_context)
     space = build_space(job, info, windows)
     space_id = SpaceId(space.space_fingerprint(), space.describe())
+    warming = start_warm(pool, space)
     t0 = time.monotonic()
     time_scale = _time_scale(job, stored, pool, job.sample.search_requests(trace, info.max_context))
     parts["calibration_s"] = time.monotonic() - t0
@@ -260,6 +261,8 @@ def _run(
     phases = {"baseline_s": time.monotonic() - started}
     if stored is None:  # where the baseline phase went (the searches' own times are in kvtune.noise)
         say("baseline phase: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in parts.items()))
+    if warming:
+        say(warm_line(ray.get(pool.actors[0].warm_report.remote())))
     study = open_study(job.options, identity(job, info), space_id, attrs)
     if leases is not None and not leases:  # a new study: its lease is taken as it is created
         leases.append(_lease(job.options, study))
@@ -310,6 +313,8 @@ def _run(
     if finished >= job.trials or (cut_short and finished > 0):
         say(f"search done: {finished} trials in {phases['search_s']:.0f} s"
             + (f"; {plan.describe()}" if plan else ""))  # fmt: skip
+        if warming:
+            say(warm_line(ray.get(pool.actors[0].warm_report.remote())))
         validation = _validate(
             job, study, pool, (windows, held_out), info, time_scale, finished, space, plan, say
         )
@@ -337,6 +342,29 @@ def _run(
          *sparse_warnings(complete)), rate,
         {k: c.to_dict() for k, c in counts.items()}, validations,
     )  # fmt: skip
+
+
+def start_warm(pool: WorkerPool, space: SearchSpace) -> bool:
+    """Every worker compiles the space's kernels ahead on its host's spare cores
+    (:meth:`SearchSpace.warm_configs`, :mod:`kvtune.engine.warm`), each from another place in the list, so
+    that workers of one host share the work through Triton's disk cache. Whether any started."""
+    configs = [c.to_dict() for c in space.warm_configs()]
+    n = len(pool.actors)
+    turns = [configs[i * len(configs) // n :] + configs[: i * len(configs) // n] for i in range(n)]
+    return any(ray.get([a.warm_kernels.remote(t, n) for a, t in zip(pool.actors, turns, strict=True)]))
+
+
+def warm_line(report: dict[str, Any] | None) -> str:
+    """One console line of a worker's ``warm_report``."""
+    if report is None:
+        return "kernels compiled ahead: not started"
+    state = "still compiling" if report["running"] else "done"
+    failed = f", {report['failed']} failed ({report['errors'][0]})" if report["failed"] else ""
+    return (
+        f"kernels compiled ahead: {report['warmed']} of {report['configs']} configs in "
+        f"{report['seconds']:.0f} s on {report['processes']} processes ({report['compiled']} compiled, "
+        f"{report['loaded']} already on disk{failed}; {state})"
+    )
 
 
 def observed_costs(study: optuna.Study) -> tuple[float | None, float | None]:

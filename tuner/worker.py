@@ -126,6 +126,7 @@ class TrialWorker:
         self._probes: list[dict[str, Any]] = []
         self._replayers: dict[Any, Any] = {}  # scheduler config -> Replayer (the engine knobs of a trial)
         self._deadline: Deadline | None = None  # the trial's time limit (Workload.time_limit_s)
+        self._warmer: Any = None  # kernels compiled ahead on the host's spare cores (engine/warm.py)
 
     # ---- facts ---------------------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -304,9 +305,12 @@ class TrialWorker:
         record = probe_record(rate, passed, aborted, runs, mean_metrics(tuple(runs)), margin)
         # the probe's host seconds, and of them the new cache's set-up (a config or window met anew): what
         # the time budget plans a search of another config with (kvtune.tuner.budget); of the set-up, Triton's
-        # compilations (or loads from its disk cache)
+        # compilations (or loads from its disk cache: ``compile_loads`` of the ``compiles``)
         wall = time.perf_counter() - started
-        return record | {"wall_s": wall, "prime_s": prime_s, "compile_s": compiles.ms / 1e3}
+        return record | {
+            "wall_s": wall, "prime_s": prime_s, "compile_s": compiles.ms / 1e3, "compiles": compiles.count,
+            "compile_loads": compiles.loaded,
+        }  # fmt: skip
 
     def unloaded(self, config: HybridConfig, requests: tuple[Request, ...], warmup: int) -> dict[str, Any]:
         """``requests`` at 1/1000 of their rate (outputs cut to ``UNLOADED_OUTPUT_TOKENS``): one at a time
@@ -413,6 +417,33 @@ class TrialWorker:
 
     def ping(self) -> bool:
         return True
+
+    # ---- kernels compiled ahead ------------------------------------------------------------------------
+    def warm_kernels(self, configs: Sequence[dict[str, Any]], workers: int = 1) -> bool:
+        """Start compiling the kernels of ``configs`` (dicts, in the order wanted) on the host's spare cores
+        while this worker measures (:mod:`kvtune.engine.warm`), with a ``workers``-th of the processes the
+        host's cores allow (the study's workers share them); replaces an earlier start. Only a GPU worker
+        whose launches take the Triton kernels does it (not with ``KVTUNE_WARM=0``); returns whether it
+        started."""
+        from kvtune.engine import warm
+        from kvtune.kernels.backend import HAS_TRITON, use_triton
+
+        probe = torch.empty(0, device=self.device)
+        if not (configs and HAS_TRITON and use_triton(probe) and warm.enabled()):
+            return False
+        if self._warmer is not None:
+            self._warmer.stop()
+        spec = warm.spec_for(self.device, self.loaded.spec, self.spec.dtype, self.spec.scheduler, configs)
+        self._warmer = warm.KernelWarmer(spec, warm.default_processes(len(configs), workers))
+        return True
+
+    def warm_report(self) -> dict[str, Any] | None:
+        """How far :meth:`warm_kernels` got (``KernelWarmer.report``); None where it did not start."""
+        return None if self._warmer is None else self._warmer.report()
+
+    def __del__(self) -> None:
+        if getattr(self, "_warmer", None) is not None:
+            self._warmer.stop()
 
 
 def unloaded_repeats(clock: str, device: str) -> int:

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces host plugin busy bound step sparse collapse forward launch hostab)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces host plugin busy bound step sparse collapse forward launch hostab warm)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # sparse: SPARSE_SHAPES (batch:context ...), SPARSE_HOLD=1 (tiers held as set up: decode_step.py --hold-tiers), SPARSE_S
 # pieces: PIECES_TESTS_S, PIECES_S (each replay), PIECES_BUDGET (4e9), PIECES_REPEATS (3)
 # host: HOST_N (20 iterations), HOST_S (each run); the host's launch time of a mixed iteration, op by op and in pieces
 # forward: FORWARD_LENGTHS, FORWARD_S; launch: LAUNCH_S; hostab: HOSTAB_S, ROUNDS (needs .old/, a git archive)
+# warm: WARM_CONFIGS (bits:block, default 4:32,8:64,0:32,4:256), WARM_S; kernels compiled ahead, then the prime
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -134,6 +135,10 @@ for stage in "$@"; do
   hostab)
     log "host launch time: .old/ against this tree, kept launches off and on, the trees taking turns"
     SITE=/tmp/site timeout ${HOSTAB_S:-300} bash lab/scripts/host_ab.sh 2>&1 | tee "$OUT/hostab.log" ;;
+  warm)
+    log "a new config's prime: empty Triton cache against one the planning processes filled (engine/warm.py)"
+    timeout ${WARM_S:-300} python3 benchmarks/warm_ahead.py --configs ${WARM_CONFIGS:-4:32,8:64,0:32,4:256} --check \
+      --json "$OUT/warm.json" 2>&1 | grep -v -i warn | tee "$OUT/warm.log" ;;
   esac
 done
 log done

@@ -1,0 +1,156 @@
+"""Kernels compiled ahead (:mod:`kvtune.engine.warm`): a CPU process planning for a GPU takes that GPU's
+kernels, Triton's JIT compiles them into the disk cache without running them, a second run only loads them,
+and a config it cannot warm is reported, not raised. On a GPU: a worker's prime after the planning compiles
+no kernel of the cache (``benchmarks/warm_ahead.py --check``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvtune.cache_impl.config import HybridConfig
+from kvtune.engine.compiles import CompileWatch
+from kvtune.engine.scheduler import SchedulerConfig
+from kvtune.engine.warm import KernelWarmer, WarmSpec, default_processes, planning_spec, warm_requests
+from kvtune.engine.weights import SHAPES
+from kvtune.kernels.arch import HOPPER, arch_of, num_sms
+from kvtune.kernels.backend import Ahead, plan_ahead
+from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING
+
+pytestmark = pytest.mark.skipif(INTERPRETING, reason="kernels defined under the interpreter do not compile")
+ROOT = Path(__file__).resolve().parents[1]
+INT4 = HybridConfig("hybrid_v2", 16, 32, 4)
+INT8 = HybridConfig("hybrid_v2", 16, 16, 8)
+
+
+@pytest.fixture
+def ahead() -> Iterator[None]:
+    plan_ahead(Ahead(HOPPER, 132))
+    try:
+        yield
+    finally:
+        plan_ahead(None)
+
+
+def _replay_launches(config: HybridConfig) -> list[str]:
+    """The kernels an engine replay of :func:`warm_requests` launches on the CPU (recorded, not run)."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.model import LlamaModel, LoadedModel
+    from kvtune.engine.warm import warm_scheduler
+    from kvtune.engine.weights import random_tensors
+    from kvtune.kernels.aot import record_launches
+
+    spec = planning_spec(SHAPES["smollm2-135m"])
+    model = LlamaModel(spec, random_tensors(spec, torch.device("cpu"), torch.bfloat16))
+    engine = Engine(LoadedModel(model, spec, None, False), config, 64 << 20, torch.device("cpu"),
+                    warm_scheduler(SchedulerConfig()))  # fmt: skip
+    launches = record_launches(lambda: engine.replay(warm_requests(config), 0.0, warmup_requests=2))
+    return [
+        f"{x.fn.__name__}{' KIND=' + str(x.kwargs['KIND']) if 'KIND' in x.kwargs else ''}" for x in launches
+    ]
+
+
+def test_planning_ahead_takes_the_gpus_kernels(ahead: None) -> None:
+    """Planning for an sm_90 GPU of 132 multiprocessors, a CPU replay of a 4-bit config launches what a CUDA
+    replay would: the Gluon cold kernel for 4-bit codes, the merge, the seal and the model's fused kernels."""
+    assert num_sms(torch.device("cpu")) == 132 and arch_of(torch.device("cpu")) is HOPPER
+    names = set(_replay_launches(INT4))
+    assert {"_cold_kernel KIND=4", "_merge_kernel", "_seal_kernel", "_rope_qkv_kernel"} <= names, names
+
+
+def test_without_planning_a_cpu_replay_launches_no_kernel() -> None:
+    assert _replay_launches(INT4) == []
+    assert num_sms(torch.device("cpu")) == 4
+
+
+def _spec(*configs: dict[str, object]) -> WarmSpec:
+    return WarmSpec(
+        ("cuda", 90, 32), HOPPER, 132, SHAPES["smollm2-135m"], "bfloat16", SchedulerConfig(), configs
+    )
+
+
+def test_the_planning_processes_fill_the_disk_cache_and_a_second_run_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled for sm_90 into an empty Triton cache (no GPU here); a config that is no config is reported
+    with its error; the same config warmed again compiles nothing and loads every kernel."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    bad = {**INT8.to_dict(), "block_size": 12}
+    first = KernelWarmer(_spec(INT8.to_dict(), bad), processes=1)
+    assert first.wait(timeout=240)
+    report = first.report()
+    assert report["warmed"] == 1 and report["failed"] == 1 and not report["running"], report
+    assert "block_size=12" in report["errors"][0]
+    done = next(r for r in first.results if not r["error"])
+    assert done["compiled"] > 0 and done["loaded"] == 0, done
+    assert {"_seal_kernel", "_merge_kernel"} <= set(done["kernels"]), done
+    assert any((tmp_path / "triton").rglob("*.cubin"))
+
+    again = KernelWarmer(_spec(INT8.to_dict()), processes=1)
+    assert again.wait(timeout=240)
+    (second,) = again.results
+    assert second["compiled"] == 0 and second["loaded"] == done["compiled"] + done["loaded"], second
+
+
+def test_a_stopped_warmer_ends_its_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    warmer = KernelWarmer(_spec(INT4.to_dict(), INT8.to_dict()), processes=2)
+    warmer.stop()
+    assert not warmer.running and warmer.wait(timeout=30)
+
+
+def test_processes_follow_the_cores_and_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVTUNE_WARM_PROCESSES", raising=False)
+    assert default_processes(100) >= 1 and default_processes(100, workers=1000) == 1
+    assert default_processes(1) == 1
+    monkeypatch.setenv("KVTUNE_WARM_PROCESSES", "3")
+    assert default_processes(100) == 3 and default_processes(2) == 2
+    monkeypatch.setenv("KVTUNE_WARM_PROCESSES", "none")
+    with pytest.raises(ValueError, match=r"KVTUNE_WARM_PROCESSES='none': expected a positive number"):
+        default_processes(4)
+
+
+def test_a_compile_watch_counts_disk_loads_and_restores_the_listener() -> None:
+    from triton import knobs
+
+    heard: list[bool] = []
+    knobs.compilation.listener = lambda **kw: heard.append(kw["cache_hit"])
+    try:
+        with CompileWatch() as outer, CompileWatch() as inner:
+            knobs.compilation.listener(src=None, cache_hit=True)
+            knobs.compilation.listener(src=None, cache_hit=False)
+        assert (outer.loaded, inner.loaded, heard) == (1, 1, [True, False])
+        knobs.compilation.listener(src=None, cache_hit=True)
+        assert outer.loaded == 1 and heard == [True, False, True]
+    finally:
+        knobs.compilation.listener = None
+
+
+def test_a_cpu_worker_compiles_nothing_ahead() -> None:
+    from kvtune.tuner.worker import local_worker
+
+    worker = local_worker(
+        "random:tiny", torch.device("cpu"), str(ROOT / "examples" / "text" / "wikitext2_excerpt.txt")
+    )
+    assert worker.warm_kernels([INT4.to_dict()]) is False and worker.warm_report() is None
+
+
+@pytest.mark.gpu
+def test_a_gpu_prime_after_the_planning_compiles_no_cache_kernel_gpu(tmp_path: Path) -> None:
+    """On the GPU: a fresh process primes an engine (SmolLM2's shape, random weights) after the planning
+    processes warmed its config, and Triton compiles none of the cache's kernels there (it loads them)."""
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "warm_ahead.py"), "--model", "random:smollm2-135m",
+         "--configs", "4:32,8:64,0:32", "--check", "--json", str(tmp_path / "warm.json")],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
