@@ -368,24 +368,30 @@ def load_model(
     )
 
 
-def model_parameters(name: str) -> int | None:
-    """The parameter count of the model :func:`load_model` would load for ``name``, from its spec alone
-    (a shape, ``config.json`` or the GGUF header; no weights read); None where the name is no model."""
-    spec = None
+def model_spec(name: str) -> ModelSpec | None:
+    """The spec of the model :func:`load_model` would load for ``name``, read without its weights (a shape,
+    ``config.json`` or the GGUF header); None where the name is no model."""
     path = Path(name)
     try:
         if name == "smollm2":
-            spec = SHAPES["smollm2-135m"]
-        elif name.startswith("random:"):
-            spec = SHAPES.get(name.removeprefix("random:"))
-        elif path.is_dir():
-            spec = spec_from_hf_config(path / "config.json")
-        elif path.suffix == ".gguf" and path.is_file():
+            return SHAPES["smollm2-135m"]
+        if name.startswith("random:"):
+            return SHAPES.get(name.removeprefix("random:"))
+        if path.is_dir():
+            return spec_from_hf_config(path / "config.json")
+        if path.suffix == ".gguf" and path.is_file():
             from kvtune.engine.gguf_file import read_gguf
 
-            spec = spec_from_gguf(str(path), read_gguf(path)[0])
+            return spec_from_gguf(str(path), read_gguf(path)[0])
     except (OSError, ValueError, KeyError):
         return None
+    return None
+
+
+def model_parameters(name: str) -> int | None:
+    """The parameter count of the model :func:`load_model` would load for ``name``, from its spec alone
+    (:func:`model_spec`; no weights read); None where the name is no model."""
+    spec = model_spec(name)
     if spec is None:
         return None
     return sum(math.prod(shape) for shape in expected_shapes(spec).values())

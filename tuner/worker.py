@@ -36,6 +36,7 @@ from kvtune.tuner.capacity import (
     windows_margin,
 )
 from kvtune.tuner.protocol import (
+    BASELINE,
     EngineKnobs,
     QualitySettings,
     TrialResult,
@@ -111,6 +112,8 @@ class TrialWorker:
         self.device = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")
         if spec.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but this worker sees no CUDA device")
+        self._warmers: list[Any] = []  # kernels compiled ahead on the host's spare cores (engine/warm.py)
+        self._warm_baseline(spec)  # while the model loads
         self.loaded = load_model(spec.model, self.device, getattr(torch, spec.dtype))
         options = ReplayOptions(spec.budget_bytes, scheduler=spec.scheduler)
         self.replayer = Replayer(self.loaded, self.device, options)
@@ -126,7 +129,6 @@ class TrialWorker:
         self._probes: list[dict[str, Any]] = []
         self._replayers: dict[Any, Any] = {}  # scheduler config -> Replayer (the engine knobs of a trial)
         self._deadline: Deadline | None = None  # the trial's time limit (Workload.time_limit_s)
-        self._warmer: Any = None  # kernels compiled ahead on the host's spare cores (engine/warm.py)
 
     # ---- facts ---------------------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -422,28 +424,39 @@ class TrialWorker:
     def warm_kernels(self, configs: Sequence[dict[str, Any]], workers: int = 1) -> bool:
         """Start compiling the kernels of ``configs`` (dicts, in the order wanted) on the host's spare cores
         while this worker measures (:mod:`kvtune.engine.warm`), with a ``workers``-th of the processes the
-        host's cores allow (the study's workers share them); replaces an earlier start. Only a GPU worker
-        whose launches take the Triton kernels does it (not with ``KVTUNE_WARM=0``); returns whether it
-        started."""
+        host's cores allow (the study's workers share them). Only a GPU worker whose launches take the Triton
+        kernels does it (not with ``KVTUNE_WARM=0``); returns whether it started."""
+        from kvtune.engine.warm import default_processes
+
+        return self._warm(self.loaded.spec, configs, default_processes(len(configs), workers))
+
+    def _warm_baseline(self, spec: WorkerSpec) -> None:
+        """The baseline's kernels and the model's, compiled ahead while the model loads (the calibration,
+        the first replay, then finds them on disk)."""
+        from kvtune.engine.model import model_spec
+
+        model = model_spec(spec.model)
+        if model is not None:
+            self._warm(model, [BASELINE.to_dict()], 1)
+
+    def _warm(self, model: Any, configs: Sequence[dict[str, Any]], processes: int) -> bool:
         from kvtune.engine import warm
         from kvtune.kernels.backend import HAS_TRITON, use_triton
 
         probe = torch.empty(0, device=self.device)
         if not (configs and HAS_TRITON and use_triton(probe) and warm.enabled()):
             return False
-        if self._warmer is not None:
-            self._warmer.stop()
-        spec = warm.spec_for(self.device, self.loaded.spec, self.spec.dtype, self.spec.scheduler, configs)
-        self._warmer = warm.KernelWarmer(spec, warm.default_processes(len(configs), workers))
+        spec = warm.spec_for(self.device, model, self.spec.dtype, self.spec.scheduler, configs)
+        self._warmers.append(warm.KernelWarmer(spec, processes))
         return True
 
     def warm_report(self) -> dict[str, Any] | None:
-        """How far :meth:`warm_kernels` got (``KernelWarmer.report``); None where it did not start."""
-        return None if self._warmer is None else self._warmer.report()
+        """How far the last :meth:`warm_kernels` got (``KernelWarmer.report``); None where none started."""
+        return self._warmers[-1].report() if self._warmers else None
 
     def __del__(self) -> None:
-        if getattr(self, "_warmer", None) is not None:
-            self._warmer.stop()
+        for warmer in getattr(self, "_warmers", ()):
+            warmer.stop()
 
 
 def unloaded_repeats(clock: str, device: str) -> int:
