@@ -28,12 +28,16 @@ import contextlib
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -235,22 +239,29 @@ def _exit_with_parent() -> None:
 
 def main() -> None:
     """A planning process: reads ``(WarmSpec, part, parts)`` pickled on stdin and warms every ``parts``-th
-    config from ``part``, one JSON line each on stdout."""
-    spec, part, parts = pickle.load(sys.stdin.buffer)
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
-    if hasattr(os, "nice"):
-        os.nice(19)  # the host's idle cores only: the worker's own launches come first
-    torch.set_num_threads(1)
-    counts = plan_for(spec)
-    from kvtune.engine.model import LlamaModel, LoadedModel
-    from kvtune.engine.weights import random_tensors
+    config from ``part``, one JSON line each on stdout. It ends through ``os._exit``: the interpreter's
+    shutdown aborts on the stdin that the watching thread still reads."""
+    try:
+        spec, part, parts = pickle.load(sys.stdin.buffer)
+        threading.Thread(target=_exit_with_parent, daemon=True).start()
+        if hasattr(os, "nice"):
+            os.nice(19)  # the host's idle cores only: the worker's own launches come first
+        torch.set_num_threads(1)
+        counts = plan_for(spec)
+        from kvtune.engine.model import LlamaModel, LoadedModel
+        from kvtune.engine.weights import random_tensors
 
-    model_spec = planning_spec(spec.model)
-    dtype = getattr(torch, spec.dtype)
-    model = LlamaModel(model_spec, random_tensors(model_spec, torch.device("cpu"), dtype))
-    loaded = LoadedModel(model, model_spec, None, False)
-    for config in spec.configs[part::parts]:
-        print(json.dumps(warm_config(loaded, config, spec, counts)), flush=True)
+        model_spec = planning_spec(spec.model)
+        dtype = getattr(torch, spec.dtype)
+        model = LlamaModel(model_spec, random_tensors(model_spec, torch.device("cpu"), dtype))
+        loaded = LoadedModel(model, model_spec, None, False)
+        for config in spec.configs[part::parts]:
+            print(json.dumps(warm_config(loaded, config, spec, counts)), flush=True)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
 
 
 # ---- the worker's side ---------------------------------------------------------------------------------
@@ -265,22 +276,32 @@ class KernelWarmer:
         self.results: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._ended: float | None = None
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "0"}
+        self.crashed: list[str] = []  # a line for each process that ended with an error
+        # the package's own folder first, wherever this process found it (a checkout, a Ray worker's path)
+        root = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "0", "PYTHONPATH": path}
         self._children = []
+        errs = []
         for part in range(self.processes):
+            err = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the reader of this process's output)
             child = subprocess.Popen(
                 [sys.executable, "-m", "kvtune.engine.warm"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, env=env,
+                stderr=err, env=env,
             )  # fmt: skip
+            errs.append(err)
             assert child.stdin is not None
             child.stdin.write(pickle.dumps((spec, part, self.processes)))
             child.stdin.flush()  # stdin stays open: the child exits when it closes
             self._children.append(child)
-        self._readers = [threading.Thread(target=self._read, args=(c,), daemon=True) for c in self._children]
+        self._readers = [
+            threading.Thread(target=self._read, args=(c, e), daemon=True)
+            for c, e in zip(self._children, errs, strict=True)
+        ]
         for reader in self._readers:
             reader.start()
 
-    def _read(self, child: subprocess.Popen[bytes]) -> None:
+    def _read(self, child: subprocess.Popen[bytes], err: Any) -> None:
         assert child.stdout is not None
         for line in child.stdout:
             try:
@@ -289,7 +310,13 @@ class KernelWarmer:
                 continue
             with self._lock:
                 self.results.append(result)
-        child.wait()
+        code = child.wait()
+        with err:
+            err.seek(0)
+            lines = err.read().decode(errors="replace").strip().splitlines()
+        if code not in (0, -signal.SIGKILL):  # killed: stopped
+            with self._lock:
+                self.crashed.append(f"a planning process exited with {code}: {lines[-1] if lines else ''}")
         with self._lock:
             if all(c.poll() is not None for c in self._children):
                 self._ended = time.monotonic()
@@ -305,13 +332,15 @@ class KernelWarmer:
             results = list(self.results)
             ended = self._ended
         failed = [f"{r['config']}: {r['error']}" for r in results if r.get("error")]
+        with self._lock:
+            crashed = list(self.crashed)
         return {
             "configs": self.configs,
             "warmed": len(results) - len(failed),
             "compiled": sum(int(r.get("compiled", 0)) for r in results),
             "loaded": sum(int(r.get("loaded", 0)) for r in results),
             "failed": len(failed),
-            "errors": failed[:3],
+            "errors": (crashed + failed)[:3],
             "processes": self.processes,
             "seconds": round((ended if ended is not None else time.monotonic()) - self.started, 1),
             "running": self.running,

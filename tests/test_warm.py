@@ -106,6 +106,18 @@ def test_a_stopped_warmer_ends_its_processes(tmp_path: Path, monkeypatch: pytest
     assert not warmer.running and warmer.wait(timeout=30)
 
 
+def test_a_planning_process_that_fails_is_reported_with_its_last_line() -> None:
+    from dataclasses import replace
+
+    warmer = KernelWarmer(replace(_spec(INT8.to_dict()), dtype="no_such_dtype"), processes=1)
+    assert warmer.wait(timeout=120)
+    report = warmer.report()
+    assert report["warmed"] == 0 and not report["running"], report
+    assert (
+        "a planning process exited with 1" in report["errors"][0] and "no_such_dtype" in report["errors"][0]
+    )
+
+
 def test_processes_follow_the_cores_and_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVTUNE_WARM_PROCESSES", raising=False)
     assert default_processes(100) >= 1 and default_processes(100, workers=1000) == 1
