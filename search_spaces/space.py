@@ -327,20 +327,23 @@ class SearchSpace:
     def warm_configs(self) -> list[HybridConfig]:
         """A config for each choice that gives a cache other kernels, for compiling ahead
         (:mod:`kvtune.engine.warm`): the default points first, then every bit width × block size at the
-        middle hot-zone size (a hot zone's size is no kernel's compile-time value), and with the sparse tier
-        searched, each of those with one and with two sparse blocks (a count of 1 specializes), throttled
-        and not."""
-        hot = self.hot_tokens[len(self.hot_tokens) // 2]
+        smallest hot zone and at the largest (a hot zone's size reaches a compile-time value only through
+        the zone's tile, a power of two it rounds up to, so those two cover every size between), and with
+        the sparse tier searched, each of those with one and with two sparse blocks (a count of 1
+        specializes), throttled and not."""
         out = [c for c in self.default_configs() if _inside(self, c)]
-        for block in self.block_sizes:
-            for bits in self.bits:
-                out.append(HybridConfig("hybrid_v2", hot, block, bits, **TIER_FIXED))
+        tiers = [TIER_FIXED]
         if self.real_weights:
-            for block in self.block_sizes:
-                for bits in self.bits:
-                    for blocks, throttled in ((1, False), (2, True)):
-                        tier = {"sparse_top_k": blocks * block, "migration_throttling": throttled}
-                        out.append(HybridConfig("hybrid_v2", hot, block, bits, **{**TIER_FIXED, **tier}))
+            tiers += [
+                {"sparse_top_k": 1, "migration_throttling": False},
+                {"sparse_top_k": 2, "migration_throttling": True},
+            ]
+        for hot in dict.fromkeys((self.hot_tokens[0], self.hot_tokens[-1])):
+            for tier in tiers:
+                for block in self.block_sizes:
+                    for bits in self.bits:
+                        fields = {**TIER_FIXED, **tier, "sparse_top_k": tier["sparse_top_k"] * block}
+                        out.append(HybridConfig("hybrid_v2", hot, block, bits, **fields))
         return list(dict.fromkeys(out))
 
     def _middle(self) -> HybridConfig:
