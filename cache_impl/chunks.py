@@ -121,12 +121,15 @@ def build_chunk_plan(specs: list[ChunkSpec], block_size: int, device: torch.devi
     cu = np.zeros((2, len(specs) + 1), dtype=np.int64)
     cu[0, 1:] = np.cumsum([b - a for a, b in bounds])
     cu[1, 1:] = np.cumsum([b - a for a, b in key_bounds])
+    # each field starts 16-byte aligned (an even number of int64s before it): a kernel argument's alignment
+    # is part of what Triton specializes on, so the seal kernel is one build whatever the chunks' lengths
     sizes = [len(f) for f in fields]
-    dev = upload(torch.from_numpy(np.concatenate([*fields, cu.ravel()]).astype(np.int64)), device)
+    padded = [np.concatenate([f, np.zeros(len(f) % 2, dtype=f.dtype)]) if len(f) % 2 else f for f in fields]
+    dev = upload(torch.from_numpy(np.concatenate([*padded, cu.ravel()]).astype(np.int64)), device)
     views, at = [], 0
     for n in sizes:
         views.append(dev[at : at + n])
-        at += n
+        at += n + n % 2
     offsets = dev[at:].view(2, -1).to(torch.int32)
     return ChunkPlan(
         specs=tuple(specs),

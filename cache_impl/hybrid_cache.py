@@ -108,8 +108,8 @@ class _Seq:
     arrays: _SlotArrays = field(repr=False)
     chunk: int = 0  # tokens of the prefill chunk in flight (0: none)
     layers_done: int = 0  # layers of that chunk done
-    # that chunk's block ids on the device, the same in every layer: the ``sealed`` blocks before it, then
-    # those it seals (uploaded once per chunk, not once per layer: a copy from the host waits for the device)
+    # that chunk's block ids on the device, the same in every layer: (the ``sealed`` blocks before it, those
+    # it seals), uploaded once per chunk, not once per layer (a copy from the host waits for the device)
     chunk_blocks: Any = None
     ready: bool = False
     registered: set[int] = field(default_factory=set)
@@ -392,18 +392,17 @@ class HybridCache:
         hot_k = self.hot_k[layer, seq.slot, :, zone].transpose(0, 1)  # [hot_len, H, D]
         hot_v = self.hot_v[layer, seq.slot, :, zone].transpose(0, 1)
         keys, values = k, v
-        ids = seq.chunk_blocks
+        prefix, sealing = seq.chunk_blocks
         if seq.prefilled and q is not None:  # the tokens cached so far: sealed blocks, then the hot zone
-            prefix_k, prefix_v = self._prefix_kv(pool, ids[: seq.sealed])
+            prefix_k, prefix_v = self._prefix_kv(pool, prefix)
             keys = torch.cat([prefix_k.to(k.dtype), hot_k.to(k.dtype), k])
             values = torch.cat([prefix_v.to(v.dtype), hot_v.to(v.dtype), v])
         out = None if q is None else _causal_attention(q, keys, values, seq.prefilled, self.sm_scale)
         new_k, new_v = k.to(dt), v.to(dt)
         if seq.hot_len:  # a later chunk: the hot zone goes first (a whole prompt starts with it empty)
             new_k, new_v = torch.cat([hot_k.to(dt), new_k]), torch.cat([hot_v.to(dt), new_v])
-        n_seal = ids.shape[0] - seq.sealed  # the chunk's blocks to seal, counted once in _chunk_blocks
+        n_seal = sealing.shape[0]  # the chunk's blocks to seal, counted once in _chunk_blocks
         if n_seal:
-            sealing = ids[seq.sealed : seq.sealed + n_seal]
             k_new = new_k[: n_seal * bs].reshape(n_seal, bs, *k.shape[1:])
             v_new = new_v[: n_seal * bs].reshape(n_seal, bs, *v.shape[1:])
             seal_blocks(pool, sealing, k_new, v_new, self.config.quantization_bits)
@@ -498,12 +497,17 @@ class HybridCache:
                 self._register(seq, range(seq.hits, seq.num_blocks))
         self._chunk_plan = None
 
-    def _chunk_blocks(self, seq: _Seq, t: int) -> torch.Tensor:
-        """The block ids a prompt chunk of ``t`` tokens reads and seals, int64 on the device: the ``sealed``
-        blocks before it, then the blocks it seals (as many as leave ``hot_tokens`` in the hot zone). On CUDA
-        the copy leaves from pinned memory without waiting for the device."""
+    def _chunk_blocks(self, seq: _Seq, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block ids a prompt chunk of ``t`` tokens reads and seals, int64 on the device: (the ``sealed``
+        blocks before it, the blocks it seals: as many as leave ``hot_tokens`` in the hot zone), uploaded in
+        one copy, the second starting 16-byte aligned (Triton specializes a kernel on its pointers'
+        alignment: the seal is one build whatever the chunk's place). On CUDA the copy leaves from pinned
+        memory without waiting for the device."""
         n_seal = max(0, (seq.hot_len + t - self.config.hot_tokens) // self.config.block_size)
-        return upload(torch.from_numpy(self._st.table[seq.slot, : seq.sealed + n_seal].copy()), self.device)
+        row, pad = self._st.table[seq.slot, : seq.sealed + n_seal], seq.sealed % 2
+        host = np.concatenate([row[: seq.sealed], np.zeros(pad, dtype=row.dtype), row[seq.sealed :]])
+        ids = upload(torch.from_numpy(host), self.device)
+        return ids[: seq.sealed], ids[seq.sealed + pad :]
 
     def _prefix_kv(self, pool: ColdPool, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V [n·bs, H, D] float32 of cached prefix blocks ``ids`` (int64 on the device)."""

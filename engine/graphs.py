@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from kvtune.cache_impl.plan import StepBuffers, StepInfo
+from kvtune.kernels.backend import ahead
 
 TIMING_EVERY = 16
 
@@ -112,8 +113,9 @@ class DecodeGraphs:
 
     ``max_rows``: the most sequences in a step; ``max_blocks``: the most sealed blocks of one sequence (the
     table's width). ``capture``: replay CUDA graphs (needs a CUDA device); otherwise run the same step
-    functions directly. ``padded`` (default: ``capture``): round rows, widths and seal entries up to the
-    buckets (an uncaptured run with it does what a replay does, padding included: tests).
+    functions directly. ``padded`` (default: ``capture``, or planning ahead for a GPU): round rows, widths
+    and seal entries up to the buckets (an uncaptured run with it does what a replay does, padding included:
+    tests, and the processes that compile ahead).
     ``keep_logits``: also copy each step's logits to :attr:`logits` (tests).
     """
 
@@ -131,7 +133,8 @@ class DecodeGraphs:
         if capture and cache.device.type != "cuda":
             raise ValueError("capturing CUDA graphs needs a CUDA cache")
         self.model, self.cache, self.capture = model, cache, capture
-        self.padded = capture if padded is None else padded
+        # a process compiling ahead for a GPU (kernels.backend.plan_ahead) pads as that GPU's replays would
+        self.padded = (capture or ahead() is not None) if padded is None else padded
         self.timing_every = max(1, timing_every)
         if self.padded:
             self._rows, self._widths = row_buckets(max_rows), width_buckets(max_blocks)

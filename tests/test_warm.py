@@ -18,8 +18,17 @@ pytest.importorskip("triton")
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.compiles import CompileWatch
 from kvtune.engine.scheduler import SchedulerConfig
-from kvtune.engine.warm import KernelWarmer, WarmSpec, default_processes, planning_spec, warm_requests
+from kvtune.engine.traces import Request
+from kvtune.engine.warm import (
+    KernelWarmer,
+    WarmSpec,
+    default_processes,
+    planning_spec,
+    warm_requests,
+    warm_scheduler,
+)
 from kvtune.engine.weights import SHAPES
+from kvtune.kernels.aot import Launch, record_launches, specialization
 from kvtune.kernels.arch import HOPPER, arch_of, num_sms
 from kvtune.kernels.backend import Ahead, plan_ahead
 from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING
@@ -39,22 +48,25 @@ def ahead() -> Iterator[None]:
         plan_ahead(None)
 
 
-def _replay_launches(config: HybridConfig) -> list[str]:
-    """The kernels an engine replay of :func:`warm_requests` launches on the CPU (recorded, not run)."""
+def _recorded(
+    config: HybridConfig, requests: tuple[Request, ...], scheduler: SchedulerConfig
+) -> list[Launch]:
+    """The kernel launches of an engine replay on the CPU (recorded, not run), SmolLM2's attention shape."""
     from kvtune.engine.engine import Engine
     from kvtune.engine.model import LlamaModel, LoadedModel
-    from kvtune.engine.warm import warm_scheduler
     from kvtune.engine.weights import random_tensors
-    from kvtune.kernels.aot import record_launches
 
     spec = planning_spec(SHAPES["smollm2-135m"])
     model = LlamaModel(spec, random_tensors(spec, torch.device("cpu"), torch.bfloat16))
-    engine = Engine(LoadedModel(model, spec, None, False), config, 64 << 20, torch.device("cpu"),
-                    warm_scheduler(SchedulerConfig()))  # fmt: skip
-    launches = record_launches(lambda: engine.replay(warm_requests(config), 0.0, warmup_requests=2))
-    return [
-        f"{x.fn.__name__}{' KIND=' + str(x.kwargs['KIND']) if 'KIND' in x.kwargs else ''}" for x in launches
-    ]
+    engine = Engine(LoadedModel(model, spec, None, False), config, 64 << 20, torch.device("cpu"), scheduler)
+    return record_launches(lambda: engine.replay(requests, 0.0, warmup_requests=2))
+
+
+def _replay_launches(config: HybridConfig) -> list[str]:
+    """The kernels a replay of :func:`warm_requests` launches on the CPU, named with their code width."""
+    launches = _recorded(config, warm_requests(config), warm_scheduler(SchedulerConfig()))
+    kinds = [f" KIND={x.kwargs['KIND']}" if "KIND" in x.kwargs else "" for x in launches]
+    return [x.fn.__name__ + kind for x, kind in zip(launches, kinds, strict=True)]
 
 
 def test_planning_ahead_takes_the_gpus_kernels(ahead: None) -> None:
@@ -63,6 +75,27 @@ def test_planning_ahead_takes_the_gpus_kernels(ahead: None) -> None:
     assert num_sms(torch.device("cpu")) == 132 and arch_of(torch.device("cpu")) is HOPPER
     names = set(_replay_launches(INT4))
     assert {"_cold_kernel KIND=4", "_merge_kernel", "_seal_kernel", "_rope_qkv_kernel"} <= names, names
+
+
+SPARSE = HybridConfig("hybrid_v2", 16, 16, 8, sparse_top_k=32, migration_throttling=True)
+
+
+@pytest.mark.parametrize("config", [INT4, INT8, SPARSE], ids=["int4", "int8", "int8-sparse"])
+def test_the_warm_requests_reach_every_kernel_key_of_a_longer_replay(
+    ahead: None, config: HybridConfig
+) -> None:
+    """Planning ahead, the four warm requests launch every kernel, with every JIT key, that a replay of 24
+    other requests (longer prompts, longer outputs, a larger batch, the study's engine options) launches:
+    what the planning compiles is what a worker's replay then looks up."""
+    warm = {
+        specialization(x) for x in _recorded(config, warm_requests(config), warm_scheduler(SchedulerConfig()))
+    }
+    other = tuple(Request(i, 2.0 * i, 40 + (i * 97) % 400, 8 + (i * 13) % 90) for i in range(24))
+    replay = {
+        specialization(x) for x in _recorded(config, other, SchedulerConfig(max_num_batched_tokens=512))
+    }
+    missing = replay - warm
+    assert not missing, [(name, key) for name, key, _ in missing]
 
 
 def test_without_planning_a_cpu_replay_launches_no_kernel() -> None:
