@@ -80,20 +80,24 @@ def test_planning_ahead_takes_the_gpus_kernels(ahead: None) -> None:
 SPARSE = HybridConfig("hybrid_v2", 16, 16, 8, sparse_top_k=32, migration_throttling=True)
 
 
-@pytest.mark.parametrize("config", [INT4, INT8, SPARSE], ids=["int4", "int8", "int8-sparse"])
-def test_the_warm_requests_reach_every_kernel_key_of_a_longer_replay(
-    ahead: None, config: HybridConfig
+@pytest.mark.parametrize(
+    ("config", "scheduler"),
+    [(INT4, SchedulerConfig()), (INT8, SchedulerConfig()), (SPARSE, SchedulerConfig()),
+     (INT4, SchedulerConfig(piecewise=True)), (INT8, SchedulerConfig(mixed=False))],
+    ids=["int4", "int8", "int8-sparse", "int4-pieces", "int8-unmixed"],
+)  # fmt: skip
+def test_the_warm_requests_reach_every_key_of_a_longer_replay(
+    ahead: None, config: HybridConfig, scheduler: SchedulerConfig
 ) -> None:
     """Planning ahead, the four warm requests launch every kernel, with every JIT key, that a replay of 24
-    other requests (longer prompts, longer outputs, a larger batch, the study's engine options) launches:
-    what the planning compiles is what a worker's replay then looks up."""
-    warm = {
-        specialization(x) for x in _recorded(config, warm_requests(config), warm_scheduler(SchedulerConfig()))
-    }
-    other = tuple(Request(i, 2.0 * i, 40 + (i * 97) % 400, 8 + (i * 13) % 90) for i in range(24))
-    replay = {
-        specialization(x) for x in _recorded(config, other, SchedulerConfig(max_num_batched_tokens=512))
-    }
+    other requests (longer prompts and outputs, a larger batch, other chunk sizes) launches under the same
+    engine options: what the planning compiles is what a worker's replay then looks up."""
+    from dataclasses import replace
+
+    keys = lambda requests, options: {specialization(x) for x in _recorded(config, requests, options)}
+    warm = keys(warm_requests(config), warm_scheduler(scheduler))
+    other = tuple(Request(i, 2.0 * i, 40 + (i * 97) % 700, 8 + (i * 13) % 190) for i in range(24))
+    replay = keys(other, replace(scheduler, max_num_batched_tokens=512))
     missing = replay - warm
     assert not missing, [(name, key) for name, key, _ in missing]
 
