@@ -82,7 +82,6 @@ def arch_for(capability: tuple[int, int]) -> Arch:
     )
 
 
-@functools.lru_cache(maxsize=16)
 def arch_of(device: torch.device) -> Arch:
     """The limits of ``device``: its capability's entry, with the shared memory and registers the driver
     reports. A CPU device (the Triton interpreter, launches recorded for a compile) plans as sm_90, or as the
@@ -91,6 +90,11 @@ def arch_of(device: torch.device) -> Arch:
     if device.type != "cuda":
         planned = ahead()
         return HOPPER if planned is None else planned.arch
+    return _cuda_arch(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_arch(device: torch.device) -> Arch:
     cap = torch.cuda.get_device_capability(device)
     known = [a for a in ARCHS.values() if a.capability <= cap]
     if not known:
@@ -108,11 +112,15 @@ def arch_of(device: torch.device) -> Arch:
     )
 
 
-@functools.lru_cache(maxsize=16)
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of ``device`` (a CPU, the interpreter's or a recorded launch, plans with 4; planning
     ahead, with the planned GPU's)."""
     if device.type != "cuda":
         planned = ahead()
         return 4 if planned is None else planned.sms
+    return _cuda_sms(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)

@@ -55,11 +55,7 @@ _ahead: list[Ahead | None] = [None]
 
 def plan_ahead(ahead: Ahead | None) -> None:
     """Plan every launch of this process for ``ahead``'s GPU (None: for the tensors' own devices again)."""
-    from kvtune.kernels import arch
-
     _ahead[0] = ahead
-    arch.arch_of.cache_clear()
-    arch.num_sms.cache_clear()
 
 
 def ahead() -> Ahead | None:
