@@ -1,26 +1,31 @@
 """The study's time budget: ``--time-budget`` bounds the whole run, and the driver plans its split.
 
-The budget starts when the run starts, so it covers the baseline's measurements (the calibration, the
-unloaded replay, the baseline's capacity searches), the search, validation and the export. Once the baseline
-is measured the plan knows what a capacity search of it costs on one worker near its answer (its later
-searches) and what setting up a config's cache again costs (its first probe's set-up), and from that what
-validation's first repeats will cost: each repeat is a search per side, a round of repeats runs one repeat per
-worker, every search starts near a capacity already measured (the baseline's first from the window prior,
-the others near what the study or the first round found) and sets its config's cache up again, the best
-config's first search takes :data:`FIRST_SEARCH` times a near one (its held-out capacity is only expected),
-and a probe of the held-out requests costs in proportion to the root of their output tokens against the
-search windows' (:func:`~kvtune.tuner.validation.probe_scale`). The search then starts no trial later than
-the budget's end less that validation, one more trial (as long as the finished ones took), and a margin for
-the export. The plan is revised as trials finish (:meth:`BudgetPlan.observed`). Where less is left when
-validation starts (the budget was spent before the search, and one trial per worker ran past it), validation
-plans fewer first repeats than ``--repeats`` asked, down to three, the fewest whose interval a user can act on
-(:meth:`BudgetPlan.first_repeats`; two repeats give an interval 12.7 standard errors wide). It repeats
-towards its interval goal only while a round fits (:class:`~kvtune.tuner.validation.RepeatPlan`). What the
-budget cut is stored with the validation (``budget``) and shown in the preset.
+The budget starts when the run starts, so it covers the baseline's measurements (the calibration, the unloaded
+replay, the baseline's capacity searches), the search, validation and the export. Once the baseline is
+measured the plan knows what a capacity search of it costs on one worker near its answer (its later searches)
+and what setting up a config's cache again costs (its first probe's set-up), and from that what validation's
+first repeats will cost: each repeat is a search per side, a round of repeats runs one repeat per worker,
+every search starts near a capacity already measured (the baseline's first from the window prior, the others
+near what the study or the first round found) and sets its config's cache up again, the best config's first
+search takes :data:`FIRST_SEARCH` times a near one (its held-out capacity is only expected), a probe of the
+best config costs what its trial's probes cost against the baseline's (``best_scale``, revised as the best
+changes: a 4-bit config's took half the baseline's wall), and a probe of the held-out requests costs in
+proportion to the root of their output tokens against the search windows'
+(:func:`~kvtune.tuner.validation.probe_scale`). The search then starts no trial later than the budget's end
+less that validation, one more trial (as long as the finished ones took), and a margin for the export. The
+plan is revised as trials finish (:meth:`BudgetPlan.observed`). Where less is left when validation starts (the
+budget was spent before the search, and one trial per worker ran past it), validation plans fewer first
+repeats than ``--repeats`` asked, down to three, the fewest whose interval a user can act on
+(:meth:`BudgetPlan.first_repeats`; two repeats give an interval 12.7 standard errors wide). It repeats towards
+its interval goal only while a round fits (:class:`~kvtune.tuner.validation.RepeatPlan`). What the budget cut
+is stored with the validation (``budget``) and shown in the preset.
 
-On an H200 (Llama-3.1-8B shape, 1 GiB, 96 requests of an unseen Azure window, four studies) this plan puts
-validation at 198-261 s where it took 135-225 s; the plan before it, which priced the first search as the
-baseline's cold one, every search's set-up as a new config's and reserved 1.25x, put it at 251-365 s.
+On an H200 (Llama-3.1-8B shape, 1 GiB, 96 requests of an unseen Azure window, seven studies, runs 30d-36c,
+``lab/scripts/budget_retro.py``) this plan puts validation at 182-277 s where it took 135-255 s, 2 s short
+once (35c: the trial the search keeps room for covers that). Pricing every search as the baseline's (runs
+32-36) put it at 198-270 s, 25-33 s more where the best config was 4-bit; the plan before that, which priced
+the first search as the baseline's cold one, every search's set-up as a new config's and reserved 1.25x, at
+251-381 s.
 
 For the fixed-rate objectives, which measure no baseline search, the plan keeps :data:`FIXED_RESERVE` of the
 budget for validation.
@@ -39,10 +44,10 @@ from kvtune.studies.names import MIN_REPEATS
 EXPORT_S = 5.0  # writing the preset, stopping the workers
 FIXED_RESERVE = 0.2  # the fixed-rate objectives: the budget's share kept for validation
 MARGIN = 1.25  # a trial's estimate is multiplied by this before it is reserved
-VALIDATION_MARGIN = 1.1  # validation's: its plan already prices each search from above (module docstring)
+VALIDATION_MARGIN = 1.15  # validation's (module docstring: seven studies)
 # The best config's first validation search against a near one: it starts from an expected capacity and took
-# 5 probes where near searches took 3 (H200, two studies; 3 in a third)
-FIRST_SEARCH = 5 / 3
+# 3-11 probes, 6 at the median, where near searches took 3 (H200, eight studies, runs 30d-36c)
+FIRST_SEARCH = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class BudgetPlan:
     trial_s: float | None = None  # a trial's wall as the finished ones took it (None: none finished yet)
     revisit_s: float | None = None  # a config's cache set up again, each validation search (None: switch_s)
     scale: float = 1.0  # a validation probe's cost against a search probe's (their output tokens)
+    best_scale: float = 1.0  # a probe of the best config so far against one of the baseline (their walls)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.budget_s) and self.budget_s > 0):
@@ -75,16 +81,21 @@ class BudgetPlan:
 
     def validation_s(self, first: int | None = None) -> float:
         """Validation's first repeats (``first``; None: the plan's), as estimated: every search near its
-        answer (as the baseline's later searches) with its config's set-up, the best config's first one
-        :data:`FIRST_SEARCH` times as many probes, every probe at ``scale``."""
+        answer (as the baseline's later searches, the best config's at ``best_scale`` of their probes' cost)
+        with its config's set-up, the best config's first one :data:`FIRST_SEARCH` times as many probes,
+        every probe at ``scale``."""
         if self.search_s is None:
             return FIXED_RESERVE * self.budget_s
         rounds = math.ceil((self.first if first is None else first) / self.workers)
         later = self.sides if self.later is None else self.later
         probes = self.search_s * self.scale
-        near = probes + (self.switch_s if self.revisit_s is None else self.revisit_s)
-        searches = self.sides + (rounds - 1) * later
-        return VALIDATION_MARGIN * (searches * near + (FIRST_SEARCH - 1.0) * probes)
+        best = probes * self.best_scale
+        setup = self.switch_s if self.revisit_s is None else self.revisit_s
+        # a repeat searches the best config once (given more than one side) and the baseline on the rest
+        total = self.sides + (rounds - 1) * later
+        bests = rounds if self.sides > 1 else 0
+        searches = (total - bests) * (probes + setup) + bests * (best + setup)
+        return VALIDATION_MARGIN * (searches + (FIRST_SEARCH - 1.0) * (best if bests else probes))
 
     def first_repeats(self, now: float | None = None) -> int:
         """Validation's first repeats when it starts at ``now``: the plan's, or where they do not fit before

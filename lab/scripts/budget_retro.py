@@ -1,10 +1,12 @@
 """What the time budget's plan would have reserved for validation in finished studies, against what it took.
 
-For each study database: the plan as at validation's start (the baseline's search times and first set-up
-from ``kvtune.noise``, the trials' set-ups and walls, the held-out probe scale from the study's own sample),
-priced by today's :class:`~kvtune.tuner.budget.BudgetPlan` and by the plan before it (the first search
-priced as the baseline's cold one, each search's set-up as a trial's, 1.25x reserved), beside validation's
-seconds as the study recorded them. CPU only; from the repository root:
+For each study database: the plan as at validation's start (the baseline's search times and first set-up from
+``kvtune.noise``, the trials' set-ups and walls, the held-out probe scale from the study's own sample, the
+validated trial's probes against the baseline's), priced by today's :class:`~kvtune.tuner.budget.BudgetPlan`,
+by the plan of runs 32-36 (every search priced as the baseline's, the best config's first one 5/3 as many
+probes) and by the plan before it (the first search priced as the baseline's cold one, each search's set-up as
+a trial's, 1.25x reserved), beside validation's seconds as the study recorded them (more than its first
+repeats where later rounds fitted). CPU only; from the repository root:
 
     python lab/scripts/budget_retro.py lab/logs/run33/33a/s/h200_capacity_llama31_8b.db [more.db ...]
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 import optuna
 
 from kvtune.tuner.budget import BudgetPlan
-from kvtune.tuner.job import observed_costs, revisit_s
+from kvtune.tuner.job import best_probe_scale, observed_costs, revisit_s
 from kvtune.tuner.validation import probe_scale
 from kvtune.tuner.workload import WorkloadSample, load_trace
 
@@ -35,13 +37,23 @@ def old_plan(plan: BudgetPlan, cold_s: float) -> float:
     return 1.25 * (cold + (plan.sides - 1 + (rounds - 1) * later) * near)
 
 
+def runs_32_36_plan(plan: BudgetPlan) -> float:
+    """The plan of runs 32-36: every search as the baseline's near one, the best's first one 5/3 as many."""
+    rounds = math.ceil(plan.first / plan.workers)
+    later = plan.sides if plan.later is None else plan.later
+    probes = (plan.search_s or 0.0) * plan.scale
+    near = probes + (plan.switch_s if plan.revisit_s is None else plan.revisit_s)
+    return 1.1 * ((plan.sides + (rounds - 1) * later) * near + (5 / 3 - 1.0) * probes)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("db", nargs="+")
     args = p.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     print(
-        "study | search s | cold s | set-up s (trial / again) | scale | sides | planned: before | now | took"
+        "study | search s | cold s | set-up s (trial / again) | scale | best | sides | planned: before | "
+        "runs 32-36 | now | took"
     )
     for db in args.db:
         storage = f"sqlite:///{db}"
@@ -60,13 +72,15 @@ def main() -> None:
         plan = BudgetPlan(
             validation["budget"]["budget_s"], 0.0, noise["search_s"], sides, validation["repeats"], 1, 2,
             revisit_s=revisit_s(noise), scale=scale,
+            best_scale=best_probe_scale(study.trials[validation["trial"]], noise),
         ).observed(switch, trial)  # fmt: skip
         took = validation["budget"]["phases_s"]["validation_s"]
         cold = noise["cold_search_s"]
         print(
             f"{db} | {noise['search_s']:.1f} | {cold:.1f} | {plan.switch_s:.1f} / "
-            f"{plan.revisit_s or 0.0:.1f} | {scale:.2f} | {sides} | {old_plan(plan, cold):.0f} | "
-            f"{plan.validation_s():.0f} | {took:.0f}"
+            f"{plan.revisit_s or 0.0:.1f} | {scale:.2f} | {plan.best_scale:.2f} | {sides} | "
+            f"{old_plan(plan, cold):.0f} | {runs_32_36_plan(plan):.0f} | {plan.validation_s():.0f} | "
+            f"{took:.0f}"
         )
 
 
