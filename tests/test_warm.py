@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -134,6 +135,24 @@ def test_the_planning_processes_fill_the_disk_cache_and_a_second_run_loads(
     assert again.wait(timeout=240)
     (second,) = again.results
     assert second["compiled"] == 0 and second["loaded"] == done["compiled"] + done["loaded"], second
+
+
+def test_a_ray_actor_starts_the_planning_processes(ray_cluster: Any, tmp_path: Path) -> None:
+    """As a study's worker does: from a Ray actor's process, the planning processes find the package and
+    Triton's cache folder through the environment the actor gives them, and report back."""
+
+    @ray_cluster.remote(num_cpus=0)
+    class Host:
+        def warm(self, spec: WarmSpec, cache: str) -> dict[str, Any]:
+            import os
+
+            os.environ["TRITON_CACHE_DIR"] = cache
+            warmer = KernelWarmer(spec, processes=1)
+            warmer.wait(timeout=240)
+            return warmer.report()
+
+    report = ray_cluster.get(Host.remote().warm.remote(_spec(INT8.to_dict()), str(tmp_path / "triton")))
+    assert report["warmed"] == 1 and report["compiled"] > 0 and not report["errors"], report
 
 
 def test_a_stopped_warmer_ends_its_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
