@@ -277,8 +277,10 @@ class KernelWarmer:
         self._lock = threading.Lock()
         self._ended: float | None = None
         self.crashed: list[str] = []  # a line for each process that ended with an error
-        # the package's own folder first, wherever this process found it (a checkout, a Ray worker's path)
-        root = str(Path(__file__).resolve().parents[2])
+        # the folder this process imported the package from first (a checkout, a Ray worker's path)
+        import kvtune
+
+        root = str(Path(kvtune.__file__).parent.parent)
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "0", "PYTHONPATH": path}
         self._children = []
@@ -329,11 +331,8 @@ class KernelWarmer:
         """Configs warmed of those given, Triton's compilations and disk loads, the configs that failed (a
         line each, at most three), seconds since the start (or until the end), and whether it still runs."""
         with self._lock:
-            results = list(self.results)
-            ended = self._ended
+            results, crashed, ended = list(self.results), list(self.crashed), self._ended
         failed = [f"{r['config']}: {r['error']}" for r in results if r.get("error")]
-        with self._lock:
-            crashed = list(self.crashed)
         return {
             "configs": self.configs,
             "warmed": len(results) - len(failed),

@@ -247,6 +247,16 @@ def test_inputs_are_checked_before_ray_starts(
         assert time.monotonic() - start < 10
 
 
+def test_a_bad_number_of_planning_processes_is_refused_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_ray: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTUNE_WARM_PROCESSES", "0")
+    assert cli.main(argv(f"sqlite:///{tmp_path}/s.db")) == 2
+    line = one_error_line(capsys)
+    assert "KVTUNE_WARM_PROCESSES='0': expected a positive number of processes" in line, line
+    assert not (tmp_path / "s.db").exists()
+
+
 def test_a_gguf_model_without_the_gguf_package_is_refused_before_ray(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], no_ray: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -434,7 +434,7 @@ def best_probe_scale(best: Any, noise: dict[str, Any]) -> float:
     their median walls less their set-ups, within [0.25, 2]; 1 where either was not measured. The best
     config's validation searches are priced from it (``BudgetPlan.best_scale``): on an H200 a 4-bit best
     config's held-out searches took 14-20 s where the baseline's took 23-32 s (runs 35c, 36c), and its
-    search probes 0.56-0.57 of the baseline's wall."""
+    search probes 0.51-0.56 of the baseline's wall."""
     walls = lambda probes: [
         float(p["wall_s"]) - float(p.get("prime_s") or 0.0) for p in probes or () if "wall_s" in p
     ]  # fmt: skip

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.engine.traces import LengthCounts, Request, TraceFile
+from kvtune.engine.warm import default_processes
 from kvtune.studies.lease import check_free
 from kvtune.studies.storage import disk_full, private_sqlite_file, redact
 from kvtune.studies.study import stored_attrs
@@ -51,6 +52,7 @@ class Preflight:
 
 def preflight(job: CheckedJob) -> Preflight:
     """Check ``job``'s inputs (see the module docstring); ``ValueError`` (one line) on the first bad one."""
+    default_processes(1)  # KVTUNE_WARM_PROCESSES, if set, is a number of processes
     trace = load_trace(job.sample.path)
     max_context = check_model(job.spec.model, "--model")
     check_model(job.spec.quality.model, "--quality-model")
