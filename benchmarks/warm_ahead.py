@@ -111,8 +111,12 @@ def main() -> None:
     if args.one is not None:
         print(json.dumps(_measure(args)))
         return
+    import torch
+
     from kvtune.cache_impl.config import HybridConfig
 
+    if not torch.cuda.is_available():
+        raise SystemExit("warm_ahead.py: needs a CUDA GPU (each prime runs on it)")
     results, missed = [], []
     for pair in args.configs.split(","):
         bits, block = (int(x) for x in pair.split(":"))
