@@ -4,6 +4,7 @@ builds and validates before any worker starts, and that every replay entry point
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,9 @@ WARMUP_REQUESTS = 2  # served once on a throw-away cache before every measured r
 # On a CPU, lengths are scaled down so that a replay of a few requests takes about a minute.
 CPU_LENGTH_SCALE = 1 / 32
 CPU_LENGTH_CAP = 192
+# kernels compiled ahead by planning processes on the host's spare cores (kvtune.engine.warm)
+WARM_ENV = "KVTUNE_WARM"
+WARM_PROCESSES_ENV = "KVTUNE_WARM_PROCESSES"
 
 
 def length_defaults(device: torch.device) -> tuple[float, int | None]:
@@ -100,3 +104,26 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+def warm_enabled() -> bool:
+    """Compile kernels ahead (``KVTUNE_WARM``, default on; ``0`` off)."""
+    return os.environ.get(WARM_ENV, "1") != "0"
+
+
+def warm_processes(configs: int, workers: int = 1) -> int:
+    """The planning processes of one worker: ``KVTUNE_WARM_PROCESSES``, else half the cores this process may
+    use less two, shared by ``workers``, at least one, at most one per config; ValueError naming the variable
+    for a value that is not a positive int (checked before Ray starts)."""
+    raw = os.environ.get(WARM_PROCESSES_ENV)
+    if raw is not None:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"{WARM_PROCESSES_ENV}={raw!r}: expected a positive number of processes")
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+        n = max(1, cores // 2 - 2) // max(1, workers)
+    return max(1, min(n, configs))

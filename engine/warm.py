@@ -44,6 +44,7 @@ import torch
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.layout import kv_bytes_for
+from kvtune.engine.options import warm_processes
 from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.engine.traces import Request
 from kvtune.engine.weights import ModelSpec
@@ -51,40 +52,13 @@ from kvtune.engine.weights import ModelSpec
 __all__ = [
     "KernelWarmer",
     "WarmSpec",
-    "default_processes",
-    "enabled",
     "planning_spec",
     "spec_for",
     "warm_requests",
 ]
 
-WARM_ENV = "KVTUNE_WARM"
-PROCESSES_ENV = "KVTUNE_WARM_PROCESSES"
 PLANNING_MLP = 256  # the planning model's MLP width
 PLANNING_VOCAB = 1024
-
-
-def enabled() -> bool:
-    """Compile ahead (``KVTUNE_WARM``, default on)."""
-    return os.environ.get(WARM_ENV, "1") != "0"
-
-
-def default_processes(configs: int, workers: int = 1) -> int:
-    """``KVTUNE_WARM_PROCESSES``, else half the cores this process may use less two, shared by ``workers``,
-    at least one, at most one per config; ValueError naming the variable for a value that is not a positive
-    int."""
-    raw = os.environ.get(PROCESSES_ENV)
-    if raw is not None:
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"{PROCESSES_ENV}={raw!r}: expected a positive number of processes")
-    else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-        n = max(1, cores // 2 - 2) // max(1, workers)
-    return max(1, min(n, configs))
 
 
 @dataclass(frozen=True)
@@ -271,7 +245,7 @@ class KernelWarmer:
 
     def __init__(self, spec: WarmSpec, processes: int | None = None) -> None:
         self.configs = len(spec.configs)
-        self.processes = default_processes(self.configs) if processes is None else max(1, processes)
+        self.processes = warm_processes(self.configs) if processes is None else max(1, processes)
         self.started = time.monotonic()
         self.results: list[dict[str, Any]] = []
         self._lock = threading.Lock()

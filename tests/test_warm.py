@@ -18,12 +18,12 @@ pytest.importorskip("triton")
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.engine.compiles import CompileWatch
+from kvtune.engine.options import warm_processes
 from kvtune.engine.scheduler import SchedulerConfig
 from kvtune.engine.traces import Request
 from kvtune.engine.warm import (
     KernelWarmer,
     WarmSpec,
-    default_processes,
     planning_spec,
     warm_requests,
     warm_scheduler,
@@ -176,13 +176,13 @@ def test_a_planning_process_that_fails_is_reported_with_its_last_line() -> None:
 
 def test_processes_follow_the_cores_and_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVTUNE_WARM_PROCESSES", raising=False)
-    assert default_processes(100) >= 1 and default_processes(100, workers=1000) == 1
-    assert default_processes(1) == 1
+    assert warm_processes(100) >= 1 and warm_processes(100, workers=1000) == 1
+    assert warm_processes(1) == 1
     monkeypatch.setenv("KVTUNE_WARM_PROCESSES", "3")
-    assert default_processes(100) == 3 and default_processes(2) == 2
+    assert warm_processes(100) == 3 and warm_processes(2) == 2
     monkeypatch.setenv("KVTUNE_WARM_PROCESSES", "none")
     with pytest.raises(ValueError, match=r"KVTUNE_WARM_PROCESSES='none': expected a positive number"):
-        default_processes(4)
+        warm_processes(4)
 
 
 def test_a_compile_watch_counts_disk_loads_and_restores_the_listener() -> None:

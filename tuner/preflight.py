@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtune.engine.options import warm_processes
 from kvtune.engine.traces import LengthCounts, Request, TraceFile
-from kvtune.engine.warm import default_processes
 from kvtune.studies.lease import check_free
 from kvtune.studies.storage import disk_full, private_sqlite_file, redact
 from kvtune.studies.study import stored_attrs
@@ -52,7 +52,7 @@ class Preflight:
 
 def preflight(job: CheckedJob) -> Preflight:
     """Check ``job``'s inputs (see the module docstring); ``ValueError`` (one line) on the first bad one."""
-    default_processes(1)  # KVTUNE_WARM_PROCESSES, if set, is a number of processes
+    warm_processes(1)  # KVTUNE_WARM_PROCESSES, if set, is a number of processes
     trace = load_trace(job.sample.path)
     max_context = check_model(job.spec.model, "--model")
     check_model(job.spec.quality.model, "--quality-model")

@@ -426,9 +426,9 @@ class TrialWorker:
         while this worker measures (:mod:`kvtune.engine.warm`), with a ``workers``-th of the processes the
         host's cores allow (the study's workers share them). Only a GPU worker whose launches take the Triton
         kernels does it (not with ``KVTUNE_WARM=0``); returns whether it started."""
-        from kvtune.engine.warm import default_processes
+        from kvtune.engine.options import warm_processes
 
-        return self._warm(self.loaded.spec, configs, default_processes(len(configs), workers))
+        return self._warm(self.loaded.spec, configs, warm_processes(len(configs), workers))
 
     def _warm_baseline(self, spec: WorkerSpec) -> None:
         """The baseline's kernels and the model's, compiled ahead while the model loads (the calibration,
@@ -441,10 +441,11 @@ class TrialWorker:
 
     def _warm(self, model: Any, configs: Sequence[dict[str, Any]], processes: int) -> bool:
         from kvtune.engine import warm
+        from kvtune.engine.options import warm_enabled
         from kvtune.kernels.backend import HAS_TRITON, use_triton
 
         probe = torch.empty(0, device=self.device)
-        if not (configs and HAS_TRITON and use_triton(probe) and warm.enabled()):
+        if not (configs and HAS_TRITON and use_triton(probe) and warm_enabled()):
             return False
         spec = warm.spec_for(self.device, model, self.spec.dtype, self.spec.scheduler, configs)
         self._warmers.append(warm.KernelWarmer(spec, processes))
