@@ -222,3 +222,17 @@ def test_a_gpu_prime_after_the_planning_compiles_no_cache_kernel_gpu(tmp_path: P
         capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_console_line_says_how_far_the_planning_got() -> None:
+    from kvtune.tuner.job import warm_line
+
+    report = {"configs": 32, "warmed": 30, "compiled": 180, "loaded": 12, "failed": 1, "processes": 6,
+              "errors": ["{'block_size': 12}: ValueError: block_size=12 breaks the rule"], "seconds": 41.4,
+              "running": True}  # fmt: skip
+    line = warm_line(report)
+    assert line.startswith(
+        "kernels compiled ahead: 30 of 32 configs in 41 s on 6 processes (180 compiled, 12"
+    )
+    assert "1 failed ({'block_size': 12}: ValueError" in line and line.endswith("; still compiling)")
+    assert warm_line(None) == "kernels compiled ahead: not started"
