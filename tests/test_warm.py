@@ -162,6 +162,30 @@ def test_a_stopped_warmer_ends_its_processes(tmp_path: Path, monkeypatch: pytest
     assert not warmer.running and warmer.wait(timeout=30)
 
 
+@pytest.mark.parametrize(("arch", "sms"), [("sm_80", 108), ("sm_86", 80), ("sm_89", 58), ("sm_90", 132)])
+def test_every_launch_of_a_replay_compiles_for_each_architecture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, sms: int
+) -> None:
+    """The compile matrix at the engine's scale: planning for each architecture of the catalog (A100, A10G,
+    L4/L40S/RTX 4090, H100/H200) with its multiprocessors, whole replays of a 4-bit, a sparse 8-bit and an
+    unquantized config compile every kernel they launch, with the launch options the dispatcher picks there
+    (no programmatic dependent launch below sm_90, rings that fit the card's shared memory)."""
+    from kvtune.kernels.arch import ARCHS
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    a = ARCHS[arch]
+    configs = (INT4.to_dict(), SPARSE.to_dict(), HybridConfig("hybrid_v2", 16, 64, 0).to_dict())
+    model = SHAPES["smollm2-135m"]
+    warmer = KernelWarmer(
+        WarmSpec(("cuda", a.target, 32), a, sms, model, "bfloat16", SchedulerConfig(), configs), 2
+    )
+    assert warmer.wait(timeout=300)
+    report = warmer.report()
+    assert report["warmed"] == 3 and not report["errors"], report
+    kernels = {k for r in warmer.results for k in r["kernels"]}
+    assert {"_cold_kernel", "_split_kernel", "_sparse_table_kernel", "_seal_kernel"} <= kernels, kernels
+
+
 def test_a_planning_process_that_fails_is_reported_with_its_last_line() -> None:
     from dataclasses import replace
 
