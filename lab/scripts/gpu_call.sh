@@ -137,7 +137,7 @@ for stage in "$@"; do
     SITE=/tmp/site timeout ${HOSTAB_S:-300} bash lab/scripts/host_ab.sh 2>&1 | tee "$OUT/hostab.log" ;;
   warm)
     log "a new config's prime: empty Triton cache against one the planning processes filled (engine/warm.py)"
-    timeout ${WARM_S:-300} python3 benchmarks/warm_ahead.py --configs ${WARM_CONFIGS:-4:32,8:64,0:32,4:256} --check \
+    timeout ${WARM_S:-420} python3 benchmarks/warm_ahead.py --configs ${WARM_CONFIGS:-4:32,8:64,0:32,4:256} --check \
       --json "$OUT/warm.json" 2>&1 | grep -v -i warn | tee "$OUT/warm.log" ;;
   esac
 done
