@@ -85,6 +85,19 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def upload_aligned(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Int64 host arrays on ``device`` in one copy (:func:`upload`), each a view starting 16-byte aligned (an
+    even number of int64s before it): a kernel argument's alignment is part of what Triton specializes on, so
+    a kernel given any of them is one build whatever the lengths before it."""
+    padded = [np.concatenate([a, np.zeros(len(a) % 2, dtype=a.dtype)]) if len(a) % 2 else a for a in parts]
+    dev = upload(torch.from_numpy(np.concatenate(padded).astype(np.int64)), device)
+    views, at = [], 0
+    for a in parts:
+        views.append(dev[at : at + len(a)])
+        at += len(a) + len(a) % 2
+    return views
+
+
 def build_chunk_plan(specs: list[ChunkSpec], block_size: int, device: torch.device) -> ChunkPlan:
     """The indices of ``specs`` (in the order their tokens come), packed on the host and uploaded once."""
     bs = block_size
@@ -121,16 +134,9 @@ def build_chunk_plan(specs: list[ChunkSpec], block_size: int, device: torch.devi
     cu = np.zeros((2, len(specs) + 1), dtype=np.int64)
     cu[0, 1:] = np.cumsum([b - a for a, b in bounds])
     cu[1, 1:] = np.cumsum([b - a for a, b in key_bounds])
-    # each field starts 16-byte aligned (an even number of int64s before it): a kernel argument's alignment
-    # is part of what Triton specializes on, so the seal kernel is one build whatever the chunks' lengths
-    sizes = [len(f) for f in fields]
-    padded = [np.concatenate([f, np.zeros(len(f) % 2, dtype=f.dtype)]) if len(f) % 2 else f for f in fields]
-    dev = upload(torch.from_numpy(np.concatenate([*padded, cu.ravel()]).astype(np.int64)), device)
-    views, at = [], 0
-    for n in sizes:
-        views.append(dev[at : at + n])
-        at += n + n % 2
-    offsets = dev[at:].view(2, -1).to(torch.int32)
+    # every field 16-byte aligned: the seal kernel is one build whatever the chunks' lengths
+    *views, cu_dev = upload_aligned([*fields, cu.ravel()], device)
+    offsets = cu_dev.view(2, -1).to(torch.int32)
     return ChunkPlan(
         specs=tuple(specs),
         bounds=tuple(bounds),

@@ -49,7 +49,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kvtune.cache_impl.block_pool import BlockPool, CacheFullError, chain_hashes
-from kvtune.cache_impl.chunks import ChunkPlan, ChunkSpec, build_chunk_plan, upload
+from kvtune.cache_impl.chunks import ChunkPlan, ChunkSpec, build_chunk_plan, upload, upload_aligned
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.debug import DebugStats
 from kvtune.cache_impl.layout import CacheLayout, ModelKVShape, cache_layout, hot_capacity, kv_bytes_for
@@ -504,10 +504,9 @@ class HybridCache:
         alignment: the seal is one build whatever the chunk's place). On CUDA the copy leaves from pinned
         memory without waiting for the device."""
         n_seal = max(0, (seq.hot_len + t - self.config.hot_tokens) // self.config.block_size)
-        row, pad = self._st.table[seq.slot, : seq.sealed + n_seal], seq.sealed % 2
-        host = np.concatenate([row[: seq.sealed], np.zeros(pad, dtype=row.dtype), row[seq.sealed :]])
-        ids = upload(torch.from_numpy(host), self.device)
-        return ids[: seq.sealed], ids[seq.sealed + pad :]
+        row = self._st.table[seq.slot, : seq.sealed + n_seal]
+        prefix, sealing = upload_aligned([row[: seq.sealed], row[seq.sealed :]], self.device)
+        return prefix, sealing
 
     def _prefix_kv(self, pool: ColdPool, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V [n·bs, H, D] float32 of cached prefix blocks ``ids`` (int64 on the device)."""

@@ -124,6 +124,10 @@ def warm_processes(configs: int, workers: int = 1) -> int:
         if n < 1:
             raise ValueError(f"{WARM_PROCESSES_ENV}={raw!r}: expected a positive number of processes")
     else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-        n = max(1, cores // 2 - 2) // max(1, workers)
+        n = max(1, usable_cores() // 2 - 2) // max(1, workers)
     return max(1, min(n, configs))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the system says, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

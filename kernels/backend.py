@@ -69,8 +69,8 @@ def on_gpu(t: torch.Tensor | torch.device) -> bool:
     return device.type == "cuda" or _ahead[0] is not None
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """Take the Triton kernel for this tensor: CUDA (or planning ahead), Triton installed, and not
+def use_triton(t: torch.Tensor | torch.device) -> bool:
+    """Take the Triton kernel for this tensor (or device): CUDA (or planning ahead), Triton installed, and not
     ``KVTUNE_KERNELS=torch``."""
     choice = kernel_choice()  # checked on every machine, so that a typo fails on a CPU too
     return on_gpu(t) and HAS_TRITON and choice == "triton"

@@ -247,6 +247,11 @@ def _run(
     space = build_space(job, info, windows)
     space_id = SpaceId(space.space_fingerprint(), space.describe())
     warming = start_warm(pool, space)
+
+    def say_warm() -> None:
+        if warming:
+            say(warm_line(ray.get(pool.actors[0].warm_report.remote())))
+
     t0 = time.monotonic()
     time_scale = _time_scale(job, stored, pool, job.sample.search_requests(trace, info.max_context))
     parts["calibration_s"] = time.monotonic() - t0
@@ -261,8 +266,7 @@ def _run(
     phases = {"baseline_s": time.monotonic() - started}
     if stored is None:  # where the baseline phase went (the searches' own times are in kvtune.noise)
         say("baseline phase: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in parts.items()))
-    if warming:
-        say(warm_line(ray.get(pool.actors[0].warm_report.remote())))
+    say_warm()
     study = open_study(job.options, identity(job, info), space_id, attrs)
     if leases is not None and not leases:  # a new study: its lease is taken as it is created
         leases.append(_lease(job.options, study))
@@ -317,8 +321,7 @@ def _run(
     if finished >= job.trials or (cut_short and finished > 0):
         say(f"search done: {finished} trials in {phases['search_s']:.0f} s"
             + (f"; {plan.describe()}" if plan else ""))  # fmt: skip
-        if warming:
-            say(warm_line(ray.get(pool.actors[0].warm_report.remote())))
+        say_warm()
         validation = _validate(
             job, study, pool, (windows, held_out), info, time_scale, finished, space, plan, say
         )

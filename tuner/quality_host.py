@@ -37,6 +37,8 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, BinaryIO
 
+from kvtune.engine.options import usable_cores
+
 _HEADER = struct.Struct("<Q")
 MAX_THREADS = 8
 NICE = 10  # the child's scheduling priority, below the worker's
@@ -44,8 +46,7 @@ NICE = 10  # the child's scheduling priority, below the worker's
 
 def quality_threads(cpus: int | None = None) -> int:
     """The child's PyTorch threads: half the cores this process may use less one, at most 8, at least 1."""
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cores() if cpus is None else cpus
     return max(1, min(MAX_THREADS, (cpus - 2) // 2))
 
 

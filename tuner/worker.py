@@ -442,10 +442,9 @@ class TrialWorker:
     def _warm(self, model: Any, configs: Sequence[dict[str, Any]], processes: int) -> bool:
         from kvtune.engine import warm
         from kvtune.engine.options import warm_enabled
-        from kvtune.kernels.backend import HAS_TRITON, use_triton
+        from kvtune.kernels.backend import use_triton
 
-        probe = torch.empty(0, device=self.device)
-        if not (configs and HAS_TRITON and use_triton(probe) and warm_enabled()):
+        if not (configs and use_triton(self.device) and warm_enabled()):
             return False
         spec = warm.spec_for(self.device, model, self.spec.dtype, self.spec.scheduler, configs)
         self._warmers.append(warm.KernelWarmer(spec, processes))
