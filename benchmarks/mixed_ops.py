@@ -149,6 +149,7 @@ KERNELS = {
     "kvtune.cache_impl.hybrid_cache": (
         "update_access", "hybrid_decode_attention", "seal_blocks", "requantize_int4", "sparse_block_table",
         "chunks_attention",  # one FlashAttention call on a GPU; chunk by chunk on a CPU
+        "pack_kv", "hot_write",
     ),
     "kvtune.engine.model": ("add_rms_norm", "rope_qkv", "silu_mul"),
     "kvtune.engine.piecewise": ("add_rms_norm",),  # the final norm, eager

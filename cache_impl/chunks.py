@@ -2,23 +2,21 @@
 
 Per layer, what ``HybridCache.prefill`` does chunk by chunk (attend over the cached prefix and the chunk;
 seal the blocks the chunk fills; put the rest in the hot zone) runs here for all chunks at once, in a fixed
-number of operations whatever the number of chunks: the chunks' keys and values are *packed* ``[2, K, H,
+number of launches whatever the number of chunks: the chunks' keys and values are *packed* ``[2, K, H,
 D]`` (a K plane and a V plane, each contiguous for the attention), each chunk's segment its cached prefix
 (sealed blocks, dequantized), its hot tokens and its new tokens, which is what its queries attend to
-(causally, the queries at the segment's end). One gather builds the packed rows from the layer's
-dequantized prefix blocks, hot tokens and new tokens; one attention call covers every chunk
-(FlashAttention's variable-length form on a GPU, one call per chunk elsewhere:
-:func:`kvtune.cache_impl.hybrid_cache.chunks_attention`); the sealed blocks are one gather of the packed
-rows and one ``seal_blocks`` call, the new hot zones one gather and one scatter. The indices are the same in
-every layer: the host computes them at layer 0 into one array, uploaded in one copy (pinned, without waiting
-for the device on CUDA).
+(causally, the queries at the segment's end). Per layer: one kernel packs the rows, each from its own
+source (:func:`kvtune.kernels.chunk_kv.pack_kv`: a cold block's token, a hot-zone entry or a new row); one
+attention call covers every chunk (FlashAttention's variable-length form on a GPU, one call per chunk
+elsewhere: :func:`kvtune.cache_impl.hybrid_cache.chunks_attention`); one seal quantizes the sealed blocks
+straight from the packed rows (each block a window of ``bs`` rows from its start); one kernel writes the new
+hot zones (:func:`kvtune.kernels.chunk_kv.hot_write`). The indices are the same in every layer: the host
+computes them at layer 0 into one array, uploaded in one copy (pinned, without waiting for the device on
+CUDA).
 
 Packed layout, per chunk in order: its ``sealed × bs`` prefix tokens, its ``hot_len`` hot tokens, then its
 ``T`` new tokens. Of the chunk's *stream* (hot then new tokens), rows ``[0, n_seal · bs)`` seal into its
 fresh blocks; the rest becomes its hot zone, from position 0.
-
-The source the packing gathers from is ``[every chunk's prefix tokens | every chunk's hot tokens | the new
-tokens]``, each part chunk after chunk.
 """
 
 from __future__ import annotations
@@ -27,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kvtune.kernels.chunk_kv import HOT, NEW, PREFIX
 
 
 @dataclass(frozen=True)
@@ -49,24 +49,22 @@ class ChunkPlan:
     offsets FlashAttention takes).
 
     bounds: per chunk (q start, q end), host ints · key_bounds: per chunk its (start, end) in the packed
-    rows, host ints · done: per chunk the tokens cached before it, host ints · prefix [p]: every chunk's
-    sealed blocks before it, chunk after chunk (dequantized in one call per layer) · hot_src_slots,
-    hot_src_pos [h]: the hot tokens the chunks start with, chunk after chunk · pack [K]: the packed rows'
-    rows in the source · seal_blocks [n]: the fresh blocks, chunk by chunk · seal_rows [n · bs]: their
-    packed rows · hot_rows, hot_slots, hot_pos [m]: the packed rows that become hot tokens, their slot and
-    position · cu_q, cu_k [C + 1] int32: the chunks' query and key offsets · max_q, max_k: the longest.
+    rows, host ints · done: per chunk the tokens cached before it, host ints · pack_kind, pack_src [K]: each
+    packed row's source (:mod:`kvtune.kernels.chunk_kv`: ``PREFIX`` block · bs + token, ``HOT`` slot · C +
+    position, ``NEW`` row of the chunks' new keys) · seal_blocks [n]: the fresh blocks, chunk by chunk ·
+    seal_starts [n]: each one's first packed row · hot_rows, hot_slots, hot_pos [m]: the packed rows that
+    become hot tokens, their slot and position · cu_q, cu_k [C + 1] int32: the chunks' query and key
+    offsets · max_q, max_k: the longest.
     """
 
     specs: tuple[ChunkSpec, ...]
     bounds: tuple[tuple[int, int], ...]
     key_bounds: tuple[tuple[int, int], ...]
     done: tuple[int, ...]
-    prefix: torch.Tensor
-    hot_src_slots: torch.Tensor
-    hot_src_pos: torch.Tensor
-    pack: torch.Tensor
+    pack_kind: torch.Tensor
+    pack_src: torch.Tensor
     seal_blocks: torch.Tensor
-    seal_rows: torch.Tensor
+    seal_starts: torch.Tensor
     hot_rows: torch.Tensor
     hot_slots: torch.Tensor
     hot_pos: torch.Tensor
@@ -98,43 +96,42 @@ def upload_aligned(parts: list[np.ndarray], device: torch.device) -> list[torch.
     return views
 
 
-def build_chunk_plan(specs: list[ChunkSpec], block_size: int, device: torch.device) -> ChunkPlan:
-    """The indices of ``specs`` (in the order their tokens come), packed on the host and uploaded once."""
+def build_chunk_plan(
+    specs: list[ChunkSpec], block_size: int, hot_capacity: int, device: torch.device
+) -> ChunkPlan:
+    """The indices of ``specs`` (in the order their tokens come), packed on the host and uploaded once;
+    ``hot_capacity``: the hot zones' positions per slot (``C``)."""
     bs = block_size
-    prefix_total = bs * sum(s.sealed for s in specs)
-    hot_total = sum(s.hot_len for s in specs)
     bounds, key_bounds, done = [], [], []
-    prefix, hot_src_slots, hot_src_pos, pack = [], [], [], []
-    seal_ids, seal_rows, hot_rows, hot_slots, hot_pos = [], [], [], [], []
-    q0 = k0 = p0 = h0 = 0
+    kinds, srcs, seal_ids, seal_starts, hot_rows, hot_slots, hot_pos = [], [], [], [], [], [], []
+    q0 = k0 = 0
     for s in specs:
         cached = s.sealed * bs
         segment = cached + s.hot_len + s.tokens
         bounds.append((q0, q0 + s.tokens))
         key_bounds.append((k0, k0 + segment))
         done.append(cached + s.hot_len)
-        prefix.append(s.blocks[: s.sealed])
-        hot_src_slots.append(np.full(s.hot_len, s.slot))
-        hot_src_pos.append(np.arange(s.hot_len))
-        pack.append(np.arange(p0, p0 + cached))
-        pack.append(prefix_total + np.arange(h0, h0 + s.hot_len))
-        pack.append(prefix_total + hot_total + np.arange(q0, q0 + s.tokens))
+        kinds.append(np.repeat(np.array([PREFIX, HOT, NEW]), [cached, s.hot_len, s.tokens]))
+        token = np.arange(cached)
+        srcs.append(s.blocks[token // bs] * bs + token % bs)
+        srcs.append(s.slot * hot_capacity + np.arange(s.hot_len))
+        srcs.append(np.arange(q0, q0 + s.tokens))
         stream = k0 + cached  # the chunk's hot then new tokens in the packed rows
         seal_ids.append(s.blocks[s.sealed : s.sealed + s.n_seal])
-        seal_rows.append(stream + np.arange(s.n_seal * bs))
+        seal_starts.append(stream + bs * np.arange(s.n_seal))
         tail = np.arange(s.n_seal * bs, s.hot_len + s.tokens)
         hot_rows.append(stream + tail)
         hot_slots.append(np.full(len(tail), s.slot))
         hot_pos.append(tail - s.n_seal * bs)
-        q0, k0, p0, h0 = q0 + s.tokens, k0 + segment, p0 + cached, h0 + s.hot_len
+        q0, k0 = q0 + s.tokens, k0 + segment
     fields = [
-        np.concatenate(x)
-        for x in (prefix, hot_src_slots, hot_src_pos, pack, seal_ids, seal_rows, hot_rows, hot_slots, hot_pos)
+        np.concatenate(x).astype(np.int64)
+        for x in (kinds, srcs, seal_ids, seal_starts, hot_rows, hot_slots, hot_pos)
     ]
     cu = np.zeros((2, len(specs) + 1), dtype=np.int64)
     cu[0, 1:] = np.cumsum([b - a for a, b in bounds])
     cu[1, 1:] = np.cumsum([b - a for a, b in key_bounds])
-    # every field 16-byte aligned: the seal kernel is one build whatever the chunks' lengths
+    # every field 16-byte aligned: the kernels are one build whatever the chunks' lengths
     *views, cu_dev = upload_aligned([*fields, cu.ravel()], device)
     offsets = cu_dev.view(2, -1).to(torch.int32)
     return ChunkPlan(
@@ -142,15 +139,13 @@ def build_chunk_plan(specs: list[ChunkSpec], block_size: int, device: torch.devi
         bounds=tuple(bounds),
         key_bounds=tuple(key_bounds),
         done=tuple(done),
-        prefix=views[0],
-        hot_src_slots=views[1],
-        hot_src_pos=views[2],
-        pack=views[3],
-        seal_blocks=views[4],
-        seal_rows=views[5],
-        hot_rows=views[6],
-        hot_slots=views[7],
-        hot_pos=views[8],
+        pack_kind=views[0],
+        pack_src=views[1],
+        seal_blocks=views[2],
+        seal_starts=views[3],
+        hot_rows=views[4],
+        hot_slots=views[5],
+        hot_pos=views[6],
         cu_q=offsets[0],
         cu_k=offsets[1],
         max_q=max(b - a for a, b in bounds),

@@ -57,6 +57,7 @@ from kvtune.cache_impl.plan import DecodePlan, StepBuffers, StepInfo, StepShape
 from kvtune.cache_impl.tiers import L2, TierState, threshold_ms
 from kvtune.kernels.access import update_access
 from kvtune.kernels.backend import on_gpu
+from kvtune.kernels.chunk_kv import hot_write, pack_kv
 from kvtune.kernels.decode_attention import hybrid_decode_attention
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
@@ -454,31 +455,29 @@ class HybridCache:
             blocks = self._st.table[seq.slot, : seq.sealed + n_seal].copy()
             specs.append(ChunkSpec(seq.slot, seq.hot_len, seq.sealed, t, n_seal, blocks))
             seq.chunk = t
-        return build_chunk_plan(specs, bs, self.device)
+        return build_chunk_plan(specs, bs, hot_capacity(self.config), self.device)
 
     def _prefill_chunks_layer(
         self, layer: int, plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """One layer of every chunk: the packed keys and values, one attention, the fused seal and hot-zone
-        writes (:mod:`kvtune.cache_impl.chunks`). K and V are packed as two planes [2, K, H, D], so each is
-        contiguous where the attention reads it."""
+        """One layer of every chunk: the packed keys and values (one kernel), one attention, the seal read
+        straight from the packed rows, the new hot zones (one kernel) (:mod:`kvtune.cache_impl.chunks`). K and
+        V are packed as two planes [2, K, H, D], so each is contiguous where the attention reads it."""
         bs, pool, dt = self.config.block_size, self.pools[layer], self.shape.dtype
-        parts = []
-        if plan.prefix.numel():  # every chunk's cached blocks, dequantized at once: [p, H, bs, D] each
-            pk, pv = dequantize_blocks(pool, plan.prefix)
-            parts.append(torch.stack([pk, pv]).permute(0, 1, 3, 2, 4).flatten(1, 2).to(dt))
-        if plan.hot_src_slots.numel():  # [h, 2, H, D] read as [2, h, H, D]
-            parts.append(self.hot_kv[layer][:, plan.hot_src_slots, :, plan.hot_src_pos].transpose(0, 1))
-        parts.append(torch.stack([k.to(dt), v.to(dt)]))
-        packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)[:, plan.pack]  # [2, K, H, D]
+        hot = self.hot_kv[layer]
+        packed = pack_kv(pool, hot, k, v, plan.pack_kind, plan.pack_src, dt)  # [2, K, H, D]
         out = chunks_attention(q, packed[0].to(q.dtype), packed[1].to(q.dtype), plan, self.sm_scale)
-        if plan.seal_blocks.numel():
-            sealed = packed[:, plan.seal_rows].unflatten(1, (-1, bs))  # [2, n, bs, H, D]
-            k_new, v_new = sealed[0], sealed[1]
-            seal_blocks(pool, plan.seal_blocks, k_new, v_new, self.config.quantization_bits)
-            self.debug.sealed(pool, plan.seal_blocks, k_new, v_new)
+        if plan.seal_blocks.numel():  # block i: the bs packed rows from seal_starts[i], read in place
+            rows, h, d = packed.shape[1:]
+            k_win, v_win = (
+                x.as_strided((rows - bs + 1, bs, h, d), (h * d, h * d, d, 1), x.storage_offset())
+                for x in packed
+            )
+            seal_blocks(pool, plan.seal_blocks, k_win, v_win, self.config.quantization_bits, plan.seal_starts)
+            if self.debug.enabled:
+                self.debug.sealed(pool, plan.seal_blocks, k_win[plan.seal_starts], v_win[plan.seal_starts])
         if plan.hot_rows.numel():
-            self.hot_kv[layer][:, plan.hot_slots, :, plan.hot_pos] = packed[:, plan.hot_rows].transpose(0, 1)
+            hot_write(hot, packed[0], packed[1], plan.hot_slots, plan.hot_pos, plan.hot_rows)
         return out
 
     def _finish_chunks(self, plan: ChunkPlan, chunks: Sequence[tuple[int, int]]) -> None:
@@ -725,8 +724,7 @@ class HybridCache:
 
         A static plan never seals here, and reads nothing from the device on the host: capturable."""
         hk, hv, pool = self.hot_k[layer], self.hot_v[layer], self.pools[layer]
-        hk[plan.slots, :, plan.write_pos] = k.to(hk.dtype)
-        hv[plan.slots, :, plan.write_pos] = v.to(hv.dtype)
+        hot_write(self.hot_kv[layer], k, v, plan.slots, plan.write_pos)
         if plan.seals:
             self._seal(layer, plan)
         table, num_cold, num_l1, counted = self._block_table(layer, plan, q)

@@ -909,14 +909,8 @@ class Engine:
             run.add("piecewise_forwards", 1)
         model_start, launch_t0 = self.timer.mark(), time.perf_counter()
         between = self._layer_gates(run)
-        if b == 0 and len(chunks) == 1:  # a prompt chunk alone: the model's prefill, as it always was
-            seq, n = chunks[0]
-            logits = self.model.prefill(cache, seq.seq_id, inputs[0], seq.prefilled, True, between, pieces)
-        else:
-            segments = [(seq.seq_id, n) for seq, n in chunks]
-            logits = self.model.forward_mixed(
-                run.timed, plan, inputs[0], inputs[1], b, segments, between, pieces
-            )
+        segments = [(seq.seq_id, n) for seq, n in chunks]
+        logits = self.model.forward_mixed(run.timed, plan, inputs[0], inputs[1], b, segments, between, pieces)
         model_end = self.timer.mark()
         launch_ms = (time.perf_counter() - launch_t0) * 1000.0
         next_tokens = logits.argmax(dim=-1)

@@ -218,7 +218,7 @@ class LlamaModel:
         token_ids, positions [N]: the decode tokens (one per sequence of ``plan``), then each chunk's tokens
         (``chunks``: (seq_id, length), in order). Embeddings, norms, projections and the MLP see all N rows
         as one batch; attention is split by segment: the decode rows through ``cache.decode(layer, plan,
-        ...)``, two chunks or more through ``cache.prefill_chunks(layer, chunks, ...)`` where the cache has it
+        ...)``, the chunks through ``cache.prefill_chunks(layer, chunks, ...)`` where the cache has it
         (all chunks of a layer in one call), else each through ``cache.prefill(layer, seq_id, ...)``.
         """
         bounds = [num_decode]
@@ -229,7 +229,7 @@ class LlamaModel:
                 f"{len(token_ids)} tokens for {num_decode} decode rows and chunks {list(chunks)}"
             )
 
-        fused = hasattr(cache, "prefill_chunks") and len(chunks) > 1  # one chunk: nothing to fuse
+        fused = hasattr(cache, "prefill_chunks")  # a fixed number of launches a layer, one chunk or many
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = (

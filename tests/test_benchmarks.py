@@ -414,6 +414,26 @@ def test_mixed_ops_times_the_host_and_profiles_an_iteration(tmp_path: Path) -> N
     assert all(0 < a <= b for a, b in zip(host["launch_ms"], host["wall_ms"]))
 
 
+@pytest.mark.parametrize(("pieces", "most"), [(False, 47), (True, 32)])
+def test_a_mixed_iteration_packs_its_chunks_in_a_fixed_number_of_launches(pieces: bool, most: int) -> None:
+    """``mixed_ops.py`` (tiny model, 2 layers, INT8, 16 decode rows beside 4 chunks of 64, half of them with a
+    cached prefix): per layer one packing of every chunk's keys and values, one attention, one seal, one
+    hot-zone write for the chunks and one for the decode rows, and no gather or index write around them (the
+    count before the packing kernel: 61 op by op, 46 in pieces). A change that adds launches to a mixed
+    iteration fails here first."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "mixed_ops.py"), "--decode", "16", "--chunks", "4",
+         "--chunk", "64", "--top", "40", *(["--piecewise"] if pieces else [])],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    counts = {line.split()[0]: int(line.split()[1]) for line in run.stdout.splitlines()[1:] if line.strip()}
+    total = int(run.stdout.split(" launches per mixed iteration")[0].rsplit(" ", 1)[1])
+    assert total <= most, run.stdout
+    assert counts["kernel::pack_kv"] == counts["kernel::chunks_attention"] == counts["kernel::seal_blocks"] == 2
+    assert counts["kernel::hot_write"] == 4 and "aten::index_put_" not in counts, run.stdout
+
+
 def test_prompt_forward_runs_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/prompt_forward.py end to end on a tiny model (pieces uncaptured, host wall): its lines and
     its JSON, one time per repeat and side."""

@@ -304,31 +304,33 @@ def _chunk_plan(device: torch.device | str = CPU):
         ChunkSpec(slot=0, hot_len=3, sealed=2, tokens=7, n_seal=2, blocks=np.array([9, 4, 7, 1])),
         ChunkSpec(slot=5, hot_len=2, sealed=0, tokens=1, n_seal=0, blocks=np.array([], dtype=np.int64)),
     ]
-    return build_chunk_plan(specs, 4, torch.device(device))
+    return build_chunk_plan(specs, 4, 10, torch.device(device))
 
 
 def test_chunk_plan_packs_each_chunks_prefix_hot_and_new_tokens():
-    """The packed rows of each chunk: its cached prefix (blocks dequantized, chunk after chunk), its hot
-    tokens, its new tokens; the seals and the new hot zones index the packed rows; the offsets are what
-    FlashAttention's variable-length form takes."""
+    """The packed rows of each chunk: its cached prefix (its blocks' tokens), its hot tokens (slot · C +
+    position, C = 10), its new tokens (rows of the chunks' keys); the seals start at packed rows and the new
+    hot zones index the packed rows; the offsets are what FlashAttention's variable-length form takes."""
+    from kvtune.kernels.chunk_kv import HOT, NEW, PREFIX
+
     plan = _chunk_plan()
-    # source: 8 prefix tokens (chunk 1's two blocks) | 5 hot tokens (3 of chunk 1, 2 of chunk 2) | 14 new
-    new = 8 + 5
-    chunk0 = [*range(new, new + 6)]  # its new tokens
-    chunk1 = [*range(0, 8), 8, 9, 10, *range(new + 6, new + 13)]  # prefix, hot, new
-    chunk2 = [11, 12, new + 13]  # hot, new
-    assert plan.pack.tolist() == chunk0 + chunk1 + chunk2
+    kinds = [NEW] * 6 + [PREFIX] * 8 + [HOT] * 3 + [NEW] * 7 + [HOT] * 2 + [NEW]
+    assert plan.pack_kind.tolist() == kinds
+    prefix = [9 * 4 + t for t in range(4)] + [4 * 4 + t for t in range(4)]  # blocks 9 and 4, 4 tokens each
+    chunk1 = [*prefix, 0, 1, 2, *range(6, 13)]  # prefix, hot (slot 0), new rows 6-12
+    assert plan.pack_src.tolist() == [*range(6), *chunk1, 50, 51, 13]  # chunk 2: slot 5's two hot, row 13
     assert plan.key_bounds == ((0, 6), (6, 24), (24, 27)) and plan.done == (0, 11, 2)
     assert plan.bounds == ((0, 6), (6, 13), (13, 14))
     assert plan.cu_q.tolist() == [0, 6, 13, 14] and plan.cu_k.tolist() == [0, 6, 24, 27]
     assert plan.cu_q.dtype == plan.cu_k.dtype == torch.int32 and (plan.max_q, plan.max_k) == (7, 18)
-    assert plan.prefix.tolist() == [9, 4] and plan.seal_blocks.tolist() == [7, 1]
-    assert plan.seal_rows.tolist() == list(range(14, 22))  # chunk 1's stream starts after its prefix
+    assert plan.seal_blocks.tolist() == [7, 1]
+    assert plan.seal_starts.tolist() == [14, 18]  # chunk 1's stream starts after its prefix
     # new hot zones: chunk 0's 6 tokens, chunk 1's last 2 of its 10, chunk 2's 3
     assert plan.hot_rows.tolist() == [*range(6), 22, 23, 24, 25, 26]
     assert plan.hot_slots.tolist() == [2] * 6 + [0, 0] + [5] * 3
     assert plan.hot_pos.tolist() == [*range(6), 0, 1, 0, 1, 2]
-    assert plan.hot_src_slots.tolist() == [0, 0, 0, 5, 5] and plan.hot_src_pos.tolist() == [0, 1, 2, 0, 1]
+    for field in ("pack_kind", "pack_src", "seal_blocks", "seal_starts", "hot_rows", "hot_slots", "hot_pos"):
+        assert getattr(plan, field).data_ptr() % 16 == 0, field  # one build of each kernel
 
 
 def test_a_refused_flash_call_falls_back_to_chunk_by_chunk_attention(monkeypatch):

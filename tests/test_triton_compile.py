@@ -112,6 +112,26 @@ def _seal(pool_bits: int, bits: int, from_hot_zones: bool = False) -> Callable[[
     return lambda: seal_blocks_triton(_pool(pool_bits), torch.arange(5), kv[0], kv[1], bits)
 
 
+def _pack(bits: int, heads: int = 8, d: int = 128, bs: int = 64) -> Callable[[], Any]:
+    """A chunk layer's packing (:mod:`kvtune.kernels.chunk_kv`): rows of every kind, a Llama-3-8B shape."""
+    from kvtune.kernels.triton_chunk_kv import pack_kv_triton
+
+    hot = torch.zeros(2, 6, heads, bs + 32, d, dtype=torch.bfloat16)
+    k = torch.zeros(300, heads, d, dtype=torch.bfloat16)
+    kind = torch.arange(700) % 3
+    return lambda: pack_kv_triton(_pool(bits, heads, d, bs), hot, k, k.clone(), kind, torch.arange(700),
+                                  torch.bfloat16)  # fmt: skip
+
+
+def _hot_write(rows: bool) -> Callable[[], Any]:
+    from kvtune.kernels.triton_chunk_kv import hot_write_triton
+
+    hot = torch.zeros(2, 6, 8, 96, 128, dtype=torch.bfloat16)
+    k = torch.zeros(40, 8, 128, dtype=torch.bfloat16)
+    which = torch.arange(5) if rows else None
+    return lambda: hot_write_triton(hot, k, k.clone(), torch.arange(5), torch.arange(5), which)
+
+
 def _requantize() -> Callable[[], Any]:
     from kvtune.kernels.triton_quant import requantize_int4_triton
 
@@ -202,6 +222,12 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "seal unquantized from hot zones": lambda: _seal(0, 0, from_hot_zones=True),
     "requantize": _requantize,
     "requantize masked": _requantize_masked,
+    "pack int8": lambda: _pack(8),
+    "pack int4": lambda: _pack(4),
+    "pack unquantized": lambda: _pack(0),
+    "pack int4 smollm2 heads": lambda: _pack(4, heads=3, d=64, bs=32),
+    "hot write": lambda: _hot_write(False),
+    "hot write from rows": lambda: _hot_write(True),
     **{n: (lambda n=n: _elementwise(n)) for n in ("add_rms_norm", "rms_norm", "rope_qkv", "silu_mul")},
     "access update": _access,
     "sparse table": _sparse_table,
@@ -256,6 +282,9 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         "seal unquantized from hot zones": lambda: _seal(0, 0, from_hot_zones=True),
         "requantize": _requantize,
         "requantize masked": _requantize_masked,
+        **{f"pack {name}": (lambda bits=bits: _pack(bits)) for name, bits in (("int8", 8), ("int4", 4),
+                                                                               ("unquantized", 0))},
+        "hot write from rows": lambda: _hot_write(True),
         **{n: (lambda n=n: _elementwise(n)) for n in ("add_rms_norm", "rope_qkv", "silu_mul")},
         "access update": _access,
         "sparse table": _sparse_table,

@@ -131,7 +131,7 @@ for stage in "$@"; do
   launch)
     log "gpu tests with kept launches (kernels/launch.py)"
     timeout ${LAUNCH_S:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_launch.py \
-      tests/test_triton_kernels.py tests/test_triton_step.py tests/test_graphs.py 2>&1 | tee "$OUT/launch_tests.log" | tail -8 ;;
+      tests/test_triton_kernels.py tests/test_triton_step.py tests/test_graphs.py tests/test_chunk_kv.py 2>&1 | tee "$OUT/launch_tests.log" | tail -8 ;;
   hostab)
     log "host launch time: .old/ against this tree, kept launches off and on, the trees taking turns"
     SITE=/tmp/site timeout ${HOSTAB_S:-300} bash lab/scripts/host_ab.sh 2>&1 | tee "$OUT/hostab.log" ;;
