@@ -260,3 +260,51 @@ def test_the_console_line_says_how_far_the_planning_got() -> None:
     )
     assert "1 failed ({'block_size': 12}: ValueError" in line and line.endswith("; still compiling)")
     assert warm_line(None) == "kernels compiled ahead: not started"
+
+
+@pytest.mark.parametrize(
+    "config", [INT4, HybridConfig("hybrid_v2", 16, 16, 8, sparse_top_k=32)], ids=["int4", "sparse"]
+)
+def test_a_gpu_iterations_layers_read_nothing_back_on_the_host(
+    ahead: None, config: HybridConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planning for sm_90 (every launch decided as on the GPU), the cache's work in each layer of a replay's
+    iterations (decode rows, prompt chunks beside them or alone) reads no device value back on the host: no
+    ``.item()``, no boolean mask or ``nonzero``, whose sizes a host would wait for. What a layer does can
+    then be queued ahead of the device, and captured."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvtune.cache_impl.hybrid_cache import HybridCache
+
+    aten = torch.ops.aten  # under inference mode a read shows as ``item``, elsewhere ``_local_scalar_dense``
+    reads = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default,
+             aten.nonzero.default, aten.masked_select.default}  # fmt: skip
+
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in reads:
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    calls = {"decode": 0, "_prefill_chunks_layer": 0}
+    spy = Reads()
+
+    def watched(name: str) -> Any:
+        original = getattr(HybridCache, name)
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            with spy:
+                return original(self, *args, **kwargs)
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(HybridCache, name, watched(name))
+    _recorded(config, warm_requests(config), SchedulerConfig(graphs=False))
+    assert calls["decode"] > 0 and calls["_prefill_chunks_layer"] > 0, calls
+    assert not spy.seen, sorted(set(spy.seen))

@@ -134,7 +134,7 @@ for stage in "$@"; do
       tests/test_triton_kernels.py tests/test_triton_step.py tests/test_graphs.py tests/test_chunk_kv.py 2>&1 | tee "$OUT/launch_tests.log" | tail -8 ;;
   hostab)
     log "host launch time: .old/ against this tree, kept launches off and on, the trees taking turns"
-    SITE=/tmp/site timeout ${HOSTAB_S:-300} bash lab/scripts/host_ab.sh 2>&1 | tee "$OUT/hostab.log" ;;
+    SITE=/tmp/site timeout ${HOSTAB_S:-420} bash lab/scripts/host_ab.sh 2>&1 | tee "$OUT/hostab.log" ;;
   warm)
     log "a new config's prime: empty Triton cache against one the planning processes filled (engine/warm.py)"
     timeout ${WARM_S:-420} python3 benchmarks/warm_ahead.py --configs ${WARM_CONFIGS:-4:32,8:64,0:32,4:256} --check \
