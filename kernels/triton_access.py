@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kvtune.kernels.access_ref import EMA_WEIGHT
 from kvtune.kernels.launch import launch
+from kvtune.kernels.triton_common import require
 
 MB = 64
 
@@ -95,9 +96,7 @@ def update_access_triton(
             and tuple(num_cold.shape) == (b, h)
             and all(t.is_contiguous() for t in (block_table, block_mass, num_cold)),
     }  # fmt: skip
-    broken = [rule for rule, ok in rules.items() if not ok]
-    if broken:
-        raise ValueError(f"update_access: `{broken[0]}` must hold (block_table {tuple(block_table.shape)})")
+    require("update_access", rules, lambda: f"block_table {tuple(block_table.shape)}")
     if b * h == 0 or m == 0:
         return
     on_device = isinstance(now_ms, torch.Tensor)

@@ -20,7 +20,7 @@ import triton.language as tl
 from kvtune.kernels.chunk_kv_ref import HOT, NEW, PREFIX, hot_write_ref, pack_kv_ref
 from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
-from kvtune.kernels.triton_common import cdiv, tileable_head_dim
+from kvtune.kernels.triton_common import cdiv, require, tileable_head_dim
 
 ROWS = 16  # rows a program of either kernel handles (one KV head each)
 # the rows' kinds as the kernels see them (a kernel reads globals only as compile-time values)
@@ -173,8 +173,8 @@ def hot_write_triton(
     if d & (d - 1) or d < 16:
         hot_write_ref(hot, k, v, slots, positions, rows)
         return
-    if k.stride(2) != 1 or v.stride(2) != 1 or hot.stride(4) != 1:
-        raise ValueError("hot_write: `unit stride on D (k, v, hot)` must hold")
+    unit = k.stride(2) == 1 and v.stride(2) == 1 and hot.stride(4) == 1
+    require("hot_write", {"unit stride on D (k, v, hot)": unit}, lambda: f"k {tuple(k.stride())}")
     if n == 0:
         return
     launch(_hot_write_kernel, (cdiv(n, ROWS), h),
@@ -193,9 +193,6 @@ def _check(k: torch.Tensor, v: torch.Tensor, hot: torch.Tensor, pool: ColdPool) 
         "pool rows contiguous, K and V alike": pool.k.stride() == pool.v.stride() and pool.k.stride(3) == 1
         and pool.k_min.stride(2) == 1 and pool.v_min.stride(2) == 1,
     }  # fmt: skip
-    broken = [rule for rule, ok in rules.items() if not ok]
-    if broken:
-        raise ValueError(
-            f"pack_kv: `{broken[0]}` must hold (k {tuple(k.shape)}, hot {tuple(hot.shape)}, "
-            f"pool {tuple(pool.k.shape)})"
-        )
+    require(
+        "pack_kv", rules, lambda: f"k {tuple(k.shape)}, hot {tuple(hot.shape)}, pool {tuple(pool.k.shape)}"
+    )

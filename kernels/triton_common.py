@@ -7,6 +7,8 @@ and the dispatcher without Triton installed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (at least 1), for host ints (``triton.next_power_of_2``: ~4 µs)."""
@@ -22,3 +24,11 @@ def tileable_head_dim(d: int) -> bool:
     """Head dims the kernels tile: two halves of a power of two >= 16 (others take the reference)."""
     half = d // 2
     return d % 2 == 0 and half >= 16 and half & (half - 1) == 0
+
+
+def require(name: str, rules: dict[str, bool], detail: Callable[[], str]) -> None:
+    """ValueError ``name: `rule` must hold (detail)`` naming the first rule that fails (``detail()``, the
+    inputs' shapes, is formatted only then)."""
+    for rule, ok in rules.items():
+        if not ok:
+            raise ValueError(f"{name}: `{rule}` must hold ({detail()})")

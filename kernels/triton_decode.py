@@ -54,7 +54,7 @@ from kvtune.kernels.decode_ref import hybrid_decode_attention_ref
 from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.triton_bits_partition import partition_by_bits_triton
-from kvtune.kernels.triton_common import cdiv, next_pow2
+from kvtune.kernels.triton_common import cdiv, next_pow2, require
 
 LOG2E = 1.4426950408889634
 # Splits' partials the merge loads before it merges them (``_merge_kernel``'s ``SB``: 1, 4 or 8; 8 was
@@ -752,12 +752,8 @@ def _check_inputs(q: torch.Tensor, hot_k: torch.Tensor, hot_v: torch.Tensor, poo
         "block_table [B, H, M] int32, num_cold [B, H]": block_table.dtype == torch.int32
         and block_table.shape[0] == B and tuple(num_cold.shape) == (B, H),
     }  # fmt: skip
-    broken = [rule for rule, ok in rules.items() if not ok]
-    if broken:
-        raise ValueError(
-            f"hybrid_decode_attention: `{broken[0]}` must hold (q {tuple(q.shape)}, hot_k "
-            f"{tuple(hot_k.shape)}, block_table {tuple(block_table.shape)} {block_table.dtype})"
-        )
+    require("hybrid_decode_attention", rules, lambda: f"q {tuple(q.shape)}, hot_k {tuple(hot_k.shape)}, "
+            f"block_table {tuple(block_table.shape)} {block_table.dtype}")  # fmt: skip
 
 
 def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_acc: torch.Tensor,

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.launch import launch
-from kvtune.kernels.triton_common import cdiv, next_pow2
+from kvtune.kernels.triton_common import cdiv, next_pow2, require
 
 
 @triton.jit
@@ -60,11 +60,7 @@ def _check_rows(name: str, x: torch.Tensor, delta: torch.Tensor | None, weight: 
         or (delta.shape == x.shape and delta.dtype == x.dtype and delta.stride(1) == 1),
         "weight is contiguous [hidden]": weight.shape == x.shape[1:] and weight.is_contiguous(),
     }
-    broken = [rule for rule, ok in rules.items() if not ok]
-    if broken:
-        raise ValueError(
-            f"{name}: `{broken[0]}` must hold (x {tuple(x.shape)}, weight {tuple(weight.shape)})"
-        )
+    require(name, rules, lambda: f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
 
 
 @triton.jit
@@ -110,11 +106,7 @@ def rope_qkv_triton(
         and cos.stride(1) == 1,
         "D is even": d % 2 == 0,
     }
-    broken = [rule for rule, ok in rules.items() if not ok]
-    if broken:
-        raise ValueError(
-            f"rope_qkv: `{broken[0]}` must hold (qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)})"
-        )
+    require("rope_qkv", rules, lambda: f"qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}")
     q = torch.empty((n, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((n, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)

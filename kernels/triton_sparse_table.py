@@ -53,7 +53,7 @@ from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quest_summary import E4M3, QuestSummary8
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, sparse_block_table_ref
-from kvtune.kernels.triton_common import cdiv, next_pow2, tileable_head_dim
+from kvtune.kernels.triton_common import cdiv, next_pow2, require, tileable_head_dim
 
 SPLIT = 512  # blocks per step of the split (2 ids and tiers per thread)
 CHUNK = 64  # L2 blocks per step of the selection: [64, D] tiles of key mins and scales (32 KB at D 128)
@@ -294,9 +294,7 @@ def table_outputs(
             and lo.stride(2) == 1
         ),
     }
-    broken = [rule for rule, ok in rules.items() if not ok]
-    if broken:
-        raise ValueError(f"sparse_block_table: `{broken[0]}` must hold (blocks {tuple(blocks.shape)})")
+    require("sparse_block_table", rules, lambda: f"blocks {tuple(blocks.shape)}")
     table = torch.empty((B, H, M + k_blocks), dtype=torch.int32, device=q.device)
     num, n1 = _pair((B, H), q.device)
     return table, num, n1
