@@ -235,7 +235,7 @@ class LlamaModel:
             outs = (
                 [cache.decode(i, plan, q[:num_decode], k[:num_decode], v[:num_decode])] if num_decode else []
             )
-            if fused:  # every chunk in one call: the cache fuses their writes
+            if fused and chunks:  # every chunk in one call: the cache fuses their writes
                 n = num_decode
                 outs.append(cache.prefill_chunks(i, chunks, q[n:], k[n:], v[n:]))  # type: ignore[attr-defined]
             else:

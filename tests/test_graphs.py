@@ -253,6 +253,22 @@ def test_mixed_forward_gives_the_logits_of_separate_forwards(tiny):
     cache.check_integrity()
 
 
+def test_a_mixed_forward_of_decode_rows_alone_gives_the_decode_steps_logits(tiny):
+    """No chunk beside the decode rows (``benchmarks/mixed_ops.py --chunks 0``): the decode step's logits,
+    and no chunk plan asked of the cache."""
+    config = _config(8)
+    caches = [_prefilled(tiny, config, [25, 33], CPU) for _ in range(2)]
+    tokens = np.array([4, 9], dtype=np.int64)
+    want = _eager_step(tiny, caches[0], [0, 1], tokens, 1.0)
+    cache = caches[1]
+    positions = cache.lengths(np.asarray([cache.slot_of(0), cache.slot_of(1)]))
+    plan = cache.begin_step([0, 1], 1.0)
+    got = tiny.model.forward_mixed(cache, plan, torch.from_numpy(tokens), torch.from_numpy(positions), 2, [])
+    cache.end_step(plan)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cache.check_integrity()
+
+
 class _ChunkByChunk:
     """A cache as a forward without ``prefill_chunks`` sees it: each chunk through ``prefill``."""
 

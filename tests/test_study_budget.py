@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvtune.tuner.budget import EXPORT_S, FIRST_SEARCH, VALIDATION_MARGIN, BudgetPlan, budget_record
-from kvtune.tuner.job import revisit_s
+from kvtune.tuner.job import NEAR_PROBES, near_search_s, revisit_s
 from kvtune.tuner.validation import RepeatPlan, half_width, repeat_to_interval, repeats_to_reach
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +105,19 @@ def test_a_search_set_up_again_is_priced_as_the_baselines_first_probe_did() -> N
     probe = lambda prime: {"rate": 1.0, "wall_s": 9.0, **({"prime_s": prime} if prime else {})}
     assert revisit_s({"searches": [{"probes": [probe(4.0), probe(0.0)]}, {"probes": [probe(0.0)]}]}) == 4.0
     assert revisit_s({}) is None and revisit_s({"searches": [{"probes": [probe(None)]}]}) is None
+
+
+def test_a_near_search_is_priced_at_its_probes_median_not_one_long_searchs_wall() -> None:
+    """The baseline's near searches of an H100 study: 3 probes, then 5 (its capacity 9 % below the first's);
+    their mean wall, 35 s, would price every search of validation as the long one."""
+    searches = [
+        [{"wall_s": 8.2}, {"wall_s": 6.8}, {"wall_s": 7.8}],
+        [{"wall_s": 7.9}, {"wall_s": 10.2}, {"wall_s": 10.8}, {"wall_s": 9.9}, {"wall_s": 8.6}],
+    ]
+    assert near_search_s(35.1, searches) == pytest.approx(NEAR_PROBES * 8.4)
+    with_setup = [[{"wall_s": 14.0, "prime_s": 5.0}, {"wall_s": 9.0}, {"wall_s": 9.0}]]
+    assert near_search_s(40.0, with_setup) == pytest.approx(NEAR_PROBES * 9.0)  # the set-up left out
+    assert near_search_s(35.1, [[{"rate": 1.0}], []]) == 35.1  # no walls recorded: the measured wall
 
 
 def test_validation_plans_fewer_first_repeats_only_when_the_plans_do_not_fit() -> None:

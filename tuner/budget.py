@@ -20,12 +20,15 @@ repeats than ``--repeats`` asked, down to three, the fewest whose interval a use
 its interval goal only while a round fits (:class:`~kvtune.tuner.validation.RepeatPlan`). What the budget cut
 is stored with the validation (``budget``) and shown in the preset.
 
-On an H200 (Llama-3.1-8B shape, 1 GiB, 96 requests of an unseen Azure window, seven studies, runs 30d-36c,
-``lab/scripts/budget_retro.py``) this plan puts validation at 182-277 s where it took 135-255 s, 2 s short
-once (35c: the trial the search keeps room for covers that). Pricing every search as the baseline's (runs
-32-36) put it at 198-270 s, 25-33 s more where the best config was 4-bit; the plan before that, which priced
-the first search as the baseline's cold one, every search's set-up as a new config's and reserved 1.25x, at
-251-381 s.
+A near search is priced at three probes of the baseline's near searches' median probe
+(:func:`~kvtune.tuner.job.near_search_s`), not at their mean wall: on an H100 one of them took five probes,
+which priced every search of validation at 35 s where three probes took 25, and left the search no time.
+On an H200 (Llama-3.1-8B shape, 1 GiB, 96 requests of an unseen Azure window, six studies, runs 32-36,
+``lab/scripts/budget_retro.py``) this plan puts validation at 180-277 s where it took 135-225 s; on an H100
+(run 39e) at 251 s where it took 233 (priced at the mean wall, 335). Pricing every search as the baseline's
+(runs 32-36) put it at 198-270 s, 25-33 s more where the best config was 4-bit; the plan before that, which
+priced the first search as the baseline's cold one, every search's set-up as a new config's and reserved
+1.25x, at 251-381 s.
 
 For the fixed-rate objectives, which measure no baseline search, the plan keeps :data:`FIXED_RESERVE` of the
 budget for validation.

@@ -658,7 +658,7 @@ def _baseline_searches(
     search from a low rate spends most of its time on the replays far below capacity; the later searches
     skip them and still draw every verdict anew); with enough workers, all at once from the start. The
     times: ``search_s`` is one search as validation's and the trials' warm-started ones will cost (the near
-    searches' when there are any), ``cold_search_s`` the first's."""
+    searches' when there are any: :func:`near_search_s`), ``cold_search_s`` the first's."""
     workers = len(pool.actors)
     run = lambda r, search: SearchRun(r % workers, BASELINE, knobs, windows, search)
     t0 = time.monotonic()
@@ -671,7 +671,24 @@ def _baseline_searches(
     later = [run(r, near_search(cold, at)) for r in range(1, NOISE_REPEATS)]
     later = run_searches(pool, later, slo, interleave=False)
     near_s = (time.monotonic() - t1) / math.ceil((NOISE_REPEATS - 1) / workers)
-    return first + later, {"search_s": near_s, "cold_search_s": t1 - t0}
+    times = {"search_s": near_search_s(near_s, [r.probes for r in later]), "cold_search_s": t1 - t0}
+    return first + later, times | {"near_searches_s": near_s}
+
+
+# the probes a search started near its answer takes at the median: 3 in every near search of runs 31-36 (H200)
+NEAR_PROBES = 3
+
+
+def near_search_s(measured_s: float, searches: list[list[dict[str, Any]]]) -> float:
+    """What one search near its answer costs, from the baseline's near searches (``measured_s``: their wall,
+    a round's worth; ``searches``: their probes): :data:`NEAR_PROBES` probes at their median wall (set-ups
+    left out), where walls were recorded. One near search that needed more probes (on an H100 a third
+    search's capacity 9 % below the first's took 5) otherwise prices every search of validation as long
+    (35 s where three probes took 25)."""
+    walls = [
+        float(p["wall_s"]) - float(p.get("prime_s") or 0.0) for ps in searches for p in ps if "wall_s" in p
+    ]
+    return NEAR_PROBES * statistics.median(walls) if walls else measured_s
 
 
 def _baseline_engines(runs: list[dict[str, Any]], engines: list[dict[str, Any]]) -> dict[str, Any]:

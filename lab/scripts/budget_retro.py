@@ -20,7 +20,7 @@ from pathlib import Path
 import optuna
 
 from kvtune.tuner.budget import BudgetPlan
-from kvtune.tuner.job import best_probe_scale, observed_costs, revisit_s
+from kvtune.tuner.job import best_probe_scale, near_search_s, observed_costs, revisit_s
 from kvtune.tuner.validation import probe_scale
 from kvtune.tuner.workload import WorkloadSample, load_trace
 
@@ -52,8 +52,8 @@ def main() -> None:
     args = p.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     print(
-        "study | search s | cold s | set-up s (trial / again) | scale | best | sides | planned: before | "
-        "runs 32-36 | now | took"
+        "study | search s (measured → priced) | cold s | set-up s (trial / again) | scale | best | sides | "
+        "planned: before | runs 32-36 | now | took"
     )
     for db in args.db:
         storage = f"sqlite:///{db}"
@@ -69,15 +69,17 @@ def main() -> None:
         scale = probe_scale(s.search_windows(trace, CONTEXT), s.validation_requests(trace, CONTEXT))
         sides = 3 if len(validation.get("baseline_engines") or ()) > 1 else 2
         switch, trial = observed_costs(study)
+        near = [se["probes"] for se in noise.get("searches", [])[1:]]  # the baseline's near searches
+        search_s = near_search_s(noise.get("near_searches_s", noise["search_s"]), near)
         plan = BudgetPlan(
-            validation["budget"]["budget_s"], 0.0, noise["search_s"], sides, validation["repeats"], 1, 2,
+            validation["budget"]["budget_s"], 0.0, search_s, sides, validation["repeats"], 1, 2,
             revisit_s=revisit_s(noise), scale=scale,
             best_scale=best_probe_scale(study.trials[validation["trial"]], noise),
         ).observed(switch, trial)  # fmt: skip
         took = validation["budget"]["phases_s"]["validation_s"]
         cold = noise["cold_search_s"]
         print(
-            f"{db} | {noise['search_s']:.1f} | {cold:.1f} | {plan.switch_s:.1f} / "
+            f"{db} | {noise['search_s']:.1f} → {search_s:.1f} | {cold:.1f} | {plan.switch_s:.1f} / "
             f"{plan.revisit_s or 0.0:.1f} | {scale:.2f} | {plan.best_scale:.2f} | {sides} | "
             f"{old_plan(plan, cold):.0f} | {runs_32_36_plan(plan):.0f} | {plan.validation_s():.0f} | "
             f"{took:.0f}"
