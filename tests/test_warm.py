@@ -24,6 +24,7 @@ from kvtune.engine.traces import Request
 from kvtune.engine.warm import (
     KernelWarmer,
     WarmSpec,
+    planning_mlp,
     planning_spec,
     warm_requests,
     warm_scheduler,
@@ -68,6 +69,23 @@ def _replay_launches(config: HybridConfig) -> list[str]:
     launches = _recorded(config, warm_requests(config), warm_scheduler(SchedulerConfig()))
     kinds = [f" KIND={x.kwargs['KIND']}" if "KIND" in x.kwargs else "" for x in launches]
     return [x.fn.__name__ + kind for x, kind in zip(launches, kinds, strict=True)]
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_the_planning_models_mlp_kernel_specializes_as_the_workers(name: str, ahead: None) -> None:
+    """Every catalog model's fused SiLU-multiply launch and its planning model's compile one kernel (an MLP
+    of 256 compiled a block of 256 where a Llama-3.1-8B worker's took 1,024: run 39a's prime compiled it)."""
+    from kvtune.kernels.elementwise import silu_mul
+
+    def key(width: int) -> tuple[Any, ...]:
+        gate_up = torch.zeros(3, 2 * width, dtype=torch.bfloat16)
+        (launch,) = record_launches(lambda: silu_mul(gate_up))
+        return specialization(launch)
+
+    width = SHAPES[name].intermediate_size
+    assert planning_spec(SHAPES[name]).intermediate_size == planning_mlp(width) <= width
+    assert key(planning_mlp(width)) == key(width)
+    assert [key(w) == key(planning_mlp(w)) for w in (100, 1000, 1030, 5000, 14336)] == [True] * 5
 
 
 def test_planning_ahead_takes_the_gpus_kernels(ahead: None) -> None:
