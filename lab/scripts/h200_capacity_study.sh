@@ -22,7 +22,7 @@
 # quality measurement QWINDOWS (2) x (QPREFILL 1024 + QDECODE tokens: 64 for llama, 128 for smol), CLOCK (kvtune --clock; unset: gated,
 # kvtune's default for capacity), QMODEL (kvtune --quality-model; unset: the real SmolLM2, which needs the GGUF), SLO_PERCENTILE (kvtune --slo-percentile; unset: 90), SLO_TTFT_MS and SLO_TPOT_MS
 # (kvtune --slo-ttft-ms / --slo-tpot-ms; unset: derived from the unloaded replay, whose P99 TTFT moves ±25 %).
-# EXTRA: more kvtune options for every study (e.g. EXTRA=--piecewise).
+# EXTRA: more kvtune options for every study (e.g. EXTRA=--piecewise). GPU: the card (kvtune --gpu; h200).
 set -u
 out=${1:?usage: lab/scripts/h200_capacity_study.sh OUTDIR [llama|smol|both]}
 which=${2:-both}
@@ -59,7 +59,7 @@ study() {  # name model budget length-scale [extra options]
   log "capacity study $name: $model, KV budget $budget, lengths x$scale, $TRIALS trials, $MINUTES min, GPUs ${CUDA_VISIBLE_DEVICES:-all}"
   holds "$model" "$budget" "$scale" 2>/dev/null
   local start=$SECONDS
-  timeout "$(awk "BEGIN { print int($MINUTES * 60 + 420) }")" python3 -m kvtune --gpu h200 --model "$model" --workload $TRACE \
+  timeout "$(awk "BEGIN { print int($MINUTES * 60 + 420) }")" python3 -m kvtune --gpu ${GPU:-h200} --model "$model" --workload $TRACE \
     --objective capacity --kv-budget "$budget" --length-scale "$scale" --requests "$REQUESTS" --windows 1 \
     --trials "$TRIALS" --time-budget "$MINUTES" --quality-windows "${QWINDOWS:-2}" \
     --quality-prefill "${QPREFILL:-1024}" --quality-decode "${QDECODE:-128}" --no-passkey ${QMODEL:+--quality-model $QMODEL} ${CLOCK:+--clock $CLOCK} ${SLO_PERCENTILE:+--slo-percentile $SLO_PERCENTILE} \
