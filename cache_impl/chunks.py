@@ -22,6 +22,7 @@ fresh blocks; the rest becomes its hot zone, from position 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,11 +97,70 @@ def upload_aligned(parts: list[np.ndarray], device: torch.device) -> list[torch.
     return views
 
 
+@dataclass(frozen=True)
+class ChunkPad:
+    """The sizes a chunk plan is padded to, so that an iteration of these sizes has fixed shapes whatever its
+    chunks (a captured mixed iteration): ``tokens`` query rows given to the attention, ``rows`` packed rows,
+    ``chunks`` entries of the offsets (less one), ``seals`` seal entries (0 exactly when nothing seals),
+    ``hot`` hot-zone writes. Padding packed rows read new row 0 and no chunk attends to them; padding chunks
+    are empty; padding seal and hot-write entries repeat real ones (writing the same values again)."""
+
+    tokens: int
+    rows: int
+    chunks: int
+    seals: int
+    hot: int
+
+
+class ChunkStaging:
+    """Fixed device storage for chunk plans of at most ``capacity`` (a :class:`ChunkPad`), with a host
+    staging buffer (pinned on CUDA): a plan staged here is views at the same addresses for every plan of the
+    same :class:`ChunkPad`, which is what a captured iteration reads. One copy a plan, after the previous
+    plan's copy has left the staging buffer."""
+
+    def __init__(self, capacity: ChunkPad, device: torch.device) -> None:
+        c = capacity
+        self.capacity, self.device = c, device
+        self.sizes = (c.rows, c.rows, c.seals, c.seals, c.hot, c.hot, c.hot, 2 * (c.chunks + 1))
+        self.offsets = np.cumsum([0, *(n + n % 2 for n in self.sizes)])  # each part 16-byte aligned
+        total = int(self.offsets[-1])
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.dev = torch.zeros(total, dtype=torch.int64, device=device)
+        self.cu32 = torch.zeros(2, c.chunks + 1, dtype=torch.int32, device=device)
+        self._copied: Any = None
+
+    def fits(self, pad: ChunkPad) -> bool:
+        c = self.capacity
+        return (
+            pad.tokens <= c.tokens and pad.rows <= c.rows and pad.chunks <= c.chunks and pad.seals <= c.seals
+            and pad.hot <= c.hot
+        )  # fmt: skip
+
+    def stage(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """Copy ``parts`` (the plan's eight fields, each at most its capacity) to the device; their views."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous plan's copy has read the host buffer
+        host = self.host.numpy()
+        for a, at in zip(parts, self.offsets):
+            host[at : at + len(a)] = a
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return [self.dev[at : at + len(a)] for a, at in zip(parts, self.offsets)]
+
+
 def build_chunk_plan(
-    specs: list[ChunkSpec], block_size: int, hot_capacity: int, device: torch.device
+    specs: list[ChunkSpec],
+    block_size: int,
+    hot_capacity: int,
+    device: torch.device,
+    pad: ChunkPad | None = None,
+    staging: ChunkStaging | None = None,
 ) -> ChunkPlan:
     """The indices of ``specs`` (in the order their tokens come), packed on the host and uploaded once;
-    ``hot_capacity``: the hot zones' positions per slot (``C``)."""
+    ``hot_capacity``: the hot zones' positions per slot (``C``). ``pad``: padded to those sizes (a
+    ``ValueError`` where the chunks do not fit them), in ``staging``'s fixed storage where given."""
     bs = block_size
     bounds, key_bounds, done = [], [], []
     kinds, srcs, seal_ids, seal_starts, hot_rows, hot_slots, hot_pos = [], [], [], [], [], [], []
@@ -131,9 +191,20 @@ def build_chunk_plan(
     cu = np.zeros((2, len(specs) + 1), dtype=np.int64)
     cu[0, 1:] = np.cumsum([b - a for a, b in bounds])
     cu[1, 1:] = np.cumsum([b - a for a, b in key_bounds])
-    # every field 16-byte aligned: the kernels are one build whatever the chunks' lengths
-    *views, cu_dev = upload_aligned([*fields, cu.ravel()], device)
-    offsets = cu_dev.view(2, -1).to(torch.int32)
+    max_q, max_k = max(b - a for a, b in bounds), max(b - a for a, b in key_bounds)
+    if pad is not None:
+        fields, cu = _padded(fields, cu, q0, pad)
+        max_q, max_k = pad.tokens, pad.rows
+    if staging is not None:
+        if pad is None or not staging.fits(pad):
+            raise ValueError(f"build_chunk_plan: staging of {staging.capacity} takes plans padded within it")
+        *views, cu_dev = staging.stage([*fields, cu.ravel()])
+        offsets = staging.cu32[:, : cu.shape[1]]
+        offsets.copy_(cu_dev.view(2, -1))
+    else:
+        # every field 16-byte aligned: the kernels are one build whatever the chunks' lengths
+        *views, cu_dev = upload_aligned([*fields, cu.ravel()], device)
+        offsets = cu_dev.view(2, -1).to(torch.int32)
     return ChunkPlan(
         specs=tuple(specs),
         bounds=tuple(bounds),
@@ -148,6 +219,29 @@ def build_chunk_plan(
         hot_pos=views[6],
         cu_q=offsets[0],
         cu_k=offsets[1],
-        max_q=max(b - a for a, b in bounds),
-        max_k=max(b - a for a, b in key_bounds),
+        max_q=max_q,
+        max_k=max_k,
     )
+
+
+def _padded(
+    fields: list[np.ndarray], cu: np.ndarray, tokens: int, pad: ChunkPad
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """The plan's fields and offsets at ``pad``'s sizes (:class:`ChunkPad`)."""
+    kind, src, seal_ids, seal_starts, hot_rows, hot_slots, hot_pos = fields
+    n_rows, n_seals, n_chunks = len(kind), len(seal_ids), cu.shape[1] - 1
+    if not (
+        tokens <= pad.tokens and n_rows <= pad.rows and n_chunks <= pad.chunks and len(hot_rows) <= pad.hot
+        and (n_seals <= pad.seals if n_seals else pad.seals == 0)
+    ):  # fmt: skip
+        raise ValueError(
+            f"build_chunk_plan: {tokens} tokens, {n_rows} packed rows, {n_chunks} chunks, {n_seals} seals, "
+            f"{len(hot_rows)} hot writes do not fit {pad} (seals 0 exactly when nothing seals)"
+        )
+    rows = pad.rows - n_rows
+    kind = np.concatenate([kind, np.full(rows, NEW, dtype=np.int64)])
+    src = np.concatenate([src, np.zeros(rows, dtype=np.int64)])
+    seals = [np.resize(x, pad.seals) for x in (seal_ids, seal_starts)]  # repeats of real entries
+    hot = [np.resize(x, pad.hot) for x in (hot_rows, hot_slots, hot_pos)]
+    cu = np.concatenate([cu, np.repeat(cu[:, -1:], pad.chunks - n_chunks, axis=1)], axis=1)
+    return [kind, src, *seals, *hot], cu

@@ -49,7 +49,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kvtune.cache_impl.block_pool import BlockPool, CacheFullError, chain_hashes
-from kvtune.cache_impl.chunks import ChunkPlan, ChunkSpec, build_chunk_plan, upload, upload_aligned
+from kvtune.cache_impl.chunks import (
+    ChunkPad,
+    ChunkPlan,
+    ChunkSpec,
+    ChunkStaging,
+    build_chunk_plan,
+    upload,
+    upload_aligned,
+)
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.debug import DebugStats
 from kvtune.cache_impl.layout import CacheLayout, ModelKVShape, cache_layout, hot_capacity, kv_bytes_for
@@ -422,7 +430,9 @@ class HybridCache:
         first, every layer the same chunks); the same outputs and cache contents as one :meth:`prefill` per
         chunk, with a fixed number of operations per layer besides each chunk's attention."""
         if layer == 0:
-            self._chunk_plan = self._plan_chunks(chunks, q.shape[0])
+            if sum(t for _, t in chunks) != q.shape[0]:
+                raise ValueError(f"prefill_chunks: chunks {list(chunks)} for {q.shape[0]} rows")
+            self._chunk_plan = self.plan_chunks(chunks)
         plan = self._chunk_plan
         if (
             plan is None
@@ -430,17 +440,25 @@ class HybridCache:
             or any(self._seq(i).layers_done != layer for i, _ in chunks)
         ):
             raise ValueError(f"prefill_chunks(layer={layer}): the chunks of layer 0 must come layer by layer")
-        out = self._prefill_chunks_layer(layer, plan, q, k, v)
+        out = self.chunks_layer(layer, plan, q, k, v)
         for seq_id, _ in chunks:
             self._seq(seq_id).layers_done += 1
         if layer == self.shape.num_layers - 1:
-            self._finish_chunks(plan, chunks)
+            self.finish_chunks(plan, chunks)
+            self._chunk_plan = None
         return out
 
-    def _plan_chunks(self, chunks: Sequence[tuple[int, int]], rows: int) -> ChunkPlan:
-        """Layer 0 of :meth:`prefill_chunks`: check each chunk as :meth:`prefill` does, plan them all."""
-        if sum(t for _, t in chunks) != rows or len({i for i, _ in chunks}) != len(chunks):
-            raise ValueError(f"prefill_chunks: chunks {list(chunks)} (distinct sequences) for {rows} rows")
+    def plan_chunks(
+        self,
+        chunks: Sequence[tuple[int, int]],
+        pad: ChunkPad | None = None,
+        staging: ChunkStaging | None = None,
+    ) -> ChunkPlan:
+        """The plan of an iteration's prompt chunks ``chunks`` (seq_id, T), each checked as :meth:`prefill`
+        checks it (:func:`~kvtune.cache_impl.chunks.build_chunk_plan`: ``pad``, ``staging``). Then
+        :meth:`chunks_layer` at every layer and :meth:`finish_chunks` (what :meth:`prefill_chunks` does)."""
+        if not chunks or len({i for i, _ in chunks}) != len(chunks):
+            raise ValueError(f"prefill_chunks: chunks {list(chunks)} (distinct sequences, at least one)")
         specs = []
         bs, hot = self.config.block_size, self.config.hot_tokens
         for seq_id, t in chunks:
@@ -455,14 +473,16 @@ class HybridCache:
             blocks = self._st.table[seq.slot, : seq.sealed + n_seal].copy()
             specs.append(ChunkSpec(seq.slot, seq.hot_len, seq.sealed, t, n_seal, blocks))
             seq.chunk = t
-        return build_chunk_plan(specs, bs, hot_capacity(self.config), self.device)
+        return build_chunk_plan(specs, bs, hot_capacity(self.config), self.device, pad, staging)
 
-    def _prefill_chunks_layer(
+    def chunks_layer(
         self, layer: int, plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """One layer of every chunk: the packed keys and values (one kernel), one attention, the seal read
-        straight from the packed rows, the new hot zones (one kernel) (:mod:`kvtune.cache_impl.chunks`). K and
-        V are packed as two planes [2, K, H, D], so each is contiguous where the attention reads it."""
+        """One layer of every chunk of ``plan``: the packed keys and values (one kernel), one attention, the
+        seal read straight from the packed rows, the new hot zones (one kernel)
+        (:mod:`kvtune.cache_impl.chunks`). K and V are packed as two planes [2, K, H, D], so each is
+        contiguous where the attention reads it. q [N, Hq, D], k, v [N, H, D]: the chunks' rows, then (a
+        padded plan's) rows no chunk reads; → [N, Hq, D]. Reads nothing back on the host: capturable."""
         bs, pool, dt = self.config.block_size, self.pools[layer], self.shape.dtype
         hot = self.hot_kv[layer]
         packed = pack_kv(pool, hot, k, v, plan.pack_kind, plan.pack_src, dt)  # [2, K, H, D]
@@ -480,8 +500,9 @@ class HybridCache:
             hot_write(hot, packed[0], packed[1], plan.hot_slots, plan.hot_pos, plan.hot_rows)
         return out
 
-    def _finish_chunks(self, plan: ChunkPlan, chunks: Sequence[tuple[int, int]]) -> None:
-        """After the last layer: what :meth:`prefill` records per sequence when its chunk is done."""
+    def finish_chunks(self, plan: ChunkPlan, chunks: Sequence[tuple[int, int]]) -> None:
+        """After the last layer of ``plan``'s ``chunks``: what :meth:`prefill` records per sequence when its
+        chunk is done."""
         bs = self.config.block_size
         for (seq_id, t), spec in zip(chunks, plan.specs):
             seq = self._seq(seq_id)
@@ -494,7 +515,6 @@ class HybridCache:
                 seq.ready = True
                 self._ready[seq.slot] = True
                 self._register(seq, range(seq.hits, seq.num_blocks))
-        self._chunk_plan = None
 
     def _chunk_blocks(self, seq: _Seq, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block ids a prompt chunk of ``t`` tokens reads and seals, int64 on the device: (the ``sealed``
@@ -976,6 +996,9 @@ def chunks_attention(
         _causal_attention(q[a:b], k[c:d], v[c:d], done, sm_scale)
         for (a, b), (c, d), done in zip(plan.bounds, plan.key_bounds, plan.done)
     ]
+    rows = plan.bounds[-1][1]
+    if rows < q.shape[0]:  # a padded plan's rows no chunk reads
+        outs.append(q.new_zeros((q.shape[0] - rows, *q.shape[1:])))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -310,9 +310,73 @@ def test_fused_chunk_writes_give_the_chunk_by_chunk_prefill(tiny, bits, extra, d
     _same_state(caches[0], caches[1], [0, 1, *prompts])
 
 
-def _chunk_plan(device: torch.device | str = CPU):
+class _PaddedChunks:
+    """A cache as a captured iteration uses it: each iteration's chunk plan padded to fixed sizes in fixed
+    storage (``ChunkStaging``), each layer given ``pad.tokens`` query rows (the chunks', then rows of noise
+    no chunk reads)."""
+
+    def __init__(self, cache: HybridCache, pad: Any) -> None:
+        from kvtune.cache_impl.chunks import ChunkStaging
+
+        self.cache, self.pad, self.decode = cache, pad, cache.decode
+        self.staging = ChunkStaging(pad, cache.device)
+        self.plan: Any = None
+        self.addresses: set[tuple[int, ...]] = set()
+
+    def prefill_chunks(self, layer, chunks, q, k, v):
+        cache, n, extra = self.cache, q.shape[0], self.pad.tokens - q.shape[0]
+        if layer == 0:
+            self.plan = cache.plan_chunks(chunks, self.pad, self.staging)
+            fields = (self.plan.pack_kind, self.plan.seal_blocks, self.plan.hot_rows, self.plan.cu_q)
+            self.addresses.add(tuple(t.data_ptr() for t in fields))
+        gen = torch.Generator().manual_seed(layer)
+        noise = [torch.randn((extra, *x.shape[1:]), generator=gen).to(x.dtype) for x in (q, k, v)]
+        q, k, v = (torch.cat([x, z]) for x, z in zip((q, k, v), noise))
+        out = cache.chunks_layer(layer, self.plan, q, k, v)
+        assert out.shape[0] == self.pad.tokens
+        if layer == cache.shape.num_layers - 1:
+            cache.finish_chunks(self.plan, chunks)
+        return out[:n]
+
+
+@pytest.mark.parametrize(
+    ("bits", "extra"), [(0, {}), (4, {}), (8, SPARSE)], ids=["bf0", "int4", "int8-sparse"]
+)
+def test_a_padded_chunk_plan_in_fixed_storage_gives_the_fused_prefill(tiny, bits, extra):
+    """The iterations of the fused-writes test with every chunk plan padded to one size (packed rows, chunks,
+    seals and hot writes repeated or empty, query rows of noise): the same logits bitwise and the same cache
+    state, every plan at the same addresses; chunks that do not fit the sizes are refused."""
+    from kvtune.cache_impl.chunks import ChunkPad
+
+    config = _config(bits, **extra)
+    caches = [_prefilled(tiny, config, [25, 33], CPU, spare=4) for _ in range(2)]
+    prompts = {10: list(range(5, 62)), 11: list(range(100, 117)), 12: list(range(5, 29)) + [7] * 13}
+    iterations = [[(10, 24), (11, 16)], [(10, 1), (11, 1), (12, 30)], [(10, 32), (12, 7)]]
+    for cache in caches:
+        for seq_id, prompt in prompts.items():
+            cache.add_sequence(seq_id, prompt)
+    padded = _PaddedChunks(caches[1], ChunkPad(tokens=48, rows=160, chunks=4, seals=16, hot=96))
+    done = {i: caches[0]._seqs[i].prefilled for i in prompts}
+    for step, chunks in enumerate(iterations):
+        ids = [t for i, n in chunks for t in prompts[i][done[i] : done[i] + n]]
+        pos = [p for i, n in chunks for p in range(done[i], done[i] + n)]
+        logits = [
+            tiny.model.forward_mixed(view, None, torch.tensor(ids), torch.tensor(pos), 0, chunks)
+            for view in (caches[0], padded)
+        ]
+        assert torch.equal(logits[0], logits[1]), (step, float((logits[0] - logits[1]).abs().max()))
+        for i, n in chunks:
+            done[i] += n
+    _same_state(caches[0], caches[1], [0, 1, *prompts])
+    assert len(padded.addresses) == 1
+    caches[1].add_sequence(13, list(range(60)))
+    with pytest.raises(ValueError, match="do not fit"):
+        caches[1].plan_chunks([(13, 60)], padded.pad, padded.staging)
+
+
+def _chunk_plan(device: torch.device | str = CPU, pad: Any = None):
     """Three chunks (block size 4): a first chunk, a later one with a cached prefix of 2 blocks and 3 hot
-    tokens that seals 2 blocks, a later one with only hot tokens."""
+    tokens that seals 2 blocks, a later one with only hot tokens (``pad``: padded so)."""
     from kvtune.cache_impl.chunks import ChunkSpec, build_chunk_plan
 
     specs = [
@@ -320,7 +384,7 @@ def _chunk_plan(device: torch.device | str = CPU):
         ChunkSpec(slot=0, hot_len=3, sealed=2, tokens=7, n_seal=2, blocks=np.array([9, 4, 7, 1])),
         ChunkSpec(slot=5, hot_len=2, sealed=0, tokens=1, n_seal=0, blocks=np.array([], dtype=np.int64)),
     ]
-    return build_chunk_plan(specs, 4, 10, torch.device(device))
+    return build_chunk_plan(specs, 4, 10, torch.device(device), pad)
 
 
 def test_chunk_plan_packs_each_chunks_prefix_hot_and_new_tokens():
@@ -392,6 +456,27 @@ def test_flash_chunks_attention_gives_the_chunk_by_chunk_attention_gpu(head_dim)
     each = chunks_attention(q, k, v, plan, scale, flash=False)
     assert flash.shape == each.shape == q.shape
     torch.testing.assert_close(flash.float(), each.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: FlashAttention's variable-length kernel")
+def test_flash_over_a_padded_chunk_plan_gives_the_unpadded_plans_rows_gpu():
+    """FlashAttention over the plan padded as a captured iteration pads it (empty chunks, more query rows
+    and packed rows than the chunks hold, the longest lengths the pads'): the unpadded call's rows, within
+    bf16 rounding (the longest lengths may change how the kernel splits its work)."""
+    from kvtune.cache_impl.chunks import ChunkPad
+    from kvtune.cache_impl.hybrid_cache import chunks_attention
+
+    plan = _chunk_plan("cuda")
+    padded = _chunk_plan("cuda", ChunkPad(tokens=32, rows=64, chunks=8, seals=4, hot=32))
+    assert (padded.max_q, padded.max_k, padded.cu_q.numel()) == (32, 64, 9)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(32, 8, 128, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(64, 2, 128, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    want = chunks_attention(q[:14], k[:27], v[:27], plan, 0.125, flash=True)
+    got = chunks_attention(q, k, v, padded, 0.125, flash=True)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got[:14].float(), want.float(), rtol=0, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -308,7 +308,7 @@ def test_a_gpu_iterations_layers_read_nothing_back_on_the_host(
                 self.seen.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    calls = {"decode": 0, "_prefill_chunks_layer": 0}
+    calls = {"decode": 0, "chunks_layer": 0}
     spy = Reads()
 
     def watched(name: str) -> Any:
@@ -324,5 +324,5 @@ def test_a_gpu_iterations_layers_read_nothing_back_on_the_host(
     for name in calls:
         monkeypatch.setattr(HybridCache, name, watched(name))
     _recorded(config, warm_requests(config), SchedulerConfig(graphs=False))
-    assert calls["decode"] > 0 and calls["_prefill_chunks_layer"] > 0, calls
+    assert calls["decode"] > 0 and calls["chunks_layer"] > 0, calls
     assert not spy.seen, sorted(set(spy.seen))
