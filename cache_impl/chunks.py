@@ -21,6 +21,7 @@ fresh blocks; the rest becomes its hot zone, from position 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,12 +156,13 @@ def build_chunk_plan(
     block_size: int,
     hot_capacity: int,
     device: torch.device,
-    pad: ChunkPad | None = None,
+    pad: ChunkPad | Callable[[ChunkPad], ChunkPad] | None = None,
     staging: ChunkStaging | None = None,
 ) -> ChunkPlan:
     """The indices of ``specs`` (in the order their tokens come), packed on the host and uploaded once;
     ``hot_capacity``: the hot zones' positions per slot (``C``). ``pad``: padded to those sizes (a
-    ``ValueError`` where the chunks do not fit them), in ``staging``'s fixed storage where given."""
+    ``ValueError`` where the chunks do not fit them), or to the sizes it returns for the plan's own (a
+    function), in ``staging``'s fixed storage where given."""
     bs = block_size
     bounds, key_bounds, done = [], [], []
     kinds, srcs, seal_ids, seal_starts, hot_rows, hot_slots, hot_pos = [], [], [], [], [], [], []
@@ -192,6 +194,8 @@ def build_chunk_plan(
     cu[0, 1:] = np.cumsum([b - a for a, b in bounds])
     cu[1, 1:] = np.cumsum([b - a for a, b in key_bounds])
     max_q, max_k = max(b - a for a, b in bounds), max(b - a for a, b in key_bounds)
+    if callable(pad):
+        pad = pad(ChunkPad(q0, len(fields[0]), len(specs), len(fields[2]), len(fields[4])))
     if pad is not None:
         fields, cu = _padded(fields, cu, q0, pad)
         max_q, max_k = pad.tokens, pad.rows

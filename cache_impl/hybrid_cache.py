@@ -451,7 +451,7 @@ class HybridCache:
     def plan_chunks(
         self,
         chunks: Sequence[tuple[int, int]],
-        pad: ChunkPad | None = None,
+        pad: ChunkPad | Callable[[ChunkPad], ChunkPad] | None = None,
         staging: ChunkStaging | None = None,
     ) -> ChunkPlan:
         """The plan of an iteration's prompt chunks ``chunks`` (seq_id, T), each checked as :meth:`prefill`
@@ -474,6 +474,19 @@ class HybridCache:
             specs.append(ChunkSpec(seq.slot, seq.hot_len, seq.sealed, t, n_seal, blocks))
             seq.chunk = t
         return build_chunk_plan(specs, bs, hot_capacity(self.config), self.device, pad, staging)
+
+    def chunk_sizes(self, chunks: Sequence[tuple[int, int]]) -> ChunkPad:
+        """The exact sizes of the plan :meth:`plan_chunks` would build for ``chunks`` (its tokens, packed
+        rows, chunks, seals and hot writes), with no check and nothing changed."""
+        bs, hot = self.config.block_size, self.config.hot_tokens
+        rows = seals = tails = 0
+        for seq_id, t in chunks:
+            seq = self._seq(seq_id)
+            n_seal = max(0, (seq.hot_len + t - hot) // bs)
+            rows += seq.sealed * bs + seq.hot_len + t
+            seals += n_seal
+            tails += seq.hot_len + t - n_seal * bs
+        return ChunkPad(sum(t for _, t in chunks), rows, len(chunks), seals, tails)
 
     def chunks_layer(
         self, layer: int, plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

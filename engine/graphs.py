@@ -179,8 +179,7 @@ class DecodeGraphs:
         (before anything of the step runs, so a caller can time the step after this)."""
         info = self.cache.prepare_step(slots, tokens, now_ms, self.buffers, self)
         if self.capture:
-            if info.num_seals and info.seal_rows not in self._seal_graphs:
-                self._seal_graphs[info.seal_rows] = self._capture_seal(info)
+            self.ensure_seal_graph(info)
             timed = self._timed_now()
             if (info.rows, info.width, timed) not in self._graphs:
                 self._capture_forward(info, timed)
@@ -188,11 +187,7 @@ class DecodeGraphs:
 
     def run(self, info: StepInfo) -> bool:
         """(b) + (c): the seals, then the forward (replays on CUDA). Returns whether attention is timed."""
-        if info.num_seals:
-            if self.capture:
-                self._seal_graphs[info.seal_rows].replay()
-            else:
-                self.cache.seal_static(self.buffers, info.seal_rows)
+        self.seal(info)
         timed = self._timed_now()  # uncaptured steps too, so a CPU runs the same steps in flight
         if not self.capture:
             self._marks = []
@@ -203,6 +198,30 @@ class DecodeGraphs:
             self._graph.graph.replay()
         self._replays += 1
         return timed
+
+    def ensure_seal_graph(self, info: StepInfo) -> None:
+        """Capture the seal graph a staged step with seals needs, if not yet (on CUDA)."""
+        if self.capture and info.num_seals and info.seal_rows not in self._seal_graphs:
+            self._seal_graphs[info.seal_rows] = self._capture_seal(info)
+
+    def seal(self, info: StepInfo) -> None:
+        """(b): the staged step's seals, if any (a replay on CUDA)."""
+        if not info.num_seals:
+            return
+        if self.capture:
+            self._seal_graphs[info.seal_rows].replay()
+        else:
+            self.cache.seal_static(self.buffers, info.seal_rows)
+
+    def spare_rows(self, rows: int) -> torch.Tensor:
+        """``rows`` entries of :attr:`slot_tokens`' spare index (where padding rows write their token)."""
+        return self._spare[:rows]
+
+    def capture_graph(self, fn: Callable[[], None], restore: Callable[[], None]) -> Any:
+        """A CUDA graph of ``fn`` in this runner's pool, after one uncaptured run of it and ``restore()``
+        (:attr:`capture_ms` counts its time: :class:`~kvtune.engine.mixed_graphs.MixedGraphs` captures
+        through here)."""
+        return self._capture(fn, restore)
 
     def attention_marks(self) -> list[tuple[Any, Any]]:
         """The (start, end) marks around each layer's attention in the last step run with timing: read them

@@ -120,6 +120,23 @@ class PiecewiseForward:
         m = self.model
         return F.linear(add_rms_norm(x, delta, m.norm, m.spec.rms_eps)[1], m.lm_head).float()
 
+    def stage_inputs(self, token_ids: torch.Tensor, positions: torch.Tensor, n: int) -> None:
+        """The first ``n`` rows of the static inputs (device tensors; a captured iteration's own copy)."""
+        self._tokens[:n].copy_(token_ids)
+        self._positions[:n].copy_(positions)
+
+    def forward_rows(self, nb: int, attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row of bucket ``nb`` through every layer, the pieces run directly (no graph: a caller
+        capturing the whole forward captures them with it) and ``attend(i, q, k, v)`` given all ``nb`` rows;
+        the residual stream and the last MLP's output [nb, hidden] (views of the static buffers), before the
+        final norm."""
+        self._run_piece(nb, 0)
+        for i in range(len(self.model.layers)):
+            out = attend(i, self._q[:nb], self._k[:nb], self._v[:nb])
+            self._attn[:nb].copy_(out.reshape(nb, -1))
+            self._run_piece(nb, i + 1)
+        return self._x[:nb], self._delta[:nb]
+
     def _piece(self, nb: int, i: int) -> None:
         if self.capture:
             self._graphs[(nb, i)].replay()

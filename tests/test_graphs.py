@@ -374,6 +374,130 @@ def test_a_padded_chunk_plan_in_fixed_storage_gives_the_fused_prefill(tiny, bits
         caches[1].plan_chunks([(13, 60)], padded.pad, padded.staging)
 
 
+def _mixed_iterations(tiny, config, device, run_static, steps=None):
+    """Prompt chunks beside two decode rows over three iterations (first chunks, later chunks whose hot zones
+    seal with them, 1-token chunks; the decode rows' zones seal on the way), eagerly through
+    ``forward_mixed`` on one cache and through ``run_static(cache, slots, tokens, positions, chunks, ids,
+    chunk_positions, now)`` (logits of the decode rows, then of each chunk) on another: both logits per
+    iteration and both caches."""
+    caches = [_prefilled(tiny, config, [25, 33], device, spare=4) for _ in range(2)]
+    prompts = {10: list(range(5, 62)), 11: list(range(100, 117)), 12: list(range(5, 29)) + [7] * 13}
+    prompts[13] = list(range(200, 230))
+    iterations = [[(10, 24), (11, 16)], [(10, 1), (11, 1), (12, 30)], [(10, 32), (12, 7), (13, 5)]]
+    iterations = steps or iterations + [[(13, 5)]] * 5  # the decode rows' zones seal on the way
+    for cache in caches:
+        for seq_id, prompt in prompts.items():
+            cache.add_sequence(seq_id, prompt)
+    done = {i: caches[0]._seqs[i].prefilled for i in prompts}
+    tokens = np.array([4, 9], dtype=np.int64)
+    sealed = caches[0]._seqs[0].num_blocks
+    out = []
+    for step, chunks in enumerate(iterations):
+        ids = np.array([t for i, n in chunks for t in prompts[i][done[i] : done[i] + n]], dtype=np.int64)
+        cpos = np.array([p for i, n in chunks for p in range(done[i], done[i] + n)], dtype=np.int64)
+        slots = np.array([caches[0].slot_of(0), caches[0].slot_of(1)])
+        positions = caches[0].lengths(slots)
+        now = 1.0 + step
+        plan = caches[0].begin_step([0, 1], now)
+        eager = tiny.model.forward_mixed(
+            caches[0], plan, torch.from_numpy(np.concatenate([tokens, ids])).to(device),
+            torch.from_numpy(np.concatenate([positions, cpos])).to(device), 2, chunks,
+        )  # fmt: skip
+        caches[0].end_step(plan)
+        static = run_static(caches[1], slots, tokens, positions, chunks, ids, cpos, now)
+        out.append((eager, static))
+        tokens = eager[:2].argmax(-1).cpu().numpy()
+        for i, n in chunks:
+            done[i] += n
+    assert caches[0]._seqs[0].num_blocks > sealed  # a decode row sealed a block
+    return caches, out, [0, 1, *prompts]
+
+
+@pytest.mark.parametrize(("bits", "extra"), [(0, {}), (8, {}), (4, {})], ids=["bf0", "int8", "int4"])
+def test_a_static_mixed_iteration_gives_the_eager_mixed_forward(tiny, bits, extra):
+    """The mixed iterations' runner (:class:`MixedGraphs`, uncaptured: the function a graph captures, over
+    the padded shapes) gives the eager mixed forward's logits (padding only reorders float sums) and
+    tokens, and leaves the cache in the same state; a sparse config is refused."""
+    from kvtune.engine.mixed_graphs import MixedGraphs
+    from kvtune.engine.piecewise import PiecewiseForward
+
+    config = _config(bits, **extra)
+    pieces = PiecewiseForward(tiny.model, 128, capture=False)
+    runners: dict[int, Any] = {}
+
+    def run_static(cache, slots, tokens, positions, chunks, ids, cpos, now):
+        if id(cache) not in runners:
+            decode = DecodeGraphs(tiny.model, cache, 4, 16, capture=False, padded=True)
+            runners[id(cache)] = MixedGraphs(tiny.model, cache, decode, pieces, 4, 512, False, True)
+        mixed = runners[id(cache)]
+        assert mixed.fits(len(slots), chunks)
+        info = mixed.prepare(slots, tokens, positions, chunks, ids, cpos, now)
+        got = mixed.run(info)
+        mixed.finish(info)
+        assert mixed.logits is not None
+        r = info.decode_rows
+        logits = torch.cat([mixed.logits[: len(slots)], mixed.logits[r : r + len(chunks)]])
+        assert torch.equal(got, logits.argmax(-1))
+        return logits
+
+    caches, out, ids = _mixed_iterations(tiny, config, CPU, run_static)
+    for step, (want, got) in enumerate(out):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"iteration {step}")
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    _same_state(caches[0], caches[1], ids, exact=False)
+    sparse = _prefilled(tiny, _config(8, **SPARSE), [25], CPU)
+    with pytest.raises(ValueError, match="dense configs only"):
+        MixedGraphs(tiny.model, sparse, DecodeGraphs(tiny.model, sparse, 4, 16, False), pieces, 4, 512, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: CUDA graphs, FlashAttention")
+@pytest.mark.parametrize("bits", [0, 8, 4])
+def test_captured_mixed_iterations_give_the_eager_mixed_forward_gpu(bits):
+    """SmolLM2's shape in bfloat16 on CUDA: the mixed iterations of the CPU test, each replayed as one
+    captured graph (five of them replay one graph again with new chunks), give the eager mixed forward's
+    logits within bf16 rounding (4 ulps of each row's largest logit, :func:`bf16_logit_bound`) and its
+    tokens wherever the eager top two logits are further apart than that; both caches hold the same
+    sequences and blocks, and hot zones within 4 ulps of their largest value."""
+    from types import SimpleNamespace
+
+    from kvtune.engine.mixed_graphs import MixedGraphs
+    from kvtune.engine.model import load_model
+    from kvtune.engine.piecewise import PiecewiseForward
+
+    model = load_model("random:smollm2-135m", "cuda", torch.bfloat16).model
+    smol = SimpleNamespace(model=model, spec=model.spec)
+    pieces = PiecewiseForward(model, 128, capture=True)
+    runners: dict[int, Any] = {}
+
+    def run_static(cache, slots, tokens, positions, chunks, ids, cpos, now):
+        if id(cache) not in runners:
+            decode = DecodeGraphs(model, cache, 4, 16, capture=True)
+            runners[id(cache)] = MixedGraphs(model, cache, decode, pieces, 4, 512, True, True)
+        mixed = runners[id(cache)]
+        info = mixed.prepare(slots, tokens, positions, chunks, ids, cpos, now)
+        mixed.run(info)
+        mixed.finish(info)
+        r = info.decode_rows
+        return torch.cat([mixed.logits[: len(slots)], mixed.logits[r : r + len(chunks)]]).clone()
+
+    caches, out, ids = _mixed_iterations(smol, _config(bits, block_size=16), torch.device("cuda"), run_static)
+    for step, (want, got) in enumerate(out):
+        bound = 4 * bf16_logit_bound(want)
+        assert ((got - want).abs() <= bound).all(), (step, float((got - want).abs().max()))
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * bound.squeeze(-1)
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear]), step
+    mixed = next(iter(runners.values()))
+    assert 0 < mixed.captures < len(out)
+    for i in ids:
+        a, b = caches[0]._seqs[i], caches[1]._seqs[i]
+        assert (a.length, a.hot_len, a.blocks) == (b.length, b.hot_len, b.blocks), i
+        za = caches[0].hot_kv[:, :, a.slot, :, : a.hot_len].float()
+        zb = caches[1].hot_kv[:, :, b.slot, :, : b.hot_len].float()
+        assert float((za - zb).abs().max()) <= 4 * float(bf16_ulp(zb.abs().max())), i
+
+
 def _chunk_plan(device: torch.device | str = CPU, pad: Any = None):
     """Three chunks (block size 4): a first chunk, a later one with a cached prefix of 2 blocks and 3 hot
     tokens that seals 2 blocks, a later one with only hot tokens (``pad``: padded so)."""
