@@ -134,6 +134,12 @@ def _args() -> argparse.Namespace:
         help="forwards with prompt tokens run their dense parts as CUDA graphs per token bucket, attention "
         "eagerly between them (kvtune.engine.piecewise)",
     )
+    p.add_argument(
+        "--mixed-graphs",
+        action="store_true",
+        help="forwards with prompt tokens whose shapes fit replayed whole as one graph per shape bucket "
+        "(kvtune.engine.mixed_graphs; dense configs)",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -159,7 +165,11 @@ def main() -> None:
     configs = args.configs or [CONFIGS / f"{c}.json" for c in DEFAULT_CONFIGS]
     budgets = [(b, _budget(b, loaded, device)) for b in (args.kv_budget or ["default"])]
     ours = SchedulerConfig(
-        args.max_num_seqs, args.max_num_batched_tokens, mixed=not args.no_mixed, piecewise=args.piecewise
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        mixed=not args.no_mixed,
+        piecewise=args.piecewise,
+        mixed_graphs=args.mixed_graphs,
     )
     engines = [("engine", ours, args.repeats)] + ([("baseline", BASELINE, 1)] if args.baseline else [])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -12,6 +12,8 @@ that is not a view or a no-op conversion.
     python benchmarks/mixed_ops.py examples/configs/q_int8.json --decode 16 --chunks 4 --chunk 64
     python benchmarks/mixed_ops.py examples/configs/q_int8.json --decode 16 --chunks 4 --chunk 64 --piecewise
 
+``--mixed-graphs``: the iteration as the engine's mixed graphs run it (``kvtune.engine.mixed_graphs``).
+
 ``--host N`` times instead where the host's time goes, on the device given (a GPU's host is what the capacity
 probes wait for): N iterations, each from an idle device, the host's launch time (from the step's plan to its
 last enqueued op, before the tokens are read back) and the whole iteration's wall, in all and per layer; then
@@ -19,7 +21,7 @@ one more under ``cProfile``, its 25 costliest functions by their own time, then 
 launchers' 40 costliest by cumulative time.
 
     python benchmarks/mixed_ops.py examples/configs/q_int8.json --model random:llama-3.1-8b --device cuda \
-        --dtype bfloat16 --host 20 [--piecewise]
+        --dtype bfloat16 --host 20 [--piecewise | --mixed-graphs]
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
 from kvtune.cache_impl.layout import kv_bytes_for
+from kvtune.engine.graphs import DecodeGraphs
+from kvtune.engine.mixed_graphs import MixedGraphs
 from kvtune.engine.model import load_model
 from kvtune.engine.options import DTYPES
 from kvtune.engine.piecewise import PiecewiseForward
@@ -65,6 +69,12 @@ def _args() -> argparse.Namespace:
         action="store_true",
         help="the dense parts as pieces (kvtune.engine.piecewise), each piece counted as one graph launch",
     )
+    p.add_argument(
+        "--mixed-graphs",
+        action="store_true",
+        help="the whole iteration as the engine's mixed graphs run it (kvtune.engine.mixed_graphs): one "
+        "graph replay where the host is timed on a GPU; counted, the operators that graph holds",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument(
         "--host",
@@ -76,7 +86,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--json", type=Path, default=None)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.mixed_graphs and args.chunks < 1:
+        p.error("--mixed-graphs: an iteration of at least one chunk (--chunks >= 1)")
+    return args
 
 
 class Scene:
@@ -100,6 +113,13 @@ class Scene:
             capture = bool(args.host) and self.device.type == "cuda"
             self.pieces = PiecewiseForward(self.model, 2048, capture=capture)
             self.pieces.capture_all()
+        self.mixed = None
+        if args.mixed_graphs:  # captured where the host is timed on a GPU, run directly where counted
+            capture = bool(args.host) and self.device.type == "cuda"
+            blocks = self.cache.layout.blocks_for(args.context + 128)
+            decode = DecodeGraphs(self.model, self.cache, max(1, args.decode), blocks, capture, padded=True)
+            pieces = self.pieces or PiecewiseForward(self.model, 2048, capture=False)
+            self.mixed = MixedGraphs(self.model, self.cache, decode, pieces, args.chunks, 8192, capture)
 
     def _add(self, n: int, prefill: int) -> int:
         seq_id, self.next_id = self.next_id, self.next_id + 1
@@ -132,10 +152,18 @@ class Scene:
         cache, b = self.cache, len(self.slots)
         ids = [np.full(b, 3, dtype=np.int64)] + [np.full(n, 5, dtype=np.int64) for _, _, n in chunks]
         positions = [cache.lengths(self.slots)] + [np.arange(s, s + n) for _, s, n in chunks]
+        segments = [(seq_id, n) for seq_id, _, n in chunks]
+        if self.mixed is not None:  # as Engine._graph_forward
+            chunk_ids, chunk_positions = np.concatenate(ids[1:]), np.concatenate(positions[1:])
+            info = self.mixed.prepare(
+                self.slots, ids[0], positions[0], segments, chunk_ids, chunk_positions, 1.0
+            )
+            tokens = self.mixed.run(info)
+            self.mixed.finish(info)
+            return tokens
         plan = cache.begin_step_slots(self.slots, 1.0)
         inputs = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(positions)]))
         inputs = inputs.to(self.device)
-        segments = [(seq_id, n) for seq_id, _, n in chunks]
         logits = self.model.forward_mixed(cache, plan, inputs[0], inputs[1], b, segments, pieces=self.pieces)
         tokens = logits.argmax(dim=-1)
         cache.end_step(plan)
@@ -262,7 +290,7 @@ def main() -> None:
             host = host_times(Scene(loaded, config, args), args.host)
         layers = loaded.spec.num_layers
         launch, wall = statistics.median(host["launch_ms"]), statistics.median(host["wall_ms"])
-        pieces = " (pieces)" if args.piecewise else ""
+        pieces = " (one graph)" if args.mixed_graphs else " (pieces)" if args.piecewise else ""
         print(
             f"{args.model} · {args.config.stem} · {args.decode} decode rows + {args.chunks} chunks of "
             f"{args.chunk} on {args.device}{pieces}: host launch {launch:.2f} ms "

@@ -54,6 +54,7 @@ from kvtune.engine.metrics import (
     copy_bandwidth_gbs,
     summarize,
 )
+from kvtune.engine.mixed_graphs import MixedGraphs
 from kvtune.engine.options import CPU_BUDGET_CAP_BYTES, max_num_seqs_for
 from kvtune.engine.outputs import SlotOutputs
 from kvtune.engine.piecewise import PIECE_BUCKETS, PiecewiseForward
@@ -86,13 +87,17 @@ GATE_CLIP = 3.0
 
 # each model's piecewise forward (Engine._piecewise), kept while the model lives
 _PIECES: weakref.WeakKeyDictionary[Any, PiecewiseForward] = weakref.WeakKeyDictionary()
+# ... uncaptured, for the static buffers and piece functions of the mixed graphs (without ``piecewise``)
+_PIECE_BUFFERS: weakref.WeakKeyDictionary[Any, PiecewiseForward] = weakref.WeakKeyDictionary()
+MAX_PACKED = 32768  # the most packed rows of a mixed iteration replayed as a graph (MixedGraphs)
 
 
 class GateSizes:
     """What the next gate of each kind of iteration asks, from the host times of that kind's recent gated
     segments. A kind is (``step``: a captured decode step; ``decode``: an eager one; ``prefill``: one prompt
-    chunk alone; ``chunks``: several; ``mixed``: decode rows and chunks, number of chunks): an eager forward
-    launches every op of every layer, a captured step one graph, so one history for both would size a
+    chunk alone; ``chunks``: several; ``mixed``: decode rows and chunks, number of chunks; ``graph``: a
+    forward with prompt tokens replayed as one graph, :class:`MixedGraphs`): an eager forward launches
+    every op of every layer, a captured step one graph, so one history for both would size a
     forward's gate from the steps' (run 28a: 141 of 263 gates opened inside a prefill sized that way). An
     eager forward's segments (:class:`_Gate`) keep two histories: its first (the iteration's set-up and its
     first layer) and the rest (a layer each). A kind first met with another number of chunks scales the
@@ -545,12 +550,25 @@ class Engine:
         return pieces
 
     def _decode_graphs(self, cache: HybridCache, settings: EngineSettings) -> DecodeGraphs | None:
+        """The cache's decode graphs (None: ``graphs`` off), with its mixed iterations' graphs where the
+        options ask for them (``mixed_graphs``, a dense config)."""
         if not settings.graphs:
             return None
         max_blocks = min(cache.layout.num_blocks, cache.layout.blocks_for(settings.max_model_len))
-        return DecodeGraphs(
+        graphs = DecodeGraphs(
             self.model, cache, settings.max_num_seqs, max(1, max_blocks), settings.cuda_graphs
         )
+        if self.scheduler_config.mixed_graphs and not cache.sparse:
+            pieces = _PIECES.get(self.model) or _PIECE_BUFFERS.get(self.model)
+            if pieces is None:  # its static buffers and piece functions (the graphs capture them whole)
+                pieces = PiecewiseForward(self.model, PIECE_BUCKETS[-1], capture=False)
+                _PIECE_BUFFERS[self.model] = pieces
+            packed = settings.max_num_batched_tokens + 2 * settings.max_model_len
+            graphs.mixed = MixedGraphs(
+                self.model, cache, graphs, pieces, settings.max_num_seqs, min(packed, MAX_PACKED),
+                settings.cuda_graphs,
+            )  # fmt: skip
+        return graphs
 
     # -------------------------------------------------------------------------------------------- loop
 
@@ -890,44 +908,57 @@ class Engine:
         start: Any,
         progress: Progress | None,
     ) -> None:
-        """One eager forward of the decode rows ``slots`` (may be none) and prompt ``chunks``."""
-        self._land(run, progress)  # an eager forward feeds tokens from the host
+        """One forward of the decode rows ``slots`` (may be none) and prompt ``chunks``: eager (op by op or
+        in pieces), or replayed as one graph where the mixed graphs take its shapes
+        (:meth:`_graph_forward`)."""
+        self._land(run, progress)  # the forward feeds tokens from the host
         cache, b = run.cache, len(slots)
-        bytes_before = self._attention_bytes(run, timed=b > 0)  # reads the device: before the gate
+        segments = [(seq.seq_id, n) for seq, n in chunks]
+        mixed = run.graphs.mixed if run.graphs is not None else None
+        graph = mixed is not None and mixed.fits(b, segments)
+        # reads the device: before the gate
+        bytes_before = self._attention_bytes(run, timed=b > 0 and not graph)
         if self._gated():  # the device idles from here
-            kind = "mixed" if b else "prefill" if len(chunks) == 1 else "chunks"
-            start = self._gate(run, (kind, len(chunks)))
+            kind = "graph" if graph else "mixed" if b else "prefill" if len(chunks) == 1 else "chunks"
+            start = self._gate(run, (kind, 0 if graph else len(chunks)))
         ids, positions = [run.outputs.last_tokens(slots)], [cache.lengths(slots)]
         for seq, n in chunks:
             ids.append(np.asarray(seq.tokens[seq.prefilled : seq.prefilled + n], dtype=np.int64))
             positions.append(np.arange(seq.prefilled, seq.prefilled + n, dtype=np.int64))
-        plan = cache.begin_step_slots(slots, run.clock.now_ms()) if b else None
-        packed = np.stack([np.concatenate(ids), np.concatenate(positions)])
-        inputs = upload(torch.from_numpy(packed), self.device)
-        pieces = self._piecewise()
-        if pieces is not None and pieces.fits(packed.shape[1]):
-            run.add("piecewise_forwards", 1)
-        model_start, launch_t0 = self.timer.mark(), time.perf_counter()
-        between = self._layer_gates(run)
-        segments = [(seq.seq_id, n) for seq, n in chunks]
-        logits = self.model.forward_mixed(run.timed, plan, inputs[0], inputs[1], b, segments, between, pieces)
-        model_end = self.timer.mark()
-        launch_ms = (time.perf_counter() - launch_t0) * 1000.0
-        next_tokens = logits.argmax(dim=-1)
-        if plan is not None:
-            cache.end_step(plan)
-        end = self.timer.mark()
-        sleeps = self._gate_close(run)
-        next_np = next_tokens.cpu().numpy()  # synchronizes
-        slept = self._slept_ms(sleeps)  # the sleeps between layers: no time of the iteration's
-        iteration_ms = max(0.0, self.timer.elapsed_ms(start, end) - slept - self._stalled(run))
+        if graph:
+            assert mixed is not None
+            next_np, iteration_ms, model_ms, launch_ms = self._graph_forward(
+                run, mixed, slots, segments, ids, positions, start
+            )
+        else:
+            plan = cache.begin_step_slots(slots, run.clock.now_ms()) if b else None
+            packed = np.stack([np.concatenate(ids), np.concatenate(positions)])
+            inputs = upload(torch.from_numpy(packed), self.device)
+            pieces = self._piecewise()
+            if pieces is not None and pieces.fits(packed.shape[1]):
+                run.add("piecewise_forwards", 1)
+            model_start, launch_t0 = self.timer.mark(), time.perf_counter()
+            between = self._layer_gates(run)
+            logits = self.model.forward_mixed(
+                run.timed, plan, inputs[0], inputs[1], b, segments, between, pieces
+            )
+            model_end = self.timer.mark()
+            launch_ms = (time.perf_counter() - launch_t0) * 1000.0
+            next_tokens = logits.argmax(dim=-1)
+            if plan is not None:
+                cache.end_step(plan)
+            end = self.timer.mark()
+            sleeps = self._gate_close(run)
+            next_np = next_tokens.cpu().numpy()  # synchronizes
+            slept = self._slept_ms(sleeps)  # the sleeps between layers: no time of the iteration's
+            iteration_ms = max(0.0, self.timer.elapsed_ms(start, end) - slept - self._stalled(run))
+            model_ms = min(self.timer.elapsed_ms(model_start, model_end) - slept, iteration_ms)
+            run.add("eager_forward_ms", model_ms)
+            run.add("eager_launch_ms", launch_ms)
         run.clock.advance(iteration_ms)
-        model_ms = min(self.timer.elapsed_ms(model_start, model_end) - slept, iteration_ms)
         run.add("prefill_ms", model_ms)
         run.add("forward_ms", model_ms)
         run.add("prefill_chunks", len(chunks))
-        run.add("eager_forward_ms", model_ms)
-        run.add("eager_launch_ms", launch_ms)
         prompt = sum(n for _, n in chunks)
         run.forwards.append({"decode_rows": b, "prompt_tokens": prompt, "chunks": len(chunks),
                              "device_ms": model_ms, "launch_ms": launch_ms})  # fmt: skip
@@ -936,7 +967,8 @@ class Engine:
             run.add("mixed_iterations", 1)
             run.add("decode_ms", iteration_ms)
             run.add("model_ms", model_ms)
-            self._add_attention(run, run.timed.take_attention_ms(), bytes_before)
+            if not graph:  # a graph's attention is not timed inside it
+                self._add_attention(run, run.timed.take_attention_ms(), bytes_before)
             run.peak("peak_running", b)
             self._emit(run, slots, next_np[:b], progress)
         done = [(j, seq) for j, (seq, n) in enumerate(chunks) if seq.prefilled + n == seq.prefill_target]
@@ -945,6 +977,43 @@ class Engine:
         if done:  # a finished prompt emits its first token and decodes from the next iteration on
             first = np.asarray([seq.slot for _, seq in done], dtype=np.int64)
             self._emit(run, first, next_np[[b + j for j, _ in done]], progress, start_decoding=True)
+
+    def _graph_forward(
+        self,
+        run: _Run,
+        mixed: MixedGraphs,
+        slots: np.ndarray,
+        segments: list[tuple[int, int]],
+        ids: list[np.ndarray],
+        positions: list[np.ndarray],
+        start: Any,
+    ) -> tuple[np.ndarray, float, float, float]:
+        """:meth:`_forward` as one graph replay (:class:`MixedGraphs`): the decode rows staged as a static
+        step, the chunks' padded plan staged, the graph captured on first use (its time left out of the
+        clock, as a decode step's), replayed, the host's bookkeeping done. Returns the tokens (decode rows',
+        then each chunk's), the iteration's and the forward's device ms and the host's launch ms."""
+        info = mixed.prepare(
+            slots, ids[0], positions[0], segments, np.concatenate(ids[1:]), np.concatenate(positions[1:]),
+            run.clock.now_ms(),
+        )  # fmt: skip
+        assert run.graphs is not None
+        captured_ms = run.graphs.take_capture_ms()  # the mixed graphs capture through the decode graphs
+        if captured_ms:
+            run.stall_ms()  # compilations during a capture are part of its time
+        run.clock.exclude(captured_ms)
+        run.add("graph_capture_ms", captured_ms)
+        model_start, launch_t0 = self.timer.mark(), time.perf_counter()
+        tokens = mixed.run(info)
+        model_end = self.timer.mark()
+        launch_ms = (time.perf_counter() - launch_t0) * 1000.0
+        mixed.finish(info)
+        end = self.timer.mark()
+        self._gate_close(run, excused=captured_ms > 0)
+        next_np = tokens.cpu().numpy()  # synchronizes
+        iteration_ms = max(0.0, self.timer.elapsed_ms(start, end) - captured_ms - self._stalled(run))
+        model_ms = min(self.timer.elapsed_ms(model_start, model_end), iteration_ms)
+        run.add("mixed_graph_forwards", 1)
+        return next_np, iteration_ms, model_ms, launch_ms
 
     def _emit(
         self, run: _Run, slots: np.ndarray, tokens: np.ndarray, progress: Progress | None,
@@ -1016,6 +1085,7 @@ class Engine:
             graph_steps=int(c.get("graph_steps", 0)),
             mixed_iterations=int(c.get("mixed_iterations", 0)),
             piecewise_forwards=int(c.get("piecewise_forwards", 0)),
+            mixed_graph_forwards=int(c.get("mixed_graph_forwards", 0)),
             graph_captures=graphs.captures - run.captures_before if graphs is not None else 0,
             graph_capture_ms=c.get("graph_capture_ms", 0.0),
             compiles=run.compiles.count,

@@ -41,13 +41,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvtune.cache_impl.plan import StepBuffers, StepInfo
 from kvtune.kernels.backend import ahead
+
+if TYPE_CHECKING:
+    from kvtune.engine.mixed_graphs import MixedGraphs
 
 TIMING_EVERY = 16
 
@@ -162,6 +165,8 @@ class DecodeGraphs:
         self.timing_supported = True
         self.capture_ms = 0.0  # host time spent capturing since the last take_capture_ms()
         self.captures = 0
+        # the mixed iterations over these buffers, where the engine's options ask for them (Engine)
+        self.mixed: MixedGraphs | None = None
 
     # ---- StepShape ---------------------------------------------------------------------------------------
     def rows_for(self, batch: int) -> int:

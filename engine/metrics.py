@@ -94,6 +94,7 @@ class EngineCounters:
     graph_steps: int = 0  # decode steps run as static steps (replayed as CUDA graphs on CUDA)
     mixed_iterations: int = 0  # iterations with decode tokens and prompt chunks in one forward
     piecewise_forwards: int = 0  # forwards with prompt tokens whose dense parts ran as pieces (piecewise)
+    mixed_graph_forwards: int = 0  # forwards with prompt tokens replayed as one graph (mixed_graphs)
     graph_captures: int = 0
     graph_capture_ms: float = 0.0  # left out of the replay's clock
     compiles: int = 0  # Triton compilations inside the measured replay (kvtune.engine.compiles)
@@ -152,6 +153,7 @@ class ReplayMetrics:
     graph_steps: int = 0
     mixed_iterations: int = 0
     piecewise_forwards: int = 0
+    mixed_graph_forwards: int = 0
     graph_captures: int = 0
     graph_capture_ms: float = 0.0
     compiles: int = 0
@@ -248,6 +250,7 @@ def summarize(timings: Sequence[RequestTiming], c: EngineCounters) -> ReplayMetr
         graph_steps=c.graph_steps,
         mixed_iterations=c.mixed_iterations,
         piecewise_forwards=c.piecewise_forwards,
+        mixed_graph_forwards=c.mixed_graph_forwards,
         graph_captures=c.graph_captures,
         graph_capture_ms=c.graph_capture_ms,
         compiles=c.compiles,

@@ -69,6 +69,10 @@ class SchedulerConfig:
     piecewise: a forward with prompt tokens of at most 2,048 tokens runs its dense parts (projections, norms,
     MLP, RoPE) as CUDA graphs captured per token-count bucket, its attention eagerly between them
     (:mod:`kvtune.engine.piecewise`; on a CPU the same pieces run directly). False (the default): op by op.
+    mixed_graphs: a forward with prompt tokens whose shapes fit runs whole as one CUDA graph per shape bucket,
+    its attention and cache writes captured with the rest (:mod:`kvtune.engine.mixed_graphs`; on a CPU the
+    same function runs directly); needs ``graphs``; a sparse config's forwards stay as they were. False (the
+    default): not yet timed on a GPU.
 
     """
 
@@ -78,12 +82,18 @@ class SchedulerConfig:
     mixed: bool = True
     clock: str = "wall"
     piecewise: bool = False
+    mixed_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {list(CLOCKS)}, but got clock={self.clock!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"`max_num_seqs >= 1` must hold, but got max_num_seqs={self.max_num_seqs}")
+        if self.mixed_graphs and not self.graphs:
+            raise ValueError(
+                "`mixed_graphs` (--mixed-graphs) needs `graphs` (no --no-graphs): its decode rows are staged "
+                "as a static step"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 "`max_num_batched_tokens >= 1` must hold, but got "
@@ -97,13 +107,19 @@ class SchedulerConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "graphs": self.graphs,
-            "mixed": self.mixed,
-            "clock": self.clock,
-        } | ({"piecewise": True} if self.piecewise else {})  # a record made before it compares equal
+        return (
+            {
+                "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "graphs": self.graphs,
+                "mixed": self.mixed,
+                "clock": self.clock,
+            }
+            | (  # a record made before them compares equal
+                {"piecewise": True} if self.piecewise else {}
+            )
+            | ({"mixed_graphs": True} if self.mixed_graphs else {})
+        )
 
 
 @dataclass

@@ -127,6 +127,41 @@ def test_piecewise_forwards_serve_the_same_replay(tiny):
     assert "piecewise" not in SchedulerConfig().to_dict()  # a record made before the option compares equal
 
 
+@pytest.mark.parametrize("bits", [0, 4])
+def test_mixed_graph_forwards_serve_the_same_replay(tiny, bits, monkeypatch):
+    """With ``mixed_graphs`` every forward with prompt tokens whose shapes fit runs as the mixed graphs'
+    function (on a CPU uncaptured): the same iterations, chunks and completions as eager, the same tokens
+    out (the logits differ only by padding's float order); a sparse config's forwards stay eager; the
+    option needs the static decode step."""
+    from kvtune.engine.outputs import SlotOutputs
+
+    requests = _requests(6)
+    record, outputs = SlotOutputs.record, []
+
+    def recorded(self, slots, tokens, now_ms):
+        outputs.append((slots.tolist(), tokens.tolist()))
+        return record(self, slots, tokens, now_ms)
+
+    monkeypatch.setattr(SlotOutputs, "record", recorded)
+    runs = []
+    for option in (False, True):
+        outputs.clear()
+        options = SchedulerConfig(mixed_graphs=option, max_num_batched_tokens=20)
+        m = Engine(tiny, _config(bits), 1 << 24, CPU, options).replay(requests, 0.0, warmup_requests=1)
+        runs.append((m.to_dict(), list(outputs)))
+    (eager, eager_out), (graph, graph_out) = runs
+    for key in ("completed", "prefill_chunks", "mixed_iterations", "decode_steps"):
+        assert graph[key] == eager[key], key
+    assert eager["mixed_graph_forwards"] == 0 < graph["mixed_graph_forwards"]
+    assert graph_out == eager_out
+    sparse = _replay(tiny, _config(8, sparse_top_k=16), 1 << 24, requests, 0.0, mixed_graphs=True)
+    assert sparse["mixed_graph_forwards"] == 0 and sparse["completed"] == 6
+    assert SchedulerConfig(mixed_graphs=True).to_dict()["mixed_graphs"] is True
+    assert "mixed_graphs" not in SchedulerConfig().to_dict()
+    with pytest.raises(ValueError, match="needs `graphs`"):
+        SchedulerConfig(mixed_graphs=True, graphs=False)
+
+
 def test_device_busy_of_counters():
     c = EngineCounters(duration_ms=200.0, forward_ms=150.0, eager_forward_ms=50.0, eager_launch_ms=60.0)
     m = summarize([RequestTiming(0, 0.0, (1.0, 2.0))], c)

@@ -1599,6 +1599,40 @@ def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: CUDA graphs")
+@pytest.mark.parametrize("bits", [0, 4])
+def test_mixed_graph_replays_serve_the_eager_replay_gpu(bits):
+    """SmolLM2's shape in bfloat16 on CUDA, 24 requests at once: with ``mixed_graphs`` the forwards with
+    prompt tokens replay as graphs. Every request completes in the same iterations, chunks and decode
+    steps as the eager replay's; a repeat on the kept graphs captures nothing; on the gated clock no
+    graph forward's gate leaks."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.model import load_model
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    cuda = torch.device("cuda")
+    model = load_model("random:smollm2-135m", cuda, dtype=torch.bfloat16)
+    config = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=bits)
+    requests = [Request(i, 0.0, 200 + 50 * i, 40 + 5 * i) for i in range(24)]
+    runs = {}
+    for option in (False, True):
+        options = SchedulerConfig(clock="device", max_num_batched_tokens=512, mixed_graphs=option)
+        engine = Engine(model, config, 1 << 30, cuda, options)
+        first = engine.replay(requests, 0.0, warmup_requests=2).to_dict()
+        runs[option] = (first, engine.replay(requests, 0.0, warmup_requests=2).to_dict())
+        if option:
+            gated = engine.with_clock("gated").replay(requests, 0.0, warmup_requests=2).to_dict()
+    (eager, _), (graph, repeat) = runs[False], runs[True]
+    for key in ("completed", "prefill_chunks", "mixed_iterations", "decode_steps"):
+        assert graph[key] == eager[key] == repeat[key], key
+    assert graph["completed"] == len(requests)
+    assert graph["mixed_graph_forwards"] > 0 and eager["mixed_graph_forwards"] == 0
+    assert repeat["graph_captures"] == 0, repeat["graph_captures"]
+    assert gated["mixed_graph_forwards"] > 0 and gated["gate_leaks"] == 0, gated
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: the gate is a sleep on the device")
 def test_the_gated_clock_keeps_the_host_off_the_device_gpu(monkeypatch):
     """On CUDA the gated clock starts each iteration that finds the device idle behind a gate held until the

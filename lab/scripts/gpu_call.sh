@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces host plugin busy bound step sparse collapse forward launch hostab warm)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces host plugin busy bound step sparse collapse forward launch hostab warm whole wholeengine)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # sparse: SPARSE_SHAPES (batch:context ...), SPARSE_HOLD=1 (tiers held as set up: decode_step.py --hold-tiers), SPARSE_S
 # pieces: PIECES_TESTS_S, PIECES_S (each replay), PIECES_BUDGET (4e9), PIECES_REPEATS (3)
 # host: HOST_N (20 iterations), HOST_S (each run); the host's launch time of a mixed iteration, op by op and in pieces
 # forward: FORWARD_LENGTHS, FORWARD_S; launch: LAUNCH_S; hostab: HOSTAB_S, ROUNDS (needs .old/, a git archive)
 # warm: WARM_CONFIGS (bits:block, default 4:32,8:64,0:32,4:256), WARM_S; kernels compiled ahead, then the prime
+# whole: WHOLE_TESTS_S, HOST_N, HOST_S: mixed iterations as one graph against pieces (tests, host time);
+# wholeengine: WHOLE_S, WHOLE_BUDGET: saturation replays op by op, in pieces and as whole graphs
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -135,6 +137,30 @@ for stage in "$@"; do
   hostab)
     log "host launch time: .old/ against this tree, kept launches off and on, the trees taking turns"
     SITE=/tmp/site timeout ${HOSTAB_S:-420} bash lab/scripts/host_ab.sh 2>&1 | tee "$OUT/hostab.log" ;;
+  whole)
+    log "gpu tests: mixed iterations replayed whole as graphs (padded chunk plans, the runner, the engine)"
+    timeout ${WHOLE_TESTS_S:-150} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_graphs.py \
+      -k "padded or mixed_iteration or mixed_graph" 2>&1 | tee "$OUT/whole_tests.log" | tail -8
+    for shape in "1 256" "4 64"; do
+      read -r n t <<< "$shape"
+      for round in 1 2; do
+        for mode in --piecewise --mixed-graphs; do
+          log "host time, Llama-3.1-8B shape, INT8, 16 decode rows + $n chunks of $t, $mode (round $round)"
+          timeout ${HOST_S:-120} python3 benchmarks/mixed_ops.py $C/q_int8.json --model random:llama-3.1-8b \
+            --device cuda --dtype bfloat16 --decode 16 --chunks $n --chunk $t --context 512 --host ${HOST_N:-20} \
+            $mode --json "$OUT/whole_${n}x$t$mode.r$round.json" > "$OUT/whole_${n}x$t$mode.r$round.log" 2>&1
+          head -1 "$OUT/whole_${n}x$t$mode.r$round.log"
+        done
+      done
+    done ;;
+  wholeengine)
+    for mode in "" --piecewise --mixed-graphs; do
+      log "engine: INT8 and unquantized, ${WHOLE_BUDGET:-4e9} B, op by op / pieces / whole graphs: '$mode'"
+      timeout ${WHOLE_S:-150} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ \
+        --requests 96 --kv-budget ${WHOLE_BUDGET:-4e9} --repeats 3 $mode --json "$OUT/whole$mode.json" \
+        $C/q_unquantized.json $C/q_int8.json > "$OUT/whole$mode.log" 2>&1
+      tail -8 "$OUT/whole$mode.log"
+    done ;;
   warm)
     log "a new config's prime: empty Triton cache against one the planning processes filled (engine/warm.py)"
     timeout ${WARM_S:-420} python3 benchmarks/warm_ahead.py --configs ${WARM_CONFIGS:-4:32,8:64,0:32,4:256} --check \

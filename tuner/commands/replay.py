@@ -121,6 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "captured per token bucket, their attention eagerly between them (default: op by op)",
     )
     parser.add_argument(
+        "--mixed-graphs",
+        action="store_true",
+        help="forwards with prompt tokens whose shapes fit run whole as one CUDA graph per shape bucket, "
+        "attention and cache writes inside (dense configs; needs the graphs; not yet timed on a GPU)",
+    )
+    parser.add_argument(
         "--clock",
         choices=CLOCKS,
         default="wall",
@@ -151,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     config = HybridConfig.from_json_file(args.config)
     scheduler = SchedulerConfig(  # bad limits fail before loading
         args.max_num_seqs, args.max_num_batched_tokens, graphs=args.graphs, mixed=args.mixed,
-        clock=args.clock, piecewise=args.piecewise,
+        clock=args.clock, piecewise=args.piecewise, mixed_graphs=args.mixed_graphs,
     )  # fmt: skip
     device = resolve_device(args.device)
     if args.threads is not None:

@@ -181,6 +181,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the replays' forwards with prompt tokens (up to 2,048) run their projections, norms and MLP as "
         "CUDA graphs captured per token bucket, attention eagerly between them (default: op by op)",
     )
+    add(
+        "--mixed-graphs",
+        action="store_true",
+        help="the replays' forwards with prompt tokens whose shapes fit run whole as one CUDA graph per "
+        "shape bucket, attention and cache writes inside (dense configs; not yet timed on a GPU)",
+    )
     add("--max-ppl-increase", type=float, default=2.0, help="quality bound: perplexity increase, %% (2.0)")
     add("--max-kl", type=float, default=None, help="quality bound: mean KL in nats (default: none)")
     add(
@@ -337,7 +343,9 @@ def build_job(args: argparse.Namespace, card: Card, d: Defaults) -> TuneJob:
         budget_bytes=parse_bytes(args.kv_budget) if args.kv_budget else None,
         threads=None if card.is_gpu else _threads(args),
         scheduler=SchedulerConfig(
-            clock=args.clock or _default_clock(args.objective), piecewise=args.piecewise
+            clock=args.clock or _default_clock(args.objective),
+            piecewise=args.piecewise,
+            mixed_graphs=args.mixed_graphs,
         ),
     )
     name = args.study or study_name(card.id, args.model, args.workload)
