@@ -180,7 +180,9 @@ KERNELS = {
         "pack_kv", "hot_write",
     ),
     "kvtune.engine.model": ("add_rms_norm", "rope_qkv", "silu_mul"),
-    "kvtune.engine.piecewise": ("add_rms_norm",),  # the final norm, eager
+    # the final norm (eager); the pieces' own where they run uncaptured (the mixed graphs' function)
+    "kvtune.engine.piecewise": ("add_rms_norm", "rope_qkv", "silu_mul"),
+    "kvtune.engine.mixed_graphs": ("add_rms_norm",),  # the final norm
 }  # fmt: skip
 # operators that launch nothing (views, metadata, allocation)
 NO_LAUNCH = {
