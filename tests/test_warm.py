@@ -102,8 +102,9 @@ SPARSE = HybridConfig("hybrid_v2", 16, 16, 8, sparse_top_k=32, migration_throttl
 @pytest.mark.parametrize(
     ("config", "scheduler"),
     [(INT4, SchedulerConfig()), (INT8, SchedulerConfig()), (SPARSE, SchedulerConfig()),
-     (INT4, SchedulerConfig(piecewise=True)), (INT8, SchedulerConfig(mixed=False))],
-    ids=["int4", "int8", "int8-sparse", "int4-pieces", "int8-unmixed"],
+     (INT4, SchedulerConfig(piecewise=True)), (INT8, SchedulerConfig(mixed=False)),
+     (INT4, SchedulerConfig(mixed_graphs=True))],
+    ids=["int4", "int8", "int8-sparse", "int4-pieces", "int8-unmixed", "int4-mixed-graphs"],
 )  # fmt: skip
 def test_the_warm_requests_reach_every_key_of_a_longer_replay(
     ahead: None, config: HybridConfig, scheduler: SchedulerConfig
@@ -280,6 +281,41 @@ def test_the_console_line_says_how_far_the_planning_got() -> None:
     assert warm_line(None) == "kernels compiled ahead: not started"
 
 
+def _host_reads(
+    monkeypatch: pytest.MonkeyPatch, owner: type, names: list[str]
+) -> tuple[dict[str, int], list[str]]:
+    """Watch ``owner``'s methods ``names``: their calls, and every device value read back on the host inside
+    them (``.item()``, a boolean mask, ``nonzero``: what a host would wait for, and a capture refuses)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten  # under inference mode a read shows as ``item``, elsewhere ``_local_scalar_dense``
+    reads = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default,
+             aten.nonzero.default, aten.masked_select.default}  # fmt: skip
+    seen: list[str] = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in reads:
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    calls = dict.fromkeys(names, 0)
+
+    def watched(name: str) -> Any:
+        original = getattr(owner, name)
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            with Reads():
+                return original(self, *args, **kwargs)
+
+        return call
+
+    for name in names:
+        monkeypatch.setattr(owner, name, watched(name))
+    return calls, seen
+
+
 @pytest.mark.parametrize(
     "config", [INT4, HybridConfig("hybrid_v2", 16, 16, 8, sparse_top_k=32)], ids=["int4", "sparse"]
 )
@@ -290,39 +326,24 @@ def test_a_gpu_iterations_layers_read_nothing_back_on_the_host(
     iterations (decode rows, prompt chunks beside them or alone) reads no device value back on the host: no
     ``.item()``, no boolean mask or ``nonzero``, whose sizes a host would wait for. What a layer does can
     then be queued ahead of the device, and captured."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from kvtune.cache_impl.hybrid_cache import HybridCache
 
-    aten = torch.ops.aten  # under inference mode a read shows as ``item``, elsewhere ``_local_scalar_dense``
-    reads = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default,
-             aten.nonzero.default, aten.masked_select.default}  # fmt: skip
-
-    class Reads(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func in reads:
-                self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    calls = {"decode": 0, "chunks_layer": 0}
-    spy = Reads()
-
-    def watched(name: str) -> Any:
-        original = getattr(HybridCache, name)
-
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            with spy:
-                return original(self, *args, **kwargs)
-
-        return call
-
-    for name in calls:
-        monkeypatch.setattr(HybridCache, name, watched(name))
+    calls, seen = _host_reads(monkeypatch, HybridCache, ["decode", "chunks_layer"])
     _recorded(config, warm_requests(config), SchedulerConfig(graphs=False))
     assert calls["decode"] > 0 and calls["chunks_layer"] > 0, calls
-    assert not spy.seen, sorted(set(spy.seen))
+    assert not seen, sorted(set(seen))
+
+
+@pytest.mark.parametrize("config", [INT4, HybridConfig("hybrid_v2", 16, 16, 0)], ids=["int4", "bf16"])
+def test_a_mixed_graphs_function_reads_nothing_back_on_the_host(
+    ahead: None, config: HybridConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planning for sm_90, what a mixed graph captures (:meth:`MixedGraphs._forward`: the decode rows and
+    chunks of a whole forward, every layer, the logits' rows, the tokens) reads no device value back on the
+    host, so a CUDA graph can capture it."""
+    from kvtune.engine.mixed_graphs import MixedGraphs
+
+    calls, seen = _host_reads(monkeypatch, MixedGraphs, ["_forward"])
+    _recorded(config, warm_requests(config), SchedulerConfig(mixed_graphs=True))
+    assert calls["_forward"] > 0, calls
+    assert not seen, sorted(set(seen))
