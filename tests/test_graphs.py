@@ -269,6 +269,21 @@ def test_a_mixed_forward_of_decode_rows_alone_gives_the_decode_steps_logits(tiny
     cache.check_integrity()
 
 
+# prompts of the chunk tests, and three iterations of their chunks (first chunks, later chunks whose hot
+# zones seal with them, 1-token chunks)
+PROMPTS = {10: list(range(5, 62)), 11: list(range(100, 117)), 12: list(range(5, 29)) + [7] * 13}
+ITERATIONS = [[(10, 24), (11, 16)], [(10, 1), (11, 1), (12, 30)], [(10, 32), (12, 7)]]
+
+
+def _chunk_caches(tiny, config, device, prompts) -> list[HybridCache]:
+    """Two caches alike: sequences 0 and 1 (25 and 33 tokens) prefilled, then ``prompts`` added."""
+    caches = [_prefilled(tiny, config, [25, 33], device, spare=4) for _ in range(2)]
+    for cache in caches:
+        for seq_id, prompt in prompts.items():
+            cache.add_sequence(seq_id, prompt)
+    return caches
+
+
 class _ChunkByChunk:
     """A cache as a forward without ``prefill_chunks`` sees it: each chunk through ``prefill``."""
 
@@ -285,12 +300,8 @@ def test_fused_chunk_writes_give_the_chunk_by_chunk_prefill(tiny, bits, extra, d
     chunks) beside decode rows: the fused path (``prefill_chunks``) gives the same logits
     bitwise and leaves the cache in the same state as one ``prefill`` per chunk."""
     config = _config(bits, **extra)
-    caches = [_prefilled(tiny, config, [25, 33], CPU, spare=4) for _ in range(2)]
-    prompts = {10: list(range(5, 62)), 11: list(range(100, 117)), 12: list(range(5, 29)) + [7] * 13}
-    iterations = [[(10, 24), (11, 16)], [(10, 1), (11, 1), (12, 30)], [(10, 32), (12, 7)]]
-    for cache in caches:
-        for seq_id, prompt in prompts.items():
-            cache.add_sequence(seq_id, prompt)
+    prompts, iterations = dict(PROMPTS), ITERATIONS
+    caches = _chunk_caches(tiny, config, CPU, prompts)
     done = {i: caches[0]._seqs[i].prefilled for i in prompts}
     for step, chunks in enumerate(iterations):
         tokens = np.array([4, 9][:decode_rows], dtype=np.int64)
@@ -349,12 +360,8 @@ def test_a_padded_chunk_plan_in_fixed_storage_gives_the_fused_prefill(tiny, bits
     from kvtune.cache_impl.chunks import ChunkPad
 
     config = _config(bits, **extra)
-    caches = [_prefilled(tiny, config, [25, 33], CPU, spare=4) for _ in range(2)]
-    prompts = {10: list(range(5, 62)), 11: list(range(100, 117)), 12: list(range(5, 29)) + [7] * 13}
-    iterations = [[(10, 24), (11, 16)], [(10, 1), (11, 1), (12, 30)], [(10, 32), (12, 7)]]
-    for cache in caches:
-        for seq_id, prompt in prompts.items():
-            cache.add_sequence(seq_id, prompt)
+    prompts, iterations = dict(PROMPTS), ITERATIONS
+    caches = _chunk_caches(tiny, config, CPU, prompts)
     padded = _PaddedChunks(caches[1], ChunkPad(tokens=48, rows=160, chunks=4, seals=16, hot=96))
     done = {i: caches[0]._seqs[i].prefilled for i in prompts}
     for step, chunks in enumerate(iterations):
@@ -380,14 +387,10 @@ def _mixed_iterations(tiny, config, device, run_static, steps=None):
     ``forward_mixed`` on one cache and through ``run_static(cache, slots, tokens, positions, chunks, ids,
     chunk_positions, now)`` (logits of the decode rows, then of each chunk) on another: both logits per
     iteration and both caches."""
-    caches = [_prefilled(tiny, config, [25, 33], device, spare=4) for _ in range(2)]
-    prompts = {10: list(range(5, 62)), 11: list(range(100, 117)), 12: list(range(5, 29)) + [7] * 13}
-    prompts[13] = list(range(200, 230))
-    iterations = [[(10, 24), (11, 16)], [(10, 1), (11, 1), (12, 30)], [(10, 32), (12, 7), (13, 5)]]
+    prompts = {**PROMPTS, 13: list(range(200, 230))}
+    iterations = [*ITERATIONS[:2], [*ITERATIONS[2], (13, 5)]]
     iterations = steps or iterations + [[(13, 5)]] * 5  # the decode rows' zones seal on the way
-    for cache in caches:
-        for seq_id, prompt in prompts.items():
-            cache.add_sequence(seq_id, prompt)
+    caches = _chunk_caches(tiny, config, device, prompts)
     done = {i: caches[0]._seqs[i].prefilled for i in prompts}
     tokens = np.array([4, 9], dtype=np.int64)
     sealed = caches[0]._seqs[0].num_blocks
