@@ -139,6 +139,8 @@ class MixedGraphs:
         plan = cache.plan_chunks(chunks, pad, self.staging)
         self._plan = plan
         cb = plan.cu_q.numel() - 1
+        if self._copied is not None:  # the previous inputs' copy has left the host buffer
+            self._copied.synchronize()
         host = self._inputs.numpy()
         host[:2, :n] = 0
         host[0, :b], host[1, :b] = tokens, positions
@@ -146,7 +148,7 @@ class MixedGraphs:
         ends = r + np.array([e for _, e in plan.bounds]) - 1
         host[2, :r] = np.arange(r)
         host[2, r : r + cb] = np.resize(ends, cb)  # padding chunk entries: a real chunk's last row
-        self._upload(n, r + cb)
+        self._upload()
         key = (n, r, width, plan.max_k, cb, plan.seal_blocks.numel())
         info = MixedInfo(step, tuple(chunks), plan, key, r, r + cb)
         if self.capture:
@@ -186,9 +188,8 @@ class MixedGraphs:
         seals = min(_pow2(real.seals), self._seals(query_rows, chunks)) if real.seals else 0
         return ChunkPad(query_rows, _pow2(real.rows, MIN_PACKED), chunks, seals, chunks * self._hot)
 
-    def _upload(self, n: int, logit_rows: int) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()
+    def _upload(self) -> None:
+        """The staged inputs to the device in one copy (from pinned memory on CUDA, not waiting)."""
         self._inputs_dev.copy_(self._inputs, non_blocking=True)
         if self.cache.device.type == "cuda":
             self._copied = torch.cuda.Event()
