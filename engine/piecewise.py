@@ -156,23 +156,21 @@ class PiecewiseForward:
             self._qkv(nb, 0, h)
             return
         w = layers[i - 1]  # the layer whose attention ran before this piece
-        x, h = add_rms_norm(self._x[:nb], F.linear(self._attn[:nb], w.wo), w.ffn_norm, eps)
+        x = self._x[:nb]  # the residual stream, added to in place (each row read before it is written)
+        _, h = add_rms_norm(x, F.linear(self._attn[:nb], w.wo), w.ffn_norm, eps, sum_out=x)
         delta = F.linear(silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
         if i == len(layers):
-            self._x[:nb].copy_(x)
             self._delta[:nb].copy_(delta)
             return
-        x, h = add_rms_norm(x, delta, layers[i].attn_norm, eps)
-        self._x[:nb].copy_(x)
+        _, h = add_rms_norm(x, delta, layers[i].attn_norm, eps, sum_out=x)
         self._qkv(nb, i, h)
 
     def _qkv(self, nb: int, i: int, h: torch.Tensor) -> None:
+        """Layer i's q, k, v of the normed ``h``, written into the static buffers."""
         s = self.model.spec
         qkv = F.linear(h, self.model.layers[i].wqkv)
-        q, k, v = rope_qkv(qkv, self._cos[:nb], self._sin[:nb], s.num_heads, s.num_kv_heads)
-        self._q[:nb].copy_(q)
-        self._k[:nb].copy_(k)
-        self._v[:nb].copy_(v)
+        out = (self._q[:nb], self._k[:nb], self._v[:nb])
+        rope_qkv(qkv, self._cos[:nb], self._sin[:nb], s.num_heads, s.num_kv_heads, out=out)
 
     # ---- capture -----------------------------------------------------------------------------------------
     @torch.inference_mode()

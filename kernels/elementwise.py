@@ -17,57 +17,44 @@ once, so on bf16/fp16 they differ from the references by rounding only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvtune.kernels.backend import use_triton
+from kvtune.kernels.elementwise_ref import (
+    QKV,
+    add_rms_norm_ref,
+    apply_rope,
+    rms_norm_ref,
+    rope_qkv_ref,
+    silu_mul_ref,
+)
 
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [N, hidden], weight [hidden] → ``weight · (x / sqrt(mean(x²) + eps))`` (float32 inside, x.dtype)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def add_rms_norm_ref(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = x + delta`` (x itself when delta is None) and ``rms_norm(s)``; x, delta [N, hidden]."""
-    s = x if delta is None else x + delta
-    return s, rms_norm_ref(s, weight, eps)
-
-
-def rope_qkv_ref(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [N, (Hq + 2H)·D], cos/sin [N, D] float32 → q [N, Hq, D], k, v [N, H, D] (contiguous, qkv.dtype)."""
-    n, d = qkv.shape[0], cos.shape[-1]
-    q, k, v = qkv.view(n, num_heads + 2 * num_kv_heads, d).split([num_heads, num_kv_heads, num_kv_heads], 1)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, heads, D] by cos/sin [N, D]: ``x cos + rotate_half(x) sin`` (in x.dtype)."""
-    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [N, 2F] → ``silu(gate) · up`` [N, F]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+__all__ = [
+    "QKV",
+    "add_rms_norm",
+    "add_rms_norm_ref",
+    "apply_rope",
+    "rms_norm",
+    "rms_norm_ref",
+    "rope_qkv",
+    "rope_qkv_ref",
+    "silu_mul",
+    "silu_mul_ref",
+]
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    sum_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`add_rms_norm_ref`; one Triton kernel on CUDA."""
     if use_triton(x):
         from kvtune.kernels.triton_elementwise import add_rms_norm_triton
 
-        return add_rms_norm_triton(x, delta, weight, eps)
-    return add_rms_norm_ref(x, delta, weight, eps)
+        return add_rms_norm_triton(x, delta, weight, eps, sum_out)
+    return add_rms_norm_ref(x, delta, weight, eps, sum_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,14 +63,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_qkv(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    out: QKV | None = None,
+) -> QKV:
     """See :func:`rope_qkv_ref`; one Triton kernel on CUDA."""
     if use_triton(qkv):
         from kvtune.kernels.triton_elementwise import rope_qkv_triton
 
-        return rope_qkv_triton(qkv, cos, sin, num_heads, num_kv_heads)
-    return rope_qkv_ref(qkv, cos, sin, num_heads, num_kv_heads)
+        return rope_qkv_triton(qkv, cos, sin, num_heads, num_kv_heads, out)
+    return rope_qkv_ref(qkv, cos, sin, num_heads, num_kv_heads, out)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtune.kernels.elementwise_ref import QKV, check_qkv_out, check_sum_out
 from kvtune.kernels.launch import launch
 from kvtune.kernels.triton_common import cdiv, next_pow2, require
 
@@ -37,13 +38,21 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    sum_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, delta [N, hidden] (unit stride on hidden), weight [hidden] → (x + delta, rms_norm(x + delta))."""
+    """x, delta [N, hidden] (unit stride on hidden), weight [hidden] → (x + delta, rms_norm(x + delta));
+    ``sum_out`` (with delta): where x + delta goes (x itself may be given: a row is read before written)."""
     _check_rows("add_rms_norm", x, delta, weight)
+    check_sum_out(x, delta, sum_out)
+    if sum_out is not None and sum_out.stride(1) != 1:
+        raise ValueError(f"add_rms_norm: `sum_out has unit stride on hidden` must hold: {sum_out.stride()}")
     n, hidden = x.shape
     out = torch.empty_like(x)
-    s = x if delta is None else torch.empty_like(x)
+    s = x if delta is None else torch.empty_like(x) if sum_out is None else sum_out
     d = x if delta is None else delta
     block = next_pow2(hidden)
     launch(_add_rms_norm_kernel, (n,),
@@ -91,9 +100,15 @@ def _rope_qkv_kernel(
 
 
 def rope_qkv_triton(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [N, (Hq + 2H)·D] (unit column stride), cos/sin [N, D] float32 → q [N, Hq, D], k, v [N, H, D]."""
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    out: QKV | None = None,
+) -> QKV:
+    """qkv [N, (Hq + 2H)·D] (unit column stride), cos/sin [N, D] float32 → q [N, Hq, D], k, v [N, H, D]
+    (``out``: written into these, contiguous)."""
     n, d = qkv.shape[0], cos.shape[-1]
     heads = num_heads + 2 * num_kv_heads
     rules = {
@@ -107,15 +122,19 @@ def rope_qkv_triton(
         "D is even": d % 2 == 0,
     }
     require("rope_qkv", rules, lambda: f"qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}")
-    q = torch.empty((n, num_heads, d), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((n, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
-    v = torch.empty_like(k)
+    if out is not None:
+        check_qkv_out(out, qkv, num_heads, num_kv_heads, d)
+        q, k, v = out
+    else:
+        q = torch.empty((n, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+        k = torch.empty((n, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+        v = torch.empty_like(k)
     if n:
         launch(_rope_qkv_kernel, (n, heads),
             qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0),
             HQ=num_heads, H=num_kv_heads, D=d, HALF=next_pow2(d // 2), num_warps=1,
         )  # fmt: skip
-    return q, k, v
+    return (q, k, v) if out is None else out
 
 
 @triton.jit

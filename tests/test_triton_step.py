@@ -46,6 +46,10 @@ def check_add_rms_norm(k, n: int, hidden: int, dtype: torch.dtype, residual: boo
     s_ref, out_ref = add_rms_norm_ref(x, delta, w, 1e-5)
     assert torch.equal(s, s_ref)  # the residual add rounds exactly as torch's does
     _close(out, out_ref)
+    if residual:  # the sum written in place over x: the same values
+        x_in = x.clone()
+        s_in, out_in = k.triton_elementwise.add_rms_norm_triton(x_in, delta, w, 1e-5, sum_out=x_in)
+        assert s_in.data_ptr() == x_in.data_ptr() and torch.equal(x_in, s) and torch.equal(out_in, out)
 
 
 def check_rope_qkv(k, n: int, hq: int, h: int, d: int, dtype: torch.dtype, device: str) -> None:
@@ -58,6 +62,10 @@ def check_rope_qkv(k, n: int, hq: int, h: int, d: int, dtype: torch.dtype, devic
     for g, w in zip(got, want):
         _close(g, w.to(dtype))
     assert torch.equal(got[2], rope_qkv_ref(qkv, emb.cos(), emb.sin(), hq, h)[2])  # v is copied
+    # written into given buffers (the first n rows of larger ones, as the pieces' static buffers are)
+    out = tuple(torch.full((n + 3, *g.shape[1:]), 7.0, device=device).to(dtype)[:n] for g in got)
+    assert k.triton_elementwise.rope_qkv_triton(qkv, emb.cos(), emb.sin(), hq, h, out=out) is out
+    assert all(torch.equal(o, g) for o, g in zip(out, got))
 
 
 def check_silu_mul(k, n: int, f: int, dtype: torch.dtype, device: str) -> None:
@@ -87,6 +95,25 @@ def check_access(k, n_blocks: int, b: int, h: int, m: int, device: str, seed: in
         assert torch.equal(got_last, ref_last) and not flags.any()
         torch.testing.assert_close(got_ema, ref_ema, equal_nan=True, rtol=1e-14, atol=0)
     assert accessed_blocks_ref(n_blocks, mass, table, num_cold).any() == (m > 1)  # one block: never above
+
+
+def test_the_elementwise_outputs_given_are_checked_and_filled() -> None:
+    """The references write into given outputs as the kernels do (the sum in place over x; q, k, v into
+    buffers); a sum without delta, or outputs of another shape or dtype, are refused with one line."""
+    x, delta, w = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16) + 0.5
+    s, out = add_rms_norm_ref(x, delta, w, 1e-5)
+    x_in = x.clone()
+    s_in, out_in = add_rms_norm_ref(x_in, delta, w, 1e-5, sum_out=x_in)
+    assert s_in is x_in and torch.equal(x_in, s) and torch.equal(out_in, out)
+    with pytest.raises(ValueError, match="sum_out is given with delta"):
+        add_rms_norm_ref(x, None, w, 1e-5, sum_out=x.clone())
+    qkv, cos = torch.randn(3, 4 * 16), torch.rand(3, 16)
+    want = rope_qkv_ref(qkv, cos, cos, 2, 1)
+    out = (torch.empty(3, 2, 16), torch.empty(3, 1, 16), torch.empty(3, 1, 16))
+    assert rope_qkv_ref(qkv, cos, cos, 2, 1, out=out) is out
+    assert all(torch.equal(o, g) for o, g in zip(out, want))
+    with pytest.raises(ValueError, match="rope_qkv: `out is contiguous"):
+        rope_qkv_ref(qkv, cos, cos, 2, 1, out=(out[0], out[1], out[2].double()))
 
 
 # ---- CPU: interpreter
