@@ -17,6 +17,7 @@ once, so on bf16/fp16 they differ from the references by rounding only.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from kvtune.kernels.backend import use_triton
 from kvtune.kernels.elementwise_ref import (
@@ -43,12 +44,8 @@ __all__ = [
 
 
 def add_rms_norm(
-    x: torch.Tensor,
-    delta: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    sum_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, sum_out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """See :func:`add_rms_norm_ref`; one Triton kernel on CUDA."""
     if use_triton(x):
         from kvtune.kernels.triton_elementwise import add_rms_norm_triton
@@ -63,12 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_qkv(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    out: QKV | None = None,
+    qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, out: QKV | None = None
 ) -> QKV:
     """See :func:`rope_qkv_ref`; one Triton kernel on CUDA."""
     if use_triton(qkv):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -15,12 +16,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def add_rms_norm_ref(
-    x: torch.Tensor,
-    delta: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    sum_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, sum_out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``s = x + delta`` (x itself when delta is None) and ``rms_norm(s)``; x, delta [N, hidden];
     ``sum_out``: where ``s`` is written (x itself may be given: in place; needs delta)."""
     check_sum_out(x, delta, sum_out)
@@ -43,12 +40,7 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def rope_qkv_ref(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    out: QKV | None = None,
+    qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, out: QKV | None = None
 ) -> QKV:
     """qkv [N, (Hq + 2H)·D], cos/sin [N, D] float32 → q [N, Hq, D], k, v [N, H, D] (contiguous, qkv.dtype);
     ``out``: written into these three (contiguous, of those shapes and qkv's dtype) and returned."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from kvtune.kernels.elementwise_ref import QKV, check_qkv_out, check_sum_out
 from kvtune.kernels.launch import launch
@@ -38,12 +39,8 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor,
-    delta: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    sum_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, sum_out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """x, delta [N, hidden] (unit stride on hidden), weight [hidden] → (x + delta, rms_norm(x + delta));
     ``sum_out`` (with delta): where x + delta goes (x itself may be given: a row is read before written)."""
     _check_rows("add_rms_norm", x, delta, weight)
@@ -100,12 +97,7 @@ def _rope_qkv_kernel(
 
 
 def rope_qkv_triton(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    out: QKV | None = None,
+    qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, out: QKV | None = None
 ) -> QKV:
     """qkv [N, (Hq + 2H)·D] (unit column stride), cos/sin [N, D] float32 → q [N, Hq, D], k, v [N, H, D]
     (``out``: written into these, contiguous)."""
