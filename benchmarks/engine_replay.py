@@ -138,7 +138,7 @@ def _args() -> argparse.Namespace:
         "--mixed-graphs",
         action="store_true",
         help="forwards with prompt tokens whose shapes fit replayed whole as one graph per shape bucket "
-        "(kvtune.engine.mixed_graphs; dense configs)",
+        "(kvtune.engine.mixed_graphs)",
     )
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None)

@@ -551,14 +551,14 @@ class Engine:
 
     def _decode_graphs(self, cache: HybridCache, settings: EngineSettings) -> DecodeGraphs | None:
         """The cache's decode graphs (None: ``graphs`` off), with its mixed iterations' graphs where the
-        options ask for them (``mixed_graphs``, a dense config)."""
+        options ask for them (``mixed_graphs``)."""
         if not settings.graphs:
             return None
         max_blocks = min(cache.layout.num_blocks, cache.layout.blocks_for(settings.max_model_len))
         graphs = DecodeGraphs(
             self.model, cache, settings.max_num_seqs, max(1, max_blocks), settings.cuda_graphs
         )
-        if self.scheduler_config.mixed_graphs and not cache.sparse:
+        if self.scheduler_config.mixed_graphs:
             pieces = _PIECES.get(self.model) or _PIECE_BUFFERS.get(self.model)
             if pieces is None:  # its static buffers and piece functions (the graphs capture them whole)
                 pieces = PiecewiseForward(self.model, PIECE_BUCKETS[-1], capture=False)

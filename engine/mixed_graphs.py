@@ -17,10 +17,11 @@ shape), more than the GPU needs for it. Here the whole iteration is captured, as
 
 One graph per (``N``, ``R``, table width, packed rows, chunk entries, seal entries), captured on first use
 after one uncaptured run on a side stream (what that run wrote is put back: the decode rows' hot positions
-and statistics, the chunks' hot zones, the tokens the decode rows leave on the device). Dense configs only:
-a sparse config's mixed iterations stay in pieces (its tiers' device state is not yet saved around a
-capture). Without capture (a CPU) the same function runs directly over the same padded buffers: what the CPU
-tests compare with the eager mixed forward.
+and access statistics, the chunks' hot zones, the tokens the decode rows leave on the device; the warm-up
+plans the tiers but migrates nothing, as the decode step's). A sparse config's tier planning and migrations
+run inside the graph after the layers, as in the static decode step. Without capture (a CPU) the same
+function runs directly over the same padded buffers: what the CPU tests compare with the eager mixed
+forward.
 """
 
 from __future__ import annotations
@@ -78,8 +79,6 @@ class MixedGraphs:
     ) -> None:
         if capture and cache.device.type != "cuda":
             raise ValueError("capturing CUDA graphs needs a CUDA cache")
-        if cache.sparse:
-            raise ValueError("mixed graphs: dense configs only (a sparse config's iterations stay in pieces)")
         self.model, self.cache, self.decode, self.pieces, self.capture = model, cache, decode, pieces, capture
         tokens = pieces.max_tokens
         self.max_chunks = _pow2(max_chunks)
@@ -211,6 +210,8 @@ class MixedGraphs:
             return torch.cat([cache.decode(i, dplan, q[:r], k[:r], v[:r]), out])
 
         x, delta = pieces.forward_rows(n, attend)
+        if r:  # the tier planning and migrations of the decode rows' step, as the static step runs them
+            cache.migrate_static(self.decode.buffers)
         rows = inputs[2, : info.logit_rows]
         m = self.model
         logits = F.linear(add_rms_norm(x[rows], delta[rows], m.norm, m.spec.rms_eps)[1], m.lm_head).float()

@@ -71,8 +71,7 @@ class SchedulerConfig:
     (:mod:`kvtune.engine.piecewise`; on a CPU the same pieces run directly). False (the default): op by op.
     mixed_graphs: a forward with prompt tokens whose shapes fit runs whole as one CUDA graph per shape bucket,
     its attention and cache writes captured with the rest (:mod:`kvtune.engine.mixed_graphs`; on a CPU the
-    same function runs directly); needs ``graphs``; a sparse config's forwards stay as they were. False (the
-    default): not yet timed on a GPU.
+    same function runs directly); needs ``graphs``. False (the default): not yet timed on a GPU.
 
     """
 

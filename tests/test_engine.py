@@ -127,12 +127,19 @@ def test_piecewise_forwards_serve_the_same_replay(tiny):
     assert "piecewise" not in SchedulerConfig().to_dict()  # a record made before the option compares equal
 
 
-@pytest.mark.parametrize("bits", [0, 4])
-def test_mixed_graph_forwards_serve_the_same_replay(tiny, bits, monkeypatch):
+SPARSE_PLANNED = {"sparse_top_k": 16, "migration_interval": 4, "migration_threshold_ms": 1.0}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"quantization_bits": 0}, {"quantization_bits": 4}, SPARSE_PLANNED],
+    ids=["bf0", "int4", "sparse"],
+)
+def test_mixed_graph_forwards_serve_the_same_replay(tiny, extra, monkeypatch):
     """With ``mixed_graphs`` every forward with prompt tokens whose shapes fit runs as the mixed graphs'
     function (on a CPU uncaptured): the same iterations, chunks and completions as eager, the same tokens
-    out (the logits differ only by padding's float order); a sparse config's forwards stay eager; the
-    option needs the static decode step."""
+    out (the logits differ only by padding's float order), a sparse config's too; the option needs the
+    static decode step."""
     from kvtune.engine.outputs import SlotOutputs
 
     requests = _requests(6)
@@ -147,15 +154,14 @@ def test_mixed_graph_forwards_serve_the_same_replay(tiny, bits, monkeypatch):
     for option in (False, True):
         outputs.clear()
         options = SchedulerConfig(mixed_graphs=option, max_num_batched_tokens=20)
-        m = Engine(tiny, _config(bits), 1 << 24, CPU, options).replay(requests, 0.0, warmup_requests=1)
+        config = HybridConfig.from_dict(_config().to_dict() | extra)
+        m = Engine(tiny, config, 1 << 24, CPU, options).replay(requests, 0.0, warmup_requests=1)
         runs.append((m.to_dict(), list(outputs)))
     (eager, eager_out), (graph, graph_out) = runs
     for key in ("completed", "prefill_chunks", "mixed_iterations", "decode_steps"):
         assert graph[key] == eager[key], key
     assert eager["mixed_graph_forwards"] == 0 < graph["mixed_graph_forwards"]
     assert graph_out == eager_out
-    sparse = _replay(tiny, _config(8, sparse_top_k=16), 1 << 24, requests, 0.0, mixed_graphs=True)
-    assert sparse["mixed_graph_forwards"] == 0 and sparse["completed"] == 6
     assert SchedulerConfig(mixed_graphs=True).to_dict()["mixed_graphs"] is True
     assert "mixed_graphs" not in SchedulerConfig().to_dict()
     with pytest.raises(ValueError, match="needs `graphs`"):

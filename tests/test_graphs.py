@@ -416,11 +416,13 @@ def _mixed_iterations(tiny, config, device, run_static, steps=None):
     return caches, out, [0, 1, *prompts]
 
 
-@pytest.mark.parametrize(("bits", "extra"), [(0, {}), (8, {}), (4, {})], ids=["bf0", "int8", "int4"])
+@pytest.mark.parametrize(
+    ("bits", "extra"), [(0, {}), (8, {}), (4, {}), (8, SPARSE)], ids=["bf0", "int8", "int4", "int8-sparse"]
+)
 def test_a_static_mixed_iteration_gives_the_eager_mixed_forward(tiny, bits, extra):
     """The mixed iterations' runner (:class:`MixedGraphs`, uncaptured: the function a graph captures, over
     the padded shapes) gives the eager mixed forward's logits (padding only reorders float sums) and
-    tokens, and leaves the cache in the same state; a sparse config is refused."""
+    tokens, and leaves the cache in the same state (the sparse tier's too, planned on the way)."""
     from kvtune.engine.mixed_graphs import MixedGraphs
     from kvtune.engine.piecewise import PiecewiseForward
 
@@ -448,9 +450,8 @@ def test_a_static_mixed_iteration_gives_the_eager_mixed_forward(tiny, bits, extr
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"iteration {step}")
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     _same_state(caches[0], caches[1], ids, exact=False)
-    sparse = _prefilled(tiny, _config(8, **SPARSE), [25], CPU)
-    with pytest.raises(ValueError, match="dense configs only"):
-        MixedGraphs(tiny.model, sparse, DecodeGraphs(tiny.model, sparse, 4, 16, False), pieces, 4, 512, False)
+    if extra:
+        assert caches[0].counters["plans"] > 0  # the tiers were planned on the way
 
 
 @pytest.mark.gpu

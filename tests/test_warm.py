@@ -103,8 +103,9 @@ SPARSE = HybridConfig("hybrid_v2", 16, 16, 8, sparse_top_k=32, migration_throttl
     ("config", "scheduler"),
     [(INT4, SchedulerConfig()), (INT8, SchedulerConfig()), (SPARSE, SchedulerConfig()),
      (INT4, SchedulerConfig(piecewise=True)), (INT8, SchedulerConfig(mixed=False)),
-     (INT4, SchedulerConfig(mixed_graphs=True))],
-    ids=["int4", "int8", "int8-sparse", "int4-pieces", "int8-unmixed", "int4-mixed-graphs"],
+     (INT4, SchedulerConfig(mixed_graphs=True)), (SPARSE, SchedulerConfig(mixed_graphs=True))],
+    ids=["int4", "int8", "int8-sparse", "int4-pieces", "int8-unmixed", "int4-mixed-graphs",
+         "sparse-mixed-graphs"],
 )  # fmt: skip
 def test_the_warm_requests_reach_every_key_of_a_longer_replay(
     ahead: None, config: HybridConfig, scheduler: SchedulerConfig
@@ -334,7 +335,11 @@ def test_a_gpu_iterations_layers_read_nothing_back_on_the_host(
     assert not seen, sorted(set(seen))
 
 
-@pytest.mark.parametrize("config", [INT4, HybridConfig("hybrid_v2", 16, 16, 0)], ids=["int4", "bf16"])
+@pytest.mark.parametrize(
+    "config",
+    [INT4, HybridConfig("hybrid_v2", 16, 16, 0), HybridConfig("hybrid_v2", 16, 16, 8, sparse_top_k=32)],
+    ids=["int4", "bf16", "sparse"],
+)
 def test_a_mixed_graphs_function_reads_nothing_back_on_the_host(
     ahead: None, config: HybridConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
