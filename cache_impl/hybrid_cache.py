@@ -460,7 +460,6 @@ class HybridCache:
         if not chunks or len({i for i, _ in chunks}) != len(chunks):
             raise ValueError(f"prefill_chunks: chunks {list(chunks)} (distinct sequences, at least one)")
         specs = []
-        bs, hot = self.config.block_size, self.config.hot_tokens
         for seq_id, t in chunks:
             seq = self._seq(seq_id)
             if seq.ready or seq.layers_done or not 0 < t <= seq.length - seq.prefilled:
@@ -469,20 +468,21 @@ class HybridCache:
                     f"1..{seq.length - seq.prefilled} tokens, got layer 0 and {t}"
                     + (" (already prefilled)" if seq.ready else "")
                 )
-            n_seal = max(0, (seq.hot_len + t - hot) // bs)
+            n_seal = self._chunk_seals(seq, t)
             blocks = self._st.table[seq.slot, : seq.sealed + n_seal].copy()
             specs.append(ChunkSpec(seq.slot, seq.hot_len, seq.sealed, t, n_seal, blocks))
             seq.chunk = t
+        bs = self.config.block_size
         return build_chunk_plan(specs, bs, hot_capacity(self.config), self.device, pad, staging)
 
     def chunk_sizes(self, chunks: Sequence[tuple[int, int]]) -> ChunkPad:
         """The exact sizes of the plan :meth:`plan_chunks` would build for ``chunks`` (its tokens, packed
         rows, chunks, seals and hot writes), with no check and nothing changed."""
-        bs, hot = self.config.block_size, self.config.hot_tokens
+        bs = self.config.block_size
         rows = seals = tails = 0
         for seq_id, t in chunks:
             seq = self._seq(seq_id)
-            n_seal = max(0, (seq.hot_len + t - hot) // bs)
+            n_seal = self._chunk_seals(seq, t)
             rows += seq.sealed * bs + seq.hot_len + t
             seals += n_seal
             tails += seq.hot_len + t - n_seal * bs
@@ -529,14 +529,17 @@ class HybridCache:
                 self._ready[seq.slot] = True
                 self._register(seq, range(seq.hits, seq.num_blocks))
 
+    def _chunk_seals(self, seq: _Seq, t: int) -> int:
+        """The blocks a prompt chunk of ``t`` tokens seals: as many as leave ``hot_tokens`` hot."""
+        return max(0, (seq.hot_len + t - self.config.hot_tokens) // self.config.block_size)
+
     def _chunk_blocks(self, seq: _Seq, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block ids a prompt chunk of ``t`` tokens reads and seals, int64 on the device: (the ``sealed``
         blocks before it, the blocks it seals: as many as leave ``hot_tokens`` in the hot zone), uploaded in
         one copy, the second starting 16-byte aligned (Triton specializes a kernel on its pointers'
         alignment: the seal is one build whatever the chunk's place). On CUDA the copy leaves from pinned
         memory without waiting for the device."""
-        n_seal = max(0, (seq.hot_len + t - self.config.hot_tokens) // self.config.block_size)
-        row = self._st.table[seq.slot, : seq.sealed + n_seal]
+        row = self._st.table[seq.slot, : seq.sealed + self._chunk_seals(seq, t)]
         prefix, sealing = upload_aligned([row[: seq.sealed], row[seq.sealed :]], self.device)
         return prefix, sealing
 

@@ -850,11 +850,7 @@ class Engine:
         if self._gated() and run.in_flight is None:  # the device idles from here
             start = self._gate(run, ("step", 0))
         info = graphs.prepare(slots, run.outputs.last_tokens(slots), run.clock.now_ms())
-        captured_ms = graphs.take_capture_ms()  # left out of the clock and of this step's time
-        if captured_ms:
-            run.stall_ms()  # compilations during a capture are part of its time
-        run.clock.exclude(captured_ms)
-        run.add("graph_capture_ms", captured_ms)
+        captured_ms = self._captures(run, graphs)  # left out of the clock and of this step's time
         model_start = self.timer.mark()
         timed = graphs.run(info)
         model_end = self.timer.mark()
@@ -871,6 +867,16 @@ class Engine:
         run.in_flight = flight
         if timed:
             self._land(run, progress)
+
+    def _captures(self, run: _Run, graphs: DecodeGraphs) -> float:
+        """The milliseconds ``graphs`` spent capturing since last asked: left out of the clock (the
+        compilations inside them counted with them), returned for the iteration to leave out too."""
+        captured_ms = graphs.take_capture_ms()
+        if captured_ms:
+            run.stall_ms()  # compilations during a capture are part of its time
+        run.clock.exclude(captured_ms)
+        run.add("graph_capture_ms", captured_ms)
+        return captured_ms
 
     def _land(self, run: _Run, progress: Progress | None) -> None:
         """The step in flight, if any, completes: its tokens and their time (now, once they are on the
@@ -996,12 +1002,7 @@ class Engine:
             slots, ids[0], positions[0], segments, np.concatenate(ids[1:]), np.concatenate(positions[1:]),
             run.clock.now_ms(),
         )  # fmt: skip
-        assert run.graphs is not None
-        captured_ms = run.graphs.take_capture_ms()  # the mixed graphs capture through the decode graphs
-        if captured_ms:
-            run.stall_ms()  # compilations during a capture are part of its time
-        run.clock.exclude(captured_ms)
-        run.add("graph_capture_ms", captured_ms)
+        captured_ms = self._captures(run, mixed.decode)  # they capture through the decode graphs
         model_start, launch_t0 = self.timer.mark(), time.perf_counter()
         tokens = mixed.run(info)
         model_end = self.timer.mark()

@@ -6,6 +6,7 @@ imported on first use).
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from kvtune.kernels.backend import use_triton
 from kvtune.kernels.chunk_kv_ref import HOT, NEW, PREFIX, hot_write_ref, pack_kv_ref
@@ -15,14 +16,8 @@ __all__ = ["HOT", "NEW", "PREFIX", "hot_write", "hot_write_ref", "pack_kv", "pac
 
 
 def pack_kv(
-    pool: ColdPool,
-    hot: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kind: torch.Tensor,
-    src: torch.Tensor,
-    dtype: torch.dtype,
-) -> torch.Tensor:
+    pool: ColdPool, hot: Tensor, k: Tensor, v: Tensor, kind: Tensor, src: Tensor, dtype: torch.dtype
+) -> Tensor:
     """Packed keys and values ``[2, K, H, D]`` (:func:`~kvtune.kernels.chunk_kv_ref.pack_kv_ref`)."""
     if use_triton(k):
         from kvtune.kernels.triton_chunk_kv import pack_kv_triton
@@ -32,12 +27,7 @@ def pack_kv(
 
 
 def hot_write(
-    hot: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    rows: torch.Tensor | None = None,
+    hot: Tensor, k: Tensor, v: Tensor, slots: Tensor, positions: Tensor, rows: Tensor | None = None
 ) -> None:
     """K and V rows into hot zones (:func:`~kvtune.kernels.chunk_kv_ref.hot_write_ref`)."""
     if use_triton(k):

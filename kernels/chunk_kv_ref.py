@@ -24,6 +24,7 @@ Both take only device tensors of fixed shapes and read nothing back on the host.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant_ref import codes_of_rows
@@ -32,14 +33,8 @@ PREFIX, HOT, NEW = 0, 1, 2
 
 
 def pack_kv_ref(
-    pool: ColdPool,
-    hot: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kind: torch.Tensor,
-    src: torch.Tensor,
-    dtype: torch.dtype,
-) -> torch.Tensor:
+    pool: ColdPool, hot: Tensor, k: Tensor, v: Tensor, kind: Tensor, src: Tensor, dtype: torch.dtype
+) -> Tensor:
     """Packed keys and values ``[2, K, H, D]`` in ``dtype`` (module docstring). ``hot`` ``[2, S, H, C, D]``;
     ``k``, ``v`` ``[N, H, D]``; ``kind``, ``src`` ``[K]`` int64. Reads the rows' kinds on the host (the CPU
     path; the kernel reads nothing back)."""
@@ -75,12 +70,7 @@ def _dequantize_tokens(pool: ColdPool, src: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def hot_write_ref(
-    hot: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    rows: torch.Tensor | None = None,
+    hot: Tensor, k: Tensor, v: Tensor, slots: Tensor, positions: Tensor, rows: Tensor | None = None
 ) -> None:
     """``hot`` ``[2, S, H, C, D]`` at ``(slots[i], positions[i])`` gets row ``rows[i]`` (or ``i``) of ``k``,
     ``v`` ``[N, H, D]``, every head."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from kvtune.kernels.chunk_kv_ref import HOT, NEW, PREFIX, hot_write_ref, pack_kv_ref
 from kvtune.kernels.launch import launch
@@ -132,14 +133,8 @@ def _hot_write_kernel(
 
 
 def pack_kv_triton(
-    pool: ColdPool,
-    hot: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kind: torch.Tensor,
-    src: torch.Tensor,
-    dtype: torch.dtype,
-) -> torch.Tensor:
+    pool: ColdPool, hot: Tensor, k: Tensor, v: Tensor, kind: Tensor, src: Tensor, dtype: torch.dtype
+) -> Tensor:
     """The contract of :func:`~kvtune.kernels.chunk_kv_ref.pack_kv_ref`, one launch."""
     rows, h, d = kind.shape[0], k.shape[1], k.shape[2]
     if not tileable_head_dim(d):
@@ -161,12 +156,7 @@ def pack_kv_triton(
 
 
 def hot_write_triton(
-    hot: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    rows: torch.Tensor | None = None,
+    hot: Tensor, k: Tensor, v: Tensor, slots: Tensor, positions: Tensor, rows: Tensor | None = None
 ) -> None:
     """The contract of :func:`~kvtune.kernels.chunk_kv_ref.hot_write_ref`, one launch."""
     n, h, d = slots.shape[0], k.shape[1], k.shape[2]
