@@ -52,6 +52,7 @@ import torch
 from gpu_state import GpuSampler
 
 from kvtune.cache_impl.config import HybridConfig
+from kvtune.engine import engine as engine_module
 from kvtune.engine.engine import default_budget_bytes, load_workload, resolve_device
 from kvtune.engine.metrics import median_spread
 from kvtune.engine.model import load_model
@@ -140,6 +141,13 @@ def _args() -> argparse.Namespace:
         help="forwards with prompt tokens whose shapes fit replayed whole as one graph per shape bucket "
         "(kvtune.engine.mixed_graphs)",
     )
+    p.add_argument(
+        "--capture-on",
+        type=int,
+        default=None,
+        help="with --mixed-graphs: the use of a shape that captures its graph (default: the engine's, "
+        "kvtune.engine.engine.MIXED_CAPTURE_ON; 1: its first use)",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -157,6 +165,8 @@ def _budget(text: str, loaded: Any, device: torch.device) -> int:
 
 def main() -> None:
     args = _args()
+    if args.capture_on is not None:
+        engine_module.MIXED_CAPTURE_ON = args.capture_on
     device = resolve_device(args.device)
     loaded = load_model(args.model, device=device, dtype=DTYPES[args.dtype])
     requests, counts, provenance = load_workload(

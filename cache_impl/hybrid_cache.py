@@ -488,6 +488,13 @@ class HybridCache:
             tails += seq.hot_len + t - n_seal * bs
         return ChunkPad(sum(t for _, t in chunks), rows, len(chunks), seals, tails)
 
+    def step_blocks(self, slots: np.ndarray) -> int:
+        """The most blocks a row of ``slots`` will have in the static step :meth:`prepare_step` would stage
+        for them (its seals counted), with nothing changed."""
+        st = self._st
+        seals = st.hot_len[slots] + 1 == self.config.hot_tokens + self.config.block_size
+        return int((st.num_blocks[slots] + seals).max())
+
     def chunks_layer(
         self, layer: int, plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:

@@ -90,6 +90,9 @@ _PIECES: weakref.WeakKeyDictionary[Any, PiecewiseForward] = weakref.WeakKeyDicti
 # ... uncaptured, for the static buffers and piece functions of the mixed graphs (without ``piecewise``)
 _PIECE_BUFFERS: weakref.WeakKeyDictionary[Any, PiecewiseForward] = weakref.WeakKeyDictionary()
 MAX_PACKED = 32768  # the most packed rows of a mixed iteration replayed as a graph (MixedGraphs)
+# the use of a mixed iteration's shape that captures its graph: a capture costs about two uncaptured runs'
+# host time, and a replay meets most shapes once (a CPU count: 35 shapes in 50 mixed forwards)
+MIXED_CAPTURE_ON = 2
 
 
 class GateSizes:
@@ -566,7 +569,7 @@ class Engine:
             packed = settings.max_num_batched_tokens + 2 * settings.max_model_len
             graphs.mixed = MixedGraphs(
                 self.model, cache, graphs, pieces, settings.max_num_seqs, min(packed, MAX_PACKED),
-                settings.cuda_graphs,
+                settings.cuda_graphs, capture_on=MIXED_CAPTURE_ON,
             )  # fmt: skip
         return graphs
 
@@ -921,7 +924,7 @@ class Engine:
         cache, b = run.cache, len(slots)
         segments = [(seq.seq_id, n) for seq, n in chunks]
         mixed = run.graphs.mixed if run.graphs is not None else None
-        graph = mixed is not None and mixed.fits(b, segments)
+        graph = mixed is not None and mixed.fits(b, segments) and mixed.wants(slots, segments)
         # reads the device: before the gate
         bytes_before = self._attention_bytes(run, timed=b > 0 and not graph)
         if self._gated():  # the device idles from here

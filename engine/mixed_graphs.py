@@ -15,10 +15,12 @@ shape), more than the GPU needs for it. Here the whole iteration is captured, as
   writes one zone per chunk entry; FlashAttention is given the pads as its longest lengths;
 - the logits of every decode row (padding included) and of each chunk entry's last row.
 
-One graph per (``N``, ``R``, table width, packed rows, chunk entries, seal entries), captured on first use
-after one uncaptured run on a side stream (what that run wrote is put back: the decode rows' hot positions
-and access statistics, the chunks' hot zones, the tokens the decode rows leave on the device; the warm-up
-plans the tiers but migrates nothing, as the decode step's). A sparse config's tier planning and migrations
+One graph per (``N``, ``R``, table width, packed rows, chunk entries, seal entries), captured on the
+shape's ``capture_on``-th use (:meth:`wants`; before it the caller runs the iteration op by op, so a shape a
+replay meets once is never captured: a capture costs about two uncaptured runs' host time), after one
+uncaptured run on a side stream (what that run wrote is put back: the decode rows' hot positions and access
+statistics, the chunks' hot zones, the tokens the decode rows leave on the device; the warm-up plans the
+tiers but migrates nothing, as the decode step's). A sparse config's tier planning and migrations
 run inside the graph after the layers, as in the static decode step. Without capture (a CPU) the same
 function runs directly over the same padded buffers: what the CPU tests compare with the eager mixed
 forward.
@@ -64,7 +66,8 @@ class MixedGraphs:
     :class:`~kvtune.engine.graphs.DecodeGraphs` (its step buffers, shapes and seal graphs);
     ``pieces``: the model's :class:`~kvtune.engine.piecewise.PiecewiseForward`; ``max_chunks``: the most
     chunks in an iteration; ``max_packed``: the most packed rows (beyond it an iteration does not fit);
-    ``capture``: replay CUDA graphs; ``keep_logits``: keep each iteration's logits (tests)."""
+    ``capture``: replay CUDA graphs; ``keep_logits``: keep each iteration's logits (tests); ``capture_on``:
+    the use of a shape that captures it (:meth:`wants`)."""
 
     def __init__(
         self,
@@ -76,10 +79,13 @@ class MixedGraphs:
         max_packed: int,
         capture: bool,
         keep_logits: bool = False,
+        capture_on: int = 1,
     ) -> None:
         if capture and cache.device.type != "cuda":
             raise ValueError("capturing CUDA graphs needs a CUDA cache")
         self.model, self.cache, self.decode, self.pieces, self.capture = model, cache, decode, pieces, capture
+        self.capture_on = capture_on
+        self._uses: dict[tuple[int, ...], int] = {}
         tokens = pieces.max_tokens
         self.max_chunks = _pow2(max_chunks)
         self.max_packed = _pow2(max_packed, MIN_PACKED)
@@ -114,6 +120,27 @@ class MixedGraphs:
         rows = self.decode.rows_for(decode_rows) if decode_rows else 0
         tokens = rows + sum(t for _, t in chunks)
         return self.pieces.fits(tokens) and self.cache.chunk_sizes(chunks).rows <= self.max_packed
+
+    def wants(self, slots: np.ndarray, chunks: Sequence[tuple[int, int]]) -> bool:
+        """Whether an iteration that :meth:`fits` runs as a graph: its shape's graph exists, or this is the
+        shape's ``capture_on``-th use (counted here; the caller runs the others op by op). The shape is
+        predicted before anything is staged, as :meth:`prepare` will key it."""
+        if self.capture_on <= 1:
+            return True
+        key = self.key_for(slots, chunks)
+        if key in self._graphs:
+            return True
+        self._uses[key] = uses = self._uses.get(key, 0) + 1
+        return uses >= self.capture_on
+
+    def key_for(self, slots: np.ndarray, chunks: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+        """The graph's key an iteration of the decode rows ``slots`` and ``chunks`` will have."""
+        b = len(slots)
+        r = self.decode.rows_for(b) if b else 0
+        n = self.pieces.bucket(r + sum(t for _, t in chunks))
+        pad = self._pad(self.cache.chunk_sizes(chunks), n - r)
+        width = self.decode.width_for(self.cache.step_blocks(slots)) if b else 0
+        return (n, r, width, pad.rows, pad.chunks, pad.seals)
 
     def prepare(
         self,

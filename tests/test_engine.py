@@ -136,20 +136,30 @@ SPARSE_PLANNED = {"sparse_top_k": 16, "migration_interval": 4, "migration_thresh
     ids=["bf0", "int4", "sparse"],
 )
 def test_mixed_graph_forwards_serve_the_same_replay(tiny, extra, monkeypatch):
-    """With ``mixed_graphs`` every forward with prompt tokens whose shapes fit runs as the mixed graphs'
-    function (on a CPU uncaptured): the same iterations, chunks and completions as eager, the same tokens
-    out (the logits differ only by padding's float order), a sparse config's too; the option needs the
-    static decode step."""
+    """With ``mixed_graphs`` a forward with prompt tokens whose shapes fit runs as the mixed graphs'
+    function (on a CPU uncaptured) from its shape's second use on, the first op by op: the same iterations,
+    chunks and completions as eager, the same tokens out (the logits differ only by padding's float order),
+    a sparse config's too. The shape is predicted before anything is staged as the staged iteration keys
+    it. The option needs the static decode step."""
+    from kvtune.engine.mixed_graphs import MixedGraphs
     from kvtune.engine.outputs import SlotOutputs
 
     requests = _requests(6)
     record, outputs = SlotOutputs.record, []
+    prepare, keys = MixedGraphs.prepare, []
 
     def recorded(self, slots, tokens, now_ms):
         outputs.append((slots.tolist(), tokens.tolist()))
         return record(self, slots, tokens, now_ms)
 
+    def prepared(self, slots, tokens, positions, chunks, *rest):
+        predicted = self.key_for(slots, chunks)
+        info = prepare(self, slots, tokens, positions, chunks, *rest)
+        keys.append((predicted, info.key, self._uses.get(info.key, 0)))
+        return info
+
     monkeypatch.setattr(SlotOutputs, "record", recorded)
+    monkeypatch.setattr(MixedGraphs, "prepare", prepared)
     runs = []
     for option in (False, True):
         outputs.clear()
@@ -160,7 +170,8 @@ def test_mixed_graph_forwards_serve_the_same_replay(tiny, extra, monkeypatch):
     (eager, eager_out), (graph, graph_out) = runs
     for key in ("completed", "prefill_chunks", "mixed_iterations", "decode_steps"):
         assert graph[key] == eager[key], key
-    assert eager["mixed_graph_forwards"] == 0 < graph["mixed_graph_forwards"]
+    assert eager["mixed_graph_forwards"] == 0 < graph["mixed_graph_forwards"] == len(keys)
+    assert all(predicted == key and uses >= 2 for predicted, key, uses in keys), keys
     assert graph_out == eager_out
     assert SchedulerConfig(mixed_graphs=True).to_dict()["mixed_graphs"] is True
     assert "mixed_graphs" not in SchedulerConfig().to_dict()

@@ -1607,8 +1607,9 @@ def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
 @pytest.mark.parametrize("bits", [0, 4])
 def test_mixed_graph_replays_serve_the_eager_replay_gpu(bits):
     """SmolLM2's shape in bfloat16 on CUDA, 24 requests at once: with ``mixed_graphs`` the forwards with
-    prompt tokens replay as graphs. Every request completes in the same iterations, chunks and decode
-    steps as the eager replay's; a repeat on the kept graphs captures nothing; on the gated clock no
+    prompt tokens replay as graphs from a shape's second use. Every request completes in the same
+    iterations, chunks and decode steps as the eager replay's; a repeat on the kept graphs meets every
+    shape again (it captures those the first met once), so a third captures nothing; on the gated clock no
     graph forward's gate leaks."""
     from kvtune.engine.engine import Engine
     from kvtune.engine.model import load_model
@@ -1632,7 +1633,8 @@ def test_mixed_graph_replays_serve_the_eager_replay_gpu(bits):
         assert graph[key] == eager[key] == repeat[key], key
     assert graph["completed"] == len(requests)
     assert graph["mixed_graph_forwards"] > 0 and eager["mixed_graph_forwards"] == 0
-    assert repeat["graph_captures"] == 0, repeat["graph_captures"]
+    assert repeat["mixed_graph_forwards"] >= graph["mixed_graph_forwards"]  # every shape met before
+    assert gated["graph_captures"] == 0, gated["graph_captures"]
     assert gated["mixed_graph_forwards"] > 0 and gated["gate_leaks"] == 0, gated
 
 

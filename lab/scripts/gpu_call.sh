@@ -8,7 +8,8 @@
 # forward: FORWARD_LENGTHS, FORWARD_S; launch: LAUNCH_S; hostab: HOSTAB_S, ROUNDS (needs .old/, a git archive)
 # warm: WARM_CONFIGS (bits:block, default 4:32,8:64,0:32,4:256), WARM_S; kernels compiled ahead, then the prime
 # whole: WHOLE_TESTS_S, HOST_N, HOST_S: mixed iterations as one graph against pieces (tests, host time);
-# wholeengine: WHOLE_S, WHOLE_BUDGET: saturation replays op by op, in pieces and as whole graphs
+# wholeengine: WHOLE_S, WHOLE_BUDGET, WHOLE_MODES (comma-separated flags, op: none): saturation replays op by
+#   op, in pieces and as whole graphs
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -143,7 +144,7 @@ for stage in "$@"; do
       -k "padded or mixed_iteration or mixed_graph" 2>&1 | tee "$OUT/whole_tests.log" | tail -8
     for shape in "1 256" "4 64"; do
       read -r n t <<< "$shape"
-      for round in 1 2; do
+      for round in $(seq ${ROUNDS:-2}); do
         for mode in --piecewise --mixed-graphs; do
           log "host time, Llama-3.1-8B shape, INT8, 16 decode rows + $n chunks of $t, $mode (round $round)"
           timeout ${HOST_S:-120} python3 benchmarks/mixed_ops.py $C/q_int8.json --model random:llama-3.1-8b \
@@ -154,12 +155,15 @@ for stage in "$@"; do
       done
     done ;;
   wholeengine)
-    for mode in "" --piecewise --mixed-graphs; do
+    IFS=',' read -r -a modes <<< "${WHOLE_MODES:-op,--piecewise,--mixed-graphs}"
+    for mode in "${modes[@]}"; do
+      [ "$mode" = op ] && mode=""
+      tag=$(echo "$mode" | tr -d ' =')
       log "engine: INT8 and unquantized, ${WHOLE_BUDGET:-4e9} B, op by op / pieces / whole graphs: '$mode'"
       timeout ${WHOLE_S:-150} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ \
-        --requests 96 --kv-budget ${WHOLE_BUDGET:-4e9} --repeats 3 $mode --json "$OUT/whole$mode.json" \
-        $C/q_unquantized.json $C/q_int8.json > "$OUT/whole$mode.log" 2>&1
-      tail -8 "$OUT/whole$mode.log"
+        --requests 96 --kv-budget ${WHOLE_BUDGET:-4e9} --repeats 3 $mode --json "$OUT/whole$tag.json" \
+        $C/q_unquantized.json $C/q_int8.json > "$OUT/whole$tag.log" 2>&1
+      tail -8 "$OUT/whole$tag.log"
     done ;;
   warm)
     log "a new config's prime: empty Triton cache against one the planning processes filled (engine/warm.py)"
