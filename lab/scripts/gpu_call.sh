@@ -141,7 +141,7 @@ for stage in "$@"; do
   whole)
     log "gpu tests: mixed iterations replayed whole as graphs (padded chunk plans, the runner, the engine)"
     timeout ${WHOLE_TESTS_S:-150} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_graphs.py \
-      -k "padded or mixed_iteration or mixed_graph" 2>&1 | tee "$OUT/whole_tests.log" | tail -8
+      -k "padded or mixed_iteration or mixed_graph or gated_clock_keeps" 2>&1 | tee "$OUT/whole_tests.log" | tail -8
     for shape in "1 256" "4 64"; do
       read -r n t <<< "$shape"
       for round in $(seq ${ROUNDS:-2}); do
