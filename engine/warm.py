@@ -127,6 +127,13 @@ def warm_requests(config: HybridConfig) -> tuple[Request, ...]:
     return tuple(Request(i, float(i), n, o) for i, (n, o) in enumerate(zip(prompts, outputs, strict=True)))
 
 
+def warm_replays(scheduler: SchedulerConfig) -> int:
+    """How many times the planning replays :func:`warm_requests` on one engine: twice with mixed graphs,
+    which run a shape op by op at its first use and as its graph's function from its second, so both paths'
+    kernels are planned."""
+    return 2 if scheduler.mixed_graphs else 1
+
+
 def warm_scheduler(scheduler: SchedulerConfig) -> SchedulerConfig:
     """The worker's engine options, on the wall clock, with iterations small enough that prompts run in
     chunks beside decode rows."""
@@ -201,7 +208,8 @@ def warm_config(loaded: Any, config: dict[str, Any], spec: WarmSpec, counts: _Co
         lengths = [r.input_length + r.output_length for r in requests]
         budget = 2 * kv_bytes_for(cfg, loaded.model.kv_shape, lengths)
         engine = Engine(loaded, cfg, budget, torch.device("cpu"), warm_scheduler(spec.scheduler))
-        engine.replay(requests, 0.0, warmup_requests=2)
+        for _ in range(warm_replays(spec.scheduler)):
+            engine.replay(requests, 0.0, warmup_requests=2)
     except Exception as e:  # a config this cannot warm is compiled by the worker, as without it
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return {

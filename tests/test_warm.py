@@ -26,6 +26,7 @@ from kvtune.engine.warm import (
     WarmSpec,
     planning_mlp,
     planning_spec,
+    warm_replays,
     warm_requests,
     warm_scheduler,
 )
@@ -51,9 +52,10 @@ def ahead() -> Iterator[None]:
 
 
 def _recorded(
-    config: HybridConfig, requests: tuple[Request, ...], scheduler: SchedulerConfig
+    config: HybridConfig, requests: tuple[Request, ...], scheduler: SchedulerConfig, times: int = 1
 ) -> list[Launch]:
-    """The kernel launches of an engine replay on the CPU (recorded, not run), SmolLM2's attention shape."""
+    """The kernel launches of ``times`` engine replays on one engine on the CPU (recorded, not run),
+    SmolLM2's attention shape."""
     from kvtune.engine.engine import Engine
     from kvtune.engine.model import LlamaModel, LoadedModel
     from kvtune.engine.weights import random_tensors
@@ -61,7 +63,12 @@ def _recorded(
     spec = planning_spec(SHAPES["smollm2-135m"])
     model = LlamaModel(spec, random_tensors(spec, torch.device("cpu"), torch.bfloat16))
     engine = Engine(LoadedModel(model, spec, None, False), config, 64 << 20, torch.device("cpu"), scheduler)
-    return record_launches(lambda: engine.replay(requests, 0.0, warmup_requests=2))
+
+    def replays() -> None:
+        for _ in range(times):
+            engine.replay(requests, 0.0, warmup_requests=2)
+
+    return record_launches(replays)
 
 
 def _replay_launches(config: HybridConfig) -> list[str]:
@@ -116,7 +123,11 @@ def test_the_warm_requests_reach_every_key_of_a_longer_replay(
     from dataclasses import replace
 
     keys = lambda requests, options: {specialization(x) for x in _recorded(config, requests, options)}
-    warm = keys(warm_requests(config), warm_scheduler(scheduler))
+    warm_options = warm_scheduler(scheduler)
+    warm = {
+        specialization(x)
+        for x in _recorded(config, warm_requests(config), warm_options, warm_replays(scheduler))
+    }
     other = tuple(Request(i, 2.0 * i, 40 + (i * 97) % 700, 8 + (i * 13) % 190) for i in range(24))
     replay = keys(other, replace(scheduler, max_num_batched_tokens=512))
     missing = replay - warm
@@ -349,6 +360,7 @@ def test_a_mixed_graphs_function_reads_nothing_back_on_the_host(
     from kvtune.engine.mixed_graphs import MixedGraphs
 
     calls, seen = _host_reads(monkeypatch, MixedGraphs, ["_forward"])
-    _recorded(config, warm_requests(config), SchedulerConfig(mixed_graphs=True))
+    scheduler = SchedulerConfig(mixed_graphs=True)
+    _recorded(config, warm_requests(config), scheduler, warm_replays(scheduler))
     assert calls["_forward"] > 0, calls
     assert not seen, sorted(set(seen))
