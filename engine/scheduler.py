@@ -70,8 +70,9 @@ class SchedulerConfig:
     MLP, RoPE) as CUDA graphs captured per token-count bucket, its attention eagerly between them
     (:mod:`kvtune.engine.piecewise`; on a CPU the same pieces run directly). False (the default): op by op.
     mixed_graphs: a forward with prompt tokens whose shapes fit runs whole as one CUDA graph per shape bucket,
-    its attention and cache writes captured with the rest (:mod:`kvtune.engine.mixed_graphs`; on a CPU the
-    same function runs directly); needs ``graphs``. False (the default): not yet timed on a GPU.
+    its attention and cache writes captured with the rest, from the shape's second use on
+    (:mod:`kvtune.engine.mixed_graphs`; on a CPU the same function runs directly); needs ``graphs``. False
+    (the default) until a study has run with it.
 
     """
 

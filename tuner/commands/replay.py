@@ -124,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mixed-graphs",
         action="store_true",
         help="forwards with prompt tokens whose shapes fit run whole as one CUDA graph per shape bucket, "
-        "attention and cache writes inside (needs the graphs; not yet timed on a GPU)",
+        "attention and cache writes inside, captured on a shape's second use (needs the graphs)",
     )
     parser.add_argument(
         "--clock",

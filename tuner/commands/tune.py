@@ -185,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mixed-graphs",
         action="store_true",
         help="the replays' forwards with prompt tokens whose shapes fit run whole as one CUDA graph per "
-        "shape bucket, attention and cache writes inside (not yet timed on a GPU)",
+        "shape bucket, attention and cache writes inside, captured on a shape's second use",
     )
     add("--max-ppl-increase", type=float, default=2.0, help="quality bound: perplexity increase, %% (2.0)")
     add("--max-kl", type=float, default=None, help="quality bound: mean KL in nats (default: none)")
