@@ -17,7 +17,7 @@ shape), more than the GPU needs for it. Here the whole iteration is captured, as
 
 One graph per (``N``, ``R``, table width, packed rows, chunk entries, seal entries), captured on the
 shape's ``capture_on``-th use (:meth:`wants`; before it the caller runs the iteration op by op, so a shape a
-replay meets once is never captured: a capture costs about two uncaptured runs' host time), after one
+replay meets once is never captured: a capture took about 3.5x an iteration's host time in pieces), after one
 uncaptured run on a side stream (what that run wrote is put back: the decode rows' hot positions and access
 statistics, the chunks' hot zones, the tokens the decode rows leave on the device; the warm-up plans the
 tiers but migrates nothing, as the decode step's). A sparse config's tier planning and migrations
