@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from kvtune.cache_impl.plan import StagedCopy
 from kvtune.kernels.chunk_kv import HOT, NEW, PREFIX
 
 
@@ -128,7 +128,7 @@ class ChunkStaging:
         self.host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.dev = torch.zeros(total, dtype=torch.int64, device=device)
         self.cu32 = torch.zeros(2, c.chunks + 1, dtype=torch.int32, device=device)
-        self._copied: Any = None
+        self._copy = StagedCopy()
 
     def fits(self, pad: ChunkPad) -> bool:
         c = self.capacity
@@ -139,15 +139,11 @@ class ChunkStaging:
 
     def stage(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """Copy ``parts`` (the plan's eight fields, each at most its capacity) to the device; their views."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous plan's copy has read the host buffer
+        self._copy.wait()  # the previous plan's copy has read the host buffer
         host = self.host.numpy()
         for a, at in zip(parts, self.offsets):
             host[at : at + len(a)] = a
-        self.dev.copy_(self.host, non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._copy.copy(self.dev, self.host)
         return [self.dev[at : at + len(a)] for a, at in zip(parts, self.offsets)]
 
 

@@ -104,6 +104,27 @@ class StepInfo:
     now_ms: float
 
 
+class StagedCopy:
+    """Copies from a host staging buffer (pinned on CUDA) to the device that do not make the host wait:
+    :meth:`wait` blocks until the last one has read the staging buffer, before the host writes it again."""
+
+    def __init__(self) -> None:
+        self._copied: Any = None  # a CUDA event after the last copy
+
+    def wait(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    def copy(self, dev: torch.Tensor, host: torch.Tensor) -> None:
+        if dev.device.type == "cuda":
+            dev.copy_(host, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            dev.copy_(host)
+
+
 class StepBuffers:
     """The static inputs and outputs of a decode step (device), and their pinned host staging.
 
@@ -146,7 +167,7 @@ class StepBuffers:
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self.host = self.staging.numpy()
         self.tokens_out = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self._copied: Any = None  # a CUDA event after the last upload (the staging is free again once done)
+        self._copy = StagedCopy()
 
     def field(self, name: str, rows: int) -> np.ndarray:
         """The staging array of one per-row field (first ``rows`` entries)."""
@@ -167,19 +188,12 @@ class StepBuffers:
 
     def wait_staging(self) -> None:
         """Block until the last upload has left the staging array (normally long done)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+        self._copy.wait()
 
     def upload(self, rows: int, width: int) -> None:
         """Copy the staged step (header + a [rows, width] table) to the device buffer in one copy."""
         n = self.table_offset + rows * width
-        if self.device.type == "cuda":
-            self.dev[:n].copy_(self.staging[:n], non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        else:
-            self.dev[:n].copy_(self.staging[:n])
+        self._copy.copy(self.dev[:n], self.staging[:n])
 
     def now_tensor(self) -> torch.Tensor:
         """The clock as a float64 device scalar (a view of the buffer)."""

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from kvtune.cache_impl.chunks import ChunkPad, ChunkPlan, ChunkStaging
 from kvtune.cache_impl.layout import hot_capacity
-from kvtune.cache_impl.plan import StepInfo
+from kvtune.cache_impl.plan import StagedCopy, StepInfo
 from kvtune.kernels.elementwise import add_rms_norm
 
 MIN_PACKED = 256  # the smallest packed-rows bucket
@@ -98,7 +98,7 @@ class MixedGraphs:
         dev, rows = cache.device, decode.buffers.rows + self.max_chunks
         self._inputs = torch.zeros(3, max(tokens, rows), dtype=torch.int64, pin_memory=capture)
         self._inputs_dev = torch.zeros_like(self._inputs, device=dev)
-        self._copied: Any = None
+        self._copy = StagedCopy()
         self.tokens_out = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(rows, model.spec.vocab_size, device=dev) if keep_logits else None
         self._row_ids = torch.arange(decode.buffers.rows, device=dev)
@@ -135,11 +135,8 @@ class MixedGraphs:
 
     def key_for(self, slots: np.ndarray, chunks: Sequence[tuple[int, int]]) -> tuple[int, ...]:
         """The graph's key an iteration of the decode rows ``slots`` and ``chunks`` will have."""
-        b = len(slots)
-        r = self.decode.rows_for(b) if b else 0
-        n = self.pieces.bucket(r + sum(t for _, t in chunks))
-        pad = self._pad(self.cache.chunk_sizes(chunks), n - r)
-        width = self.decode.width_for(self.cache.step_blocks(slots)) if b else 0
+        r, n, pad = self._shape(len(slots), chunks)
+        width = self.decode.width_for(self.cache.step_blocks(slots)) if len(slots) else 0
         return (n, r, width, pad.rows, pad.chunks, pad.seals)
 
     def prepare(
@@ -157,16 +154,13 @@ class MixedGraphs:
         needs captured (before anything of the iteration runs). A ``ValueError`` where the chunks' packed
         rows exceed ``max_packed`` (nothing changed: checked before the decode rows are staged)."""
         cache, b = self.cache, len(slots)
-        r = self.decode.rows_for(b) if b else 0
-        n = self.pieces.bucket(r + len(chunk_ids))
-        pad = self._pad(cache.chunk_sizes(chunks), n - r)  # refused here, before anything is staged
+        r, n, pad = self._shape(b, chunks)  # refused here, before anything is staged
         step = cache.prepare_step(slots, tokens, now_ms, self.decode.buffers, self.decode) if b else None
         width = step.width if step is not None else 0
         plan = cache.plan_chunks(chunks, pad, self.staging)
         self._plan = plan
         cb = plan.cu_q.numel() - 1
-        if self._copied is not None:  # the previous inputs' copy has left the host buffer
-            self._copied.synchronize()
+        self._copy.wait()  # the previous inputs' copy has left the host buffer
         host = self._inputs.numpy()
         host[:2, :n] = 0
         host[0, :b], host[1, :b] = tokens, positions
@@ -174,11 +168,11 @@ class MixedGraphs:
         ends = r + np.array([e for _, e in plan.bounds]) - 1
         host[2, :r] = np.arange(r)
         host[2, r : r + cb] = np.resize(ends, cb)  # padding chunk entries: a real chunk's last row
-        self._upload()
+        self._copy.copy(self._inputs_dev, self._inputs)  # one copy, from pinned memory on CUDA
         key = (n, r, width, plan.max_k, cb, plan.seal_blocks.numel())
         info = MixedInfo(step, tuple(chunks), plan, key, r, r + cb)
         if self.capture:
-            if step is not None and step.num_seals:
+            if step is not None:
                 self.decode.ensure_seal_graph(step)
             if key not in self._graphs:
                 self._graphs[key] = self._capture_forward(info)
@@ -187,7 +181,7 @@ class MixedGraphs:
     def run(self, info: MixedInfo) -> torch.Tensor:
         """The decode rows' seals, then the iteration (a replay on CUDA); its tokens (argmax) on the device,
         the decode rows' first then each chunk's. Then :meth:`finish`."""
-        if info.step is not None and info.step.num_seals:
+        if info.step is not None:
             self.decode.seal(info.step)
         if self.capture:
             self._graphs[info.key].replay()
@@ -204,6 +198,12 @@ class MixedGraphs:
         self.cache.finish_chunks(info.plan, info.chunks)
 
     # ---- shapes ------------------------------------------------------------------------------------------
+    def _shape(self, decode_rows: int, chunks: Sequence[tuple[int, int]]) -> tuple[int, int, ChunkPad]:
+        """An iteration's rows bucket ``R``, token bucket ``N`` and chunk plan's padded sizes."""
+        r = self.decode.rows_for(decode_rows) if decode_rows else 0
+        n = self.pieces.bucket(r + sum(t for _, t in chunks))
+        return r, n, self._pad(self.cache.chunk_sizes(chunks), n - r)
+
     def _pad(self, real: ChunkPad, query_rows: int) -> ChunkPad:
         chunks = _pow2(real.chunks)
         if real.rows > self.max_packed or chunks > self.max_chunks:
@@ -213,13 +213,6 @@ class MixedGraphs:
             )
         seals = min(_pow2(real.seals), self._seals(query_rows, chunks)) if real.seals else 0
         return ChunkPad(query_rows, _pow2(real.rows, MIN_PACKED), chunks, seals, chunks * self._hot)
-
-    def _upload(self) -> None:
-        """The staged inputs to the device in one copy (from pinned memory on CUDA, not waiting)."""
-        self._inputs_dev.copy_(self._inputs, non_blocking=True)
-        if self.cache.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
 
     # ---- the iteration's function ------------------------------------------------------------------------
     def _forward(self, info: MixedInfo) -> None:
