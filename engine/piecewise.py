@@ -37,8 +37,24 @@ import torch.nn.functional as F
 from kvtune.engine.model import Attend, rope_cos_sin
 from kvtune.kernels.elementwise import add_rms_norm, rope_qkv, silu_mul
 
-# token-count buckets: a forward of N tokens pads to the first one >= N
-PIECE_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+
+def _bucket_steps(limit: int = 2048) -> tuple[int, ...]:
+    """Token-count buckets whose padding costs at most a sixteenth above 512 rows (an eighth from 256): up to
+    256 rows a forward of an 8B model reads its weights once whatever its rows, so coarse steps there (16, 32,
+    64, 128, 192, 256); above it steps of 32 up to 1,024 and of 64 up to ``limit``."""
+    out, n = [16, 32, 64, 128, 192, 256], 256
+    while n < limit:
+        n += 32 if n < 1024 else 64
+        out.append(n)
+    return tuple(out)
+
+
+# token-count buckets: a forward of N tokens pads to the first one >= N. Doubling steps above 256 (…, 1,024,
+# 1,536, 2,048) padded the 1,025-1,036-token prompts of the README's study to 1,536 rows: the dense pieces of
+# forwards with prompt tokens computed 1.17-1.21x their rows (CPU count, lab/scripts/bucket_waste.py) and the
+# unloaded replay's P99 TTFT, which the capacity limits derive from, read 34-35 ms in pieces or mixed graphs
+# against 24-25 op by op.
+PIECE_BUCKETS = _bucket_steps()
 
 
 def piece_buckets(max_tokens: int) -> list[int]:
