@@ -51,7 +51,7 @@ def _bucket_steps(limit: int = 2048) -> tuple[int, ...]:
 
 # token-count buckets: a forward of N tokens pads to the first one >= N. Doubling steps above 256 (…, 1,024,
 # 1,536, 2,048) padded the 1,025-1,036-token prompts of the README's study to 1,536 rows: the dense pieces of
-# forwards with prompt tokens computed 1.17-1.21x their rows (CPU count, lab/scripts/bucket_waste.py) and the
+# forwards with prompt tokens computed 1.19-1.26x their rows (CPU count, lab/scripts/bucket_waste.py) and the
 # unloaded replay's P99 TTFT, which the capacity limits derive from, read 34-35 ms in pieces or mixed graphs
 # against 24-25 op by op.
 PIECE_BUCKETS = _bucket_steps()
