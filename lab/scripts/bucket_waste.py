@@ -39,16 +39,16 @@ def wants(self: MixedGraphs, slots, chunks) -> bool:  # type: ignore[no-untyped-
 CANDIDATES = {
     "doubling": (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048),  # the buckets before run 41
     "quarter": (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048),
-    "eighth": (*PIECE_BUCKETS[:14], *range(576, 1025, 64), *range(1152, 2049, 128)),
+    "eighth": (16, 32, 64, 128, 192, *range(256, 512, 32), *range(512, 1024, 64), *range(1024, 2049, 128)),
     "sixteenth": PIECE_BUCKETS,  # today's: steps of 32 from 256 to 1,024, of 64 to 2,048
 }
 
 
 def report(label: str, forwards: list[tuple[int, int, tuple[int, ...]]]) -> None:
     print(f"{label}: {len(forwards)} forwards with prompt tokens")
+    real = [r + t for r, t, _ in forwards]
     for name, buckets in CANDIDATES.items():
-        padded = [next(b for b in buckets if b >= r + t) for r, t, _ in forwards]
-        real = [r + t for r, t, _ in forwards]
+        padded = [next(b for b in buckets if b >= n) for n in real]
         rows = sum(padded) / max(sum(real), 1)
         cost = sum(max(p, 256) for p in padded) / max(sum(max(n, 256) for n in real), 1)
         worst = max((p / max(n, 256) for p, n in zip(padded, real)), default=1.0)
