@@ -72,7 +72,7 @@ class SchedulerConfig:
     mixed_graphs: a forward with prompt tokens whose shapes fit runs whole as one CUDA graph per shape bucket,
     its attention and cache writes captured with the rest, from the shape's second use on
     (:mod:`kvtune.engine.mixed_graphs`; on a CPU the same function runs directly); needs ``graphs``. False
-    (the default) until a study has run with it.
+    (the default): in a study it cut the probes' host time but not a trial's (docs/RESULTS.md, run 42).
 
     """
 
