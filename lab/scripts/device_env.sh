@@ -3,8 +3,9 @@
 #   . lab/scripts/device_env.sh
 # It installs the carried wheels in .whl/ (see README: device wheels) into /tmp/site and reassembles
 # the SmolLM2 GGUF (98 MB) from parts carried in .weights/*/part<N> (one call each: a call carries at most
-# 64 MiB, the wheels 52 MB of it; 47 MB after lab/scripts/slim_ray_wheel.py .whl, which the tree needs since run 42) or left in /tmp/weights by earlier calls on the same machine; the first
-# part's folder holds `parts`, the number of parts, and the whole file's sha256.
+# 64 MiB, the wheels 52 MB of it, 47 MB after `python lab/scripts/slim_ray_wheel.py .whl`, which the tree
+# needs since run 42) or left in /tmp/weights by earlier calls on the same machine; the first part's folder
+# holds `parts`, the number of parts, and the whole file's sha256.
 # The checkout itself goes on PYTHONPATH: kvtune/ links the top-level folders into the namespace.
 set -u
 repo=$(pwd)
