@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvtune.tuner.budget import EXPORT_S, FIRST_SEARCH, VALIDATION_MARGIN, BudgetPlan, budget_record
-from kvtune.tuner.job import NEAR_PROBES, near_search_s, revisit_s
+from kvtune.tuner.job import NEAR_PROBES, near_search_s, priced_searches, revisit_s
 from kvtune.tuner.validation import RepeatPlan, half_width, repeat_to_interval, repeats_to_reach
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +118,21 @@ def test_a_near_search_is_priced_at_its_probes_median_not_one_long_searchs_wall(
     with_setup = [[{"wall_s": 14.0, "prime_s": 5.0}, {"wall_s": 9.0}, {"wall_s": 9.0}]]
     assert near_search_s(40.0, with_setup) == pytest.approx(NEAR_PROBES * 9.0)  # the set-up left out
     assert near_search_s(35.1, [[{"rate": 1.0}], []]) == 35.1  # no walls recorded: the measured wall
+
+
+def test_with_mixed_graphs_a_search_is_priced_from_the_baselines_first_search() -> None:
+    """Run 42a's baseline (an H100, mixed graphs): the near searches replayed the first's shapes from their
+    graphs, so their probes cost about two thirds of what a new window's or config's do; op by op (42b) the
+    two kinds cost the same, and the near searches price as before."""
+    first = [[{"wall_s": 8.8, "prime_s": 3.7}, {"wall_s": 5.4}, {"wall_s": 4.5}]]
+    near = [
+        [{"wall_s": 4.3}, {"wall_s": 3.1}, {"wall_s": 3.3}],
+        [{"wall_s": 4.0}, {"wall_s": 3.1}, {"wall_s": 3.1}],
+    ]
+    mixed, op = (priced_searches(first, near, mixed_graphs=m) for m in (True, False))
+    assert near_search_s(10.4, mixed) == pytest.approx(NEAR_PROBES * 5.1)  # the set-up left out
+    assert near_search_s(10.4, op) == pytest.approx(NEAR_PROBES * 3.2)
+    assert priced_searches([], near, mixed_graphs=True) is near  # all searches at once: none came first
 
 
 def test_validation_plans_fewer_first_repeats_only_when_the_plans_do_not_fit() -> None:

@@ -21,7 +21,8 @@ its interval goal only while a round fits (:class:`~kvtune.tuner.validation.Repe
 is stored with the validation (``budget``) and shown in the preset.
 
 A near search is priced at three probes of the baseline's near searches' median probe
-(:func:`~kvtune.tuner.job.near_search_s`), not at their mean wall: on an H100 one of them took five probes,
+(:func:`~kvtune.tuner.job.near_search_s`; with mixed graphs of its first search's,
+:func:`~kvtune.tuner.job.priced_searches`), not at their mean wall: on an H100 one of them took five probes,
 which priced every search of validation at 35 s where three probes took 25, and left the search no time.
 On an H200 (Llama-3.1-8B shape, 1 GiB, 96 requests of an unseen Azure window, six studies, runs 32-36,
 ``lab/scripts/budget_retro.py``) this plan puts validation at 180-277 s where it took 135-225 s; on an H100

@@ -2,11 +2,12 @@
 
 For each study database: the plan as at validation's start (the baseline's search times and first set-up from
 ``kvtune.noise``, the trials' set-ups and walls, the held-out probe scale from the study's own sample, the
-validated trial's probes against the baseline's), priced by today's :class:`~kvtune.tuner.budget.BudgetPlan`,
-by the plan of runs 32-36 (every search priced as the baseline's, the best config's first one 5/3 as many
-probes) and by the plan before it (the first search priced as the baseline's cold one, each search's set-up as
-a trial's, 1.25x reserved), beside validation's seconds as the study recorded them (more than its first
-repeats where later rounds fitted). CPU only; from the repository root:
+validated trial's probes against the baseline's; with mixed graphs, the baseline's first search's probes),
+priced by today's :class:`~kvtune.tuner.budget.BudgetPlan`, by the plan of runs 32-36 (every search priced as
+the baseline's, the best config's first one 5/3 as many probes) and by the plan before it (the first search
+priced as the baseline's cold one, each search's set-up as a trial's, 1.25x reserved), beside validation's
+seconds as the study recorded them (more than its first repeats where later rounds fitted). CPU only; from
+the repository root:
 
     python lab/scripts/budget_retro.py lab/logs/run33/33a/s/h200_capacity_llama31_8b.db [more.db ...]
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import optuna
 
 from kvtune.tuner.budget import BudgetPlan
-from kvtune.tuner.job import best_probe_scale, near_search_s, observed_costs, revisit_s
+from kvtune.tuner.job import best_probe_scale, near_search_s, observed_costs, priced_searches, revisit_s
 from kvtune.tuner.validation import probe_scale
 from kvtune.tuner.workload import WorkloadSample, load_trace
 
@@ -69,8 +70,11 @@ def main() -> None:
         scale = probe_scale(s.search_windows(trace, CONTEXT), s.validation_requests(trace, CONTEXT))
         sides = 3 if len(validation.get("baseline_engines") or ()) > 1 else 2
         switch, trial = observed_costs(study)
-        near = [se["probes"] for se in noise.get("searches", [])[1:]]  # the baseline's near searches
-        search_s = near_search_s(noise.get("near_searches_s", noise["search_s"]), near)
+        searches = [se["probes"] for se in noise.get("searches", [])]
+        # mixed graphs: their validation replays served forwards from graphs (the option is not stored)
+        mixed = any((r or {}).get("mixed_graph_forwards") for r in validation.get("best") or [])
+        priced = priced_searches(searches[:1], searches[1:], mixed)  # the first search, or the near ones
+        search_s = near_search_s(noise.get("near_searches_s", noise["search_s"]), priced)
         plan = BudgetPlan(
             validation["budget"]["budget_s"], 0.0, search_s, sides, validation["repeats"], 1, 2,
             revisit_s=revisit_s(noise), scale=scale,
@@ -78,8 +82,9 @@ def main() -> None:
         ).observed(switch, trial)  # fmt: skip
         took = validation["budget"]["phases_s"]["validation_s"]
         cold = noise["cold_search_s"]
+        tag = " (mixed graphs)" if mixed else ""
         print(
-            f"{db} | {noise['search_s']:.1f} → {search_s:.1f} | {cold:.1f} | {plan.switch_s:.1f} / "
+            f"{db}{tag} | {noise['search_s']:.1f} → {search_s:.1f} | {cold:.1f} | {plan.switch_s:.1f} / "
             f"{plan.revisit_s or 0.0:.1f} | {scale:.2f} | {plan.best_scale:.2f} | {sides} | "
             f"{old_plan(plan, cold):.0f} | {runs_32_36_plan(plan):.0f} | {plan.validation_s():.0f} | "
             f"{took:.0f}"
