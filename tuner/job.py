@@ -653,7 +653,7 @@ def _baseline_searches(
     knobs: EngineKnobs | None,
     windows: tuple[tuple[Request, ...], ...],
     slo: Slo,
-    mixed_graphs: bool = False,
+    mixed_graphs: bool,
 ) -> tuple[list[SearchRun], dict[str, float]]:
     """The baseline's :data:`NOISE_REPEATS` capacity searches: with fewer workers than searches, the first
     from ``cold``'s start, then the others :func:`~kvtune.tuner.capacity.near_search` its capacity (a

@@ -31,8 +31,8 @@ seen: list[tuple[int, int, tuple[int, ...]]] = []  # (R, T, key)
 
 
 def wants(self: MixedGraphs, slots, chunks) -> bool:  # type: ignore[no-untyped-def]
-    r = self.decode.rows_for(len(slots)) if len(slots) else 0
-    seen.append((r, sum(t for _, t in chunks), self.key_for(slots, chunks)))
+    key = self.key_for(slots, chunks)  # (N, R, width, packed rows, chunk entries, seals)
+    seen.append((key[1], sum(t for _, t in chunks), key))
     return True
 
 
