@@ -16,6 +16,10 @@ process, as CUDA graph replays (median of ``do_bench_cudagraph``), at the sparse
   attention over the selected L2 blocks alone (two merges where the step has one, and no combination of
   their outputs, which would add one small kernel).
 
+``overlap_split`` and ``l1_beside_split``: the same with the split selection (``SelectOptions(split=True)``:
+several smaller programs a row, 128 registers a thread), whose programs may fit beside the attention's on a
+multiprocessor where the single kernel's 8 warps of ~200 registers do not; ``select_split`` alone.
+
 SDPA (bf16) in the same process. Writes ``overlap_select.json`` under ``--out`` and prints a table.
 
     python lab/scripts/overlap_select.py --out $OUT [--rounds 2] [--smoke]
@@ -36,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_attention as da
 
+from kvtune.kernels.sparse_table_choice import SelectOptions
 from kvtune.kernels.triton_decode import default_options, hybrid_decode_attention_triton
 
 
@@ -57,8 +62,10 @@ def one_case(batch: int, length: int, bits: int, side: torch.cuda.Stream | None)
     k_blocks = da.SPARSE_TOKENS // da.BS
     opts = default_options(bits)
 
-    def select():
-        return da.select_table(q, pool, blocks, tier, k_blocks, count, None)
+    def select(selection: SelectOptions | None = None):
+        return da.select_table(q, pool, blocks, tier, k_blocks, count, selection)
+
+    split = SelectOptions(split=True)
 
     def attend(tab):
         table, num = tab
@@ -91,6 +98,9 @@ def one_case(batch: int, length: int, bits: int, side: torch.cuda.Stream | None)
         "serial": lambda: (select(), attend(full)),
         "overlap": lambda: beside(select, lambda: attend(full)),
         "l1_beside": lambda: (beside(select, lambda: attend(l1)), attend(l2)),
+        "select_split": lambda: select(split),
+        "overlap_split": lambda: beside(lambda: select(split), lambda: attend(full)),
+        "l1_beside_split": lambda: (beside(lambda: select(split), lambda: attend(l1)), attend(l2)),
     }
     row = {way: da.bench(fn) for way, fn in ways.items()}
     # the outputs: attention over the split halves must cover the same blocks as over the whole table
@@ -122,7 +132,17 @@ def main() -> None:
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
     (args.out / "overlap_select.json").write_text(json.dumps(res, indent=1))
-    ways = ("step", "select", "attend", "serial", "overlap", "l1_beside")
+    ways = (
+        "step",
+        "select",
+        "attend",
+        "serial",
+        "overlap",
+        "l1_beside",
+        "select_split",
+        "overlap_split",
+        "l1_beside_split",
+    )
     print(f"{name}; ms, median over {args.rounds} rounds (× SDPA bf16 of the same round)")
     print("| B x L | bits | SDPA | " + " | ".join(ways) + " |")
     print("|" + " --- |" * (3 + len(ways)))
