@@ -1,14 +1,15 @@
 """The host's bookkeeping of a static decode step against the number of running sequences.
 
-A decode step under CUDA graphs costs the host (a) ``DecodeGraphs.prepare``: which hot zones fill, fresh blocks,
-lengths, the block-table rows, the byte accounting, staged and uploaded, and (c) ``cache.finish_step``: the
-sealed blocks' prefix registration. The graph replay (b) is the device's. This times (a) + (c) on the CPU, where
-they are the same Python and NumPy as on a GPU host (the upload is a host copy here, a few KB over PCIe there),
-for a batch of ``N`` sequences of ``--length`` tokens in a cache of the tiny random model, over ``--steps``
-steps (the forward runs between them on the CPU, untimed, so every step sees the state a real one does; a
-step in ``--block`` seals a block in every sequence). Medians and the largest step, ms.
+Under CUDA graphs a decode step costs the host (a) ``DecodeGraphs.prepare``: which hot zones fill, fresh
+blocks, lengths, the block-table rows, the byte accounting, staged and uploaded, and (c)
+``cache.finish_step``: the sealed blocks' prefix registration; the replay (b) is the device's. This times (a)
++ (c) on the CPU, where they are the same Python and NumPy as on a GPU host (the upload a host copy here, a
+few KB over PCIe there), for ``N`` sequences of ``--length`` tokens in a cache of the tiny random model, over
+``--steps`` steps (the forward runs between them on the CPU, untimed, so each step sees the state a real one
+does). Prints each batch's median and largest step, ms.
 
-    python lab/scripts/host_per_step.py [--batches 8,32,128,512] [--steps 64] [--config examples/configs/q_int8.json]
+    python lab/scripts/host_per_step.py [--batches 8,32,128,512] [--steps 64] \
+        [--config examples/configs/q_int8.json]
 """
 
 from __future__ import annotations
