@@ -306,6 +306,7 @@ class _Gate:
     sleeps: list[tuple[Any, Any]] = field(default_factory=list)  # the later sleeps' marks (before, after)
     host: list[float] = field(default_factory=list)  # the finished segments' host ms
     leaked: bool = False  # the device passed ``last`` before the host had enqueued a segment
+    leaked_at: int = -1  # the first segment that leaked (0: the iteration's first), for diagnosis
     short: bool = False  # the first sleep ended before the host's time reached its planned length
 
 
@@ -707,6 +708,8 @@ class Engine:
         host_ms = (time.perf_counter() - gate.t0) * 1000.0
         if gate.last.query():  # the device ran out of queued work while the host still enqueued the segment
             gate.short |= not gate.host and host_ms < gate.planned  # the first sleep ran short of its plan
+            if not gate.leaked:
+                gate.leaked_at = len(gate.host)
             gate.leaked = True
             # at most twice the first gate: had the host waited for the device, it would have waited a
             # sleep's length, and the bound keeps such a wait from ratcheting the gates up

@@ -1656,14 +1656,17 @@ def test_the_gated_clock_keeps_the_host_off_the_device_gpu(monkeypatch):
         torch.cuda.set_sync_debug_mode("error")
         return mark
 
-    leaks = []  # the leaked gates: kind, planned ms, host ms of each segment (the assertion prints them)
+    leaks = []  # the leaked gates: kind, planned ms, the first segment that leaked, whether the first sleep
+    # ran short of its plan (the SM clock rose), host ms of each segment (the assertion prints them)
 
     def strict_close(self, run, excused=False):
         torch.cuda.set_sync_debug_mode("default")
         g = run.gate
         sleeps = close(self, run, excused)
         if g is not None and g.leaked:
-            leaks.append((g.key, round(g.planned, 2), [round(h, 2) for h in g.host], excused))
+            leaks.append(
+                (g.key, round(g.planned, 2), g.leaked_at, g.short, [round(h, 2) for h in g.host], excused)
+            )
         return sleeps
 
     monkeypatch.setattr(Engine, "_gate", strict_gate)
