@@ -305,9 +305,13 @@ class _Gate:
     passed: int = -1  # the newest probe the device has passed
     sleeps: list[tuple[Any, Any]] = field(default_factory=list)  # the later sleeps' marks (before, after)
     host: list[float] = field(default_factory=list)  # the finished segments' host ms
-    leaked: bool = False  # the device passed ``last`` before the host had enqueued a segment
-    leaked_at: int = -1  # the first segment that leaked (0: the iteration's first), for diagnosis
+    leaked_at: int = -1  # the first segment that leaked (0: the iteration's first; -1: none)
     short: bool = False  # the first sleep ended before the host's time reached its planned length
+
+    @property
+    def leaked(self) -> bool:
+        """The device passed ``last`` before the host had enqueued a segment."""
+        return self.leaked_at >= 0
 
 
 @dataclass
@@ -710,7 +714,6 @@ class Engine:
             gate.short |= not gate.host and host_ms < gate.planned  # the first sleep ran short of its plan
             if not gate.leaked:
                 gate.leaked_at = len(gate.host)
-            gate.leaked = True
             # at most twice the first gate: had the host waited for the device, it would have waited a
             # sleep's length, and the bound keeps such a wait from ratcheting the gates up
             host_ms = min(host_ms, 2.0 * gate.planned)

@@ -32,16 +32,15 @@ def one(batch: int, length: int, steps: int, config_path: str) -> dict:
     tiny = load_model("random:tiny", torch.device("cpu"))
     config = HybridConfig.from_json_file(config_path)
     shape = tiny.model.kv_shape
-    budget = 2 * kv_bytes_for(config, shape, [length + steps + 64] * batch)
+    longest = length + steps + 64  # a sequence's tokens by the last step, with room for its hot zone
+    budget = 2 * kv_bytes_for(config, shape, [longest] * batch)
     cache = HybridCache(config, shape, budget, torch.device("cpu"), max_seqs=batch)
     gen = torch.Generator().manual_seed(0)
     for seq_id in range(batch):  # a prompt of its own each: no prefix shared, every sequence its own blocks
         ids = torch.randint(0, tiny.spec.vocab_size, (length,), generator=gen)
         cache.add_sequence(seq_id, ids.tolist(), now_ms=0.0)
         tiny.model.prefill(cache, seq_id, ids, 0, last_only=True)
-    graphs = DecodeGraphs(
-        tiny.model, cache, batch, cache.layout.blocks_for(length + steps + 64), capture=False
-    )
+    graphs = DecodeGraphs(tiny.model, cache, batch, cache.layout.blocks_for(longest), capture=False)
     slots = np.asarray([cache.slot_of(i) for i in range(batch)])
     tokens = np.ones(batch, dtype=np.int64)
     host = []

@@ -132,17 +132,7 @@ def main() -> None:
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
     (args.out / "overlap_select.json").write_text(json.dumps(res, indent=1))
-    ways = (
-        "step",
-        "select",
-        "attend",
-        "serial",
-        "overlap",
-        "l1_beside",
-        "select_split",
-        "overlap_split",
-        "l1_beside_split",
-    )
+    ways = [key for key in res["rows"][0] if key not in ("round", "batch", "length", "bits", "sdpa")]
     print(f"{name}; ms, median over {args.rounds} rounds (× SDPA bf16 of the same round)")
     print("| B x L | bits | SDPA | " + " | ".join(ways) + " |")
     print("|" + " --- |" * (3 + len(ways)))
