@@ -231,6 +231,17 @@ class TimedCache:
         return getattr(self._cache, name)
 
 
+def model_pieces(model: Any, device: torch.device) -> PiecewiseForward:
+    """``model``'s piecewise forward: one per model, shared by every engine over it, its graphs captured when
+    first built (on CUDA; its ``capture_ms`` says how long that took)."""
+    pieces = _PIECES.get(model)
+    if pieces is None:
+        pieces = PiecewiseForward(model, PIECE_BUCKETS[-1], capture=device.type == "cuda")
+        pieces.capture_all()
+        _PIECES[model] = pieces
+    return pieces
+
+
 class EngineClock:
     """Engine time in ms since the replay started; idle gaps are skipped, not slept.
 
@@ -546,16 +557,8 @@ class Engine:
             torch.cuda.empty_cache()
 
     def _piecewise(self) -> PiecewiseForward | None:
-        """The model's piecewise forward where the options ask for it (``piecewise``): one per model, shared
-        by every engine over it, its graphs captured when first built (on CUDA)."""
-        if not self.scheduler_config.piecewise:
-            return None
-        pieces = _PIECES.get(self.model)
-        if pieces is None:
-            pieces = PiecewiseForward(self.model, PIECE_BUCKETS[-1], capture=self.device.type == "cuda")
-            pieces.capture_all()
-            _PIECES[self.model] = pieces
-        return pieces
+        """The model's piecewise forward (:func:`model_pieces`) where the options ask for it."""
+        return model_pieces(self.model, self.device) if self.scheduler_config.piecewise else None
 
     def _decode_graphs(self, cache: HybridCache, settings: EngineSettings) -> DecodeGraphs | None:
         """The cache's decode graphs (None: ``graphs`` off), with its mixed iterations' graphs where the

@@ -68,11 +68,13 @@ class SchedulerConfig:
     wall time (``gate_ms``), not clock time.
     piecewise: a forward with prompt tokens of at most 2,048 tokens runs its dense parts (projections, norms,
     MLP, RoPE) as CUDA graphs captured per token-count bucket, its attention eagerly between them
-    (:mod:`kvtune.engine.piecewise`; on a CPU the same pieces run directly). False (the default): op by op.
+    (:mod:`kvtune.engine.piecewise`; on a CPU the same pieces run directly). False (the default): op by op,
+    since the buckets' padding raises the unloaded TTFT a study's limits come from (6 %, docs/RESULTS.md,
+    run 44).
     mixed_graphs: a forward with prompt tokens whose shapes fit runs whole as one CUDA graph per shape bucket,
     its attention and cache writes captured with the rest, from the shape's second use on
     (:mod:`kvtune.engine.mixed_graphs`; on a CPU the same function runs directly); needs ``graphs``. False
-    (the default): in a study it cut the probes' host time but not a trial's (docs/RESULTS.md, run 42).
+    (the default): as with ``piecewise``, the padding raises the unloaded TTFT (5.5 %, run 44).
 
     """
 

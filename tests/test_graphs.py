@@ -1602,10 +1602,35 @@ def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
     _same_state(direct, static, ids, exact=False)
 
 
+def _record_leaks(monkeypatch, strict=False):
+    """The engine's leaked gates, as the test's assertion prints them: kind, planned ms, the first segment
+    that leaked, whether the first sleep ran short of its plan (the SM clock rose), each segment's host ms,
+    whether the iteration was excused (a capture or compilation inside). ``strict``: the check that raised
+    on a synchronization since the gate ends as the iteration's last work is queued."""
+    from kvtune.engine.engine import Engine
+
+    close = Engine._gate_close
+    leaks = []
+
+    def recording_close(self, run, excused=False):
+        if strict:
+            torch.cuda.set_sync_debug_mode("default")
+        g = run.gate
+        sleeps = close(self, run, excused)
+        if g is not None and g.leaked:
+            leaks.append(
+                (g.key, round(g.planned, 2), g.leaked_at, g.short, [round(h, 2) for h in g.host], excused)
+            )
+        return sleeps
+
+    monkeypatch.setattr(Engine, "_gate_close", recording_close)
+    return leaks
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: CUDA graphs")
 @pytest.mark.parametrize("bits", [0, 4])
-def test_mixed_graph_replays_serve_the_eager_replay_gpu(bits):
+def test_mixed_graph_replays_serve_the_eager_replay_gpu(bits, monkeypatch):
     """SmolLM2's shape in bfloat16 on CUDA, 24 requests at once: with ``mixed_graphs`` the forwards with
     prompt tokens replay as graphs from a shape's second use. Every request completes in the same
     iterations, chunks and decode steps as the eager replay's; a repeat on the kept graphs meets every
@@ -1616,6 +1641,7 @@ def test_mixed_graph_replays_serve_the_eager_replay_gpu(bits):
     from kvtune.engine.scheduler import SchedulerConfig
     from kvtune.engine.traces import Request
 
+    leaks = _record_leaks(monkeypatch)
     cuda = torch.device("cuda")
     model = load_model("random:smollm2-135m", cuda, dtype=torch.bfloat16)
     config = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=bits)
@@ -1635,7 +1661,7 @@ def test_mixed_graph_replays_serve_the_eager_replay_gpu(bits):
     assert graph["mixed_graph_forwards"] > 0 and eager["mixed_graph_forwards"] == 0
     assert repeat["mixed_graph_forwards"] >= graph["mixed_graph_forwards"]  # every shape met before
     assert gated["graph_captures"] == 0, gated["graph_captures"]
-    assert gated["mixed_graph_forwards"] > 0 and gated["gate_leaks"] == 0, gated
+    assert gated["mixed_graph_forwards"] > 0 and gated["gate_leaks"] == 0, leaks
 
 
 @pytest.mark.gpu
@@ -1649,28 +1675,15 @@ def test_the_gated_clock_keeps_the_host_off_the_device_gpu(monkeypatch):
     no arrival) last less."""
     from kvtune.engine.engine import Engine
 
-    gate, close = Engine._gate, Engine._gate_close
+    gate = Engine._gate
 
     def strict_gate(self, run, key):
         mark = gate(self, run, key)
         torch.cuda.set_sync_debug_mode("error")
         return mark
 
-    leaks = []  # the leaked gates: kind, planned ms, the first segment that leaked, whether the first sleep
-    # ran short of its plan (the SM clock rose), host ms of each segment (the assertion prints them)
-
-    def strict_close(self, run, excused=False):
-        torch.cuda.set_sync_debug_mode("default")
-        g = run.gate
-        sleeps = close(self, run, excused)
-        if g is not None and g.leaked:
-            leaks.append(
-                (g.key, round(g.planned, 2), g.leaked_at, g.short, [round(h, 2) for h in g.host], excused)
-            )
-        return sleeps
-
+    leaks = _record_leaks(monkeypatch, strict=True)
     monkeypatch.setattr(Engine, "_gate", strict_gate)
-    monkeypatch.setattr(Engine, "_gate_close", strict_close)
     from kvtune.engine.model import load_model
     from kvtune.engine.scheduler import SchedulerConfig
     from kvtune.engine.traces import Request
@@ -1720,4 +1733,4 @@ def test_engine_replays_with_cuda_graphs_gpu():
     assert first["graph_captures"] > 0 and second["graph_captures"] == 0
     assert first["completed"] == second["completed"] == len(requests)
     assert first["decode_steps"] == second["decode_steps"]
-    assert dataclasses.asdict(SchedulerConfig()) == SchedulerConfig().to_dict()
+    assert SchedulerConfig(**SchedulerConfig().to_dict()) == SchedulerConfig()  # the record builds it back

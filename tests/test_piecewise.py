@@ -166,3 +166,32 @@ def test_captured_pieces_give_the_eager_forwards_gpu(name, dtype, bits):
     for seq_id in (0, 1, 10, 11):
         a, b = eager._seqs[seq_id], piecewise._seqs[seq_id]
         assert (a.length, a.hot_len, a.prefilled, a.blocks) == (b.length, b.hot_len, b.prefilled, b.blocks)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_piecewise_worker_builds_its_pieces_at_start_and_says_how_long_capturing_took(device):
+    """A study's worker with ``piecewise`` builds the model's pieces when it starts, before anything is
+    timed, and its info says how long their capture took (the console's baseline phase line prints it): none
+    on a CPU, where nothing is captured; on CUDA every bucket's pieces."""
+    if device == "cuda" and not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU: captures CUDA graphs")
+    from pathlib import Path
+
+    from kvtune.engine.engine import model_pieces
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.tuner.worker import local_worker
+
+    text = str(Path(__file__).resolve().parents[1] / "examples" / "text" / "wikitext2_excerpt.txt")
+    worker = local_worker(
+        "random:tiny", torch.device(device), text, scheduler=SchedulerConfig(piecewise=True)
+    )
+    pieces = model_pieces(worker.loaded.model, worker.device)  # the one the worker built
+    assert worker.info().pieces_capture_s == pytest.approx(pieces.capture_ms / 1000.0)
+    if device == "cpu":
+        assert pieces.capture_ms == 0 and not pieces._graphs
+    else:
+        assert pieces.capture_ms > 0 and len(pieces._graphs) == len(pieces.buckets) * (
+            len(pieces.model.layers) + 1
+        )
+    plain = local_worker("random:tiny", torch.device(device), text)
+    assert plain.info().pieces_capture_s == 0

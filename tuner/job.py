@@ -265,7 +265,11 @@ def _run(
             parts |= {"unloaded_s": unloaded_s, "searches_s": time.monotonic() - t0 - unloaded_s}
     phases = {"baseline_s": time.monotonic() - started}
     if stored is None:  # where the baseline phase went (the searches' own times are in kvtune.noise)
-        say("baseline phase: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in parts.items()))
+        line = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in parts.items())
+        pieces = max(i.pieces_capture_s for i in infos)  # inside the workers' start
+        if pieces:
+            line += f" (pieces captured at the workers' start: {pieces:.1f} s)"
+        say(f"baseline phase: {line}")
     say_warm()
     study = open_study(job.options, identity(job, info), space_id, attrs)
     if leases is not None and not leases:  # a new study: its lease is taken as it is created

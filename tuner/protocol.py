@@ -194,6 +194,7 @@ class WorkerInfo:
     max_context: int
     vocab_size: int
     kv_shape: Any  # ModelKVShape of the model
+    pieces_capture_s: float = 0.0  # capturing the model's pieces at start (``piecewise`` on a GPU; else 0)
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,11 @@ class TrialWorker:
         self._probes: list[dict[str, Any]] = []
         self._replayers: dict[Any, Any] = {}  # scheduler config -> Replayer (the engine knobs of a trial)
         self._deadline: Deadline | None = None  # the trial's time limit (Workload.time_limit_s)
+        self._pieces_s = 0.0
+        if spec.scheduler.piecewise:  # the model's pieces captured once, before anything is timed
+            from kvtune.engine.engine import model_pieces
+
+            self._pieces_s = model_pieces(self.loaded.model, self.device).capture_ms / 1000.0
 
     # ---- facts ---------------------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -149,6 +154,7 @@ class TrialWorker:
             max_context=int(spec.max_context),
             vocab_size=int(spec.vocab_size),
             kv_shape=self.loaded.model.kv_shape,
+            pieces_capture_s=self._pieces_s,
         )
 
     def calibrate(
