@@ -1605,8 +1605,8 @@ def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
 def _record_leaks(monkeypatch, strict=False):
     """The engine's leaked gates, as the test's assertion prints them: kind, planned ms, the first segment
     that leaked, whether the first sleep ran short of its plan (the SM clock rose), each segment's host ms,
-    whether the iteration was excused (a capture or compilation inside). ``strict``: the check that raised
-    on a synchronization since the gate ends as the iteration's last work is queued."""
+    whether the iteration was excused (a capture or compilation inside). ``strict``: the gate's close also
+    turns PyTorch's synchronization check (which such a test turns on at the gate) back off."""
     from kvtune.engine.engine import Engine
 
     close = Engine._gate_close
