@@ -8,8 +8,8 @@
 # forward: FORWARD_LENGTHS, FORWARD_S; launch: LAUNCH_S; hostab: HOSTAB_S, ROUNDS (needs .old/, a git archive)
 # warm: WARM_CONFIGS (bits:block, default 4:32,8:64,0:32,4:256), WARM_S; kernels compiled ahead, then the prime
 # whole: WHOLE_TESTS_S, HOST_N, HOST_S: mixed iterations as one graph against pieces (tests, host time);
-# wholeengine: WHOLE_S, WHOLE_BUDGET, WHOLE_MODES (comma-separated flags, op: none): saturation replays op by
-#   op, in pieces and as whole graphs
+# wholeengine: WHOLE_S, WHOLE_BUDGET, WHOLE_MODES (comma-separated flags, op: none), WHOLE_CONFIGS (config
+#   files; default unquantized and INT8): saturation replays op by op, in pieces and as whole graphs
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -159,10 +159,11 @@ for stage in "$@"; do
     for mode in "${modes[@]}"; do
       [ "$mode" = op ] && mode=""
       tag=$(echo "$mode" | tr -d ' =')
-      log "engine: INT8 and unquantized, ${WHOLE_BUDGET:-4e9} B, op by op / pieces / whole graphs: '$mode'"
+      configs=${WHOLE_CONFIGS:-$C/q_unquantized.json $C/q_int8.json}
+      log "engine: $configs, ${WHOLE_BUDGET:-4e9} B, op by op / pieces / whole graphs: '$mode'"
       timeout ${WHOLE_S:-150} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ \
         --requests 96 --kv-budget ${WHOLE_BUDGET:-4e9} --repeats 3 $mode --json "$OUT/whole$tag.json" \
-        $C/q_unquantized.json $C/q_int8.json > "$OUT/whole$tag.log" 2>&1
+        $configs > "$OUT/whole$tag.log" 2>&1
       tail -8 "$OUT/whole$tag.log"
     done ;;
   warm)
