@@ -1602,19 +1602,16 @@ def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
     _same_state(direct, static, ids, exact=False)
 
 
-def _record_leaks(monkeypatch, strict=False):
+def _record_leaks(monkeypatch):
     """The engine's leaked gates, as the test's assertion prints them: kind, planned ms, the first segment
     that leaked, whether the first sleep ran short of its plan (the SM clock rose), each segment's host ms,
-    whether the iteration was excused (a capture or compilation inside). ``strict``: the gate's close also
-    turns PyTorch's synchronization check (which such a test turns on at the gate) back off."""
+    whether the iteration was excused (a capture or compilation inside)."""
     from kvtune.engine.engine import Engine
 
     close = Engine._gate_close
     leaks = []
 
     def recording_close(self, run, excused=False):
-        if strict:
-            torch.cuda.set_sync_debug_mode("default")
         g = run.gate
         sleeps = close(self, run, excused)
         if g is not None and g.leaked:
@@ -1675,15 +1672,20 @@ def test_the_gated_clock_keeps_the_host_off_the_device_gpu(monkeypatch):
     no arrival) last less."""
     from kvtune.engine.engine import Engine
 
-    gate = Engine._gate
+    leaks = _record_leaks(monkeypatch)
+    gate, close = Engine._gate, Engine._gate_close
 
     def strict_gate(self, run, key):
         mark = gate(self, run, key)
         torch.cuda.set_sync_debug_mode("error")
         return mark
 
-    leaks = _record_leaks(monkeypatch, strict=True)
+    def strict_close(self, run, excused=False):
+        torch.cuda.set_sync_debug_mode("default")
+        return close(self, run, excused)
+
     monkeypatch.setattr(Engine, "_gate", strict_gate)
+    monkeypatch.setattr(Engine, "_gate_close", strict_close)
     from kvtune.engine.model import load_model
     from kvtune.engine.scheduler import SchedulerConfig
     from kvtune.engine.traces import Request
