@@ -1097,6 +1097,7 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     requests = [Request(i, 0.02 * i, 40 + 13 * i, 6 + i % 5) for i in range(16)]
     budget = kv_bytes_for(config, deep.model.kv_shape, [120] * 16)
     scheduler = SchedulerConfig(clock="gated", max_num_batched_tokens=48, graphs=graphs)
+    leaks = _record_leaks(monkeypatch)  # the GPU tests' record of a leaked gate, on this simulated device
     engine = eng.Engine(deep, config, budget, CPU, scheduler)
     engine.timer = Timer()
     layer_gates, calls = engine._layer_gates, {"between": 0, "sleeps": 0}
@@ -1125,6 +1126,7 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     calls["between"] = calls["sleeps"] = 0
     lead[0], t0 = 0.0, time.perf_counter()
     asked.clear()
+    leaks.clear()
     result = engine.replay(requests, 0.0, warmup_requests=0)
     wall_ms = (time.perf_counter() - t0) * 1000.0
     m = result.to_dict()
@@ -1132,7 +1134,11 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     assert (m["graph_steps"] > 0) == graphs
     assert calls["between"] % 11 == 0 and calls["between"] >= 11 * m["mixed_iterations"] > 0  # 11 a forward
     assert 0 < calls["sleeps"] < calls["between"]  # the device ahead of the host's need: no sleep there
-    assert m["gate_leaks"] <= 0.25 * m["gated_iterations"], m  # a loaded CPU: the host jitters
+    assert m["gate_leaks"] <= 0.25 * m["gated_iterations"], (m, leaks)  # a loaded CPU: the host jitters
+    assert len(leaks) >= m["gate_leaks"]  # every leak counted is recorded (excused ones too)
+    for leak in leaks:
+        assert leak["sized_from"] >= 0 and leak["collections"] >= 0 and leak["device_allocs"] == 0, leak
+        assert 0 <= leak["leaked_at"] < len(leak["host_ms"]), leak
     # the forwards' time on the clock, only what the device idled here, against the host's launch time:
     # without gates the device idles as long as the host launches (a ratio near 1); a quiet CPU reads over
     # 2,000 (no leak or one), a loaded one 9.5 once (one leak whose host stalled)
@@ -1605,21 +1611,45 @@ def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
 def _record_leaks(monkeypatch):
     """The engine's leaked gates, as the test's assertion prints them: kind, planned ms, the first segment
     that leaked, whether the first sleep ran short of its plan (the SM clock rose), each segment's host ms,
-    whether the iteration was excused (a capture or compilation inside)."""
+    whether the iteration was excused (a capture or compilation inside), and what might have stalled the
+    host: how many first segments of its kind the gate was sized from, and the device allocations (the
+    caching allocator's calls to the driver) and Python collections since the previous gate closed. Read
+    after the engine's own close, so no gated segment pays for the reading."""
+    import gc
+
     from kvtune.engine.engine import Engine
 
     close = Engine._gate_close
     leaks = []
+    before = {"alloc": 0, "gc": 0}
+
+    def counts():
+        alloc = torch.cuda.memory_stats().get("num_device_alloc", -1) if torch.cuda.is_available() else -1
+        return {"alloc": alloc, "gc": sum(g["collections"] for g in gc.get_stats())}
 
     def recording_close(self, run, excused=False):
         g = run.gate
+        sized_from = len(self._gates._host.get((*g.key, True), ())) if g is not None else 0
         sleeps = close(self, run, excused)
+        now = counts()
         if g is not None and g.leaked:
             leaks.append(
-                (g.key, round(g.planned, 2), g.leaked_at, g.short, [round(h, 2) for h in g.host], excused)
+                {
+                    "kind": g.key,
+                    "planned_ms": round(g.planned, 2),
+                    "leaked_at": g.leaked_at,
+                    "short": g.short,
+                    "host_ms": [round(h, 2) for h in g.host],
+                    "excused": excused,
+                    "sized_from": sized_from,
+                    "device_allocs": now["alloc"] - before["alloc"],
+                    "collections": now["gc"] - before["gc"],
+                }
             )
+        before.update(now)
         return sleeps
 
+    before.update(counts())
     monkeypatch.setattr(Engine, "_gate_close", recording_close)
     return leaks
 
