@@ -1127,6 +1127,7 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     lead[0], t0 = 0.0, time.perf_counter()
     asked.clear()
     leaks.clear()
+    leaks.gates = leaks.with_allocs = 0
     result = engine.replay(requests, 0.0, warmup_requests=0)
     wall_ms = (time.perf_counter() - t0) * 1000.0
     m = result.to_dict()
@@ -1134,10 +1135,11 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     assert (m["graph_steps"] > 0) == graphs
     assert calls["between"] % 11 == 0 and calls["between"] >= 11 * m["mixed_iterations"] > 0  # 11 a forward
     assert 0 < calls["sleeps"] < calls["between"]  # the device ahead of the host's need: no sleep there
-    assert m["gate_leaks"] <= 0.25 * m["gated_iterations"], (m, leaks)  # a loaded CPU: the host jitters
+    assert m["gate_leaks"] <= 0.25 * m["gated_iterations"], f"{m} {leaks}"  # a loaded CPU: the host jitters
     assert len(leaks) >= m["gate_leaks"]  # every leak counted is recorded (excused ones too)
     for leak in leaks:
-        assert leak["sized_from"] >= 0 and leak["collections"] >= 0 and leak["device_allocs"] == 0, leak
+        assert leak["sized_from"] >= 0 and leak["collections"] >= 0, leak
+        assert leak["device_allocs"] == leak["pinned_allocs"] == 0, leak  # no CUDA: nothing counted
         assert 0 <= leak["leaked_at"] < len(leak["host_ms"]), leak
     # the forwards' time on the clock, only what the device idled here, against the host's launch time:
     # without gates the device idles as long as the host launches (a ratio near 1); a quiet CPU reads over
@@ -1612,26 +1614,38 @@ def _record_leaks(monkeypatch):
     """The engine's leaked gates, as the test's assertion prints them: kind, planned ms, the first segment
     that leaked, whether the first sleep ran short of its plan (the SM clock rose), each segment's host ms,
     whether the iteration was excused (a capture or compilation inside), and what might have stalled the
-    host: how many first segments of its kind the gate was sized from, and the device allocations (the
-    caching allocator's calls to the driver) and Python collections since the previous gate closed. Read
-    after the engine's own close, so no gated segment pays for the reading."""
+    host: how many first segments of its kind the gate was sized from, and the device and pinned host
+    allocations (the caching allocators' calls to the driver) and Python collections since the previous
+    gate closed. Read after the engine's own close, so no gated segment pays for the reading. The list's
+    ``str`` is the assertion's message: pytest shortens a message that is not a string."""
     import gc
 
     from kvtune.engine.engine import Engine
 
+    class Leaks(list):
+        gates = with_allocs = 0  # the gates closed; those with a driver allocation since the one before
+
+        def __str__(self) -> str:
+            return f"{list.__repr__(self)}; {self.with_allocs} of {self.gates} gates followed an allocation"
+
     close = Engine._gate_close
-    leaks = []
-    before = {"alloc": 0, "gc": 0}
+    leaks = Leaks()
+    before = {"alloc": 0, "host": 0, "gc": 0}
 
     def counts():
-        alloc = torch.cuda.memory_stats().get("num_device_alloc", -1) if torch.cuda.is_available() else -1
-        return {"alloc": alloc, "gc": sum(g["collections"] for g in gc.get_stats())}
+        cuda = torch.cuda.is_available()
+        alloc = torch.cuda.memory_stats().get("num_device_alloc", -1) if cuda else -1
+        host = torch.cuda.host_memory_stats().get("num_host_alloc", -1) if cuda else -1
+        return {"alloc": alloc, "host": host, "gc": sum(g["collections"] for g in gc.get_stats())}
 
     def recording_close(self, run, excused=False):
         g = run.gate
         sized_from = len(self._gates._host.get((*g.key, True), ())) if g is not None else 0
         sleeps = close(self, run, excused)
         now = counts()
+        allocated = (now["alloc"], now["host"]) != (before["alloc"], before["host"])
+        leaks.gates += g is not None
+        leaks.with_allocs += g is not None and allocated
         if g is not None and g.leaked:
             leaks.append(
                 {
@@ -1643,6 +1657,7 @@ def _record_leaks(monkeypatch):
                     "excused": excused,
                     "sized_from": sized_from,
                     "device_allocs": now["alloc"] - before["alloc"],
+                    "pinned_allocs": now["host"] - before["host"],
                     "collections": now["gc"] - before["gc"],
                 }
             )
@@ -1688,7 +1703,7 @@ def test_mixed_graph_replays_serve_the_eager_replay_gpu(bits, monkeypatch):
     assert graph["mixed_graph_forwards"] > 0 and eager["mixed_graph_forwards"] == 0
     assert repeat["mixed_graph_forwards"] >= graph["mixed_graph_forwards"]  # every shape met before
     assert gated["graph_captures"] == 0, gated["graph_captures"]
-    assert gated["mixed_graph_forwards"] > 0 and gated["gate_leaks"] == 0, leaks
+    assert gated["mixed_graph_forwards"] > 0 and gated["gate_leaks"] == 0, str(leaks)
 
 
 @pytest.mark.gpu
@@ -1731,7 +1746,7 @@ def test_the_gated_clock_keeps_the_host_off_the_device_gpu(monkeypatch):
     assert device["completed"] == gated["completed"] == len(requests)
     assert gated["clock"] == "gated" and device["gated_iterations"] == 0
     assert gated["gated_iterations"] >= gated["mixed_iterations"] > 0
-    assert gated["gate_leaks"] == 0, leaks
+    assert gated["gate_leaks"] == 0, str(leaks)
     assert gated["duration_s"] < device["duration_s"], (gated["duration_s"], device["duration_s"])
     assert gated["gate_ms"] > 0 and gated["decode_steps"] == device["decode_steps"]
     torch.cuda.set_sync_debug_mode("default")
