@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces host plugin busy bound step sparse collapse forward launch hostab warm whole wholeengine)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed quest pieces host plugin busy bound step sparse collapse forward launch hostab warm whole wholeengine leaks)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # sparse: SPARSE_SHAPES (batch:context ...), SPARSE_HOLD=1 (tiers held as set up: decode_step.py --hold-tiers), SPARSE_S
 # pieces: PIECES_TESTS_S, PIECES_S (each replay), PIECES_BUDGET (4e9), PIECES_REPEATS (3)
@@ -10,6 +10,8 @@
 # whole: WHOLE_TESTS_S, HOST_N, HOST_S: mixed iterations as one graph against pieces (tests, host time);
 # wholeengine: WHOLE_S, WHOLE_BUDGET, WHOLE_MODES (comma-separated flags, op: none), WHOLE_CONFIGS (config
 #   files; default unquantized and INT8): saturation replays op by op, in pieces and as whole graphs
+# leaks: LEAKS_RUNS (8), LEAKS_S (seconds for the loop, 240): the gated-clock and mixed-graph GPU tests in a loop,
+#   their leaked gates' records in leaks.log; then gate_syncs.py (GATE_SYNCS_S, 120): the calls inside each gate
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -166,6 +168,19 @@ for stage in "$@"; do
         $configs > "$OUT/whole$tag.log" 2>&1
       tail -8 "$OUT/whole$tag.log"
     done ;;
+  leaks)
+    log "leaked gates: the gated-clock and mixed-graph tests, up to ${LEAKS_RUNS:-8} runs in ${LEAKS_S:-240} s"
+    t=$(date +%s); i=0
+    while [ $i -lt ${LEAKS_RUNS:-8} ] && [ $(( $(date +%s) - t )) -lt ${LEAKS_S:-240} ]; do
+      i=$((i + 1))
+      timeout 90 python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider tests/test_graphs.py \
+        -k "mixed_graph_replays or gated_clock" > "$OUT/leaks_$i.log" 2>&1
+      echo "run $i: $(tail -1 "$OUT/leaks_$i.log")" | tee -a "$OUT/summary.log"
+      grep -h "^E  *AssertionError" "$OUT/leaks_$i.log" >> "$OUT/leaks.log"
+    done
+    log "gate_syncs.py: the calls inside each gate, the first that found it open"
+    timeout ${GATE_SYNCS_S:-120} python3 lab/scripts/gate_syncs.py --repeats 1 > "$OUT/gate_syncs.log" 2>&1
+    tail -30 "$OUT/gate_syncs.log" ;;
   warm)
     log "a new config's prime: empty Triton cache against one the planning processes filled (engine/warm.py)"
     timeout ${WARM_S:-420} python3 benchmarks/warm_ahead.py --configs ${WARM_CONFIGS:-4:32,8:64,0:32,4:256} --check \
