@@ -1127,7 +1127,6 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     lead[0], t0 = 0.0, time.perf_counter()
     asked.clear()
     leaks.clear()
-    leaks.gates = leaks.with_allocs = 0
     result = engine.replay(requests, 0.0, warmup_requests=0)
     wall_ms = (time.perf_counter() - t0) * 1000.0
     m = result.to_dict()
@@ -1627,6 +1626,10 @@ def _record_leaks(monkeypatch):
 
         def __str__(self) -> str:
             return f"{list.__repr__(self)}; {self.with_allocs} of {self.gates} gates followed an allocation"
+
+        def clear(self) -> None:
+            super().clear()
+            self.gates = self.with_allocs = 0
 
     close = Engine._gate_close
     leaks = Leaks()
