@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtune.cache_impl.chunks import upload
+from kvtune.cache_impl.chunks import upload, warm_pinned_pool
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
 from kvtune.engine.compiles import CompileWatch
@@ -458,6 +458,8 @@ class Engine:
         fitted, counts = policy.apply(requests)
         settings = self.settings_for(fitted if settings_from is None else policy.apply(settings_from)[0])
         self._piecewise()  # built and captured once per model, before anything is timed
+        if self._gated():
+            warm_pinned_pool(self.device)  # no gated segment waits for the pinned pool to grow
         cache, graphs, fresh = self._cache_for(settings)
         settings = replace(settings, max_num_seqs=cache.layout.num_slots)  # the layout may give fewer
         try:

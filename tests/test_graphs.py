@@ -1098,6 +1098,8 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     budget = kv_bytes_for(config, deep.model.kv_shape, [120] * 16)
     scheduler = SchedulerConfig(clock="gated", max_num_batched_tokens=48, graphs=graphs)
     leaks = _record_leaks(monkeypatch)  # the GPU tests' record of a leaked gate, on this simulated device
+    warmed: list[torch.device] = []
+    monkeypatch.setattr(eng, "warm_pinned_pool", lambda device: warmed.append(device) or 0)
     engine = eng.Engine(deep, config, budget, CPU, scheduler)
     engine.timer = Timer()
     layer_gates, calls = engine._layer_gates, {"between": 0, "sleeps": 0}
@@ -1136,6 +1138,7 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     assert 0 < calls["sleeps"] < calls["between"]  # the device ahead of the host's need: no sleep there
     assert m["gate_leaks"] <= 0.25 * m["gated_iterations"], f"{m} {leaks}"  # a loaded CPU: the host jitters
     assert len(leaks) >= m["gate_leaks"]  # every leak counted is recorded (excused ones too)
+    assert warmed == [CPU, CPU]  # each gated replay asks for the pinned pool first (a no-op off CUDA)
     for leak in leaks:
         assert leak["sized_from"] >= 0 and leak["collections"] >= 0, leak
         assert leak["device_allocs"] == leak["pinned_allocs"] == 0, leak  # no CUDA: nothing counted
@@ -1753,6 +1756,51 @@ def test_the_gated_clock_keeps_the_host_off_the_device_gpu(monkeypatch):
     assert gated["duration_s"] < device["duration_s"], (gated["duration_s"], device["duration_s"])
     assert gated["gate_ms"] > 0 and gated["decode_steps"] == device["decode_steps"]
     torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: pinned host memory")
+def test_no_gated_segment_asks_the_driver_for_pinned_memory_gpu(monkeypatch):
+    """A replay on the gated clock first fills PyTorch's pinned host pool (``warm_pinned_pool``), so no gated
+    iteration grows it: between a gate and its close the pool makes no call to the driver
+    (``num_host_alloc``, read just before the gate's sleep is enqueued and just after the close), where a
+    ``cudaHostAlloc`` would add its time to a segment the gate was not sized for."""
+    from kvtune.cache_impl import chunks
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.model import load_model
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    monkeypatch.delenv(chunks.PINNED_WARM_ENV, raising=False)
+    gate, close = Engine._gate, Engine._gate_close
+    before: list[int] = []
+    grown: list[tuple[tuple[str, int], int]] = []
+
+    def pinned() -> int:
+        return int(torch.cuda.host_memory_stats()["num_host_alloc"])
+
+    def counted_gate(self, run, key):
+        before.append(pinned())
+        return gate(self, run, key)
+
+    def counted_close(self, run, excused=False):
+        g = run.gate
+        sleeps = close(self, run, excused)
+        if g is not None:
+            grown.append((g.key, pinned() - before[-1]))
+        return sleeps
+
+    monkeypatch.setattr(Engine, "_gate", counted_gate)
+    monkeypatch.setattr(Engine, "_gate_close", counted_close)
+    cuda = torch.device("cuda")
+    model = load_model("random:smollm2-135m", cuda, dtype=torch.bfloat16)
+    config = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=8)
+    requests = [Request(i, 0.0, 200 + 50 * i, 40 + 5 * i) for i in range(24)]
+    engine = Engine(model, config, 1 << 30, cuda, SchedulerConfig(clock="device", max_num_batched_tokens=512))
+    engine.replay(requests, 0.0, warmup_requests=2)
+    gated = engine.with_clock("gated").replay(requests, 0.0, warmup_requests=2).to_dict()
+    assert gated["completed"] == len(requests) and gated["gated_iterations"] > 0 and grown
+    assert all(n == 0 for _, n in grown), [(k, n) for k, n in grown if n]
 
 
 @pytest.mark.gpu

@@ -11,7 +11,8 @@
 # wholeengine: WHOLE_S, WHOLE_BUDGET, WHOLE_MODES (comma-separated flags, op: none), WHOLE_CONFIGS (config
 #   files; default unquantized and INT8): saturation replays op by op, in pieces and as whole graphs
 # leaks: LEAKS_RUNS (8), LEAKS_S (seconds for the loop, 240): the gated-clock and mixed-graph GPU tests in a loop,
-#   their leaked gates' records in leaks.log; then gate_syncs.py (GATE_SYNCS_S, 120): the calls inside each gate
+#   odd runs with the pinned pool warmed (KVTUNE_PINNED_WARM=1), even runs without; their leaked gates' records
+#   in leaks.log; then gate_syncs.py (GATE_SYNCS_S, 120): the calls inside each gate
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -172,11 +173,11 @@ for stage in "$@"; do
     log "leaked gates: the gated-clock and mixed-graph tests, up to ${LEAKS_RUNS:-8} runs in ${LEAKS_S:-240} s"
     t=$(date +%s); i=0
     while [ $i -lt ${LEAKS_RUNS:-8} ] && [ $(( $(date +%s) - t )) -lt ${LEAKS_S:-240} ]; do
-      i=$((i + 1))
-      timeout 90 python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider tests/test_graphs.py \
-        -k "mixed_graph_replays or gated_clock" > "$OUT/leaks_$i.log" 2>&1
-      echo "run $i: $(tail -1 "$OUT/leaks_$i.log")" | tee -a "$OUT/summary.log"
-      grep -h "^E  *AssertionError" "$OUT/leaks_$i.log" >> "$OUT/leaks.log"
+      i=$((i + 1)); warm=$((i % 2))
+      KVTUNE_PINNED_WARM=$warm timeout 90 python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider \
+        tests/test_graphs.py -k "mixed_graph_replays or gated_clock or pinned_memory" > "$OUT/leaks_$i.log" 2>&1
+      echo "run $i (pinned pool warmed: $warm): $(tail -1 "$OUT/leaks_$i.log")" | tee -a "$OUT/summary.log"
+      grep -h "^E  *AssertionError" "$OUT/leaks_$i.log" | sed "s/^/warm=$warm /" >> "$OUT/leaks.log"
     done
     log "gate_syncs.py: the calls inside each gate, the first that found it open"
     timeout ${GATE_SYNCS_S:-120} python3 lab/scripts/gate_syncs.py --repeats 1 > "$OUT/gate_syncs.log" 2>&1
