@@ -1612,6 +1612,23 @@ def test_captured_graphs_give_the_eager_logits_gpu(model, dtype, bits, extra):
     _same_state(direct, static, ids, exact=False)
 
 
+def _gated_test_engine():
+    """The engine the gated-clock GPU tests replay: SmolLM2's shape in bfloat16 on CUDA, INT8 (hot 32, block
+    64), 1 GiB, batches of 512 tokens, on the device clock (``with_clock("gated")`` for the gated replay),
+    and 24 requests that arrive at once."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.model import load_model
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    cuda = torch.device("cuda")
+    model = load_model("random:smollm2-135m", cuda, dtype=torch.bfloat16)
+    config = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=8)
+    requests = [Request(i, 0.0, 200 + 50 * i, 40 + 5 * i) for i in range(24)]
+    engine = Engine(model, config, 1 << 30, cuda, SchedulerConfig(clock="device", max_num_batched_tokens=512))
+    return engine, requests
+
+
 def _record_leaks(monkeypatch):
     """The engine's leaked gates, as the test's assertion prints them: kind, planned ms, the first segment
     that leaked, whether the first sleep ran short of its plan (the SM clock rose), each segment's host ms,
@@ -1737,15 +1754,7 @@ def test_the_gated_clock_keeps_the_host_off_the_device_gpu(monkeypatch):
 
     monkeypatch.setattr(Engine, "_gate", strict_gate)
     monkeypatch.setattr(Engine, "_gate_close", strict_close)
-    from kvtune.engine.model import load_model
-    from kvtune.engine.scheduler import SchedulerConfig
-    from kvtune.engine.traces import Request
-
-    cuda = torch.device("cuda")
-    model = load_model("random:smollm2-135m", cuda, dtype=torch.bfloat16)
-    config = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=8)
-    requests = [Request(i, 0.0, 200 + 50 * i, 40 + 5 * i) for i in range(24)]
-    engine = Engine(model, config, 1 << 30, cuda, SchedulerConfig(clock="device", max_num_batched_tokens=512))
+    engine, requests = _gated_test_engine()
     engine.replay(requests, 0.0, warmup_requests=2)  # captures, compilations
     device = engine.replay(requests, 0.0, warmup_requests=2).to_dict()
     gated = engine.with_clock("gated").replay(requests, 0.0, warmup_requests=2).to_dict()
@@ -1767,9 +1776,6 @@ def test_no_gated_segment_asks_the_driver_for_pinned_memory_gpu(monkeypatch):
     ``cudaHostAlloc`` would add its time to a segment the gate was not sized for."""
     from kvtune.cache_impl import chunks
     from kvtune.engine.engine import Engine
-    from kvtune.engine.model import load_model
-    from kvtune.engine.scheduler import SchedulerConfig
-    from kvtune.engine.traces import Request
 
     monkeypatch.delenv(chunks.PINNED_WARM_ENV, raising=False)
     gate, close = Engine._gate, Engine._gate_close
@@ -1792,11 +1798,7 @@ def test_no_gated_segment_asks_the_driver_for_pinned_memory_gpu(monkeypatch):
 
     monkeypatch.setattr(Engine, "_gate", counted_gate)
     monkeypatch.setattr(Engine, "_gate_close", counted_close)
-    cuda = torch.device("cuda")
-    model = load_model("random:smollm2-135m", cuda, dtype=torch.bfloat16)
-    config = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quantization_bits=8)
-    requests = [Request(i, 0.0, 200 + 50 * i, 40 + 5 * i) for i in range(24)]
-    engine = Engine(model, config, 1 << 30, cuda, SchedulerConfig(clock="device", max_num_batched_tokens=512))
+    engine, requests = _gated_test_engine()
     engine.replay(requests, 0.0, warmup_requests=2)
     gated = engine.with_clock("gated").replay(requests, 0.0, warmup_requests=2).to_dict()
     assert gated["completed"] == len(requests) and gated["gated_iterations"] > 0 and grown
