@@ -1629,47 +1629,60 @@ def _gated_test_engine():
     return engine, requests
 
 
+def _driver_allocs() -> tuple[int, int]:
+    """The calls to the driver so far of PyTorch's device and pinned host allocators (``cudaMalloc``,
+    ``cudaHostAlloc``; -1 each without CUDA)."""
+    if not torch.cuda.is_available():
+        return -1, -1
+    stats, host = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+    return int(stats.get("num_device_alloc", -1)), int(host.get("num_host_alloc", -1))
+
+
 def _record_leaks(monkeypatch):
     """The engine's leaked gates, as the test's assertion prints them: kind, planned ms, the first segment
     that leaked, whether the first sleep ran short of its plan (the SM clock rose), each segment's host ms,
     whether the iteration was excused (a capture or compilation inside), and what might have stalled the
     host: how many first segments of its kind the gate was sized from, and the device and pinned host
-    allocations (the caching allocators' calls to the driver) and Python collections since the previous
-    gate closed. Read after the engine's own close, so no gated segment pays for the reading. The list's
-    ``str`` is the assertion's message: pytest shortens a message that is not a string."""
+    allocations (the caching allocators' calls to the driver) and Python collections between the gate and
+    its close, read just before the gate's sleep is enqueued and just after the engine's own close, so no
+    gated segment pays for the reading. The list's ``str`` is the assertion's message: pytest shortens a
+    message that is not a string."""
     import gc
 
     from kvtune.engine.engine import Engine
 
     class Leaks(list):
-        gates = with_allocs = 0  # the gates closed; those with a driver allocation since the one before
+        gates = with_allocs = 0  # the gates closed; those with a driver allocation inside
 
         def __str__(self) -> str:
-            return f"{list.__repr__(self)}; {self.with_allocs} of {self.gates} gates followed an allocation"
+            return f"{list.__repr__(self)}; {self.with_allocs} of {self.gates} gates held an allocation"
 
         def clear(self) -> None:
             super().clear()
             self.gates = self.with_allocs = 0
 
-    close = Engine._gate_close
+    gate, close = Engine._gate, Engine._gate_close
     leaks = Leaks()
     before = {"alloc": 0, "host": 0, "gc": 0}
 
     def counts():
-        cuda = torch.cuda.is_available()
-        alloc = torch.cuda.memory_stats().get("num_device_alloc", -1) if cuda else -1
-        host = torch.cuda.host_memory_stats().get("num_host_alloc", -1) if cuda else -1
+        alloc, host = _driver_allocs()
         return {"alloc": alloc, "host": host, "gc": sum(g["collections"] for g in gc.get_stats())}
+
+    def recording_gate(self, run, key):
+        before.update(counts())
+        return gate(self, run, key)
 
     def recording_close(self, run, excused=False):
         g = run.gate
-        sized_from = len(self._gates._host.get((*g.key, True), ())) if g is not None else 0
+        if g is None:  # an ungated iteration: nothing to record
+            return close(self, run, excused)
+        sized_from = len(self._gates._host.get((*g.key, True), ()))
         sleeps = close(self, run, excused)
         now = counts()
-        allocated = (now["alloc"], now["host"]) != (before["alloc"], before["host"])
-        leaks.gates += g is not None
-        leaks.with_allocs += g is not None and allocated
-        if g is not None and g.leaked:
+        leaks.gates += 1
+        leaks.with_allocs += (now["alloc"], now["host"]) != (before["alloc"], before["host"])
+        if g.leaked:
             leaks.append(
                 {
                     "kind": g.key,
@@ -1684,10 +1697,9 @@ def _record_leaks(monkeypatch):
                     "collections": now["gc"] - before["gc"],
                 }
             )
-        before.update(now)
         return sleeps
 
-    before.update(counts())
+    monkeypatch.setattr(Engine, "_gate", recording_gate)
     monkeypatch.setattr(Engine, "_gate_close", recording_close)
     return leaks
 
@@ -1782,18 +1794,15 @@ def test_no_gated_segment_asks_the_driver_for_pinned_memory_gpu(monkeypatch):
     before: list[int] = []
     grown: list[tuple[tuple[str, int], int]] = []
 
-    def pinned() -> int:
-        return int(torch.cuda.host_memory_stats()["num_host_alloc"])
-
     def counted_gate(self, run, key):
-        before.append(pinned())
+        before.append(_driver_allocs()[1])
         return gate(self, run, key)
 
     def counted_close(self, run, excused=False):
         g = run.gate
         sleeps = close(self, run, excused)
         if g is not None:
-            grown.append((g.key, pinned() - before[-1]))
+            grown.append((g.key, _driver_allocs()[1] - before[-1]))
         return sleeps
 
     monkeypatch.setattr(Engine, "_gate", counted_gate)
