@@ -80,26 +80,24 @@ class ChunkPlan:
 # PyTorch's pinned host pool, filled before a gated replay (warm_pinned_pool): blocks per power-of-two size
 PINNED_WARM_ENV = "KVTUNE_PINNED_WARM"
 PINNED_POOL = ((range(0, 13), 16), (range(13, 21), 8))  # 1 B-4 KiB: 16 each; 8 KiB-1 MiB: 8 each (16 MiB)
-_pinned_warmed: set[int] = set()  # the CUDA devices whose process pool is filled
 
 
 def warm_pinned_pool(device: torch.device) -> int:
-    """Fill PyTorch's pinned host pool before a replay on the gated clock; the number of blocks asked (0 off
-    CUDA, when done already in this process, or with ``KVTUNE_PINNED_WARM=0``).
+    """Leave PyTorch's pinned host pool holding free blocks before a replay on the gated clock; the number of
+    blocks asked (0 off CUDA or with ``KVTUNE_PINNED_WARM=0``).
 
     :func:`upload` pins each copy's source, and the pool hands out a block of the request's power-of-two size
     once the device has run the copies that used it. Behind a gate every copy of the iteration stays queued
     until the gate opens, so a gated iteration holds more blocks of a size at once than the ungated replays
     before it needed, and a block the pool lacks is a call to the driver (``cudaHostAlloc``) inside the gated
-    segment, whose time the gate was not sized for. Blocks allocated and freed here stay in the pool (no copy
-    used them, so they are free at once), so no gated segment grows it: 16 of each size up to 4 KiB and 8 of
-    each up to 1 MiB (a gated mixed iteration uploads about five arrays, its inputs, rows, chunk plan, decode
-    plan and new blocks), 16 MiB of pinned memory a process. A larger copy, or more at once, still allocates
-    as before."""
+    segment. Asking for all the blocks at once and freeing them leaves at least that many free (no copy used
+    them): 16 of each size up to 4 KiB and 8 of each up to 1 MiB (a gated mixed iteration uploads about five
+    arrays, its inputs, rows, chunk plan, decode plan and new blocks), 16 MiB of pinned memory a process,
+    grown only the first time. Done before every gated replay: blocks that earlier replays' tensors still
+    hold are not free (run 46a: filled once a process, a later test's gates grew the pool). Such calls to
+    the driver were not what leaked the gates seen so far (run 46a: the leaked gates held none), but they
+    add host time a gate is not sized for."""
     if device.type != "cuda" or os.environ.get(PINNED_WARM_ENV, "1") == "0":
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _pinned_warmed:
         return 0
     blocks = [
         torch.empty(1 << k, dtype=torch.uint8, pin_memory=True)
@@ -107,7 +105,6 @@ def warm_pinned_pool(device: torch.device) -> int:
         for k in sizes
         for _ in range(count)
     ]
-    _pinned_warmed.add(index)
     return len(blocks)
 
 

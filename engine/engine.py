@@ -72,6 +72,10 @@ DEFAULT_BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quant
 # + GATE_PAD_MS, at most GATE_MAX_MS for an iteration's first gate and GATE_LAYER_MAX_MS for one between
 # layers; a kind not yet timed assumes GATE_FIRST_MS of host time
 GATE_MARGIN, GATE_PAD_MS, GATE_MAX_MS, GATE_LAYER_MAX_MS, GATE_HISTORY = 1.25, 0.3, 50.0, 25.0, 64
+# ... and a history of fewer than GATE_SETTLED segments GATE_YOUNG_MARGIN × its longest + GATE_YOUNG_PAD_MS:
+# a process's first iterations of a kind vary the most (a fresh machine, run 46a: a gate sized from two
+# segments leaked at 1.45 × the longer, one from four at 1.39 ×), and a longer sleep costs only idle wall
+GATE_SETTLED, GATE_YOUNG_MARGIN, GATE_YOUNG_PAD_MS = 8, 2.0, 1.0
 # an eager forward's host waits at a layer boundary where the device has not yet passed the mark of
 # GATE_AHEAD_LAYERS boundaries before: the device's launch queue holds ~1,020 kernels (run 28c) and an eager
 # layer launches 18-43 (benchmarks/mixed_ops.py), so past a queue's worth the host would block inside a
@@ -118,7 +122,11 @@ class GateSizes:
         else:
             same = [(m, max(d)) for (k, m, f), d in self._host.items() if k == kind and f == first and d]
             host = max((h * max(1.0, n / max(m, 1)) for m, h in same), default=GATE_FIRST_MS)
-        return min(GATE_MARGIN * host + GATE_PAD_MS, GATE_MAX_MS if first else GATE_LAYER_MAX_MS)
+        if seen is not None and len(seen) >= GATE_SETTLED:
+            ms = GATE_MARGIN * host + GATE_PAD_MS
+        else:
+            ms = GATE_YOUNG_MARGIN * host + GATE_YOUNG_PAD_MS
+        return min(ms, GATE_MAX_MS if first else GATE_LAYER_MAX_MS)
 
     def add(self, key: tuple[str, int], host_ms: float, first: bool = True) -> None:
         """A gated segment's host time (a leaked one's bounded by :meth:`Engine._gate_close`'s caller), at
@@ -731,16 +739,22 @@ class Engine:
         next segment starts behind a new sleep of that length. (Counting the layers the device is behind
         instead let a simulated device run dry: a layer's kernels take it far less than their launches take
         the host.) Where the device has not passed the mark GATE_AHEAD_LAYERS boundaries back (a first gate
-        longer than the host needed), the host waits for it there, outside any segment's time."""
+        longer than the host needed), the host waits for it there, outside any segment's time. A layer that
+        took the host longer than the history's gate allows for sizes the next sleep from its own time (a
+        host slowed mid-forward, run 46a: layers at 3.6 ms against a history of 1.9 ms, until the device
+        ran dry at the 25th)."""
         if run.gate is None:
             return None
-        ms = self._gates.ms(run.gate.key, first=False)  # the history changes only when the iteration closes
+        sized = self._gates.ms(run.gate.key, first=False)  # the history changes when the iteration closes
 
         def between_layers() -> None:
             gate = run.gate
             if gate is None:
                 return
             self._segment_done(gate)
+            ms = sized
+            if len(gate.host) > 1:  # a layer just took the host longer than the history's sleep allows for
+                ms = min(max(ms, GATE_MARGIN * gate.host[-1] + GATE_PAD_MS), GATE_LAYER_MAX_MS)
             probe = self.timer.mark()
             gate.probes.append(probe)
             while gate.passed + 1 < len(gate.probes) and gate.probes[gate.passed + 1].query():

@@ -881,10 +881,12 @@ def test_the_gated_clock_on_a_cpu_is_the_device_clock(tiny):
 def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monkeypatch):
     """The gated clock's decisions, around a stand-in for the CUDA sleep whose mark reports whether it had
     completed (the sleep itself is the GPU test's): a kind's first gate assumes GATE_FIRST_MS of host time,
-    later ones ask 1.25 × the longest host time of that kind's recent iterations + 0.3 ms, at most
-    GATE_MAX_MS; a kind first met with more chunks scales its kind's time; a gate found open counts as a leak
-    and grows its kind's next gate (at most twice the leaked gate); one found open before its planned length
-    lengthens the sleeps; a capture's or a compilation's iteration (excused) counts nothing."""
+    later ones ask 1.25 × the longest host time of that kind's recent iterations + 0.3 ms once it has
+    GATE_SETTLED of them (2 × + 1 ms before), at most GATE_MAX_MS; a kind first met with more chunks scales
+    its kind's time; a gate found open counts as a leak and grows its kind's next gate (at most twice the
+    leaked gate); one found open before its planned length lengthens the sleeps; a capture's or a
+    compilation's iteration (excused) counts nothing; a layer slower than its history allows for sizes the
+    next sleep between layers."""
     from types import SimpleNamespace
 
     from kvtune.engine import engine as eng
@@ -930,8 +932,12 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monke
         assert run.gate is None
         return timer.asked[-1]
 
-    def asks(host_ms: float) -> Any:
-        return pytest.approx(min(eng.GATE_MARGIN * host_ms + eng.GATE_PAD_MS, eng.GATE_MAX_MS), abs=0.05)
+    def asks(host_ms: float, settled: bool = False) -> Any:
+        if settled:
+            ms = eng.GATE_MARGIN * host_ms + eng.GATE_PAD_MS
+        else:
+            ms = eng.GATE_YOUNG_MARGIN * host_ms + eng.GATE_YOUNG_PAD_MS
+        return pytest.approx(min(ms, eng.GATE_MAX_MS), abs=0.05)
 
     step, prefill = ("step", 0), ("prefill", 1)
     assert engine._gated()
@@ -944,13 +950,13 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monke
     assert iteration(("chunks", 2), 1.0) == asks(100.0)  # fewer chunks: the kind's largest time
     assert "gate_leaks" not in counters
     # a leak grows its kind's gate, by at most twice the gate it leaked
-    planned = iteration(step, 3.0, opened=True)
+    planned = iteration(step, 6.0, opened=True)
     assert planned == asks(0.5) and counters["gate_leaks"] == 1 and "gate_stretches" not in counters
-    assert iteration(step, 0.4) == asks(2 * planned)  # 3 ms counted as twice the 0.9-ms gate
-    iteration(step, 3.0)
-    assert iteration(step, 0.4) == asks(3.0)  # the host's time, once it fits
-    iteration(prefill, 1000.0, opened=True)
-    assert iteration(prefill, 50.0) == asks(2 * (eng.GATE_MARGIN * 60.0 + eng.GATE_PAD_MS))
+    assert iteration(step, 0.4) == asks(2 * planned)  # 6 ms counted as twice the 2-ms gate
+    iteration(step, 5.0)
+    assert iteration(step, 0.4) == asks(5.0)  # the host's time, once it fits
+    iteration(prefill, 1000.0, opened=True)  # counted as twice its 121-ms gate: over the cap
+    assert iteration(prefill, 50.0) == eng.GATE_MAX_MS
     # open before its planned length: the sleeps run short of their calibration
     iteration(step, 0.1, opened=True)
     assert counters["gate_leaks"] == 3 and counters["gate_stretches"] == 1
@@ -987,7 +993,7 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monke
     assert counters["gate_stretches"] == 1  # a later segment's leak is no measure of the sleep's length
     assert timer.asked[-2:] == [asks(eng.GATE_FIRST_MS)] * 2  # no layer history of the kind yet
     assert engine._gates.ms(layers) == asks(3.0)  # the first segment's host time
-    assert engine._gates.ms(layers, first=False) == asks(9.0)  # the later ones' (9 ms: within twice 12.8)
+    assert engine._gates.ms(layers, first=False) == asks(9.0)  # the later ones' (9 ms: within twice 21)
     # the first sleep over before the host's time reached it: the sleeps stretch
     engine._gate(run, layers)
     now[0] += 1.0 / 1000.0
@@ -1010,7 +1016,7 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monke
     for _ in range(8):
         sizes.add(("mixed", 1), 2.0, first=False)
     sizes.add(("mixed", 1), 80.0, first=False)
-    assert sizes.ms(("mixed", 1), first=False) == asks(6.0)
+    assert sizes.ms(("mixed", 1), first=False) == asks(6.0, settled=True)
     sizes.add(("mixed", 4), 80.0, first=False)
     assert sizes.ms(("mixed", 4), first=False) == eng.GATE_LAYER_MAX_MS
     assert counters["gate_ms"] == pytest.approx(sum(timer.asked))
@@ -1030,7 +1036,18 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monke
     # a sleep at the 1st boundary, none while it is ahead of the device, one more once the device has
     # passed the mark after it (the first wait)
     assert len(sleeps) == 2 and len(timer.asked) == sleeps_before + 3
-    assert engine._gates.ms(ahead) == asks(1.0) and engine._gates.ms(ahead, first=False) == asks(1.0)
+    assert engine._gates.ms(ahead) == asks(1.0) and engine._gates.ms(ahead, first=False) == asks(1.0, True)
+    # a layer slower than its kind's history allows for: the next sleep is sized from its own time
+    engine._gate(run, ahead)
+    between = engine._layer_gates(run)
+    assert between is not None
+    timer.opened = True  # the device passes every mark: each boundary sleeps anew
+    for host_ms in (1.0, 1.0, 4.0):
+        now[0] += host_ms / 1000.0
+        between()
+    timer.opened = False
+    engine._gate_close(run)
+    assert timer.asked[-3:] == [asks(1.0, True), asks(1.0, True), asks(4.0, True)]
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["static-steps", "eager-steps"])
