@@ -28,6 +28,8 @@ a Triton compilation met inside a measured iteration all the same is left out of
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import os
 import statistics
@@ -94,6 +96,10 @@ _PIECES: weakref.WeakKeyDictionary[Any, PiecewiseForward] = weakref.WeakKeyDicti
 # ... uncaptured, for the static buffers and piece functions of the mixed graphs (without ``piecewise``)
 _PIECE_BUFFERS: weakref.WeakKeyDictionary[Any, PiecewiseForward] = weakref.WeakKeyDictionary()
 MAX_PACKED = 32768  # the most packed rows of a mixed iteration replayed as a graph (MixedGraphs)
+# a replay on the gated clock runs with Python's cyclic collector paused: a collection inside a gated segment
+# adds host time no gate is sized for (run 46: two of four leaked first segments held one, at 1.39 and
+# 1.55 × their history's longest); reference counting still frees what a replay drops. `0`: leave it on
+GC_PAUSE_ENV = "KVTUNE_GC_PAUSE"
 # the use of a mixed iteration's shape that captures its graph: a capture took about 65 ms on an H200, some
 # 3.5x the iteration's host launch in pieces, and a probe meets most shapes once (RESULTS, run 40)
 MIXED_CAPTURE_ON = 2
@@ -135,6 +141,22 @@ class GateSizes:
         if len(seen) >= 8:
             host_ms = min(host_ms, GATE_CLIP * statistics.median(seen))
         seen.append(host_ms)
+
+
+@contextlib.contextmanager
+def _collector_paused(paused: bool) -> Any:
+    """Python's cyclic collector paused for the block where ``paused`` (a replay on the gated clock) and
+    ``KVTUNE_GC_PAUSE`` is not ``0``; left alone where it was off already. Nothing is collected first (a
+    full collection takes a process with torch loaded about 0.1 s, and a study replays hundreds of times):
+    what was pending is collected once the collector runs again."""
+    if not paused or not gc.isenabled() or os.environ.get(GC_PAUSE_ENV, "1") == "0":
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class ReplayTimeoutError(RuntimeError):
@@ -470,22 +492,23 @@ class Engine:
             warm_pinned_pool(self.device)  # no gated segment waits for the pinned pool to grow
         cache, graphs, fresh = self._cache_for(settings)
         settings = replace(settings, max_num_seqs=cache.layout.num_slots)  # the layout may give fewer
-        try:
-            if warmup_requests > 0 and fresh:
-                self._run(
-                    fitted[:warmup_requests], 0.0, None, compile_kernels=True, deadline=deadline,
-                    cache=cache, graphs=graphs, settings=settings,
+        with _collector_paused(self._gated()):  # no collection inside a gated segment
+            try:
+                if warmup_requests > 0 and fresh:
+                    self._run(
+                        fitted[:warmup_requests], 0.0, None, compile_kernels=True, deadline=deadline,
+                        cache=cache, graphs=graphs, settings=settings,
+                    )  # fmt: skip
+                cache.reset()
+                if graphs is not None:
+                    graphs.restart()
+                run = self._run(
+                    fitted, time_scale, progress, deadline=deadline, stop=stop, cache=cache, graphs=graphs,
+                    settings=settings,
                 )  # fmt: skip
-            cache.reset()
-            if graphs is not None:
-                graphs.restart()
-            run = self._run(
-                fitted, time_scale, progress, deadline=deadline, stop=stop, cache=cache, graphs=graphs,
-                settings=settings,
-            )  # fmt: skip
-        except BaseException:
-            self.release()  # a replay cut short leaves no state behind
-            raise
+            except BaseException:
+                self.release()  # a replay cut short leaves no state behind
+                raise
         if timings is not None:
             timings.extend(run.timings)
         if forwards is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import math
 import time
 import warnings
@@ -1050,6 +1051,33 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monke
     assert timer.asked[-3:] == [asks(1.0, True), asks(1.0, True), asks(4.0, True)]
 
 
+def test_a_gated_replay_pauses_pythons_collector_alone(monkeypatch):
+    """Python's cyclic collector is off inside a gated replay's block and back on after it, even when the
+    block raises; left on for any other replay and with ``KVTUNE_GC_PAUSE=0``; left off where it was off."""
+    from kvtune.engine import engine as eng
+
+    assert gc.isenabled()
+    with eng._collector_paused(True):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), eng._collector_paused(True):
+        raise RuntimeError("a replay cut short")
+    assert gc.isenabled()
+    with eng._collector_paused(False):
+        assert gc.isenabled()
+    monkeypatch.setenv(eng.GC_PAUSE_ENV, "0")
+    with eng._collector_paused(True):
+        assert gc.isenabled()
+    monkeypatch.delenv(eng.GC_PAUSE_ENV)
+    gc.disable()
+    try:
+        with eng._collector_paused(True):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["static-steps", "eager-steps"])
 def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(monkeypatch, graphs):
     """A whole replay on the gated clock (prompts alone, in chunks, mixed with decode rows, decode steps) of
@@ -1134,9 +1162,12 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
 
     close = engine._gate_close
 
+    collector: set[bool] = set()  # whether Python's cyclic collector was on at each gate's close
+
     def closed(run, excused=False):  # type: ignore[no-untyped-def]
         sleeps = close(run, excused)
         calls["sleeps"] += len(sleeps)
+        collector.add(gc.isenabled())
         return sleeps
 
     engine._layer_gates, engine._gate_close = counted, closed  # type: ignore[method-assign]
@@ -1156,8 +1187,9 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     assert m["gate_leaks"] <= 0.25 * m["gated_iterations"], f"{m} {leaks}"  # a loaded CPU: the host jitters
     assert len(leaks) >= m["gate_leaks"]  # every leak counted is recorded (excused ones too)
     assert warmed == [CPU, CPU]  # each gated replay asks for the pinned pool first (a no-op off CUDA)
+    assert collector == {False} and gc.isenabled()  # the collector paused for the gated replays alone
     for leak in leaks:
-        assert leak["sized_from"] >= 0 and leak["collections"] >= 0, leak
+        assert leak["sized_from"] >= 0 and leak["collections"] == 0, leak
         assert leak["device_allocs"] == leak["pinned_allocs"] == 0, leak  # no CUDA: nothing counted
         assert 0 <= leak["leaked_at"] < len(leak["host_ms"]), leak
     # the forwards' time on the clock, only what the device idled here, against the host's launch time:
@@ -1669,14 +1701,17 @@ def _record_leaks(monkeypatch):
     from kvtune.engine.engine import Engine
 
     class Leaks(list):
-        gates = with_allocs = 0  # the gates closed; those with a driver allocation inside
+        gates = with_allocs = with_collections = 0  # the gates closed; those with an allocation, a collection
 
         def __str__(self) -> str:
-            return f"{list.__repr__(self)}; {self.with_allocs} of {self.gates} gates held an allocation"
+            return (
+                f"{list.__repr__(self)}; of {self.gates} gates {self.with_allocs} held an allocation, "
+                f"{self.with_collections} a collection"
+            )
 
         def clear(self) -> None:
             super().clear()
-            self.gates = self.with_allocs = 0
+            self.gates = self.with_allocs = self.with_collections = 0
 
     gate, close = Engine._gate, Engine._gate_close
     leaks = Leaks()
@@ -1699,6 +1734,7 @@ def _record_leaks(monkeypatch):
         now = counts()
         leaks.gates += 1
         leaks.with_allocs += (now["alloc"], now["host"]) != (before["alloc"], before["host"])
+        leaks.with_collections += now["gc"] != before["gc"]
         if g.leaked:
             leaks.append(
                 {

@@ -10,9 +10,9 @@
 # whole: WHOLE_TESTS_S, HOST_N, HOST_S: mixed iterations as one graph against pieces (tests, host time);
 # wholeengine: WHOLE_S, WHOLE_BUDGET, WHOLE_MODES (comma-separated flags, op: none), WHOLE_CONFIGS (config
 #   files; default unquantized and INT8): saturation replays op by op, in pieces and as whole graphs
-# leaks: LEAKS_RUNS (8), LEAKS_S (seconds for the loop, 240): the gated-clock and mixed-graph GPU tests in a loop,
-#   odd runs with the pinned pool warmed (KVTUNE_PINNED_WARM=1), even runs without; their leaked gates' records
-#   in leaks.log; then gate_syncs.py (GATE_SYNCS_S, 120): the calls inside each gate
+# leaks: LEAKS_RUNS (8), LEAKS_S (seconds for the loop, 240): the gated-clock, mixed-graph and pinned-pool GPU
+#   tests in a loop, with LEAKS_AB (an option's variable, e.g. KVTUNE_GC_PAUSE) set to 0 on even runs; their
+#   leaked gates' records in leaks.log; then gate_syncs.py (GATE_SYNCS_S, 120): the calls inside each gate
 # engine compares today's tree with the engine of 70b9c8a, carried in .old/ (git archive of that commit).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -173,11 +173,12 @@ for stage in "$@"; do
     log "leaked gates: the gated-clock and mixed-graph tests, up to ${LEAKS_RUNS:-8} runs in ${LEAKS_S:-240} s"
     t=$(date +%s); i=0
     while [ $i -lt ${LEAKS_RUNS:-8} ] && [ $(( $(date +%s) - t )) -lt ${LEAKS_S:-240} ]; do
-      i=$((i + 1)); warm=$((i % 2))
-      KVTUNE_PINNED_WARM=$warm timeout 90 python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider \
+      i=$((i + 1)); on=1; ab=${LEAKS_AB:-}
+      [ -n "$ab" ] && on=$((i % 2))
+      env ${ab:+$ab=$on} timeout 90 python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider \
         tests/test_graphs.py -k "mixed_graph_replays or gated_clock or pinned_memory" > "$OUT/leaks_$i.log" 2>&1
-      echo "run $i (pinned pool warmed: $warm): $(tail -1 "$OUT/leaks_$i.log")" | tee -a "$OUT/summary.log"
-      grep -h "^E  *AssertionError" "$OUT/leaks_$i.log" | sed "s/^/warm=$warm /" >> "$OUT/leaks.log"
+      echo "run $i (${ab:-defaults}${ab:+=$on}): $(tail -1 "$OUT/leaks_$i.log")" | tee -a "$OUT/summary.log"
+      grep -h "^E  *AssertionError" "$OUT/leaks_$i.log" | sed "s/^/run $i ${ab:+$ab=$on} /" >> "$OUT/leaks.log"
     done
     log "gate_syncs.py: the calls inside each gate, the first that found it open"
     timeout ${GATE_SYNCS_S:-120} python3 lab/scripts/gate_syncs.py --repeats 1 > "$OUT/gate_syncs.log" 2>&1
