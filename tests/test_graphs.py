@@ -1078,6 +1078,36 @@ def test_a_gated_replay_pauses_pythons_collector_alone(monkeypatch):
         gc.enable()
 
 
+@pytest.mark.parametrize("bits", [0, 8])
+def test_a_replay_leaves_no_cyclic_garbage(tiny, bits):
+    """What pausing the collector in a gated replay relies on: a replay (prompts in chunks, mixed iterations,
+    decode steps, preemptions) drops nothing that only the cyclic collector would free, so no memory piles up
+    while it is paused."""
+    from kvtune.engine.engine import Engine
+    from kvtune.engine.scheduler import SchedulerConfig
+    from kvtune.engine.traces import Request
+
+    requests = [Request(i, 0.0, 20 + 9 * i, 30 + 5 * i) for i in range(16)]
+    config = _config(bits)
+    budget = kv_bytes_for(config, tiny.model.kv_shape, [240] * 3)  # three of the longest at once
+    engine = Engine(tiny, config, budget, CPU, SchedulerConfig(max_num_batched_tokens=64))
+    engine.replay(requests, 0.0, warmup_requests=2)  # kept cache, compiled kernels, first calls' caches
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        result = engine.replay(requests, 0.0, warmup_requests=2).to_dict()
+        found = gc.collect()
+        kinds = sorted({type(o).__name__ for o in gc.garbage})
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+    assert result["completed"] == len(requests) and result["mixed_iterations"] > 0
+    assert result["preemptions"] > 0, result  # the budget binds: preemption's paths run too
+    assert found == 0, kinds
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["static-steps", "eager-steps"])
 def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(monkeypatch, graphs):
     """A whole replay on the gated clock (prompts alone, in chunks, mixed with decode rows, decode steps) of
