@@ -36,7 +36,7 @@ import statistics
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -96,9 +96,10 @@ _PIECES: weakref.WeakKeyDictionary[Any, PiecewiseForward] = weakref.WeakKeyDicti
 # ... uncaptured, for the static buffers and piece functions of the mixed graphs (without ``piecewise``)
 _PIECE_BUFFERS: weakref.WeakKeyDictionary[Any, PiecewiseForward] = weakref.WeakKeyDictionary()
 MAX_PACKED = 32768  # the most packed rows of a mixed iteration replayed as a graph (MixedGraphs)
-# a replay on the gated clock runs with Python's cyclic collector paused: a collection inside a gated segment
-# adds host time no gate is sized for (run 46: two of four leaked first segments held one, at 1.39 and
-# 1.55 × their history's longest); reference counting still frees what a replay drops. `0`: leave it on
+# a replay on the gated clock, and a study's probe, runs with Python's cyclic collector paused: a collection
+# inside a gated segment adds host time no gate is sized for (run 46: two of four leaked first segments held
+# one, at 1.39 and 1.55 × their history's longest), one inside a probe can decide its P99; reference counting
+# frees what a replay drops (it leaves no cyclic garbage: tests/test_graphs.py). `0`: leave it on
 GC_PAUSE_ENV = "KVTUNE_GC_PAUSE"
 # the use of a mixed iteration's shape that captures its graph: a capture took about 65 ms on an H200, some
 # 3.5x the iteration's host launch in pieces, and a probe meets most shapes once (RESULTS, run 40)
@@ -144,14 +145,17 @@ class GateSizes:
 
 
 @contextlib.contextmanager
-def _collector_paused(paused: bool) -> Any:
-    """Python's cyclic collector paused for the block where ``paused`` (a replay on the gated clock) and
-    ``KVTUNE_GC_PAUSE`` is not ``0``; left alone where it was off already. Nothing is collected first (a
-    full collection takes a process with torch loaded about 0.1 s, and a study replays hundreds of times):
-    what was pending is collected once the collector runs again."""
+def collector_paused(paused: bool = True, collect: bool = False) -> Iterator[None]:
+    """Python's cyclic collector paused for the block where ``paused`` and ``KVTUNE_GC_PAUSE`` is not ``0``
+    (collected first with ``collect``); left alone where it was off already (an enclosing pause). A replay on
+    the gated clock pauses it without collecting (a full collection takes a process with torch loaded about
+    0.1 s, and a study replays hundreds of times), a study's probe collects first
+    (:func:`kvtune.tuner.worker.gc_paused`): what was pending is collected once the collector runs again."""
     if not paused or not gc.isenabled() or os.environ.get(GC_PAUSE_ENV, "1") == "0":
         yield
         return
+    if collect:
+        gc.collect()
     gc.disable()
     try:
         yield
@@ -492,7 +496,7 @@ class Engine:
             warm_pinned_pool(self.device)  # no gated segment waits for the pinned pool to grow
         cache, graphs, fresh = self._cache_for(settings)
         settings = replace(settings, max_num_seqs=cache.layout.num_slots)  # the layout may give fewer
-        with _collector_paused(self._gated()):  # no collection inside a gated segment
+        with collector_paused(self._gated()):  # no collection inside a gated segment
             try:
                 if warmup_requests > 0 and fresh:
                     self._run(

@@ -1051,27 +1051,46 @@ def test_the_gates_size_themselves_from_the_host_times_of_their_kind(tiny, monke
     assert timer.asked[-3:] == [asks(1.0, True), asks(1.0, True), asks(4.0, True)]
 
 
-def test_a_gated_replay_pauses_pythons_collector_alone(monkeypatch):
-    """Python's cyclic collector is off inside a gated replay's block and back on after it, even when the
-    block raises; left on for any other replay and with ``KVTUNE_GC_PAUSE=0``; left off where it was off."""
+def test_gated_replays_and_probes_pause_pythons_collector(monkeypatch):
+    """Python's cyclic collector is off inside a gated replay's block and a study's probe (which collects
+    first) and back on after them, even when the block raises; left on for any other replay and with
+    ``KVTUNE_GC_PAUSE=0``; left off where it was off."""
     from kvtune.engine import engine as eng
+    from kvtune.tuner.worker import gc_paused
+
+    collected: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        collected.append(info["generation"])
+
+    gc.callbacks.append(seen)
+    try:
+        with gc_paused():
+            assert not gc.isenabled() and 2 in collected  # a full collection, then paused
+    finally:
+        gc.callbacks.remove(seen)
+    assert gc.isenabled()
+    monkeypatch.setenv(eng.GC_PAUSE_ENV, "0")
+    with gc_paused():
+        assert gc.isenabled()
+    monkeypatch.delenv(eng.GC_PAUSE_ENV)
 
     assert gc.isenabled()
-    with eng._collector_paused(True):
+    with eng.collector_paused(True):
         assert not gc.isenabled()
     assert gc.isenabled()
-    with pytest.raises(RuntimeError), eng._collector_paused(True):
+    with pytest.raises(RuntimeError), eng.collector_paused(True):
         raise RuntimeError("a replay cut short")
     assert gc.isenabled()
-    with eng._collector_paused(False):
+    with eng.collector_paused(False):
         assert gc.isenabled()
     monkeypatch.setenv(eng.GC_PAUSE_ENV, "0")
-    with eng._collector_paused(True):
+    with eng.collector_paused(True):
         assert gc.isenabled()
     monkeypatch.delenv(eng.GC_PAUSE_ENV)
     gc.disable()
     try:
-        with eng._collector_paused(True):
+        with eng.collector_paused(True):
             pass
         assert not gc.isenabled()
     finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import os
 import platform
 import socket
@@ -90,13 +89,12 @@ def trial_deadline(limit_s: float | None, what: str) -> Deadline | None:
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Collect, then keep Python's garbage collector off for the block: no collection pause inside a probe
-    (one stall can decide a P99 over ~100 requests)."""
-    gc.collect()
-    gc.disable()
-    try:
+    (one stall can decide a P99 over ~100 requests); ``KVTUNE_GC_PAUSE=0`` leaves it on
+    (:func:`kvtune.engine.engine.collector_paused`)."""
+    from kvtune.engine.engine import collector_paused
+
+    with collector_paused(collect=True):
         yield
-    finally:
-        gc.enable()
 
 
 class TrialWorker:
