@@ -76,7 +76,7 @@ DEFAULT_BASELINE = HybridConfig("hybrid_v2", hot_tokens=32, block_size=64, quant
 GATE_MARGIN, GATE_PAD_MS, GATE_MAX_MS, GATE_LAYER_MAX_MS, GATE_HISTORY = 1.25, 0.3, 50.0, 25.0, 64
 # ... and a history of fewer than GATE_SETTLED segments GATE_YOUNG_MARGIN × its longest + GATE_YOUNG_PAD_MS:
 # a process's first iterations of a kind vary the most (a fresh machine, run 46a: a gate sized from two
-# segments leaked at 1.45 × the longer, one from four at 1.39 ×), and a longer sleep costs only idle wall
+# segments leaked at 2.3 × the longer, one from four at 1.39 ×), and a longer sleep costs only idle wall
 GATE_SETTLED, GATE_YOUNG_MARGIN, GATE_YOUNG_PAD_MS = 8, 2.0, 1.0
 # an eager forward's host waits at a layer boundary where the device has not yet passed the mark of
 # GATE_AHEAD_LAYERS boundaries before: the device's launch queue holds ~1,020 kernels (run 28c) and an eager
