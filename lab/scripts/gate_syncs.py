@@ -75,9 +75,26 @@ def _alloc_counts() -> tuple[int, int]:
     return int(device), int(host)
 
 
+# each gated prompt alone (kind prefill), in order: its tokens (the forward's chunk), whether a
+# prompt of that many tokens came before, its first segment's host ms, leaked, a cudaMalloc inside
+prompts: list[tuple[int, bool, float, bool, bool]] = []
+prompt_lengths: set[int] = set()
+forward = Engine._forward
+forward_tokens: list[int | None] = [None]  # the prompt tokens of the forward about to gate
+
+
+def watched_forward(self, run, slots, chunks, start, progress):  # type: ignore[no-untyped-def]
+    forward_tokens[0] = sum(n for _, n in chunks)
+    return forward(self, run, slots, chunks, start, progress)
+
+
+Engine._forward = watched_forward  # type: ignore[method-assign]
+
+
 def watched_gate(self, run, key):  # type: ignore[no-untyped-def]
     mark = gate(self, run, key)
-    current[:] = [time.perf_counter(), run, [], _alloc_counts(), key[0], run.gate.planned]
+    current[:] = [time.perf_counter(), run, [], _alloc_counts(), key[0], run.gate.planned, forward_tokens[0]]
+    forward_tokens[0] = None
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode("warn")
     return mark
@@ -97,6 +114,10 @@ def watched_close(self, run, excused=False):  # type: ignore[no-untyped-def]
         for name, ms, _ in calls:
             call_ms[(name, leaked)].append(ms)
         kinds[(current[4], leaked)].append(((time.perf_counter() - current[0]) * 1000, current[5]))
+        if current[4] == "prefill" and current[6] is not None:
+            n, host0 = current[6], run.gate.host[0] if run.gate.host else float("nan")
+            prompts.append((n, n in prompt_lengths, host0, leaked, device1 > device0 >= 0))
+            prompt_lengths.add(n)
     current.clear()
     closed[0] += 1
     if closed[0] % 25 == 0:  # progress: a run whose gates grow too long shows it before its limit
@@ -204,6 +225,16 @@ for kind in sorted({k for k, _ in segments}):
             host = sorted(host)
             cells.append(f"#{i} {leaked}/{len(host)} {host[len(host) // 2]:.2f},{host[-1]:.1f}")
     print(f"  {kind:<8} " + "  ".join(cells))
+print("prompts alone (tokens; a prompt of that length before in the process): leaked / all, first segment's "
+      "host ms median; with a cudaMalloc inside")  # fmt: skip
+for before in (False, True):
+    v = [p for p in prompts if p[1] == before]
+    host = sorted(p[2] for p in v)
+    print(f"  {'seen' if before else 'new '} {sum(p[3] for p in v)}/{len(v)}, "
+          f"{host[len(host) // 2] if host else float('nan'):.2f} ms; "
+          f"cudaMalloc in {sum(p[4] for p in v)} ({sum(p[4] and p[3] for p in v)} leaked)")  # fmt: skip
+print("  leaked prompts (tokens, host ms of the first segment, cudaMalloc inside): " + ", ".join(
+    f"{n} {h:.1f}{' M' if m else ''}" for n, _, h, leaked, m in prompts if leaked))  # fmt: skip
 print("leaked iterations, by the first timed call whose end saw the gate open:")
 for name, n in opened_in.most_common():
     print(f"{n:6d}  {name}")
