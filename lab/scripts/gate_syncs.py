@@ -234,7 +234,7 @@ for before in (False, True):
           f"{host[len(host) // 2] if host else float('nan'):.2f} ms; "
           f"cudaMalloc in {sum(p[4] for p in v)} ({sum(p[4] and p[3] for p in v)} leaked)")  # fmt: skip
 each = (f"{n} {h:.1f}{' L' if leaked else ''}{' M' if m else ''}" for n, _, h, leaked, m in prompts)
-print("  every prompt in order (tokens, first segment's host ms; L leaked, M a cudaMalloc): " + ", ".join(each))
+print("  every prompt in order (tokens, first segment's host ms; L leaked, M cudaMalloc): " + ", ".join(each))
 print("leaked iterations, by the first timed call whose end saw the gate open:")
 for name, n in opened_in.most_common():
     print(f"{n:6d}  {name}")
