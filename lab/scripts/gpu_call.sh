@@ -9,7 +9,8 @@
 # warm: WARM_CONFIGS (bits:block, default 4:32,8:64,0:32,4:256), WARM_S; kernels compiled ahead, then the prime
 # whole: WHOLE_TESTS_S, HOST_N, HOST_S: mixed iterations as one graph against pieces (tests, host time);
 # wholeengine: WHOLE_S, WHOLE_BUDGET, WHOLE_MODES (comma-separated flags, op: none), WHOLE_CONFIGS (config
-#   files; default unquantized and INT8): saturation replays op by op, in pieces and as whole graphs
+#   files; default unquantized and INT8), WHOLE_REQUESTS (96), WHOLE_REPEATS (3): saturation replays op by
+#   op, in pieces and as whole graphs
 # leaks: LEAKS_RUNS (8), LEAKS_S (seconds for the loop, 240): the gated-clock, mixed-graph and pinned-pool GPU
 #   tests in a loop, with LEAKS_AB (an option's variable, e.g. KVTUNE_GC_PAUSE) set to 0 on even runs; their
 #   leaked gates' records in leaks.log; then gate_syncs.py (GATE_SYNCS_S, 120): the calls inside each gate
@@ -165,7 +166,8 @@ for stage in "$@"; do
       configs=${WHOLE_CONFIGS:-$C/q_unquantized.json $C/q_int8.json}
       log "engine: $configs, ${WHOLE_BUDGET:-4e9} B, op by op / pieces / whole graphs: '$mode'"
       timeout ${WHOLE_S:-150} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b --workload $AZ \
-        --requests 96 --kv-budget ${WHOLE_BUDGET:-4e9} --repeats 3 $mode --json "$OUT/whole$tag.json" \
+        --requests ${WHOLE_REQUESTS:-96} --kv-budget ${WHOLE_BUDGET:-4e9} --repeats ${WHOLE_REPEATS:-3} $mode \
+        --json "$OUT/whole$tag.json" \
         $configs > "$OUT/whole$tag.log" 2>&1
       tail -8 "$OUT/whole$tag.log"
     done ;;
