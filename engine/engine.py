@@ -106,6 +106,13 @@ GC_PAUSE_ENV = "KVTUNE_GC_PAUSE"
 MIXED_CAPTURE_ON = 2
 
 
+def gate_for(host_ms: float, settled: bool, first: bool) -> float:
+    """The sleep, in ms, ahead of a segment that takes the host ``host_ms``: with the margins of a settled
+    history or a young one, capped as an iteration's first gate (``first``) or one between layers."""
+    margin, pad = (GATE_MARGIN, GATE_PAD_MS) if settled else (GATE_YOUNG_MARGIN, GATE_YOUNG_PAD_MS)
+    return min(margin * host_ms + pad, GATE_MAX_MS if first else GATE_LAYER_MAX_MS)
+
+
 class GateSizes:
     """What the next gate of each kind of iteration asks, from the host times of that kind's recent gated
     segments. A kind is (``step``: a captured decode step; ``decode``: an eager one; ``prefill``: one prompt
@@ -129,11 +136,7 @@ class GateSizes:
         else:
             same = [(m, max(d)) for (k, m, f), d in self._host.items() if k == kind and f == first and d]
             host = max((h * max(1.0, n / max(m, 1)) for m, h in same), default=GATE_FIRST_MS)
-        if seen is not None and len(seen) >= GATE_SETTLED:
-            ms = GATE_MARGIN * host + GATE_PAD_MS
-        else:
-            ms = GATE_YOUNG_MARGIN * host + GATE_YOUNG_PAD_MS
-        return min(ms, GATE_MAX_MS if first else GATE_LAYER_MAX_MS)
+        return gate_for(host, seen is not None and len(seen) >= GATE_SETTLED, first)
 
     def add(self, key: tuple[str, int], host_ms: float, first: bool = True) -> None:
         """A gated segment's host time (a leaked one's bounded by :meth:`Engine._gate_close`'s caller), at
@@ -781,7 +784,7 @@ class Engine:
             self._segment_done(gate)
             ms = sized
             if len(gate.host) > 1:  # a layer just took the host longer than the history's sleep allows for
-                ms = min(max(ms, GATE_MARGIN * gate.host[-1] + GATE_PAD_MS), GATE_LAYER_MAX_MS)
+                ms = max(ms, gate_for(gate.host[-1], settled=True, first=False))
             probe = self.timer.mark()
             gate.probes.append(probe)
             while gate.passed + 1 < len(gate.probes) and gate.probes[gate.passed + 1].query():
