@@ -166,6 +166,19 @@ def collector_paused(paused: bool = True, collect: bool = False) -> Iterator[Non
         gc.enable()
 
 
+def prompt_rows(requests: Sequence[Request], max_num_batched_tokens: int) -> set[int]:
+    """The row counts of the requests' prompts run alone: each prompt in chunks of
+    ``max_num_batched_tokens`` tokens and the rest (what :meth:`LlamaModel.warm_rows` runs ahead)."""
+    rows = set()
+    for r in requests:
+        full, rest = divmod(r.input_length, max_num_batched_tokens)
+        if full:
+            rows.add(max_num_batched_tokens)
+        if rest:
+            rows.add(rest)
+    return rows
+
+
 class ReplayTimeoutError(RuntimeError):
     """A replay ran past its :class:`Deadline` (a trial's time limit): the config is infeasible here."""
 
@@ -495,6 +508,8 @@ class Engine:
         fitted, counts = policy.apply(requests)
         settings = self.settings_for(fitted if settings_from is None else policy.apply(settings_from)[0])
         self._piecewise()  # built and captured once per model, before anything is timed
+        if self.device.type == "cuda":  # each prompt's row count met once before any clock runs
+            self.model.warm_rows(prompt_rows(fitted, settings.max_num_batched_tokens))
         if self._gated():
             warm_pinned_pool(self.device)  # no gated segment waits for the pinned pool to grow
         cache, graphs, fresh = self._cache_for(settings)

@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvtune.engine.engine import prompt_rows
 from kvtune.engine.model import LlamaModel, LoadedModel, export_hf_dir, load_model, rope_inv_freq
+from kvtune.engine.traces import Request
 from kvtune.engine.weights import SHAPES, smollm2_gguf_path, unpermute_rope_rows
 
 transformers = pytest.importorskip("transformers")
@@ -271,6 +273,21 @@ def test_random_tiny_is_seeded(seed: int) -> None:
     assert (a.real_weights, a.tokenizer) == (False, None)
     torch.testing.assert_close(a.model.forward_dense(ids), b.model.forward_dense(ids), rtol=0, atol=0)
     assert not torch.equal(a.model.embed, load_model("random:tiny", seed=seed + 2).model.embed)
+
+
+def test_warm_rows_runs_each_new_row_count_once_and_changes_nothing() -> None:
+    loaded = load_model("random:tiny", seed=3)
+    ids = torch.arange(9)
+    before = loaded.model.forward_dense(ids)
+    assert loaded.model.warm_rows([5, 1, 5, 0, 12]) == 3
+    assert loaded.model.rows_warmed == {1, 5, 12}
+    assert loaded.model.warm_rows([12, 1]) == 0 and loaded.model.warm_rows([2]) == 1
+    torch.testing.assert_close(loaded.model.forward_dense(ids), before, rtol=0, atol=0)
+
+
+def test_prompt_rows_are_the_chunks_of_prompts_alone() -> None:
+    requests = [Request(i, 0.0, n, 4) for i, n in enumerate([7, 16, 40, 33, 7])]
+    assert prompt_rows(requests, 16) == {7, 16, 8, 1}
 
 
 def test_kv_shape() -> None:

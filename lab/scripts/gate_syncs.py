@@ -184,6 +184,18 @@ def watched_segment(self, g):  # type: ignore[no-untyped-def]
 
 
 Engine._segment_done = watched_segment  # type: ignore[method-assign]
+warm_rows = LlamaModel.warm_rows
+
+
+def watched_warm_rows(self, counts):  # type: ignore[no-untyped-def]
+    """The replay's row counts run ahead (outside the clock): how many, and the wall they took."""
+    t = time.perf_counter()
+    n = warm_rows(self, counts)
+    print(f"  row counts run ahead: {n} new in {(time.perf_counter() - t) * 1000:.0f} ms", flush=True)
+    return n
+
+
+LlamaModel.warm_rows = watched_warm_rows  # type: ignore[method-assign]
 Engine._gate, Engine._gate_close = watched_gate, watched_close  # type: ignore[method-assign]
 warnings.showwarning = record
 warnings.simplefilter("always")
