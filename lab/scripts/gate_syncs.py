@@ -187,11 +187,19 @@ Engine._segment_done = watched_segment  # type: ignore[method-assign]
 warm_rows = LlamaModel.warm_rows
 
 
+warmed = [0, 0, 0.0]  # since the last replay's line: calls that ran a new row count, counts, wall ms
+
+
 def watched_warm_rows(self, counts):  # type: ignore[no-untyped-def]
-    """The replay's row counts run ahead (outside the clock): how many, and the wall they took."""
+    """Row counts run ahead of the clock (the replay's prompts, an eager forward's before its gate)."""
     t = time.perf_counter()
     n = warm_rows(self, counts)
-    print(f"  row counts run ahead: {n} new in {(time.perf_counter() - t) * 1000:.0f} ms", flush=True)
+    if n:
+        warmed[0], warmed[1], warmed[2] = (
+            warmed[0] + 1,
+            warmed[1] + n,
+            warmed[2] + (time.perf_counter() - t) * 1e3,
+        )
     return n
 
 
@@ -218,9 +226,11 @@ for name, scale, requests in (
             f"{m['gate_ms'] / 1000:.2f} s, host waits {m['gate_waits']} ({m['gate_wait_ms'] / 1000:.2f} s), "
             f"clock {m['duration_s']:.2f} s, "
             f"P99 TTFT {m['ttft_p99_ms']:.1f} ms, "
-            f"median TPOT {m['tpot_p50_ms']:.2f} ms",
+            f"median TPOT {m['tpot_p50_ms']:.2f} ms; row counts run ahead: {warmed[1]} in {warmed[0]} calls, "
+            f"{warmed[2]:.0f} ms",
             flush=True,
         )
+        warmed[:] = [0, 0, 0.0]
 print("gated iterations by kind (count; median host ms, median gate ms), leaked / clean:")
 for kind in sorted({k[0] for k in kinds}):
     cells = []
