@@ -509,7 +509,7 @@ class Engine:
         settings = self.settings_for(fitted if settings_from is None else policy.apply(settings_from)[0])
         self._piecewise()  # built and captured once per model, before anything is timed
         if self.device.type == "cuda":  # each prompt's row count met once before any clock runs
-            self.model.warm_rows(prompt_rows(fitted, settings.max_num_batched_tokens))
+            self.model.warm_rows(prompt_rows(fitted, settings.max_num_batched_tokens), logits=[1])
         if self._gated():
             warm_pinned_pool(self.device)  # no gated segment waits for the pinned pool to grow
         cache, graphs, fresh = self._cache_for(settings)
@@ -1000,7 +1000,7 @@ class Engine:
         rows = b + sum(n for _, n in chunks)
         pieces = self._piecewise()
         if self._gated() and not graph and (pieces is None or not pieces.fits(rows)):
-            self.model.warm_rows([rows])  # a row count met first here: its set-up outside the gate
+            self.model.warm_rows([rows], logits=[b + len(chunks)])  # first met here: set up before the gate
         if self._gated():  # the device idles from here
             kind = "graph" if graph else "mixed" if b else "prefill" if len(chunks) == 1 else "chunks"
             start = self._gate(run, (kind, 0 if graph else len(chunks)))

@@ -143,6 +143,7 @@ class LlamaModel:
         self.layers = [_layer_weights(tensors, i) for i in range(spec.num_layers)]
         self.inv_freq = rope_inv_freq(spec).to(self.embed.device)
         self.rows_warmed: set[int] = set()  # row counts :meth:`warm_rows` ran
+        self.logits_warmed: set[int] = set()  # and the output projection's
 
     @property
     def device(self) -> torch.device:
@@ -159,9 +160,10 @@ class LlamaModel:
         return ModelKVShape(s.num_layers, s.num_kv_heads, s.head_dim, s.num_heads, self.dtype)
 
     @torch.inference_mode()
-    def warm_rows(self, counts: Iterable[int]) -> int:
+    def warm_rows(self, counts: Iterable[int], logits: Iterable[int] = ()) -> int:
         """Run a layer's four projections and a prompt's causal attention once at each row count of
-        ``counts`` not run before in this model's life, on zeros, and wait for them; returns how many.
+        ``counts``, and the output projection at each of ``logits`` (the rows a forward takes logits of),
+        where this model has not run them before, on zeros, and wait for them; returns how many it ran.
 
         The matrix library picks a kernel per row count, and its first use in a process costs the host
         2-7 ms a projection (loading and setting up the kernel) where a repeat costs 0.03 ms: 10-60 ms over a
@@ -169,11 +171,12 @@ class LlamaModel:
         longer than the gated clock's first gate. Run ahead of a replay for the prompts' token counts, that
         set-up falls outside the clock (and outside a wall clock's first-token times)."""
         new = sorted({int(n) for n in counts if n > 0} - self.rows_warmed)
-        if not new:
+        heads = sorted({int(n) for n in logits if n > 0} - self.logits_warmed)
+        if not new and not heads:
             return 0
         s, w = self.spec, self.layers[0]
         width = max(s.hidden_size, w.w_down.shape[1], s.num_heads * s.head_dim)
-        zeros = torch.zeros(new[-1], width, device=self.device, dtype=self.dtype)
+        zeros = torch.zeros(max(new + heads), width, device=self.device, dtype=self.dtype)
         for n in new:
             h = zeros[:n]
             for weight in (w.wqkv, w.wo, w.w_gate_up, w.w_down):
@@ -182,10 +185,13 @@ class LlamaModel:
             kv = h[:, : s.num_kv_heads * s.head_dim].view(n, s.num_kv_heads, s.head_dim)
             with sdpa_kernel(PREFILL_SDPA_BACKENDS):  # the cache's prompt attention
                 causal_attention(q, kv, kv)
+        for n in heads:
+            F.linear(zeros[:n, : s.hidden_size], self.lm_head)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.rows_warmed.update(new)
-        return len(new)
+        self.logits_warmed.update(heads)
+        return len(new) + len(heads)
 
     @torch.inference_mode()
     def prefill(

@@ -1234,6 +1234,7 @@ def test_a_gated_replay_on_a_simulated_device_keeps_it_fed_and_near_the_host(mon
     assert (m["graph_steps"] > 0) == graphs
     rows = {int(f["decode_rows"] + f["prompt_tokens"]) for f in forwards}
     assert len(rows) > 1 and rows <= deep.model.rows_warmed  # every eager forward's row count run first
+    assert {int(f["decode_rows"] + f["chunks"]) for f in forwards} <= deep.model.logits_warmed  # its logits
     assert calls["between"] % 11 == 0 and calls["between"] >= 11 * m["mixed_iterations"] > 0  # 11 a forward
     assert 0 < calls["sleeps"] < calls["between"]  # the device ahead of the host's need: no sleep there
     assert m["gate_leaks"] <= 0.25 * m["gated_iterations"], f"{m} {leaks}"  # a loaded CPU: the host jitters

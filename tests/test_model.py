@@ -280,8 +280,9 @@ def test_warm_rows_runs_each_new_row_count_once_and_changes_nothing() -> None:
     ids = torch.arange(9)
     before = loaded.model.forward_dense(ids)
     assert loaded.model.warm_rows([5, 1, 5, 0, 12]) == 3
-    assert loaded.model.rows_warmed == {1, 5, 12}
+    assert loaded.model.rows_warmed == {1, 5, 12} and not loaded.model.logits_warmed
     assert loaded.model.warm_rows([12, 1]) == 0 and loaded.model.warm_rows([2]) == 1
+    assert loaded.model.warm_rows([2], logits=[3, 1]) == 2 and loaded.model.logits_warmed == {1, 3}
     torch.testing.assert_close(loaded.model.forward_dense(ids), before, rtol=0, atol=0)
 
 
