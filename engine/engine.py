@@ -999,7 +999,8 @@ class Engine:
         bytes_before = self._attention_bytes(run, timed=b > 0 and not graph)
         rows = b + sum(n for _, n in chunks)
         pieces = self._piecewise()
-        if self._gated() and not graph and (pieces is None or not pieces.fits(rows)):
+        in_pieces = pieces is not None and pieces.fits(rows)
+        if self._gated() and not graph and not in_pieces:
             self.model.warm_rows([rows], logits=[b + len(chunks)])  # first met here: set up before the gate
         if self._gated():  # the device idles from here
             kind = "graph" if graph else "mixed" if b else "prefill" if len(chunks) == 1 else "chunks"
@@ -1017,7 +1018,7 @@ class Engine:
             plan = cache.begin_step_slots(slots, run.clock.now_ms()) if b else None
             packed = np.stack([np.concatenate(ids), np.concatenate(positions)])
             inputs = upload(torch.from_numpy(packed), self.device)
-            if pieces is not None and pieces.fits(packed.shape[1]):
+            if in_pieces:
                 run.add("piecewise_forwards", 1)
             model_start, launch_t0 = self.timer.mark(), time.perf_counter()
             between = self._layer_gates(run)
