@@ -190,10 +190,10 @@ warm_rows = LlamaModel.warm_rows
 warmed = [0, 0, 0.0]  # since the last replay's line: calls that ran a new row count, counts, wall ms
 
 
-def watched_warm_rows(self, counts):  # type: ignore[no-untyped-def]
+def watched_warm_rows(self, counts, logits=()):  # type: ignore[no-untyped-def]
     """Row counts run ahead of the clock (the replay's prompts, an eager forward's before its gate)."""
     t = time.perf_counter()
-    n = warm_rows(self, counts)
+    n = warm_rows(self, counts, logits)
     if n:
         warmed[0], warmed[1], warmed[2] = (
             warmed[0] + 1,
