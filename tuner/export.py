@@ -301,7 +301,8 @@ def paired_gain(
         "meaning": "per repeat (both configs replayed back to back): baseline / preset for latencies, "
         "preset / baseline for throughput; ratio is their median, interval95 a t interval on their logs"
         + (", widened to what the capacity searches' brackets resolve (resolution)" if resolution else "")
-        + "; > 1 is a gain",
+        + "; > 1 is a gain. It holds the repeats' noise on this window at these limits, not how the gain "
+        "moves with another window, other limits or another engine",
     }
     return out | ({"resolution": resolution} if resolution is not None else {})
 
