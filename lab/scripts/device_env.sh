@@ -5,7 +5,8 @@
 # the SmolLM2 GGUF (98 MB) from parts carried in .weights/*/part<N> (one call each: a call carries at most
 # 64 MiB, the wheels 52 MB of it, 47 MB after `python lab/scripts/slim_ray_wheel.py .whl`, which the tree
 # needs since run 42) or left in /tmp/weights by earlier calls on the same machine; the first part's folder
-# holds `parts`, the number of parts, and the whole file's sha256.
+# holds `parts`, the number of parts, and the whole file's sha256. The tree itself travels with every call
+# (18 MB at run 48), so parts of 33 MB: `split -b 33000000 -d -a 1 GGUF` into .weights/a, b, c.
 # The checkout itself goes on PYTHONPATH: kvtune/ links the top-level folders into the namespace.
 set -u
 repo=$(pwd)
