@@ -1000,9 +1000,10 @@ class Engine:
         rows = b + sum(n for _, n in chunks)
         pieces = self._piecewise()
         in_pieces = pieces is not None and pieces.fits(rows)
-        if self._gated() and not graph and not in_pieces:
-            self.model.warm_rows([rows], logits=[b + len(chunks)])  # first met here: set up before the gate
-        if self._gated():  # the device idles from here
+        if self._gated():
+            if not graph and not in_pieces:  # a row count first met here: set up before the gate
+                self.model.warm_rows([rows], logits=[b + len(chunks)])
+            # the device idles from here
             kind = "graph" if graph else "mixed" if b else "prefill" if len(chunks) == 1 else "chunks"
             start = self._gate(run, (kind, 0 if graph else len(chunks)))
         ids, positions = [run.outputs.last_tokens(slots)], [cache.lengths(slots)]
