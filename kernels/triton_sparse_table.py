@@ -57,11 +57,9 @@ from kvtune.kernels.triton_common import cdiv, next_pow2, require, tileable_head
 
 SPLIT = 512  # blocks per step of the split (2 ids and tiers per thread)
 CHUNK = 64  # L2 blocks per step of the selection: [64, D] tiles of key mins and scales (32 KB at D 128)
-CHUNK8 = 128  # the same from a float8 summary: [128, D] tiles of its lo and span (32 KB at D 128)
 FILL = 256  # -1 entries written per store of the table's padding
 NUM_WARPS = 8  # 256 threads: 32 fp16 per thread per tile; 2 chunks of 2 tiles in registers (~210 in all)
 NONE = tl.constexpr(-(2**63))  # the key of a position that is not an L2 block
-MERGE = tl.constexpr(64)  # candidates merged into the best keys at a time ([TOPK, 64] and [64, 64] ranks)
 
 
 @triton.jit
@@ -102,10 +100,9 @@ def _merge_top(best, keys, K, best_buf, TOPK: tl.constexpr):
 @triton.jit
 def _scan_chunk(lo, sc, bits, blk, c0, qs, qp, best, floor, wp, rp, cands, best_buf, K, TOPK: tl.constexpr,
                 MB: tl.constexpr, MIXED: tl.constexpr, SUMMARY8: tl.constexpr):  # fmt: skip
-    """Quest's bound of the MB blocks ``blk`` at positions c0... of the L2 list; their keys above ``floor``
-    (the K-th best so far) appended to ``cands[wp:]``, merged into ``best`` MERGE at a time
-    (``cands[rp:rp + MERGE]``). Returns (best, floor, wp, rp). SUMMARY8: ``sc`` is a summary's span, the
-    levels in it."""
+    """Quest's bound of the blocks ``blk`` at positions c0... of the L2 list; their keys above ``floor`` (the
+    K-th best so far) appended to ``cands[wp:]``, merged into ``best`` MB at a time (``cands[rp:rp + MB]``).
+    Returns (best, floor, wp, rp). SUMMARY8: ``sc`` is a summary's span, the levels in it."""
     jj = tl.arange(0, MB)
     s = sc.to(tl.float32)
     if MIXED and not SUMMARY8:
@@ -117,11 +114,10 @@ def _scan_chunk(lo, sc, bits, blk, c0, qs, qp, best, floor, wp, rp, cands, best_
     up = keys > floor
     tl.store(cands + wp + tl.cumsum(up.to(tl.int32), 0) - 1, keys, mask=up)
     wp += tl.sum(up.to(tl.int32), 0)
-    mm = tl.arange(0, MERGE)
-    while wp - rp >= MERGE:  # the same count in every thread: a uniform loop
+    if wp - rp >= MB:
         tl.debug_barrier()  # the candidates are written by every thread of the program
-        best = _merge_top(best, tl.load(cands + rp + mm), K, best_buf, TOPK)
-        rp += MERGE
+        best = _merge_top(best, tl.load(cands + rp + jj), K, best_buf, TOPK)
+        rp += MB
         floor = tl.load(best_buf + K - 1)
     return best, floor, wp, rp
 
@@ -223,10 +219,9 @@ def _sparse_table_kernel(
                                                   rp, cands, best_buf, K, TOPK, MB, MIXED,
                                                   SUMMARY8)  # fmt: skip
             blk_b = blk_n
-        if wp > rp:  # the last candidates (fewer than MERGE)
+        if wp > rp:  # the last candidates
             tl.debug_barrier()
-            mm = tl.arange(0, MERGE)
-            last = tl.load(cands + rp + mm, mask=rp + mm < wp, other=NONE)
+            last = tl.load(cands + rp + jj, mask=rp + jj < wp, other=NONE)
             best = _merge_top(best, last, K, best_buf, TOPK)
         i = tl.arange(0, TOPK)
         keep = best != NONE  # best first; NONE past the K-th and past the L2 blocks
@@ -340,9 +335,8 @@ def sparse_block_table_triton(
     launch(_sparse_table_kernel, (B * H,),
         q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, scratch, M,
         W, k_blocks, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0), k_lo.stride(1), H=H,
-        G=q.shape[1] // H, D=q.shape[2], MB=CHUNK if summary is None else CHUNK8, SPLIT=SPLIT, TOPK=topk,
-        T1=L1, T2=L2, POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote,
-        SUMMARY8=summary is not None, SELECT=k_blocks > 0,
+        G=q.shape[1] // H, D=q.shape[2], MB=CHUNK, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits,
+        MIXED=pool.bits == 8 and pool.may_demote, SUMMARY8=summary is not None, SELECT=k_blocks > 0,
         FILL=FILL, num_warps=NUM_WARPS, num_stages=1,
     )  # fmt: skip
     return table, num, n1

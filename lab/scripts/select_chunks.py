@@ -6,7 +6,9 @@ pool with its L2 blocks demoted to 4 bits), CUDA graph replays (median of ``do_b
 each chunk size of :mod:`kvtune.kernels.triton_sparse_table` (``CHUNK`` for fp16 bounds, ``CHUNK8`` for the
 summary: 32 KB a chunk at 64 and 128 rows respectively), ``--rounds`` times in turn. Each variant's table,
 counts and bytes are checked against the same bounds at the first chunk size first (they must be equal: the
-chunk size changes the order of the work, not the result).
+chunk size changes the order of the work, not the result). Run 49c timed it on the tree of 4e51171, whose
+kernel scored a float8 summary 128 blocks a step (``CHUNK8``) and merged 64 candidates at a time whatever the
+chunk; on other trees the fp8 rows take ``CHUNK`` (the attribute set here) as the fp16 ones do.
 
     python lab/scripts/select_chunks.py --out $OUT [--chunks 64,128] [--rounds 2] [--smoke]
 """
