@@ -48,15 +48,16 @@ def case_chunks(b: int, length: int, chunks: list[int], rounds: int) -> dict:
 
         return fn
 
+    kinds = (("fp16", None), ("fp8", summary))
     row: dict = dict(batch=b, length=length, times={}, errors={})
-    for kind, summ in (("fp16", None), ("fp8", summary)):
+    for kind, summ in kinds:
         want, want_count = run(chunks[0], summ)()
         for chunk in chunks:
             got, got_count = run(chunk, summ)()
             same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
             if not same or int(got_count.total) != int(want_count.total):
                 row["errors"][f"{kind} {chunk}"] = "table, counts or bytes differ from the first chunk size's"
-    names = [(kind, summ, chunk) for kind, summ in (("fp16", None), ("fp8", summary)) for chunk in chunks]
+    names = [(kind, summ, chunk) for kind, summ in kinds for chunk in chunks]
     for _ in range(rounds):
         for kind, summ, chunk in names:
             key = f"{kind} {chunk}"
