@@ -53,6 +53,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvtune.cache_impl.config import HybridConfig
 from kvtune.cache_impl.hybrid_cache import HybridCache
+from kvtune.cache_impl.layout import kv_bytes_for
 from kvtune.cache_impl.tiers import Migrations
 from kvtune.engine.engine import l2_share
 from kvtune.engine.graphs import DecodeGraphs
@@ -98,7 +99,9 @@ def prefilled(
     q/k/v, which skips the model's projections."""
     model, dev = loaded.model, loaded.model.device
     s = model.kv_shape
-    budget = int(batch * (length + 2048) * s.num_layers * s.num_kv_heads * 4 * s.head_dim * 1.2)
+    # room for 1,024 more tokens a sequence, at the config's own bytes a token: a quantized cache's pool is
+    # as big as its sequences need, so INT8 and INT4 fit shapes whose unquantized cache does not
+    budget = int(kv_bytes_for(config, s, [length + 1024] * batch) * 1.05)
     cache = HybridCache(config, s, budget, dev, max_seqs=batch)
     gen = torch.Generator().manual_seed(seed)
     for seq in range(batch):
