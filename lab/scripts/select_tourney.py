@@ -1,0 +1,97 @@
+"""The Quest selection's top-k kept two ways, in the same run: the candidates' merge (a chunk's keys above
+the k-th best so far compacted and merged, the warps of the program meeting several times a chunk) against
+the tournament (every key written first, each chunk's scoring meeting no other warp, then rounds that keep
+the best ``TOPK`` of every 64 keys; :mod:`kvtune.kernels.triton_sparse_table`, ``TOURNEY_TOPK``).
+
+For the sparse rows of ``benchmarks/decode_attention.py`` (16 x 32K, 4 x 128K: L1 1/8 + top ``--tokens``;
+the 8-bit pool with its L2 blocks demoted to 4 bits), the single-program selection from the pool's fp16 key
+bounds and from the float8 summary, and the split selection (several programs a row, then a merge; the
+cache's choice where rows are few for the card) as the cache runs it, CUDA graph replays (median of
+``do_bench_cudagraph``), µs, ``--rounds`` times in turn. Every variant's table, counts and bytes are
+checked against the merge's on the same bounds first (they must be equal: the keys are distinct, so both
+keep the same blocks in the same order).
+
+    python lab/scripts/select_tourney.py --out $OUT [--tokens 2048,512] [--rounds 2] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import decode_attention as da
+
+from kvtune.kernels import triton_sparse_table as tst
+from kvtune.kernels.quest_summary import summary8
+from kvtune.kernels.sparse_table_choice import SelectOptions
+
+KEPT = {"merge": 0, "tournament": tst.TOURNEY_TOPK}  # TOURNEY_TOPK: the largest top-k the tournament keeps
+KINDS = {"single": SelectOptions(split=False), "split": SelectOptions(split=True)}
+
+
+def case_row(b: int, length: int, tokens: int, rounds: int) -> dict:
+    l1 = (length - da.HOT) // da.BS // 8
+    q, pool, blocks, tier = da.quest_inputs(da.Case(b, length, 8, l1_blocks=l1))
+    summary = summary8(pool)
+    k_blocks = tokens // da.BS
+
+    def run(kept: str, kind: str, summ):
+        def fn():
+            count = da.ByteCount(torch.zeros(9, device=da.DEVICE, dtype=torch.int64), da.H * 2 * 2 * da.D,
+                                 torch.zeros((), device=da.DEVICE, dtype=torch.int64))  # fmt: skip
+            tst.TOURNEY_TOPK = KEPT[kept]
+            return da.select_table(q, pool, blocks, tier, k_blocks, count, KINDS[kind], summ), count
+
+        return fn
+
+    # the split selection has no tournament: its merge, as the cache runs it where rows are few
+    variants = [(kept, kind, bounds, summ) for bounds, summ in (("fp16", None), ("fp8", summary))
+                for kind in KINDS for kept in KEPT if kind == "single" or kept == "merge"]  # fmt: skip
+    row: dict = dict(batch=b, length=length, tokens=tokens, k_blocks=k_blocks, times={}, errors={})
+    for kept, kind, bounds, summ in variants:
+        want, want_count = run("merge", kind, summ)()
+        got, got_count = run(kept, kind, summ)()
+        same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        if not same or int(got_count.total) != int(want_count.total):
+            row["errors"][f"{bounds} {kind} {kept}"] = "table, counts or bytes differ from the merge's"
+    for _ in range(rounds):
+        for kept, kind, bounds, summ in variants:
+            key = f"{bounds} {kind} {kept}"
+            if key not in row["errors"]:
+                fn = run(kept, kind, summ)
+                row["times"].setdefault(key, []).append(da.bench(lambda f=fn: f()) * 1e3)
+    tst.TOURNEY_TOPK = KEPT["tournament"]
+    row["median_us"] = {k: statistics.median(v) for k, v in row["times"].items()}
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--tokens", default="2048,512", help="the sparse tier's top-k tokens (comma-separated)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    shapes = da.SPARSE_SHAPES
+    if args.smoke:
+        shapes = [(1, 1024 * 12)]
+    da.GRAPHS = da.DEVICE == "cuda"
+    rows = [case_row(b, n, int(t), args.rounds) for b, n in shapes for t in args.tokens.split(",")]
+    out = dict(device=torch.cuda.get_device_name() if da.DEVICE == "cuda" else "cpu", rows=rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "select_tourney.json").write_text(json.dumps(out, indent=1))
+    for r in rows:
+        cells = ", ".join(f"{k} {v:.1f}" for k, v in r["median_us"].items())
+        errors = r["errors"] or "none"
+        print(f"{r['batch']} x {r['length'] // 1024}K, top {r['tokens']}: {cells}; errors {errors}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
