@@ -59,6 +59,8 @@ SPLIT = 512  # blocks per step of the split (2 ids and tiers per thread)
 CHUNK = 64  # L2 blocks per step of the selection: [64, D] tiles of key mins and scales (32 KB at D 128)
 FILL = 256  # -1 entries written per store of the table's padding
 TOURNEY_TOPK = 32  # the largest top-k (a power of 2) kept by the tournament instead of the candidates' merge
+TOURNEY_CHUNK = 64  # L2 blocks a step of the tournament's scoring (its keys go to scratch, not to a merge)
+GROUP = tl.constexpr(64)  # keys a group of the tournament's rounds ranks at once
 NUM_WARPS = 8  # 256 threads: 32 fp16 per thread per tile; 2 chunks of 2 tiles in registers (~210 in all)
 NONE = tl.constexpr(-(2**63))  # the key of a position that is not an L2 block
 
@@ -282,7 +284,7 @@ def _sparse_table_kernel(
         i = tl.arange(0, TOPK)
         if TOURNEY:
             tl.debug_barrier()  # the keys are written by every thread of the program
-            top = _tournament(cands, best_buf, c2, TOPK, MB)
+            top = _tournament(cands, best_buf, c2, TOPK, GROUP)
             best = tl.load(top + i, mask=i < tl.minimum(K, c2), other=NONE)
         elif wp > rp:  # the last candidates
             tl.debug_barrier()
@@ -396,13 +398,14 @@ def sparse_block_table_triton(
     topk = next_pow2(k_blocks)
     tourney = topk <= TOURNEY_TOPK
     # the L2 list, the keys, then the merge's best (or the tournament's first round: TOPK a chunk)
-    width = 2 * M + max(topk, cdiv(M, CHUNK) * topk if tourney else 0) if k_blocks else 0
+    width = 2 * M + max(topk, cdiv(M, GROUP.value) * topk if tourney else 0) if k_blocks else 0
     scratch = torch.empty((B * H, width), dtype=torch.int64, device=dev)
     k_lo, k_span, quest_cost = quest_bounds(pool, count, summary)
     launch(_sparse_table_kernel, (B * H,),
         q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, scratch, M,
         W, k_blocks, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0), k_lo.stride(1), width, H=H,
-        G=q.shape[1] // H, D=q.shape[2], MB=CHUNK, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits,
+        G=q.shape[1] // H, D=q.shape[2], MB=TOURNEY_CHUNK if tourney else CHUNK, SPLIT=SPLIT, TOPK=topk,
+        T1=L1, T2=L2, POOL_BITS=pool.bits,
         MIXED=pool.bits == 8 and pool.may_demote, SUMMARY8=summary is not None, SELECT=k_blocks > 0,
         FILL=FILL, TOURNEY=tourney, num_warps=NUM_WARPS, num_stages=1,
     )  # fmt: skip

@@ -31,7 +31,8 @@ from kvtune.kernels import triton_sparse_table as tst
 from kvtune.kernels.quest_summary import summary8
 from kvtune.kernels.sparse_table_choice import SelectOptions
 
-KEPT = {"merge": 0, "tournament": tst.TOURNEY_TOPK}  # TOURNEY_TOPK: the largest top-k the tournament keeps
+# (TOURNEY_TOPK: the largest top-k the tournament keeps, TOURNEY_CHUNK: the blocks a step of its scoring)
+KEPT = {"merge": (0, 64), "tournament": (tst.TOURNEY_TOPK, 64), "tournament128": (tst.TOURNEY_TOPK, 128)}
 KINDS = {"single": SelectOptions(split=False), "split": SelectOptions(split=True)}
 
 
@@ -40,19 +41,20 @@ def case_row(b: int, length: int, tokens: int, rounds: int) -> dict:
     q, pool, blocks, tier = da.quest_inputs(da.Case(b, length, 8, l1_blocks=l1))
     summary = summary8(pool)
     k_blocks = tokens // da.BS
+    kept_names = list(KEPT) if k_blocks else ["merge"]  # no selection: the split alone
 
     def run(kept: str, kind: str, summ):
         def fn():
             count = da.ByteCount(torch.zeros(9, device=da.DEVICE, dtype=torch.int64), da.H * 2 * 2 * da.D,
                                  torch.zeros((), device=da.DEVICE, dtype=torch.int64))  # fmt: skip
-            tst.TOURNEY_TOPK = KEPT[kept]
+            tst.TOURNEY_TOPK, tst.TOURNEY_CHUNK = KEPT[kept]
             return da.select_table(q, pool, blocks, tier, k_blocks, count, KINDS[kind], summ), count
 
         return fn
 
     # the split selection has no tournament: its merge, as the cache runs it where rows are few
     variants = [(kept, kind, bounds, summ) for bounds, summ in (("fp16", None), ("fp8", summary))
-                for kind in KINDS for kept in KEPT if kind == "single" or kept == "merge"]  # fmt: skip
+                for kind in KINDS for kept in kept_names if kind == "single" or kept == "merge"]  # fmt: skip
     row: dict = dict(batch=b, length=length, tokens=tokens, k_blocks=k_blocks, times={}, errors={})
     for kept, kind, bounds, summ in variants:
         want, want_count = run("merge", kind, summ)()
@@ -66,7 +68,7 @@ def case_row(b: int, length: int, tokens: int, rounds: int) -> dict:
             if key not in row["errors"]:
                 fn = run(kept, kind, summ)
                 row["times"].setdefault(key, []).append(da.bench(lambda f=fn: f()) * 1e3)
-    tst.TOURNEY_TOPK = KEPT["tournament"]
+    tst.TOURNEY_TOPK, tst.TOURNEY_CHUNK = KEPT["tournament"]
     row["median_us"] = {k: statistics.median(v) for k, v in row["times"].items()}
     return row
 
@@ -74,15 +76,19 @@ def case_row(b: int, length: int, tokens: int, rounds: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--tokens", default="2048,512", help="the sparse tier's top-k tokens (comma-separated)")
+    ap.add_argument(
+        "--tokens", default="2048,512,0", help="the sparse tier's top-k tokens (0: the split alone)"
+    )
+    ap.add_argument("--shapes", default="16:32768,16:16384,4:131072", help="batch:length, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, TRITON_INTERPRET=1)")
     args = ap.parse_args()
-    shapes = da.SPARSE_SHAPES
+    shapes = [tuple(int(x) for x in bl.split(":")) for bl in args.shapes.split(",")]
     if args.smoke:
         shapes = [(1, 1024 * 12)]
     da.GRAPHS = da.DEVICE == "cuda"
-    rows = [case_row(b, n, int(t), args.rounds) for b, n in shapes for t in args.tokens.split(",")]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = [case_row(b, n, t, args.rounds) for b, n in shapes for t in tokens]
     out = dict(device=torch.cuda.get_device_name() if da.DEVICE == "cuda" else "cpu", rows=rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "select_tourney.json").write_text(json.dumps(out, indent=1))
