@@ -36,9 +36,23 @@ KEPT = {"merge": (0, 64), "tournament": (tst.TOURNEY_TOPK, 64), "tournament128":
 KINDS = {"single": SelectOptions(split=False), "split": SelectOptions(split=True)}
 
 
-def case_row(b: int, length: int, tokens: int, rounds: int) -> dict:
+def contiguous(pool, blocks: torch.Tensor, tier: torch.Tensor, l1: int) -> torch.Tensor:
+    """Each row's blocks renumbered to consecutive ids (oldest first), as a cache that allocated every
+    sequence's blocks in one run would hold them; the tiers and the L2 blocks' 4 bits moved with them."""
+    b, nc = blocks.shape
+    ids = torch.arange(b * nc, device=blocks.device).view(b, nc)
+    tier.fill_(da.L1)
+    tier[ids[:, : nc - l1].flatten()] = da.L2
+    pool.block_bits.fill_(pool.bits)
+    pool.block_bits[ids[:, : nc - l1].flatten()] = 4
+    return ids
+
+
+def case_row(b: int, length: int, tokens: int, rounds: int, layout: str) -> dict:
     l1 = (length - da.HOT) // da.BS // 8
     q, pool, blocks, tier = da.quest_inputs(da.Case(b, length, 8, l1_blocks=l1))
+    if layout == "contiguous":
+        blocks = contiguous(pool, blocks, tier, l1)
     summary = summary8(pool)
     k_blocks = tokens // da.BS
     kept_names = list(KEPT) if k_blocks else ["merge"]  # no selection: the split alone
@@ -55,7 +69,8 @@ def case_row(b: int, length: int, tokens: int, rounds: int) -> dict:
     # the split selection has no tournament: its merge, as the cache runs it where rows are few
     variants = [(kept, kind, bounds, summ) for bounds, summ in (("fp16", None), ("fp8", summary))
                 for kind in KINDS for kept in kept_names if kind == "single" or kept == "merge"]  # fmt: skip
-    row: dict = dict(batch=b, length=length, tokens=tokens, k_blocks=k_blocks, times={}, errors={})
+    row: dict = dict(batch=b, length=length, tokens=tokens, k_blocks=k_blocks, layout=layout, times={},
+                     errors={})  # fmt: skip
     for kept, kind, bounds, summ in variants:
         want, want_count = run("merge", kind, summ)()
         got, got_count = run(kept, kind, summ)()
@@ -81,6 +96,8 @@ def main() -> int:
     )
     ap.add_argument("--shapes", default="16:32768,16:16384,4:131072", help="batch:length, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kept", default=",".join(KEPT), help="the variants of the single selection")
+    ap.add_argument("--layouts", default="random", help="random (the benchmark's), contiguous (ids in a run)")
     ap.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, TRITON_INTERPRET=1)")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in bl.split(":")) for bl in args.shapes.split(",")]
@@ -88,14 +105,22 @@ def main() -> int:
         shapes = [(1, 1024 * 12)]
     da.GRAPHS = da.DEVICE == "cuda"
     tokens = [int(t) for t in args.tokens.split(",")]
-    rows = [case_row(b, n, t, args.rounds) for b, n in shapes for t in tokens]
+    for name in set(KEPT) - set(args.kept.split(",")) - {"merge"}:
+        del KEPT[name]
+    rows = [
+        case_row(b, n, t, args.rounds, lay)
+        for lay in args.layouts.split(",")
+        for b, n in shapes
+        for t in tokens
+    ]
     out = dict(device=torch.cuda.get_device_name() if da.DEVICE == "cuda" else "cpu", rows=rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "select_tourney.json").write_text(json.dumps(out, indent=1))
     for r in rows:
         cells = ", ".join(f"{k} {v:.1f}" for k, v in r["median_us"].items())
         errors = r["errors"] or "none"
-        print(f"{r['batch']} x {r['length'] // 1024}K, top {r['tokens']}: {cells}; errors {errors}")
+        shape = f"{r['batch']} x {r['length'] // 1024}K"
+        print(f"{r['layout']} {shape}, top {r['tokens']}: {cells}; errors {errors}")
     return 0
 
 
