@@ -58,9 +58,6 @@ from kvtune.kernels.triton_common import cdiv, next_pow2, require, tileable_head
 SPLIT = 512  # blocks per step of the split (2 ids and tiers per thread)
 CHUNK = 64  # L2 blocks per step of the selection: [64, D] tiles of key mins and scales (32 KB at D 128)
 FILL = 256  # -1 entries written per store of the table's padding
-TOURNEY_TOPK = 32  # the largest top-k (a power of 2) kept by the tournament instead of the candidates' merge
-TOURNEY_CHUNK = 64  # L2 blocks a step of the tournament's scoring (its keys go to scratch, not to a merge)
-GROUP = tl.constexpr(64)  # keys a group of the tournament's rounds ranks at once
 NUM_WARPS = 8  # 256 threads: 32 fp16 per thread per tile; 2 chunks of 2 tiles in registers (~210 in all)
 NONE = tl.constexpr(-(2**63))  # the key of a position that is not an L2 block
 
@@ -101,71 +98,19 @@ def _merge_top(best, keys, K, best_buf, TOPK: tl.constexpr):
 
 
 @triton.jit
-def _chunk_keys(lo, sc, bits, c0, qs, qp, MB: tl.constexpr, MIXED: tl.constexpr, SUMMARY8: tl.constexpr):
-    """The keys of the blocks at positions c0... of the L2 list (undefined where a block is missing): Quest's
-    bound in the high half, the position and the bits in the low half. SUMMARY8: ``sc`` is a summary's span,
-    the levels in it."""
-    s = sc.to(tl.float32)
-    if MIXED and not SUMMARY8:
-        s = s * tl.where(bits > 0, (1 << bits) - 1, 1).to(tl.float32)[:, None]
-    score = tl.sum(lo.to(tl.float32) * qs[None, :] + s * qp[None, :], 1)
-    score = score.to(tl.int32, bitcast=True)
-    score = score ^ ((score >> 31) & 0x7FFFFFFF)  # the float's order as a signed int
-    return (score.to(tl.int64) << 32) | ((c0 + tl.arange(0, MB)).to(tl.int64) << 4) | bits
-
-
-@triton.jit
-def _group_top(src, dst, n, g, lvl, TOPK: tl.constexpr, GW: tl.constexpr):
-    """The TOPK largest of the keys ``src[g·GW:(g + 1)·GW]`` (those past ``n`` are fillers), descending, to
-    ``dst[g·TOPK:(g + 1)·TOPK]``. A key's rank is the number of keys of the group above it: every comparison
-    is inside the program's registers, the ranks' sums inside a warp, no step waits on another warp. The
-    fillers, ``NONE + lvl·2^32 + position``, are distinct from each other and from the fillers of earlier
-    levels, and below every bound (a bound's high half is at least -inf's, 0x807FFFFF), so the ranks are a
-    permutation and every one of the TOPK places is written."""
-    pos = g * GW + tl.arange(0, GW)
-    base = NONE + (lvl.to(tl.int64) << 32)
-    ki = tl.where(pos < n, tl.load(src + pos, mask=pos < n), base + pos)
-    # the same keys again for the other axis of the comparisons, in two halves of 32 (a warp's lanes, so
-    # that the rank's sum stays in the warp), each a load of its own (kept apart by its cache hint) rather
-    # than a layout conversion through shared memory
-    pj = g * GW + tl.arange(0, GW // 2)
-    kj = tl.where(pj < n, tl.load(src + pj, mask=pj < n, eviction_policy="evict_last"), base + pj)
-    above = (kj[None, :] > ki[:, None]).to(tl.int32)
-    pj += GW // 2
-    kj = tl.where(pj < n, tl.load(src + pj, mask=pj < n, eviction_policy="evict_last"), base + pj)
-    rank = tl.sum(above + (kj[None, :] > ki[:, None]).to(tl.int32), 1)
-    tl.store(dst + g * TOPK + rank, ki, mask=rank < TOPK)
-
-
-@triton.jit
-def _tournament(keys, alt, n, TOPK: tl.constexpr, GW: tl.constexpr):
-    """The TOPK largest of ``n`` distinct keys at ``keys`` (every key a bound's, ``n`` > 0), descending, at
-    the start of ``keys`` or ``alt`` (returned): each round keeps the TOPK best of every GW keys (GW >=
-    2·TOPK), so ~n·GW/(GW - TOPK)/GW groups in all, one barrier a round."""
-    src = keys
-    dst = alt
-    lvl = tl.zeros([], tl.int32)
-    go = n > 0
-    while go:
-        groups = tl.cdiv(n, GW)
-        for g in range(0, groups):
-            _group_top(src, dst, n, g, lvl, TOPK, GW)
-        tl.debug_barrier()  # the round's keys are written by every thread of the program
-        n = groups * TOPK
-        src, dst = dst, src
-        lvl += 1
-        go = groups > 1
-    return src
-
-
-@triton.jit
 def _scan_chunk(lo, sc, bits, blk, c0, qs, qp, best, floor, wp, rp, cands, best_buf, K, TOPK: tl.constexpr,
                 MB: tl.constexpr, MIXED: tl.constexpr, SUMMARY8: tl.constexpr):  # fmt: skip
     """Quest's bound of the blocks ``blk`` at positions c0... of the L2 list; their keys above ``floor`` (the
     K-th best so far) appended to ``cands[wp:]``, merged into ``best`` MB at a time (``cands[rp:rp + MB]``).
     Returns (best, floor, wp, rp). SUMMARY8: ``sc`` is a summary's span, the levels in it."""
     jj = tl.arange(0, MB)
-    keys = tl.where(blk >= 0, _chunk_keys(lo, sc, bits, c0, qs, qp, MB, MIXED, SUMMARY8), NONE)
+    s = sc.to(tl.float32)
+    if MIXED and not SUMMARY8:
+        s = s * tl.where(bits > 0, (1 << bits) - 1, 1).to(tl.float32)[:, None]
+    score = tl.sum(lo.to(tl.float32) * qs[None, :] + s * qp[None, :], 1)
+    score = score.to(tl.int32, bitcast=True)
+    score = score ^ ((score >> 31) & 0x7FFFFFFF)  # the float's order as a signed int
+    keys = tl.where(blk >= 0, (score.to(tl.int64) << 32) | ((c0 + jj).to(tl.int64) << 4) | bits, NONE)
     up = keys > floor
     tl.store(cands + wp + tl.cumsum(up.to(tl.int32), 0) - 1, keys, mask=up)
     wp += tl.sum(up.to(tl.int32), 0)
@@ -195,13 +140,13 @@ def _query_sums(q_ptr, b, h, s_qb, s_qh, G: tl.constexpr, D: tl.constexpr, POOL_
     return qs, qp
 
 
-@triton.jit(do_not_specialize=["M", "W", "K", "s_row"])  # sizes follow the batch and lengths: one kernel
+@triton.jit(do_not_specialize=["M", "W", "K"])  # sizes follow the batch and lengths: one compiled kernel
 def _sparse_table_kernel(
     q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr,
-    bytes_ptr, scratch_ptr, M, W, K, quest_cost, s_qb, s_qh, s_kn, s_kh, s_row,
+    bytes_ptr, scratch_ptr, M, W, K, quest_cost, s_qb, s_qh, s_kn, s_kh,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, MB: tl.constexpr, SPLIT: tl.constexpr,
     TOPK: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr, MIXED: tl.constexpr,
-    SUMMARY8: tl.constexpr, SELECT: tl.constexpr, FILL: tl.constexpr, TOURNEY: tl.constexpr,
+    SUMMARY8: tl.constexpr, SELECT: tl.constexpr, FILL: tl.constexpr,
 ):  # fmt: skip
     """Row (b, h): table = its L1 blocks in order ++ its K best L2 blocks for head h, -1 after; the count,
     the L1 count, and the bytes attention and Quest read (Quest's once per sequence, by h == 0). SUMMARY8:
@@ -211,9 +156,9 @@ def _sparse_table_kernel(
     h = bh % H
     row = b.to(tl.int64) * M
     out = table_ptr + bh.to(tl.int64) * W
-    l2_list = scratch_ptr + bh.to(tl.int64) * s_row  # the row's L2 blocks, in order
-    cands = l2_list + M  # keys above the K-th best when they were scored, merged or not yet (TOURNEY: all)
-    best_buf = cands + M  # the best keys after the last merge, descending (TOURNEY: a round's keys)
+    l2_list = scratch_ptr + bh.to(tl.int64) * (2 * M + TOPK)  # the row's L2 blocks, in order
+    cands = l2_list + M  # keys above the K-th best when they were scored, merged or not yet
+    best_buf = cands + M  # the best keys after the last merge, descending
     if SELECT:  # the group's query sums, loaded while the split runs
         qs, qp = _query_sums(q_ptr, b, h, s_qb, s_qh, G, D, POOL_BITS, MIXED, SUMMARY8)
 
@@ -263,33 +208,22 @@ def _sparse_table_kernel(
             lo_b, sc_b, bits_b = _bounds(kmin_h, kscale_h, bits_ptr, blk_b, s_kn, D, POOL_BITS, MIXED)
             p = c0 + 2 * MB + jj
             blk_n = tl.load(l2_list + p, mask=p < c2, other=-1)
-            if TOURNEY:
-                keys = _chunk_keys(lo_a, sc_a, bits_a, c0, qs, qp, MB, MIXED, SUMMARY8)
-                tl.store(cands + c0 + jj, keys, mask=blk_a >= 0)
-            else:
-                best, floor, wp, rp = _scan_chunk(lo_a, sc_a, bits_a, blk_a, c0, qs, qp, best, floor, wp, rp,
-                                                  cands, best_buf, K, TOPK, MB, MIXED, SUMMARY8)  # fmt: skip
+            best, floor, wp, rp = _scan_chunk(lo_a, sc_a, bits_a, blk_a, c0, qs, qp, best, floor, wp, rp,
+                                              cands, best_buf, K, TOPK, MB, MIXED, SUMMARY8)  # fmt: skip
             lo_a, sc_a, bits_a = _bounds(kmin_h, kscale_h, bits_ptr, blk_n, s_kn, D, POOL_BITS, MIXED)
             blk_a = blk_n
             p = c0 + 3 * MB + jj
             blk_n = tl.load(l2_list + p, mask=p < c2, other=-1)
-            if TOURNEY:
-                keys = _chunk_keys(lo_b, sc_b, bits_b, c0 + MB, qs, qp, MB, MIXED, SUMMARY8)
-                tl.store(cands + c0 + MB + jj, keys, mask=blk_b >= 0)
-            elif c0 + MB < c2:
+            if c0 + MB < c2:
                 best, floor, wp, rp = _scan_chunk(lo_b, sc_b, bits_b, blk_b, c0 + MB, qs, qp, best, floor, wp,
                                                   rp, cands, best_buf, K, TOPK, MB, MIXED,
                                                   SUMMARY8)  # fmt: skip
             blk_b = blk_n
-        i = tl.arange(0, TOPK)
-        if TOURNEY:
-            tl.debug_barrier()  # the keys are written by every thread of the program
-            top = _tournament(cands, best_buf, c2, TOPK, GROUP)
-            best = tl.load(top + i, mask=i < tl.minimum(K, c2), other=NONE)
-        elif wp > rp:  # the last candidates
+        if wp > rp:  # the last candidates
             tl.debug_barrier()
             last = tl.load(cands + rp + jj, mask=rp + jj < wp, other=NONE)
             best = _merge_top(best, last, K, best_buf, TOPK)
+        i = tl.arange(0, TOPK)
         keep = best != NONE  # best first; NONE past the K-th and past the L2 blocks
         ids = tl.load(l2_list + ((best >> 4) & 0xFFFFFFF), mask=keep, other=-1).to(tl.int32)
         tl.store(out + c1 + i, ids, mask=i < K)
@@ -396,17 +330,13 @@ def sparse_block_table_triton(
     if q.stride(2) != 1:
         q = q.contiguous()
     topk = next_pow2(k_blocks)
-    tourney = topk <= TOURNEY_TOPK
-    # the L2 list, the keys, then the merge's best (or the tournament's first round: TOPK a chunk)
-    width = 2 * M + max(topk, cdiv(M, GROUP.value) * topk if tourney else 0) if k_blocks else 0
-    scratch = torch.empty((B * H, width), dtype=torch.int64, device=dev)
+    scratch = torch.empty((B * H, 2 * M + topk if k_blocks else 0), dtype=torch.int64, device=dev)
     k_lo, k_span, quest_cost = quest_bounds(pool, count, summary)
     launch(_sparse_table_kernel, (B * H,),
         q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, scratch, M,
-        W, k_blocks, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0), k_lo.stride(1), width, H=H,
-        G=q.shape[1] // H, D=q.shape[2], MB=TOURNEY_CHUNK if tourney else CHUNK, SPLIT=SPLIT, TOPK=topk,
-        T1=L1, T2=L2, POOL_BITS=pool.bits,
+        W, k_blocks, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0), k_lo.stride(1), H=H,
+        G=q.shape[1] // H, D=q.shape[2], MB=CHUNK, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits,
         MIXED=pool.bits == 8 and pool.may_demote, SUMMARY8=summary is not None, SELECT=k_blocks > 0,
-        FILL=FILL, TOURNEY=tourney, num_warps=NUM_WARPS, num_stages=1,
+        FILL=FILL, num_warps=NUM_WARPS, num_stages=1,
     )  # fmt: skip
     return table, num, n1

@@ -11,7 +11,11 @@ cache's choice where rows are few for the card) as the cache runs it, CUDA graph
 checked against the merge's on the same bounds first (they must be equal: the keys are distinct, so both
 keep the same blocks in the same order).
 
-    python lab/scripts/select_tourney.py --out $OUT [--tokens 2048,512] [--rounds 2] [--smoke]
+    python lab/scripts/select_tourney.py --out $OUT [--tokens 2048,512,0] [--rounds 2] [--smoke]
+
+Runs 50c-50e timed it on the trees of 9595911, 9ff24cb and 14155c1, whose kernel had the tournament. The
+tournament was no faster where it mattered and went out of the kernel again; on later trees, first
+``git checkout 14155c1 -- kernels/triton_sparse_table.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from kvtune.kernels.quest_summary import summary8
 from kvtune.kernels.sparse_table_choice import SelectOptions
 
 # (TOURNEY_TOPK: the largest top-k the tournament keeps, TOURNEY_CHUNK: the blocks a step of its scoring)
-KEPT = {"merge": (0, 64), "tournament": (tst.TOURNEY_TOPK, 64), "tournament128": (tst.TOURNEY_TOPK, 128)}
+TOURNEY = getattr(tst, "TOURNEY_TOPK", 0)  # 0: this tree's kernel has no tournament (the merge only)
+KEPT = {"merge": (0, 64), "tournament": (TOURNEY, 64), "tournament128": (TOURNEY, 128)}
 KINDS = {"single": SelectOptions(split=False), "split": SelectOptions(split=True)}
 
 
@@ -83,7 +88,7 @@ def case_row(b: int, length: int, tokens: int, rounds: int, layout: str) -> dict
             if key not in row["errors"]:
                 fn = run(kept, kind, summ)
                 row["times"].setdefault(key, []).append(da.bench(lambda f=fn: f()) * 1e3)
-    tst.TOURNEY_TOPK, tst.TOURNEY_CHUNK = KEPT["tournament"]
+    tst.TOURNEY_TOPK, tst.TOURNEY_CHUNK = TOURNEY, 64  # the kernel's default again
     row["median_us"] = {k: statistics.median(v) for k, v in row["times"].items()}
     return row
 
@@ -107,6 +112,9 @@ def main() -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     for name in set(KEPT) - set(args.kept.split(",")) - {"merge"}:
         del KEPT[name]
+    if not TOURNEY and set(KEPT) != {"merge"}:
+        raise SystemExit("no tournament in this tree (--kept merge, or first: git checkout 14155c1 -- "
+                         "kernels/triton_sparse_table.py)")  # fmt: skip
     rows = [
         case_row(b, n, t, args.rounds, lay)
         for lay in args.layouts.split(",")
