@@ -255,9 +255,14 @@ def sparse_setup(case: Case) -> tuple[dict, torch.Tensor, torch.Tensor, ByteCoun
     tier[l2_blocks] = L2
     if case.bits == 8:
         pool.block_bits[l2_blocks] = 4
-    count = ByteCount(torch.zeros(9, device=DEVICE, dtype=torch.int64), H * 2 * 2 * D,
-                      torch.zeros((), device=DEVICE, dtype=torch.int64))  # fmt: skip
-    return inp, blocks, tier, count
+    return inp, blocks, tier, zero_count()
+
+
+def zero_count() -> ByteCount:
+    """A step's byte counter at zero: no bytes per bit width yet, Quest's bytes per L2 block of Llama-3-8B
+    heads (fp16 key min and scale)."""
+    return ByteCount(torch.zeros(9, device=DEVICE, dtype=torch.int64), H * 2 * 2 * D,
+                     torch.zeros((), device=DEVICE, dtype=torch.int64))  # fmt: skip
 
 
 def sparse_case(case: Case, options: DecodeKernelOptions, selection: SelectOptions | None = None) -> dict:

@@ -41,8 +41,7 @@ def case_chunks(b: int, length: int, chunks: list[int], rounds: int) -> dict:
 
     def run(chunk: int, summ):
         def fn():
-            count = da.ByteCount(torch.zeros(9, device=da.DEVICE, dtype=torch.int64), da.H * 2 * 2 * da.D,
-                                 torch.zeros((), device=da.DEVICE, dtype=torch.int64))  # fmt: skip
+            count = da.zero_count()
             tst.CHUNK, tst.CHUNK8 = chunk, chunk
             return da.select_table(q, pool, blocks, tier, k_blocks, count, SINGLE, summ), count
 

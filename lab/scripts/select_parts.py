@@ -47,8 +47,7 @@ def case_parts(b: int, length: int, ncu: bool) -> dict:
     case = da.Case(b, length, 8, l1_blocks=l1)
     q, pool, blocks, tier = da.quest_inputs(case)
     k_blocks = da.SPARSE_TOKENS // da.BS
-    count = da.ByteCount(torch.zeros(9, device=da.DEVICE, dtype=torch.int64), da.H * 2 * 2 * da.D,
-                         torch.zeros((), device=da.DEVICE, dtype=torch.int64))  # fmt: skip
+    count = da.zero_count()
     l2_mask = tier[blocks] == L2
     l2_count = l2_mask.sum(1).to(torch.int32)
     m2 = int(l2_count.max())

@@ -64,8 +64,7 @@ def case_row(b: int, length: int, tokens: int, rounds: int, layout: str) -> dict
 
     def run(kept: str, kind: str, summ):
         def fn():
-            count = da.ByteCount(torch.zeros(9, device=da.DEVICE, dtype=torch.int64), da.H * 2 * 2 * da.D,
-                                 torch.zeros((), device=da.DEVICE, dtype=torch.int64))  # fmt: skip
+            count = da.zero_count()
             tst.TOURNEY_TOPK, tst.TOURNEY_CHUNK = KEPT[kept]
             return da.select_table(q, pool, blocks, tier, k_blocks, count, KINDS[kind], summ), count
 
