@@ -59,7 +59,7 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[tuple
         got = run(v, summ, got_count)()
         same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
         if not same or int(got_count.total) != int(want_count.total):
-            row["errors"][f"{bounds} {v[0]}w {v[1]}"] = "table, counts or bytes differ from the default build's"
+            row["errors"][f"{bounds} {v[0]}w {v[1]}"] = "table, counts or bytes differ from the default's"
     count = da.zero_count()
     for _ in range(rounds):
         for v, bounds, summ in cases:
@@ -90,7 +90,8 @@ def main() -> int:
     (args.out / "select_warps.json").write_text(json.dumps(out, indent=1))
     for r in rows:
         cells = ", ".join(f"{k} {v:.1f}" for k, v in r["median_us"].items())
-        print(f"{r['batch']} x {r['length'] // 1024}K, top {r['tokens']}: {cells}; errors {r['errors'] or 'none'}")
+        shape = f"{r['batch']} x {r['length'] // 1024}K"
+        print(f"{shape}, top {r['tokens']}: {cells}; errors {r['errors'] or 'none'}")
     return 0
 
 
