@@ -69,6 +69,7 @@ def _bounds(kmin_ptr, kscale_ptr, bits_ptr, blk, s_kn, D: tl.constexpr, POOL_BIT
     type; pointers at the program's head) of blocks blk (undefined where blk < 0), and the blocks' bits (the
     pool's unless MIXED)."""
     valid = blk >= 0
+    blk = blk.to(tl.int32)  # 32-bit offsets: the launcher checks the bounds' size
     offs = blk[:, None] * s_kn + tl.arange(0, D)[None, :]
     lo = tl.load(kmin_ptr + offs, mask=valid[:, None])
     sc = tl.load(kscale_ptr + offs, mask=valid[:, None])
@@ -286,6 +287,7 @@ def table_outputs(
         "q is [B, Hq, D]": q.dim() == 3 and q.shape[0] == B and q.shape[1] % H == 0,
         "k_blocks >= 0": k_blocks >= 0,
         "blocks per row < 2^28 (a key holds the position)": M < 1 << 28,
+        "key bounds < 2^31 elements (32-bit offsets)": lo.numel() < 1 << 31,
         "summary: lo and span e4m3 [N, H, D] of one layout, channels contiguous": summary is None
         or (
             lo.dtype == span.dtype == E4M3

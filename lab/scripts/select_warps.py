@@ -11,12 +11,16 @@ the float8 summary. CUDA graph replays (median of ``do_bench_cudagraph``), µs, 
 The byte counter is the step's, made once (the engine's: no fill a layer); every variant's table, counts
 and bytes are checked against the default build's first.
 
-    python lab/scripts/select_warps.py --out $OUT [--variants 8:64,16:64,8:32] [--rounds 2] [--smoke]
+``--baseline FILE``: also the single kernel of another version of that module (a copy of the file), at its
+own defaults, as ``base``.
+
+    python lab/scripts/select_warps.py --out $OUT [--variants 8:64,16:64,8:32] [--baseline F] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -29,41 +33,51 @@ import decode_attention as da
 
 from kvtune.kernels import triton_sparse_table as tst
 from kvtune.kernels.quest_summary import summary8
-from kvtune.kernels.sparse_table_choice import SelectOptions
 
 DEFAULT = (tst.NUM_WARPS, tst.CHUNK)
-SINGLE = SelectOptions(split=False)
 
 
-def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[tuple[int, int]]) -> dict:
+def load_module(path: Path):
+    spec = importlib.util.spec_from_file_location("triton_sparse_table_base", path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def case_row(b: int, length: int, tokens: int, rounds: int, variants: list, base) -> dict:
     l1 = (length - da.HOT) // da.BS // 8
     q, pool, blocks, tier = da.quest_inputs(da.Case(b, length, 8, l1_blocks=l1))
     summary = summary8(pool)
     k_blocks = tokens // da.BS
 
-    def run(variant: tuple[int, int], summ, count):
+    def run(variant, summ, count):
         def fn():
+            if variant == "base":
+                return base.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
             tst.NUM_WARPS, tst.CHUNK = variant
             try:
-                return da.select_table(q, pool, blocks, tier, k_blocks, count, SINGLE, summ)
+                return tst.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
             finally:
                 tst.NUM_WARPS, tst.CHUNK = DEFAULT
 
         return fn
 
     row: dict = dict(batch=b, length=length, tokens=tokens, times={}, errors={})
+    variants = variants + (["base"] if base is not None else [])
     cases = [(v, bounds, summ) for bounds, summ in (("fp16", None), ("fp8", summary)) for v in variants]
+    name = {v: "base" if v == "base" else f"{v[0]}w {v[1]}" for v in variants}
     for v, bounds, summ in cases:
         want_count, got_count = da.zero_count(), da.zero_count()
         want = run(DEFAULT, summ, want_count)()
         got = run(v, summ, got_count)()
         same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
         if not same or int(got_count.total) != int(want_count.total):
-            row["errors"][f"{bounds} {v[0]}w {v[1]}"] = "table, counts or bytes differ from the default's"
+            row["errors"][f"{bounds} {name[v]}"] = "table, counts or bytes differ from the default's"
     count = da.zero_count()
     for _ in range(rounds):
         for v, bounds, summ in cases:
-            key = f"{bounds} {v[0]}w {v[1]}"
+            key = f"{bounds} {name[v]}"
             if key not in row["errors"]:
                 row["times"].setdefault(key, []).append(da.bench(run(v, summ, count)) * 1e3)
     row["median_us"] = {k: statistics.median(t) for k, t in row["times"].items()}
@@ -77,6 +91,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="16:32768,4:131072", help="batch:length, comma-separated")
     ap.add_argument("--variants", default="8:64,16:64,8:32", help="warps:chunk, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--baseline", type=Path, help="another version of triton_sparse_table.py, timed as base")
     ap.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, TRITON_INTERPRET=1)")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in bl.split(":")) for bl in args.shapes.split(",")]
@@ -84,7 +99,10 @@ def main() -> int:
     if args.smoke:
         shapes = [(1, 1024 * 12)]
     da.GRAPHS = da.DEVICE == "cuda"
-    rows = [case_row(b, n, int(t), args.rounds, variants) for b, n in shapes for t in args.tokens.split(",")]
+    base = load_module(args.baseline) if args.baseline else None
+    rows = [
+        case_row(b, n, int(t), args.rounds, variants, base) for b, n in shapes for t in args.tokens.split(",")
+    ]
     out = dict(device=torch.cuda.get_device_name() if da.DEVICE == "cuda" else "cpu", rows=rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "select_warps.json").write_text(json.dumps(out, indent=1))
