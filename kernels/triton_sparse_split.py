@@ -56,7 +56,6 @@ from kvtune.kernels.triton_common import next_pow2
 from kvtune.kernels.triton_sparse_table import (
     FILL,
     NONE,
-    NUM_WARPS,
     SPLIT,
     _bounds,
     _merge_top,
@@ -71,6 +70,9 @@ from kvtune.kernels.triton_sparse_table import (
 # 8 warps (1,590 and 3 at one warp); ranking by counting the keys above each one in [256, 64] comparisons took
 # ~2,860 and 33. On an H200 the split selection at 4 x 128K took 21.6 µs against 27.6 (4 or 8 warps alike).
 MERGE_WARPS = 8
+# The spans' programs: 8 warps (each [64, D] tile as the single kernel's at 8 warps, so the same sums in the
+# same order), capped at SelectOptions.maxnreg registers so that two share a multiprocessor.
+NUM_WARPS = 8
 
 
 @triton.jit
