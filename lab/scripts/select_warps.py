@@ -11,6 +11,11 @@ the float8 summary. CUDA graph replays (median of ``do_bench_cudagraph``), µs, 
 The byte counter is the step's, made once (the engine's: no fill a layer); every variant's table, counts
 and bytes are checked against the default build's first.
 
+Split variants ``sW:C:S[:R]`` time the split selection (:mod:`kvtune.kernels.triton_sparse_split`: ``S``
+scoring programs a row, 0 = planned, then a merge launch) with its span programs at ``W`` warps and ``C``
+blocks a step, capped at ``R`` registers a thread (0: no cap; default the options'): at one warp a program
+meets no other warp until the merge.
+
 ``--baseline FILE``: also the single kernel of another version of that module (a copy of the file), at its
 own defaults, as ``base``.
 
@@ -31,10 +36,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_attention as da
 
+from kvtune.kernels import triton_sparse_split as tss
 from kvtune.kernels import triton_sparse_table as tst
 from kvtune.kernels.quest_summary import summary8
+from kvtune.kernels.sparse_table_choice import SelectOptions
 
 DEFAULT = (tst.NUM_WARPS, tst.CHUNK)
+SPLIT_DEFAULT = (tss.NUM_WARPS, tss.CHUNK)
 
 
 def load_module(path: Path):
@@ -55,6 +63,16 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list, base
         def fn():
             if variant == "base":
                 return base.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
+            if len(variant) >= 3:  # the split selection: warps, chunk, splits (0: planned)[, register cap]
+                tss.NUM_WARPS, tss.CHUNK = variant[:2]
+                cap = variant[3] if len(variant) > 3 else SelectOptions().maxnreg
+                try:
+                    opts = SelectOptions(split=True, splits=variant[2] or None, maxnreg=cap or None)
+                    return tss.sparse_block_table_split_triton(
+                        q, pool, blocks, tier, k_blocks, count, opts, summ
+                    )
+                finally:
+                    tss.NUM_WARPS, tss.CHUNK = SPLIT_DEFAULT
             tst.NUM_WARPS, tst.CHUNK = variant
             try:
                 return tst.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
@@ -66,7 +84,8 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list, base
     row: dict = dict(batch=b, length=length, tokens=tokens, times={}, errors={})
     variants = variants + (["base"] if base is not None else [])
     cases = [(v, bounds, summ) for bounds, summ in (("fp16", None), ("fp8", summary)) for v in variants]
-    name = {v: "base" if v == "base" else f"{v[0]}w {v[1]}" for v in variants}
+    name = {v: "base" if v == "base" else f"{v[0]}w {v[1]}" + "".join(f" {k} {x}" for k, x in
+            zip(("split", "regs"), v[2:], strict=False)) for v in variants}  # fmt: skip
     for v, bounds, summ in cases:
         want_count, got_count = da.zero_count(), da.zero_count()
         want = run(DEFAULT, summ, want_count)()
@@ -95,7 +114,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, TRITON_INTERPRET=1)")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in bl.split(":")) for bl in args.shapes.split(",")]
-    variants = [(int(w), int(c)) for w, c in (v.split(":") for v in args.variants.split(","))]
+    variants = [tuple(int(x) for x in v.removeprefix("s").split(":")) for v in args.variants.split(",")]
     if args.smoke:
         shapes = [(1, 1024 * 12)]
     da.GRAPHS = da.DEVICE == "cuda"
