@@ -279,6 +279,7 @@ def table_outputs(
     B, M = blocks.shape
     H = pool.layout.num_kv_heads
     lo, span, _ = quest_bounds(pool, count, summary)
+    extent = sum((n - 1) * st for n, st in zip(lo.shape, lo.stride(), strict=True)) + 1
     rules = {
         "blocks int64 [B, M] contiguous": blocks.dtype == torch.int64 and blocks.is_contiguous(),
         "tier int8 [N] contiguous": tier.dtype == torch.int8 and tier.is_contiguous(),
@@ -287,7 +288,7 @@ def table_outputs(
         "q is [B, Hq, D]": q.dim() == 3 and q.shape[0] == B and q.shape[1] % H == 0,
         "k_blocks >= 0": k_blocks >= 0,
         "blocks per row < 2^28 (a key holds the position)": M < 1 << 28,
-        "key bounds < 2^31 elements (32-bit offsets)": lo.numel() < 1 << 31,
+        "key bounds span < 2^31 elements (32-bit offsets)": extent < 1 << 31,
         "summary: lo and span e4m3 [N, H, D] of one layout, channels contiguous": summary is None
         or (
             lo.dtype == span.dtype == E4M3
