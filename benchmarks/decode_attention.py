@@ -391,7 +391,7 @@ def sweep(results: dict) -> dict[str, DecodeKernelOptions]:
 def pick_sparse(candidates: list[DecodeKernelOptions], bits: int, rows: list) -> DecodeKernelOptions:
     """The fastest of ``candidates`` on the sparse case itself (the 32K row's L1 1/8 + top-k)."""
     batch, length = SPARSE_SHAPES[0]
-    case = Case(batch, length, bits, l1_blocks=(length - HOT) // BS // 8)
+    case = sparse_rows(batch, length, bits)
     times = {}
     for opt in dict.fromkeys(candidates):
         res = sparse_case(case, opt)
@@ -454,7 +454,7 @@ def compare_mixed(out: Path, smoke: bool = False) -> dict:
             row: dict = dict(timing=timing, batch=batch, length=length)
             row["sdpa_ms"], row["sdpa_tbs"] = sdpa_case(batch, length)
             for key, opt in variants.items():
-                case = Case(batch, length, int(key[6]), l1_blocks=(length - HOT) // BS // 8)
+                case = sparse_rows(batch, length, int(key[6]))
                 row[key] = None if key in broken else sparse_case(case, opt)
             results["rows"].append(row)
             log(json.dumps(row))
@@ -512,6 +512,17 @@ QUEST_FP8: dict[str, SelectOptions] = {  # the same kernels bounding the blocks 
 }
 
 
+def sparse_rows(batch: int, length: int, bits: int) -> Case:
+    """The sparse rows' case: the newest eighth of each sequence's cold blocks in L1, the rest in L2."""
+    return Case(batch, length, bits, l1_blocks=(length - HOT) // BS // 8)
+
+
+def same_selection(got: tuple, got_count: ByteCount, want: tuple, want_count: ByteCount) -> bool:
+    """Whether two selections gave the same table, counts and bytes (:func:`select_table`'s outputs)."""
+    same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    return same and int(got_count.total) == int(want_count.total)
+
+
 def quest_inputs(case: Case) -> tuple[torch.Tensor, ColdPool, torch.Tensor, torch.Tensor]:
     """q, the pool, the rows of cold blocks and the tiers of :func:`sparse_case` for an 8-bit case: the
     oldest blocks in L2, demoted to 4 bits."""
@@ -565,8 +576,7 @@ def selection_case(case: Case, variants: dict[str, SelectOptions | None],
     row: dict = {}
     for name, opt, summ, (want, want_count) in ways:
         got, got_count = select(opt, summ)
-        same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
-        if not same or int(got_count.total) != int(want_count.total):
+        if not same_selection(got, got_count, want, want_count):
             row[name] = dict(error="table, counts or bytes differ from the single kernel's")
             continue
         us = bench(lambda opt=opt, summ=summ: select(opt, summ)) * 1e3
@@ -594,7 +604,7 @@ def compare_quest(out: Path, smoke: bool = False) -> dict:
     for timing in ("graphs", "launches") if DEVICE == "cuda" else ("launches",):
         GRAPHS = timing == "graphs"
         for batch, length in SPARSE_SHAPES:
-            case = Case(batch, length, 8, l1_blocks=(length - HOT) // BS // 8)
+            case = sparse_rows(batch, length, 8)
             row: dict = dict(timing=timing, batch=batch, length=length)
             row["selection"] = selection_case(case, QUEST_VARIANTS, QUEST_FP8)
             if timing == "graphs" or DEVICE == "cpu":
@@ -724,7 +734,7 @@ def main() -> int:
             row[f"int{bits}"] = hybrid_case(Case(batch, length, bits), chosen[f"int{bits}"])
         if (batch, length) in SPARSE_SHAPES:
             for bits in (8, 4, 0):
-                case = Case(batch, length, bits, l1_blocks=(length - HOT) // BS // 8)
+                case = sparse_rows(batch, length, bits)
                 row[f"sparse{bits}"] = sparse_case(case, chosen[f"sparse{bits}"])
         rows.append(row)
         log(json.dumps(row))

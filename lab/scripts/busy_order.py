@@ -85,8 +85,7 @@ def main() -> int:
     cases = []  # (name, inputs, options variants {label: (options, forced split count or 0)})
     for b, length in sparse:
         for bits in (8, 4, 0):
-            l1 = (length - da.HOT) // da.BS // 8
-            inp, (table, num_cold) = sparse_inputs(da.Case(b, length, bits, l1_blocks=l1))
+            inp, (table, num_cold) = sparse_inputs(da.sparse_rows(b, length, bits))
             inp = {**inp, "block_table": table, "num_cold": num_cold}
             base = opts[f"sparse{bits}"]
             variants = {f"busy {b8}:{b4}": (replace(base, gluon_busy_blocks=b8, gluon_busy_blocks4=b4), 0, 0)

@@ -64,8 +64,7 @@ def record(run) -> tuple[list, list]:
 
 def measure(b: int, length: int, bits: int, opt, ncu: bool = False) -> dict:
     """One sparse case's times (module docstring), ms."""
-    l1 = (length - da.HOT) // da.BS // 8
-    inp, blocks, tier, count = da.sparse_setup(da.Case(b, length, bits, l1_blocks=l1))
+    inp, blocks, tier, count = da.sparse_setup(da.sparse_rows(b, length, bits))
     table, num_cold, _ = da.select_table(
         inp["q"], inp["pool"], blocks, tier, da.SPARSE_TOKENS // da.BS, count, None
     )

@@ -88,8 +88,7 @@ def measure(
         table, num_cold = inp["block_table"], inp["num_cold"]
         opt = opts["int8" if bits == 8 else f"int{bits}"]
     else:
-        l1 = (length - da.HOT) // da.BS // 8
-        inp, (table, num_cold) = sparse_inputs(da.Case(b, length, bits, l1_blocks=l1))
+        inp, (table, num_cold) = sparse_inputs(da.sparse_rows(b, length, bits))
         opt = opts[f"sparse{bits}"]
 
     def run() -> tuple:

@@ -56,7 +56,7 @@ def split_table(table: torch.Tensor, num: torch.Tensor, n1: torch.Tensor) -> tup
 
 
 def one_case(batch: int, length: int, bits: int, side: torch.cuda.Stream | None) -> dict:
-    case = da.Case(batch, length, bits, l1_blocks=(length - da.HOT) // da.BS // 8)
+    case = da.sparse_rows(batch, length, bits)
     inp, blocks, tier, count = da.sparse_setup(case)
     pool, q = inp["pool"], inp["q"]
     k_blocks = da.SPARSE_TOKENS // da.BS

@@ -34,8 +34,7 @@ SINGLE = SelectOptions(split=False)
 
 
 def case_chunks(b: int, length: int, chunks: list[int], rounds: int) -> dict:
-    l1 = (length - da.HOT) // da.BS // 8
-    q, pool, blocks, tier = da.quest_inputs(da.Case(b, length, 8, l1_blocks=l1))
+    q, pool, blocks, tier = da.quest_inputs(da.sparse_rows(b, length, 8))
     summary = summary8(pool)
     k_blocks = da.SPARSE_TOKENS // da.BS
 
@@ -53,8 +52,7 @@ def case_chunks(b: int, length: int, chunks: list[int], rounds: int) -> dict:
         want, want_count = run(chunks[0], summ)()
         for chunk in chunks:
             got, got_count = run(chunk, summ)()
-            same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
-            if not same or int(got_count.total) != int(want_count.total):
+            if not da.same_selection(got, got_count, want, want_count):
                 row["errors"][f"{kind} {chunk}"] = "table, counts or bytes differ from the first chunk size's"
     names = [(kind, summ, chunk) for kind, summ in kinds for chunk in chunks]
     for _ in range(rounds):

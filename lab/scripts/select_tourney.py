@@ -54,10 +54,10 @@ def contiguous(pool, blocks: torch.Tensor, tier: torch.Tensor, l1: int) -> torch
 
 
 def case_row(b: int, length: int, tokens: int, rounds: int, layout: str) -> dict:
-    l1 = (length - da.HOT) // da.BS // 8
-    q, pool, blocks, tier = da.quest_inputs(da.Case(b, length, 8, l1_blocks=l1))
+    case = da.sparse_rows(b, length, 8)
+    q, pool, blocks, tier = da.quest_inputs(case)
     if layout == "contiguous":
-        blocks = contiguous(pool, blocks, tier, l1)
+        blocks = contiguous(pool, blocks, tier, case.l1_blocks)
     summary = summary8(pool)
     k_blocks = tokens // da.BS
     kept_names = list(KEPT) if k_blocks else ["merge"]  # no selection: the split alone
@@ -78,8 +78,7 @@ def case_row(b: int, length: int, tokens: int, rounds: int, layout: str) -> dict
     for kept, kind, bounds, summ in variants:
         want, want_count = run("merge", kind, summ)()
         got, got_count = run(kept, kind, summ)()
-        same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
-        if not same or int(got_count.total) != int(want_count.total):
+        if not da.same_selection(got, got_count, want, want_count):
             row["errors"][f"{bounds} {kind} {kept}"] = "table, counts or bytes differ from the merge's"
     for _ in range(rounds):
         for kept, kind, bounds, summ in variants:

@@ -30,6 +30,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,30 @@ DEFAULT = (tst.NUM_WARPS, tst.CHUNK)
 SPLIT_DEFAULT = (tss.NUM_WARPS, tss.CHUNK)
 
 
+class Variant(NamedTuple):
+    """A build to time: the single kernel (``splits`` None) or the split selection at ``warps`` and
+    ``chunk``; ``splits`` 0 = planned, ``cap`` the span kernel's register cap (0: none)."""
+
+    warps: int
+    chunk: int
+    splits: int | None = None
+    cap: int | None = SelectOptions().maxnreg
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """``W:C`` (the single kernel) or ``sW:C:S[:R]`` (the split selection)."""
+        nums = [int(x) for x in text.removeprefix("s").split(":")]
+        if text.startswith("s") != (len(nums) >= 3):
+            raise SystemExit(f"--variants: {text!r} is neither W:C nor sW:C:S[:R]")
+        return cls(*nums)
+
+    @property
+    def name(self) -> str:
+        if self.splits is None:
+            return f"{self.warps}w {self.chunk}"
+        return f"{self.warps}w {self.chunk} split {self.splits} regs {self.cap}"
+
+
 def load_module(path: Path):
     spec = importlib.util.spec_from_file_location("triton_sparse_table_base", path)
     assert spec is not None and spec.loader is not None, path
@@ -53,27 +78,26 @@ def load_module(path: Path):
     return mod
 
 
-def case_row(b: int, length: int, tokens: int, rounds: int, variants: list, base) -> dict:
-    l1 = (length - da.HOT) // da.BS // 8
-    q, pool, blocks, tier = da.quest_inputs(da.Case(b, length, 8, l1_blocks=l1))
+def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[Variant], base) -> dict:
+    q, pool, blocks, tier = da.quest_inputs(da.sparse_rows(b, length, 8))
     summary = summary8(pool)
     k_blocks = tokens // da.BS
 
-    def run(variant, summ, count):
+    def run(variant: Variant | None, summ, count):  # None: the baseline module's kernel
         def fn():
-            if variant == "base":
+            if variant is None:
                 return base.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
-            if len(variant) >= 3:  # the split selection: warps, chunk, splits (0: planned)[, register cap]
-                tss.NUM_WARPS, tss.CHUNK = variant[:2]
-                cap = variant[3] if len(variant) > 3 else SelectOptions().maxnreg
+            if variant.splits is not None:
+                tss.NUM_WARPS, tss.CHUNK = variant.warps, variant.chunk
                 try:
-                    opts = SelectOptions(split=True, splits=variant[2] or None, maxnreg=cap or None)
+                    splits, cap = variant.splits or None, variant.cap or None
+                    opts = SelectOptions(split=True, splits=splits, maxnreg=cap)
                     return tss.sparse_block_table_split_triton(
                         q, pool, blocks, tier, k_blocks, count, opts, summ
                     )
                 finally:
                     tss.NUM_WARPS, tss.CHUNK = SPLIT_DEFAULT
-            tst.NUM_WARPS, tst.CHUNK = variant
+            tst.NUM_WARPS, tst.CHUNK = variant.warps, variant.chunk
             try:
                 return tst.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
             finally:
@@ -82,16 +106,14 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list, base
         return fn
 
     row: dict = dict(batch=b, length=length, tokens=tokens, times={}, errors={})
-    variants = variants + (["base"] if base is not None else [])
-    cases = [(v, bounds, summ) for bounds, summ in (("fp16", None), ("fp8", summary)) for v in variants]
-    name = {v: "base" if v == "base" else f"{v[0]}w {v[1]}" + "".join(f" {k} {x}" for k, x in
-            zip(("split", "regs"), v[2:], strict=False)) for v in variants}  # fmt: skip
+    timed: list[Variant | None] = variants + ([None] if base is not None else [])
+    cases = [(v, bounds, summ) for bounds, summ in (("fp16", None), ("fp8", summary)) for v in timed]
+    name = {v: "base" if v is None else v.name for v in timed}
     for v, bounds, summ in cases:
         want_count, got_count = da.zero_count(), da.zero_count()
-        want = run(DEFAULT, summ, want_count)()
+        want = run(Variant(*DEFAULT), summ, want_count)()
         got = run(v, summ, got_count)()
-        same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
-        if not same or int(got_count.total) != int(want_count.total):
+        if not da.same_selection(got, got_count, want, want_count):
             row["errors"][f"{bounds} {name[v]}"] = "table, counts or bytes differ from the default's"
     count = da.zero_count()
     for _ in range(rounds):
@@ -114,7 +136,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, TRITON_INTERPRET=1)")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in bl.split(":")) for bl in args.shapes.split(",")]
-    variants = [tuple(int(x) for x in v.removeprefix("s").split(":")) for v in args.variants.split(",")]
+    variants = [Variant.parse(v) for v in args.variants.split(",")]
     if args.smoke:
         shapes = [(1, 1024 * 12)]
     da.GRAPHS = da.DEVICE == "cuda"

@@ -37,7 +37,7 @@ def main() -> int:
     for b, length in da.SPARSE_SHAPES:
         sdpa_ms, _ = da.sdpa_case(b, length)
         for bits in (int(x) for x in args.bits.split(",")):
-            case = da.Case(b, length, bits, l1_blocks=(length - da.HOT) // da.BS // 8)
+            case = da.sparse_rows(b, length, bits)
             for pps in (int(x) for x in args.pps.split(",")):
                 opt = default_options(bits)
                 if pps:
