@@ -40,12 +40,16 @@ class SelectOptions:
     maxnreg: register cap per thread of the span kernel (None: the compiler's choice, 184 at head dim 128
         and top 32, one program of 8 warps per multiprocessor; 128: two, with 32 bytes of spills).
     splits: scoring programs per row (None: planned by :func:`split_plan`; tests and sweeps set it).
+    warps: warps of a span's program (8: each ``[chunk, D]`` tile as the single kernel's).
+    chunk: L2 positions a span's program scores at a time, a power of two dividing :data:`CHUNK`.
     """
 
     split: bool | None = None
     programs_per_sm: int = 2
     maxnreg: int | None = 128
     splits: int | None = None
+    warps: int = 8
+    chunk: int = CHUNK
 
     def __post_init__(self) -> None:
         if self.programs_per_sm < 1:
@@ -56,6 +60,10 @@ class SelectOptions:
             raise ValueError(f"`32 <= maxnreg <= 255` must hold (or None), but got maxnreg={self.maxnreg}")
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"`splits >= 1` must hold (or None: planned), but got splits={self.splits}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"`warps in (1, 2, 4, 8, 16)` must hold, but got warps={self.warps}")
+        if self.chunk not in (16, 32, 64):
+            raise ValueError(f"`chunk in (16, 32, 64)` must hold, but got chunk={self.chunk}")
 
 
 DEFAULT_SELECT = SelectOptions()

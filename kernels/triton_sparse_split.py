@@ -44,7 +44,6 @@ from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quest_summary import QuestSummary8
 from kvtune.kernels.sparse_table_choice import (
-    CHUNK,
     DEFAULT_SELECT,
     SelectOptions,
     max_splits,
@@ -70,9 +69,6 @@ from kvtune.kernels.triton_sparse_table import (
 # 8 warps (1,590 and 3 at one warp); ranking by counting the keys above each one in [256, 64] comparisons took
 # ~2,860 and 33. On an H200 the split selection at 4 x 128K took 21.6 µs against 27.6 (4 or 8 warps alike).
 MERGE_WARPS = 8
-# The spans' programs: 8 warps (each [64, D] tile as the single kernel's at 8 warps, so the same sums in the
-# same order), capped at SelectOptions.maxnreg registers so that two share a multiprocessor.
-NUM_WARPS = 8
 
 
 @triton.jit
@@ -234,9 +230,9 @@ def sparse_block_table_split_triton(
     launch(_span_kernel, (B * H, plan.splits + 1),
         q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, keys,
         scratch, M, W, k_blocks, plan.span, plan.splits, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0),
-        k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=CHUNK, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2,
-        POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote, SUMMARY8=summary is not None,
-        FILL=FILL, num_warps=NUM_WARPS, num_stages=1, **cap,
+        k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=opts.chunk, SPLIT=SPLIT, TOPK=topk, T1=L1,
+        T2=L2, POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote, SUMMARY8=summary is not None,
+        FILL=FILL, num_warps=opts.warps, num_stages=1, **cap,
     )  # fmt: skip
     launch(_merge_spans_kernel, (B * H,),
         keys, blocks, count.cost, table, n1, count.total, M, W, k_blocks, plan.splits, H=H,

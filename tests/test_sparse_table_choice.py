@@ -84,7 +84,8 @@ def test_split_plan(args: tuple, plan: SplitPlan) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "rule"),
     [("programs_per_sm", 0, "programs_per_sm >= 1"), ("splits", 0, "splits >= 1"),
-     ("maxnreg", 16, "32 <= maxnreg <= 255"), ("maxnreg", 300, "32 <= maxnreg <= 255")],
+     ("maxnreg", 16, "32 <= maxnreg <= 255"), ("maxnreg", 300, "32 <= maxnreg <= 255"),
+     ("warps", 3, r"warps in \(1, 2, 4, 8, 16\)"), ("chunk", 128, r"chunk in \(16, 32, 64\)")],
 )  # fmt: skip
 def test_select_options_are_checked(field: str, value: int, rule: str) -> None:
     with pytest.raises(ValueError, match=f"`{rule}`.*{field}={value}"):

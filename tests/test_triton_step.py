@@ -286,32 +286,39 @@ def test_sparse_block_table_gpu(gpu_kernels, b: int, h: int, g: int, d: int, m: 
 
 
 # ---- the split selection (several programs score a row's L2 blocks, a second launch merges their top-k)
-def _split(splits: int | None) -> Any:
+def _split(splits: int | None, build: str = "8:64") -> Any:
+    """The split selection with ``splits`` spans a row (None: planned), its span programs at ``build``
+    (``warps:chunk``; at fewer than 8 warps without the register cap, as a one-warp program needs)."""
     from kvtune.kernels.sparse_table_choice import SelectOptions
 
-    return SelectOptions(split=True, splits=splits)
+    warps, chunk = (int(x) for x in build.split(":"))
+    return SelectOptions(split=True, splits=splits, warps=warps, chunk=chunk,
+                         maxnreg=SelectOptions().maxnreg if warps == 8 else None)  # fmt: skip
 
 
 @pytest.mark.parametrize(("b", "h", "g", "d", "m", "k_blocks"), [t for t in CPU_TABLES if t[5] > 0])
 @pytest.mark.parametrize("pool_kind", ["int8 mixed", "int4"])
-@pytest.mark.parametrize("splits", [None, 3])  # planned (a CPU plans with 4 multiprocessors), or 3 at most
+# spans planned (a CPU plans with 4 multiprocessors) or 3 at most; one-warp span programs, 16 blocks a step
+@pytest.mark.parametrize(("splits", "build"), [(None, "8:64"), (3, "8:64"), (3, "1:16")])
 def test_split_selection_interpreted(kernels, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
-                                     pool_kind: str, splits: int | None) -> None:  # fmt: skip
+                                     pool_kind: str, splits: int | None, build: str) -> None:  # fmt: skip
     check_sparse_table(kernels, b, h, g, d, m, k_blocks, pool_kind, "cpu", seed=b * 100 + m,
-                       options=_split(splits))  # fmt: skip
+                       options=_split(splits, build))  # fmt: skip
 
 
-# 16 x 32K-like rows (Llama-3-8B heads, top 32) and SmolLM2-like heads; spans planned, and 5 wanted (4 at 512)
-GPU_SPLITS = [(*t, pool, splits) for t in (GPU_TABLES[0], GPU_TABLES[2])
-              for pool in ("int8 mixed", "int4", "unquantized") for splits in (None, 5)]  # fmt: skip
+# 16 x 32K-like rows (Llama-3-8B heads, top 32) and SmolLM2-like heads; spans planned, and 5 wanted (4 at
+# 512); the span programs at 8 warps and 64 blocks a step, and at 1, 2 and 4 warps with smaller steps
+GPU_SPLITS = [(*t, pool, splits, build) for t in (GPU_TABLES[0], GPU_TABLES[2])
+              for pool in ("int8 mixed", "int4", "unquantized") for splits in (None, 5)
+              for build in ("8:64", "4:32", "2:16", "1:16")]  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("b", "h", "g", "d", "m", "k_blocks", "pool_kind", "splits"), GPU_SPLITS)
+@pytest.mark.parametrize(("b", "h", "g", "d", "m", "k_blocks", "pool_kind", "splits", "build"), GPU_SPLITS)
 def test_split_selection_gpu(gpu_kernels, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
-                             pool_kind: str, splits: int | None) -> None:  # fmt: skip
+                             pool_kind: str, splits: int | None, build: str) -> None:  # fmt: skip
     check_sparse_table(gpu_kernels, b, h, g, d, m, k_blocks, pool_kind, "cuda", seed=b + m,
-                       options=_split(splits))  # fmt: skip
+                       options=_split(splits, build))  # fmt: skip
 
 
 def _tied_rows(levels: int, device: str, m: int = 70, h: int = 2, g: int = 2, d: int = 32) -> tuple[Any, ...]:

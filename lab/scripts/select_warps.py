@@ -43,7 +43,6 @@ from kvtune.kernels.quest_summary import summary8
 from kvtune.kernels.sparse_table_choice import SelectOptions
 
 DEFAULT = (tst.NUM_WARPS, tst.CHUNK)
-SPLIT_DEFAULT = (tss.NUM_WARPS, tss.CHUNK)
 
 
 class Variant(NamedTuple):
@@ -88,15 +87,9 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[Varia
             if variant is None:
                 return base.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
             if variant.splits is not None:
-                tss.NUM_WARPS, tss.CHUNK = variant.warps, variant.chunk
-                try:
-                    splits, cap = variant.splits or None, variant.cap or None
-                    opts = SelectOptions(split=True, splits=splits, maxnreg=cap)
-                    return tss.sparse_block_table_split_triton(
-                        q, pool, blocks, tier, k_blocks, count, opts, summ
-                    )
-                finally:
-                    tss.NUM_WARPS, tss.CHUNK = SPLIT_DEFAULT
+                opts = SelectOptions(split=True, splits=variant.splits or None, maxnreg=variant.cap or None,
+                                     warps=variant.warps, chunk=variant.chunk)  # fmt: skip
+                return tss.sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, opts, summ)
             tst.NUM_WARPS, tst.CHUNK = variant.warps, variant.chunk
             try:
                 return tst.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
