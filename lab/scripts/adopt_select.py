@@ -17,6 +17,9 @@ import json
 import re
 from pathlib import Path
 
+from kvtune.kernels.triton_common import next_pow2
+
+TOPK = 32  # top 2,048 tokens in blocks of 64
 CHOICE = Path(__file__).resolve().parents[2] / "kernels" / "sparse_table_choice.py"
 
 
@@ -53,7 +56,10 @@ def main() -> int:
     spans = "None" if s == "0" else s
     text = CHOICE.read_text()
     new = f"DEFAULT_SELECT = SelectOptions(split=True, warps={w}, chunk={c}, splits={spans}, maxnreg={cap})"
-    CHOICE.write_text(text.replace("DEFAULT_SELECT = SelectOptions()", new, 1))
+    text = text.replace("DEFAULT_SELECT = SelectOptions()", new, 1)
+    if spans != "None" and int(s) * TOPK > 256:  # the wider merge select_warps.py timed it with
+        text = text.replace("MERGE_KEYS = 256", f"MERGE_KEYS = {next_pow2(int(s) * TOPK)}", 1)
+    CHOICE.write_text(text)
     print(f"adopted {best[1]}: {new}")
     return 0
 

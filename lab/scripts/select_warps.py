@@ -14,7 +14,8 @@ and bytes are checked against the default build's first.
 Split variants ``sW:C:S[:R]`` time the split selection (:mod:`kvtune.kernels.triton_sparse_split`: ``S``
 scoring programs a row, 0 = planned, then a merge launch) with its span programs at ``W`` warps and ``C``
 blocks a step, capped at ``R`` registers a thread (0: no cap; default the options'): at one warp a program
-meets no other warp until the merge.
+meets no other warp until the merge. More spans than the merge's 256 keys allow (``S`` x top-k blocks) widen
+the merge to the next power of two.
 
 ``--baseline FILE``: also the single kernel of another version of that module (a copy of the file), at its
 own defaults, as ``base``.
@@ -37,12 +38,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_attention as da
 
+from kvtune.kernels import sparse_table_choice as choice
 from kvtune.kernels import triton_sparse_split as tss
 from kvtune.kernels import triton_sparse_table as tst
 from kvtune.kernels.quest_summary import summary8
 from kvtune.kernels.sparse_table_choice import SelectOptions
+from kvtune.kernels.triton_common import next_pow2
 
 DEFAULT = (tst.NUM_WARPS, tst.CHUNK)
+MERGE_KEYS = choice.MERGE_KEYS
 
 
 class Variant(NamedTuple):
@@ -89,7 +93,13 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[Varia
             if variant.splits is not None:
                 opts = SelectOptions(split=True, splits=variant.splits or None, maxnreg=variant.cap or None,
                                      warps=variant.warps, chunk=variant.chunk)  # fmt: skip
-                return tss.sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, opts, summ)
+                keys = variant.splits * next_pow2(k_blocks)  # more spans than 256 keys allow: a wider merge
+                choice.MERGE_KEYS = max(MERGE_KEYS, next_pow2(keys))
+                try:
+                    args = (q, pool, blocks, tier, k_blocks, count, opts, summ)
+                    return tss.sparse_block_table_split_triton(*args)
+                finally:
+                    choice.MERGE_KEYS = MERGE_KEYS
             tst.NUM_WARPS, tst.CHUNK = variant.warps, variant.chunk
             try:
                 return tst.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
