@@ -25,7 +25,7 @@ from kvtune.kernels.triton_common import cdiv, next_pow2, tileable_head_dim
 
 SelectKernel = Literal["single", "split"]
 CHUNK = 64  # L2 positions a program scores at a time (the kernels' ``MB``)
-MERGE_KEYS = 256  # keys the merge ranks at once: splits x next_pow2(k_blocks) at most
+MERGE_KEYS = 1024  # keys the merge ranks at once: splits x next_pow2(k_blocks) at most (32 spans at top 32)
 
 
 @dataclass(frozen=True)
@@ -36,20 +36,24 @@ class SelectOptions:
         (``"split"`` of :func:`select_kernel`); None: where the rows are few for the card (:func:`few_rows`:
         on an H200, 32 rows took 32 µs split against 53 µs single, 128 rows 31 µs against 23 µs;
         ``benchmarks/decode_attention.py --quest``); True / False: always / never.
-    programs_per_sm: the split plan aims at this many scoring programs per multiprocessor.
-    maxnreg: register cap per thread of the span kernel (None: the compiler's choice, 184 at head dim 128
-        and top 32, one program of 8 warps per multiprocessor; 128: two, with 32 bytes of spills).
+    programs_per_sm: the split plan aims at this many scoring programs per multiprocessor (8 one-warp
+        programs: two warps a scheduler).
+    maxnreg: register cap per thread of the span kernel (None: the compiler's choice, 185 at one warp, head
+        dim 128 and top 32, no spills; at 8 warps 128 lets two programs share a multiprocessor).
     splits: scoring programs per row (None: planned by :func:`split_plan`; tests and sweeps set it).
-    warps: warps of a span's program (8: each ``[chunk, D]`` tile as the single kernel's).
+    warps: warps of a span's program. One: a program meets no other warp until the merge, and issues about
+        a quarter fewer instructions a block than at 8 warps (sm_90 SASS). On an H100 SXM, 4 x 128K, top
+        2,048 (``lab/scripts/select_warps.py``, run 52a): 19.7 µs with 32 one-warp spans a row, 26.6 with 8
+        spans of 8 warps and 64 blocks a step; at 16 x 32K 18.3 with 8 one-warp spans, 18.4 single.
     chunk: L2 positions a span's program scores at a time, a power of two dividing :data:`CHUNK`.
     """
 
     split: bool | None = None
-    programs_per_sm: int = 2
-    maxnreg: int | None = 128
+    programs_per_sm: int = 8
+    maxnreg: int | None = None
     splits: int | None = None
-    warps: int = 8
-    chunk: int = CHUNK
+    warps: int = 1
+    chunk: int = 16
 
     def __post_init__(self) -> None:
         if self.programs_per_sm < 1:

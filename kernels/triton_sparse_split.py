@@ -17,18 +17,21 @@ follow the batch and the row width only (capturable in a CUDA graph), one compil
    ``splits x TOPK`` keys descending (keys are distinct, so a key's place is its rank); each goes to place
    ``n1 + rank`` of the table with its block's id; their bytes are added to the count.
 
-Ties: keys order by bound, then by position (later first), in both kernels, so the tables are the same
-(the bounds are the same sums over the same ``[64, D]`` tiles of 8 warps, so the same floats). From a
+Ties: keys order by bound, then by position (later first), in both kernels, so the tables are the same.
+The bounds must be the same floats: Triton lays a ``[chunk, D]`` tile's rows over warps and its channels
+over lanes, so a block's sum over channels runs in the same order at 1 warp and 16 blocks a step as at 8
+and 64 (on an H100 every build of run 52a, 1 to 8 warps, gave the single kernel's tables). From a
 :class:`~kvtune.kernels.quest_summary.QuestSummary8` (``SUMMARY8``) the spans score its float8 bounds, as
 the single kernel does.
 
 Why: the single kernel scores a row's L2 blocks one chunk after another in one program per row, 128
-programs at 16 sequences x 8 KV heads (about one per multiprocessor of an H200, each waiting on its chunks'
-loads in turn). Here a row's chunks are spread over ``splits`` programs (planned from the rows and the
-multiprocessors, :func:`~kvtune.kernels.sparse_table_choice.split_plan`), capped at 128 registers per thread
-(``SelectOptions.maxnreg``) so two programs of 8 warps share a multiprocessor. The merge's network is as
-wide as ``splits x TOPK`` keys rounded up to a power of two, so a row has at most
-:func:`~kvtune.kernels.sparse_table_choice.max_splits` spans (256 keys).
+programs at 16 sequences x 8 KV heads (about one per multiprocessor, each waiting on its chunks in turn),
+32 at 4 x 128K. Here a row's chunks are spread over ``splits`` programs (planned from the rows and the
+multiprocessors, :func:`~kvtune.kernels.sparse_table_choice.split_plan`) of one warp each
+(``SelectOptions.warps``, 16 blocks a step): a warp that never waits on another, about a quarter fewer
+instructions a block than at 8 warps, 185 registers and no spills. The merge ranks
+:func:`~kvtune.kernels.sparse_table_choice.max_splits` x ``TOPK`` keys (1,024 at most: 32 spans at top 32;
+those of absent spans masked), one build for every size.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from kvtune.kernels.triton_sparse_table import (
 # The merge's top-k network over 256 keys compiles for sm_90 to ~470 instructions and 11 barriers per warp at
 # 8 warps (1,590 and 3 at one warp); ranking by counting the keys above each one in [256, 64] comparisons took
 # ~2,860 and 33. On an H200 the split selection at 4 x 128K took 21.6 µs against 27.6 (4 or 8 warps alike).
+# Over 1,024 keys the network costs ~2.3 µs more a launch than over 256 (H100, 8 spans at 16 x 32K, 52a).
 MERGE_WARPS = 8
 
 

@@ -55,13 +55,13 @@ def test_the_default_splits_where_rows_are_few(
 
 # (rows, row width, k_blocks, multiprocessors, options) -> plan
 PLANS = [
-    ((128, 511, 32, 132, SPLIT), SplitPlan(3, 192)),  # 16 x 32K, 8 KV heads, on an H200: 384 scoring programs
-    ((32, 2047, 32, 132, SPLIT), SplitPlan(8, 256)),  # 4 x 128K: 9 wanted, 8 at most for top 32 (256 keys)
-    ((8, 2047, 32, 132, SPLIT), SplitPlan(8, 256)),
+    ((128, 511, 32, 132, SPLIT), SplitPlan(8, CHUNK)),  # 16 x 32K, 8 KV heads: 9 wanted, one per chunk
+    ((32, 2047, 32, 132, SPLIT), SplitPlan(32, CHUNK)),  # 4 x 128K: 33 wanted, 32 at most (1,024 keys)
+    ((8, 2047, 32, 132, SPLIT), SplitPlan(32, CHUNK)),
     ((128, 9, 32, 132, SPLIT), SplitPlan(1, CHUNK)),  # one chunk per row: one span
-    ((1024, 511, 32, 132, SPLIT), SplitPlan(1, 8 * CHUNK)),  # rows enough for the card
-    ((4, 2047, 100, 132, SPLIT), SplitPlan(2, 1024)),  # top 100 (128 keys per span): 2 spans at most
-    ((4, 2047, 300, 132, SPLIT), SplitPlan(1, 2048)),
+    ((1024, 511, 32, 132, SPLIT), SplitPlan(2, 4 * CHUNK)),  # rows enough for the card
+    ((4, 2047, 100, 132, SPLIT), SplitPlan(8, 256)),  # top 100 (128 keys per span): 8 spans at most
+    ((4, 2047, 300, 132, SPLIT), SplitPlan(2, 1024)),
     (
         (128, 511, 32, 132, SelectOptions(split=True, programs_per_sm=4)),
         SplitPlan(4, 128),
