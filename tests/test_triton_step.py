@@ -288,12 +288,13 @@ def test_sparse_block_table_gpu(gpu_kernels, b: int, h: int, g: int, d: int, m: 
 # ---- the split selection (several programs score a row's L2 blocks, a second launch merges their top-k)
 def _split(splits: int | None, build: str = "8:64") -> Any:
     """The split selection with ``splits`` spans a row (None: planned), its span programs at ``build``
-    (``warps:chunk``; at fewer than 8 warps without the register cap, as a one-warp program needs)."""
+    (``warps:chunk``; at 8 warps capped at 128 registers, two programs a multiprocessor, the build before
+    one-warp spans; fewer warps uncapped, as a one-warp program needs)."""
     from kvtune.kernels.sparse_table_choice import SelectOptions
 
     warps, chunk = (int(x) for x in build.split(":"))
     return SelectOptions(split=True, splits=splits, warps=warps, chunk=chunk,
-                         maxnreg=SelectOptions().maxnreg if warps == 8 else None)  # fmt: skip
+                         maxnreg=128 if warps == 8 else None)  # fmt: skip
 
 
 @pytest.mark.parametrize(("b", "h", "g", "d", "m", "k_blocks"), [t for t in CPU_TABLES if t[5] > 0])

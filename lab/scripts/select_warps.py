@@ -14,8 +14,8 @@ and bytes are checked against the default build's first.
 Split variants ``sW:C:S[:R]`` time the split selection (:mod:`kvtune.kernels.triton_sparse_split`: ``S``
 scoring programs a row, 0 = planned, then a merge launch) with its span programs at ``W`` warps and ``C``
 blocks a step, capped at ``R`` registers a thread (0: no cap; default the options'): at one warp a program
-meets no other warp until the merge. More spans than the merge's 256 keys allow (``S`` x top-k blocks) widen
-the merge to the next power of two.
+meets no other warp until the merge. The merge ranks ``S`` x top-k blocks keys rounded up to a power of two,
+256 at least (as in run 52a); planned spans (``S`` 0) keep ``MERGE_KEYS`` as set (1,024).
 
 ``--baseline FILE``: also the single kernel of another version of that module (a copy of the file), at its
 own defaults, as ``base``.
@@ -93,8 +93,8 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[Varia
             if variant.splits is not None:
                 opts = SelectOptions(split=True, splits=variant.splits or None, maxnreg=variant.cap or None,
                                      warps=variant.warps, chunk=variant.chunk)  # fmt: skip
-                keys = variant.splits * next_pow2(k_blocks)  # more spans than 256 keys allow: a wider merge
-                choice.MERGE_KEYS = max(MERGE_KEYS, next_pow2(keys))
+                if variant.splits:  # the merge as wide as the spans need, 256 keys at least (planned: as set)
+                    choice.MERGE_KEYS = max(256, next_pow2(variant.splits * next_pow2(k_blocks)))
                 try:
                     args = (q, pool, blocks, tier, k_blocks, count, opts, summ)
                     return tss.sparse_block_table_split_triton(*args)
