@@ -6,9 +6,10 @@ copy for the rest of a GPU call (nothing is committed); exit 1 if none does.
   ``CHUNK``).
 * ``--split``: a split build ``sW:C:S[:R]`` wins where at 16 x 32K it is at least ``--gain`` faster than the
   single kernel (``8w 64``) from both the fp16 bounds and the e4m3 summary, and at 4 x 128K no slower than the
-  planned split (``8w 64 split 0 regs 128``) by more than 3 %. The fastest winner at 16 x 32K (fp16 + fp8)
-  becomes ``DEFAULT_SELECT`` in ``kernels/sparse_table_choice.py`` (split always, its warps, chunk, spans and
-  register cap; ``MERGE_KEYS`` widened as ``select_warps.py`` timed it). Run 52b (as ``adopt_select.py``).
+  planned split (``--planned``, 52a's ``8w 64 split 0 regs 128``) by more than 3 %. The fastest winner at
+  16 x 32K (fp16 + fp8) becomes ``DEFAULT_SELECT`` in ``kernels/sparse_table_choice.py`` (split always, its
+  warps, chunk, spans and register cap; ``MERGE_KEYS`` as ``select_warps.py`` timed it). Run 52b (as
+  ``adopt_select.py``).
 
     python lab/scripts/select_apply.py $OUT/select_warps.json [--gain 0.10] [--split]
 """
@@ -48,25 +49,23 @@ def apply_single(rows: dict[tuple[int, int], dict[str, float]], gain: float) -> 
     return 0
 
 
-def apply_split(rows: dict[tuple[int, int], dict[str, float]], gain: float) -> int:
+def apply_split(rows: dict[tuple[int, int], dict[str, float]], gain: float, planned: str) -> int:
     near, far = rows[(16, 32768)], rows[(4, 131072)]
+    bounds = ("fp16", "fp8")
+    if not all(f"{b} {planned}" in far for b in bounds):
+        raise SystemExit(f"select_apply.py: no build {planned!r} at 4 x 128K to compare with (--planned)")
     best: tuple[float, str] | None = None
-    for key in near:
-        name = key.removeprefix("fp16 ")
-        if not key.startswith("fp16 ") or not SPLIT_NAME.fullmatch(name):
+    names = [k.removeprefix("fp16 ") for k in near if k.startswith("fp16 ")]
+    for name in (n for n in names if SPLIT_NAME.fullmatch(n)):
+        if not all(f"{b} {name}" in near and f"{b} {name}" in far for b in bounds):
             continue
-        bounds = ("fp16", "fp8")
-        both = [f"{b} {name}" for b in bounds]
-        if not all(k in near and k in far for k in both):
-            continue
-        fast = all(near[f"{b} {name}"] <= (1 - gain) * near[f"{b} 8w 64"] for b in bounds)
-        planned = [(f"{b} {name}", f"{b} 8w 64 split 0 regs 128") for b in bounds]
-        held = all(far[k] <= 1.03 * far[p] for k, p in planned if p in far)
-        print(f"{name}: 16 x 32K {near[both[0]]:.1f} / {near[both[1]]:.1f} µs, 4 x 128K {far[both[0]]:.1f} / "
-              f"{far[both[1]]:.1f}; wins: {fast and held}")  # fmt: skip
-        total = sum(near[k] for k in both)
-        if fast and held and (best is None or total < best[0]):
-            best = (total, name)
+        t16, t128 = ([t[f"{b} {name}"] for b in bounds] for t in (near, far))
+        fast = all(t <= (1 - gain) * near[f"{b} 8w 64"] for t, b in zip(t16, bounds, strict=True))
+        held = all(t <= 1.03 * far[f"{b} {planned}"] for t, b in zip(t128, bounds, strict=True))
+        print(f"{name}: 16 x 32K {t16[0]:.1f} / {t16[1]:.1f} µs, 4 x 128K {t128[0]:.1f} / {t128[1]:.1f}; "
+              f"wins: {fast and held}")  # fmt: skip
+        if fast and held and (best is None or sum(t16) < best[0]):
+            best = (sum(t16), name)
     if best is None:
         print("no split build won: the defaults stay")
         return 1
@@ -78,9 +77,8 @@ def apply_split(rows: dict[tuple[int, int], dict[str, float]], gain: float) -> i
     new = f"DEFAULT_SELECT = SelectOptions(split=True, warps={w}, chunk={c}, splits={spans}, maxnreg={cap})"
     text = re.sub(r"^DEFAULT_SELECT = SelectOptions\(.*\)$", new, CHOICE.read_text(), count=1, flags=re.M)
     if spans != "None":  # the merge as wide as select_warps.py timed it
-        keys = max(int(m) for m in re.findall(r"^MERGE_KEYS = (\d+)", text, re.M))
-        text = re.sub(r"^MERGE_KEYS = \d+", f"MERGE_KEYS = {max(keys, next_pow2(int(s) * TOPK))}", text,
-                      count=1, flags=re.M)  # fmt: skip
+        keys = max(256, next_pow2(int(s) * TOPK))
+        text = re.sub(r"^MERGE_KEYS = \d+", f"MERGE_KEYS = {keys}", text, count=1, flags=re.M)
     CHOICE.write_text(text)
     print(f"adopted {best[1]}: {new}")
     return 0
@@ -91,10 +89,12 @@ def main() -> int:
     ap.add_argument("json", type=Path)
     ap.add_argument("--gain", type=float, default=0.10)
     ap.add_argument("--split", action="store_true", help="the split selection's builds (sW:C:S[:R])")
+    ap.add_argument("--planned", default="8w 64 split 0 regs 128",
+                    help="--split: the build to hold at 4 x 128K (52a's planned split)")  # fmt: skip
     args = ap.parse_args()
     rows = {(r["batch"], r["length"]): r["median_us"]
             for r in json.loads(args.json.read_text())["rows"] if r["tokens"] == 2048}  # fmt: skip
-    return (apply_split if args.split else apply_single)(rows, args.gain)
+    return apply_split(rows, args.gain, args.planned) if args.split else apply_single(rows, args.gain)
 
 
 if __name__ == "__main__":
