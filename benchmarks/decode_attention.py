@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -43,6 +44,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from kvtune.cache_impl.layout import QUEST_SUMMARY_ENV
+from kvtune.kernels.arch import arch_of
 from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import dequantize_blocks_ref
 from kvtune.kernels.quest_summary import QuestSummary8, summary8
@@ -265,20 +268,30 @@ def zero_count() -> ByteCount:
                      torch.zeros((), device=DEVICE, dtype=torch.int64))  # fmt: skip
 
 
-def sparse_case(case: Case, options: DecodeKernelOptions, selection: SelectOptions | None = None) -> dict:
+def summary_default() -> bool:
+    """Whether the cache's selection reads the e4m3 summary here: kept (``KVTUNE_QUEST_SUMMARY`` not 0) and
+    loadable (sm_89 or newer)."""
+    return os.environ.get(QUEST_SUMMARY_ENV, "1") != "0" and DEVICE == "cuda" and arch_of(DEVICE).fp8
+
+
+def sparse_case(
+    case: Case, options: DecodeKernelOptions, selection: SelectOptions | None = None, summary: bool = False
+) -> dict:
     """L1 = the newest `l1_blocks` cold blocks, the rest in L2 (4-bit in an 8-bit pool); attend L1 + top-k.
 
     The selection is the cache's per-layer one (``sparse_block_table``: each sequence's whole row of
     cold blocks split by tier, Quest's bound and top-k of the L2 ones, the table, its byte count), and the
     attention reads that table (L1 blocks, then the selected ones, -1 padded to the row's width + k);
-    ``selection``: the selection's kernels (None: the default)."""
+    ``selection``: the selection's kernels (None: the default); ``summary``: Quest reads the pool's e4m3
+    summary (as the cache's selection does on sm_89 and newer) instead of its fp16 key mins and scales."""
     inp, blocks, tier, count = sparse_setup(case)
     B, nc, l1 = case.batch, case.cold, case.l1_blocks or 0
     k_blocks = SPARSE_TOKENS // BS
     pool = inp["pool"]
+    bounds = summary8(pool) if summary else None
 
     def select():
-        table, num_cold, _ = select_table(inp["q"], pool, blocks, tier, k_blocks, count, selection)
+        table, num_cold, _ = select_table(inp["q"], pool, blocks, tier, k_blocks, count, selection, bounds)
         return table, num_cold
 
     def attend(selected):
@@ -301,10 +314,10 @@ def sparse_case(case: Case, options: DecodeKernelOptions, selection: SelectOptio
         l1 * cold_block_bytes(case.bits, case.bits == 8)
         + k_blocks * cold_block_bytes(4 if case.bits == 8 else case.bits, case.bits == 8)
     )
-    quest = B * H * (nc - l1) * (2 * D * 2 + 4)
+    quest = B * H * (nc - l1) * (2 * D * (1 if summary else 2) + 4)
     return dict(
-        ms=ms, tbs=(attn + quest) / ms / 1e9, bytes=attn + quest, splits=splits, kernel=plan.kernel,
-        selection_ms=selection_ms,
+        summary=summary, ms=ms, tbs=(attn + quest) / ms / 1e9, bytes=attn + quest, splits=splits,
+        kernel=plan.kernel, selection_ms=selection_ms,
         attention_ms=attention_ms, selection_bytes=quest, selection_tbs=quest / selection_ms / 1e9,
         attention_bytes=attn, attention_tbs=attn / attention_ms / 1e9,
     )  # fmt: skip
@@ -727,6 +740,7 @@ def main() -> int:
     if args.smoke:
         shapes = [(2, 256), (1, 1024)]
     rows = []
+    summary = results["summary"] = summary_default()
     for batch, length in shapes:
         row: dict = dict(batch=batch, length=length)
         row["sdpa_ms"], row["sdpa_tbs"] = sdpa_case(batch, length)
@@ -735,7 +749,10 @@ def main() -> int:
         if (batch, length) in SPARSE_SHAPES:
             for bits in (8, 4, 0):
                 case = sparse_rows(batch, length, bits)
-                row[f"sparse{bits}"] = sparse_case(case, chosen[f"sparse{bits}"])
+                row[f"sparse{bits}"] = sparse_case(case, chosen[f"sparse{bits}"], summary=summary)
+            for bits in (8, 4, 0) if summary else ():  # the fp16 bounds, same run
+                fp16 = sparse_case(sparse_rows(batch, length, bits), chosen[f"sparse{bits}"])
+                row[f"sparse{bits}_fp16"] = fp16
         rows.append(row)
         log(json.dumps(row))
     results["rows"] = rows
@@ -776,7 +793,7 @@ def format_table(results: dict) -> str:
         f"{results['copy_tbs']:.2f} TB/s (read + write). Times: median ms of "
         f"{results.get('timing', 'launches')}; (x SDPA); TB/s on bytes read.\n\n"
         "| B x L | SDPA bf16 | SDPA TB/s | INT8 | INT4 | unquantized "
-        "| sparse INT8 / INT4 / unq. (L1 1/8 + top 2048) |\n"
+        f"| sparse INT8 / INT4 / unq. (L1 1/8 + top 2048{'; e4m3 Quest' * bool(results.get('summary'))}) |\n"
         "| --- | --- | --- | --- | --- | --- | --- |"
     )
     lines = [head]
@@ -802,6 +819,14 @@ def format_table(results: dict) -> str:
         if parts:
             lines.append(f"\nSparse step at {r['batch']} x {r['length'] // 1024}K, its parts alone (ms): "
                          + "; ".join(parts))  # fmt: skip
+        fp16 = [
+            f"{label} {x['ms']:.3f} ({x['ms'] / r['sdpa_ms']:.3f}x; Quest {1e3 * x['selection_ms']:.1f} µs)"
+            for label, name in (("INT8", "sparse8_fp16"), ("INT4", "sparse4_fp16"), ("unq.", "sparse0_fp16"))
+            if (x := r.get(name))
+        ]
+        if fp16:
+            lines.append(f"\nThe same sparse steps, Quest on the fp16 bounds, same run, {r['batch']} x "
+                         f"{r['length'] // 1024}K (ms): " + "; ".join(fp16))  # fmt: skip
     return "\n".join(lines)
 
 

@@ -70,7 +70,7 @@ from kvtune.kernels.decode_attention import hybrid_decode_attention
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
 from kvtune.kernels.requant import requantize_int4, requantize_int4_masked
-from kvtune.kernels.sparse_table import ByteCount, sparse_block_table
+from kvtune.kernels.sparse_table import ByteCount, selection_summary, sparse_block_table
 from kvtune.kernels.sparse_table_choice import SelectOptions
 
 # a prompt chunk's attention: PyTorch's SDPA backends but cuDNN's, which builds an execution plan for each
@@ -225,8 +225,9 @@ class HybridCache:
             for split in (True, False):  # the selection is split where rows are few (the step's size)
                 select = SelectOptions(split=split)
                 sparse_block_table(
-                    q, pool, block, self.tiers.tier[layer], self.config.sparse_blocks, scratch, select
-                )
+                    q, pool, block, self.tiers.tier[layer], self.config.sparse_blocks, scratch, select,
+                    selection_summary(pool, q),
+                )  # fmt: skip
             if pool.bits == 8:
                 requantize_int4(pool, block[0])
         if self.sparse and self.pools[0].bits == 8:  # the device queue's demotion (an empty list: no change)
@@ -813,9 +814,11 @@ class HybridCache:
         if not self.sparse or (not plan.static and (self._l2_layers is None or self._l2_layers[layer] == 0)):
             return plan.cold_table, plan.cold_count, plan.cold_count, False
         count = ByteCount(self._cost, self._quest_cost, self._bytes_dev)
+        pool = self.pools[layer]
         table, num, n1 = sparse_block_table(
-            q, self.pools[layer], plan.blocks, self.tiers.tier[layer], self.config.sparse_blocks, count
-        )
+            q, pool, plan.blocks, self.tiers.tier[layer], self.config.sparse_blocks, count,
+            summary=selection_summary(pool, q),
+        )  # fmt: skip
         return table, num, n1, True
 
     def _bytes_per_entry(self) -> torch.Tensor:

@@ -5,10 +5,11 @@ Everything the cache holds is counted:
 * per sequence slot: the hot zone, ``2 · layers · H · (hot_tokens + block_size) · D`` elements of model dtype
   (the zone momentarily holds ``hot_tokens + block_size`` tokens between append and seal), plus
   ``SLOT_META_BYTES`` of bookkeeping;
-* per physical block: in every layer its codes, key/value mins and scales and ``block_bits``
-  (:attr:`ColdLayout.bytes_per_block`) plus ``TIER_BYTES_PER_LAYER`` of tier state (tier, last access,
-  EMA), and ``BLOCK_META_BYTES`` of pool bookkeeping (refcount, chained hash, LRU links). Freed blocks kept
-  for prefix reuse (the LRU) are ordinary blocks of this pool, so they are inside the budget too.
+* per physical block: in every layer its codes, key/value mins and scales, ``block_bits`` and, with the
+  sparse tier, the keys' e4m3 bounds (:attr:`ColdLayout.bytes_per_block`, :func:`keeps_summary`) plus
+  ``TIER_BYTES_PER_LAYER`` of tier state (tier, last access, EMA), and ``BLOCK_META_BYTES`` of pool
+  bookkeeping (refcount, chained hash, LRU links). Freed blocks kept for prefix reuse (the LRU) are
+  ordinary blocks of this pool, so they are inside the budget too.
 
 Slots: ``max_seqs`` (default ``DEFAULT_MAX_SEQS``), but hot zones take at most half the budget (at least
 one slot); the rest is blocks. A sequence of ``n`` tokens holds ``max(0, (n − hot_tokens) // block_size)``
@@ -17,6 +18,7 @@ sealed blocks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ DEFAULT_MAX_SEQS = 256
 SLOT_META_BYTES = 64
 BLOCK_META_BYTES = 32
 TIER_BYTES_PER_LAYER = 1 + 8 + 8
+QUEST_SUMMARY_ENV = "KVTUNE_QUEST_SUMMARY"  # 0: no e4m3 summary (Quest reads the fp16 bounds)
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,17 @@ class ModelKVShape:
         return torch.empty(0, dtype=self.dtype).element_size()
 
 
+def keeps_summary(config: HybridConfig) -> bool:
+    """Whether the cache keeps Quest's key bounds in e4m3 too (:class:`~kvtune.kernels.layout.QuestSummary8`):
+    with the sparse tier, unless ``KVTUNE_QUEST_SUMMARY=0`` (the selection then reads the fp16 bounds)."""
+    return config.sparse_top_k > 0 and os.environ.get(QUEST_SUMMARY_ENV, "1") != "0"
+
+
 def cold_layout(config: HybridConfig, shape: ModelKVShape) -> ColdLayout:
     return ColdLayout(
-        config.block_size, shape.num_kv_heads, shape.head_dim, config.quantization_bits, shape.dtype
-    )
+        config.block_size, shape.num_kv_heads, shape.head_dim, config.quantization_bits, shape.dtype,
+        summary=keeps_summary(config),
+    )  # fmt: skip
 
 
 def hot_capacity(config: HybridConfig) -> int:

@@ -8,6 +8,7 @@ One pool per layer. ``N`` = blocks, ``H`` = KV heads, ``bs`` = block_size, ``D``
     │ hot_tokens + block_size              │ ────►  k_min, k_scale [N, H, D]   fp16  keys: per channel
     └──────────────────────────────────────┘       v_min, v_scale [N, H, bs]  fp16  values: per token
                                                    block_bits    [N]          uint8 (8, 4 or 0)
+                                                   summary lo, span [N, H, D] e4m3 (with the sparse tier)
 
 * ``x ≈ min + code · scale`` with ``code ∈ [0, 2^bits − 1]``; min is rounded down and scale up to fp16 so that
   ``|x − deq| ≤ scale / 2`` (up to fp32 rounding) for every element of the block.
@@ -19,11 +20,15 @@ One pool per layer. ``N`` = blocks, ``H`` = KV heads, ``bs`` = block_size, ``D``
   ``k_min`` holds the key min per channel and ``k_scale`` holds ``max − min`` (so ``max = min + scale ·
   levels`` with ``levels = 1`` for bits 0, the same formula as the quantized pools with ``levels = 2^bits −
   1``).
-* The key min and max of a block (:func:`key_bounds`) are its metadata for Quest's sparse selection.
+* The key min and max of a block (:func:`key_bounds`) are its metadata for Quest's sparse selection. A
+  layout with ``summary`` also keeps them in float8 e4m3 (:class:`QuestSummary8`, written where the fp16
+  ones are: at the seal and at a demotion), 2 bytes a channel that the selection reads instead of 4
+  (:mod:`kvtune.kernels.quest_summary`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +51,7 @@ class ColdLayout:
     head_dim: int
     bits: int
     dtype: torch.dtype
+    summary: bool = False  # keep Quest's key bounds in e4m3 too (QuestSummary8)
 
     def __post_init__(self) -> None:
         if self.bits not in POOL_BITS:
@@ -71,10 +77,16 @@ class ColdLayout:
         return 2 * self.num_kv_heads * self.block_size * self.code_dim * elem
 
     @property
+    def summary_bytes_per_block(self) -> int:
+        """Bytes of one block's e4m3 key bounds (lo and span, every KV head); 0 without a summary."""
+        return 2 * self.num_kv_heads * self.head_dim if self.summary else 0
+
+    @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block in one layer: codes, key min/scale, value min/scale, block_bits."""
+        """Bytes of one block in one layer: codes, key min/scale, value min/scale, block_bits, and the
+        e4m3 summary where kept."""
         h, d, bs = self.num_kv_heads, self.head_dim, self.block_size
-        return self.code_bytes_per_block + 2 * 2 * h * d + 2 * 2 * h * bs + 1
+        return self.code_bytes_per_block + 2 * 2 * h * d + 2 * 2 * h * bs + 1 + self.summary_bytes_per_block
 
     def allocate(self, num_blocks: int, device: torch.device | str) -> ColdPool:
         """A zeroed pool of ``num_blocks`` blocks; ``block_bits`` = the pool's bits."""
@@ -89,7 +101,14 @@ class ColdLayout:
             v_min=torch.zeros((n, h, bs), dtype=sdt, device=device),
             v_scale=torch.zeros((n, h, bs), dtype=sdt, device=device),
             block_bits=torch.full((n,), self.bits, dtype=torch.uint8, device=device),
+            summary=self._summary((n, h, d), device),
         )
+
+    def _summary(self, shape: tuple[int, ...], device: torch.device | str) -> QuestSummary8 | None:
+        """A zeroed e4m3 summary of ``shape`` ([N, H, D], or [layers, N, H, D]), None without one."""
+        if not self.summary:
+            return None
+        return QuestSummary8(*(torch.zeros(shape, dtype=torch.uint8, device=device).view(E4M3) for _ in "ls"))
 
     def allocate_layers(self, num_layers: int, num_blocks: int, device: torch.device | str) -> list[ColdPool]:
         """One zeroed pool per layer, each field of every layer a slice of one allocation at a constant
@@ -104,10 +123,32 @@ class ColdLayout:
         v_min = torch.zeros((lay, n, h, bs), dtype=sdt, device=device)
         v_scale = torch.zeros((lay, n, h, bs), dtype=sdt, device=device)
         bits = torch.full((lay, -(-n // 16) * 16), self.bits, dtype=torch.uint8, device=device)
+        summ = self._summary((lay, n, h, d), device)
         return [
-            ColdPool(self, k[i], v[i], k_min[i], k_scale[i], v_min[i], v_scale[i], bits[i, :n])
+            ColdPool(
+                self, k[i], v[i], k_min[i], k_scale[i], v_min[i], v_scale[i], bits[i, :n],
+                summary=None if summ is None else QuestSummary8(summ.lo[i], summ.span[i]),
+            )
             for i in range(lay)
-        ]
+        ]  # fmt: skip
+
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448: the largest finite e4m3 value
+
+
+@dataclass(frozen=True)
+class QuestSummary8:
+    """One layer's Quest bounds in float8 e4m3 (:mod:`kvtune.kernels.quest_summary`): ``lo`` and ``span``
+    [num_blocks, H, D], the pool's block ids and KV heads."""
+
+    lo: torch.Tensor
+    span: torch.Tensor
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes Quest reads of one L2 block, every KV head: ``lo`` and ``span``, a byte each per channel."""
+        return 2 * math.prod(self.lo.shape[1:])
 
 
 @dataclass
@@ -116,6 +157,7 @@ class ColdPool:
 
     k, v: [N, H, bs, code_dim] uint8 (bits 4/8) or model dtype (bits 0)
     k_min, k_scale: [N, H, D] fp16 · v_min, v_scale: [N, H, bs] fp16 · block_bits: [N] uint8
+    summary: lo, span [N, H, D] e4m3, or None
     """
 
     layout: ColdLayout
@@ -127,6 +169,7 @@ class ColdPool:
     v_scale: torch.Tensor
     block_bits: torch.Tensor
     may_demote: bool = True  # 8-bit pools may hold demoted 4-bit blocks; False lets kernels skip block_bits
+    summary: QuestSummary8 | None = None  # the e4m3 key bounds, where the layout keeps them
 
     @property
     def bits(self) -> int:

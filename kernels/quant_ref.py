@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvtune.kernels.layout import ColdPool, levels_for_bits
+from kvtune.kernels.quest_summary import write_summary
 
 _F16_TINY = 2.0**-24  # the smallest fp16 subnormal
 _F16_REL = 2.0**-10  # one fp16 ulp relative to the value (at least)
@@ -115,6 +116,7 @@ def seal_blocks_ref(
         pool.v[block_ids] = vt.to(pool.v.dtype)
         pool.k_min[block_ids], pool.k_scale[block_ids] = lo, scale
         pool.block_bits.index_fill_(0, block_ids.long(), 0)  # capture-safe: no host tensor
+        write_summary(pool, block_ids)
         return
     kc, vc, k_min, k_scale, v_min, v_scale = _quantize_block(kt.float(), vt.float(), bits)
     pool.k[block_ids] = _to_row(pool, kc, bits)
@@ -122,6 +124,7 @@ def seal_blocks_ref(
     pool.k_min[block_ids], pool.k_scale[block_ids] = k_min, k_scale
     pool.v_min[block_ids], pool.v_scale[block_ids] = v_min, v_scale
     pool.block_bits.index_fill_(0, block_ids.long(), bits)
+    write_summary(pool, block_ids)
 
 
 def codes_of_rows(rows: torch.Tensor, block_bits: torch.Tensor, pool_bits: int) -> torch.Tensor:

@@ -28,16 +28,10 @@ lies past ±448 (ValueError) instead of scaling the bounds.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from kvtune.kernels.layout import ColdPool, block_levels
+from kvtune.kernels.layout import E4M3, E4M3_MAX, ColdPool, QuestSummary8, block_levels
 from kvtune.kernels.quest_ref import topk_of_scores
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = torch.finfo(E4M3).max  # 448: the largest finite e4m3 value
 
 
 def outward(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
@@ -57,36 +51,69 @@ def outward(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     return torch.where(wrong, nudged, y)
 
 
-@dataclass(frozen=True)
-class QuestSummary8:
-    """One layer's Quest bounds in float8 e4m3 (see the module docstring): ``lo`` and ``span``
-    [num_blocks, H, D], the pool's block ids and KV heads."""
+def outward_codes(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """``x`` (float32) rounded to e4m3 towards +inf (``up``) or -inf, as uint8 codes, by integer operations
+    on the float32 bits (the Triton kernels' ``_outward_e4m3`` does the same; a cast would need sm_89, and
+    Triton 3.6's interpreter rounds it wrongly where the rounding carries into the exponent): the truncated
+    code from the exponent and the top 3 mantissa bits, or from ``|x| · 2^9`` below e4m3's normals, then one
+    code further where the value was inexact and the direction points away from zero. Past ±448 (no finite
+    e4m3 value bounds it) the code saturates at ±448. Equals :func:`outward` wherever both are defined."""
+    a = x.float().abs()
+    b = a.view(torch.int32)
+    e = (b >> 23) - 127
+    normal = e >= -6  # e4m3's smallest normal is 2^-6
+    s = a * 512.0  # below it, |x| in units of the smallest subnormal (2^-9), exact
+    sub = s.to(torch.int32)
+    code = torch.where(normal, ((e + 7) << 3) | ((b >> 20) & 7), sub)
+    inexact = torch.where(normal, (b & 0xFFFFF) != 0, s != sub.float())
+    away = (x > 0) if up else (x < 0)
+    code = torch.clamp(code + (inexact & away).to(torch.int32), max=0x7E)
+    code = code | torch.where(x < 0, 0x80, 0)
+    return code.to(torch.uint8)
 
-    lo: torch.Tensor
-    span: torch.Tensor
 
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes Quest reads of one L2 block, every KV head: ``lo`` and ``span``, a byte each per channel."""
-        return 2 * math.prod(self.lo.shape[1:])
+def summary_codes(
+    k_min: torch.Tensor, k_scale: torch.Tensor, levels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The e4m3 codes (uint8) of ``lo`` and ``span`` from fp16 key minima and scales of the same shape and
+    ``levels`` broadcast to it, in float32 as the seal kernels compute them: ``lo`` = the minimum rounded
+    down; ``span`` = ``(min − lo) + scale · levels`` (each term exact in float32, the sum rounded once and
+    moved one float32 step up where it fell below the exact sum), then rounded up. So ``lo + span`` bounds
+    ``min + scale · levels``, and equals it where that is representable."""
+    lo16 = k_min.float()
+    lo = outward_codes(lo16, up=False)
+    a, b = lo16 - lo.view(E4M3).float(), k_scale.float() * levels
+    d = a + b
+    below = (a - (d - (d - a))) + (b - (d - a)) > 0  # the exact sum above its rounding (TwoSum's error)
+    d = torch.where(below, (d.view(torch.int32) + 1).view(torch.float32), d)
+    return lo, outward_codes(d, up=True)
+
+
+def write_summary(pool: ColdPool, block_ids: torch.Tensor) -> None:
+    """Refresh the pool's summary (where it keeps one) for ``block_ids`` from their fp16 bounds: the
+    reference of what the seal and demotion kernels write. No host synchronization."""
+    if pool.summary is None or block_ids.numel() == 0:
+        return
+    levels = block_levels(pool, block_ids)[..., None, None]
+    lo, span = summary_codes(pool.k_min[block_ids], pool.k_scale[block_ids], levels)
+    pool.summary.lo.view(torch.uint8)[block_ids] = lo
+    pool.summary.span.view(torch.uint8)[block_ids] = span
 
 
 def summary8(pool: ColdPool) -> QuestSummary8:
-    """The e4m3 summary of the pool's key bounds. The maximum ``min + scale · levels`` and the span are
-    computed in float64, where both are exact: ``lo + span`` bounds the true maximum, not only its float32
-    rounding. ValueError where a key minimum or span lies past ±448 (no e4m3 value bounds it)."""
-    k_min = pool.k_min.double()
-    levels = block_levels(pool, torch.arange(pool.num_blocks, device=pool.k_min.device)).double()
-    hi = k_min + pool.k_scale.double() * levels[:, None, None]
-    lo = outward(k_min, E4M3, up=False)
-    span = hi - lo.double()
+    """The e4m3 summary of the pool's key bounds (what the cache's seal writes, :func:`summary_codes`), new
+    tensors. ValueError where a key minimum or span lies past ±448 (no e4m3 value bounds it)."""
+    levels = block_levels(pool, torch.arange(pool.num_blocks, device=pool.k_min.device))[:, None, None]
+    k_min = pool.k_min.float()
+    span = k_min + pool.k_scale.float() * levels - outward(k_min, E4M3, up=False)
     if not bool((k_min.abs() <= E4M3_MAX).all() and (span <= E4M3_MAX).all()):
         raise ValueError(
             "summary8: `|key min| <= 448 and key max - key min <= 448` (float8 e4m3's largest finite value) "
             f"must hold, but got |key min| up to {float(k_min.abs().max()):g} and spans up to "
             f"{float(span.max()):g}"
         )
-    return QuestSummary8(lo.to(E4M3), outward(span, E4M3, up=True).to(E4M3))
+    lo, sp = summary_codes(pool.k_min, pool.k_scale, levels)
+    return QuestSummary8(lo.view(E4M3), sp.view(E4M3))
 
 
 def summary_scores_ref(

@@ -15,6 +15,7 @@ import torch
 
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant_ref import dequantize_blocks_ref, seal_blocks_ref
+from kvtune.kernels.quest_summary import write_summary
 
 
 def requantize_int4_ref(pool: ColdPool, block_ids: torch.Tensor, where: torch.Tensor | None = None) -> None:
@@ -46,3 +47,4 @@ def requantize_int4_ref(pool: ColdPool, block_ids: torch.Tensor, where: torch.Te
         now = getattr(pool, name)[block_ids]
         mask = keep.view(-1, *([1] * (now.dim() - 1)))
         getattr(pool, name)[block_ids] = torch.where(mask, before, now)
+    write_summary(pool, block_ids)  # from the bounds each block ends with

@@ -15,7 +15,9 @@ from kvtune.kernels.quest_summary import QuestSummary8
 from kvtune.kernels.sparse_table_choice import SelectOptions, select_kernel
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, compact, sparse_block_table_ref
 
-__all__ = ["L1", "L2", "ByteCount", "compact", "sparse_block_table", "sparse_block_table_ref"]
+__all__ = [
+    "L1", "L2", "ByteCount", "compact", "selection_summary", "sparse_block_table", "sparse_block_table_ref",
+]  # fmt: skip
 
 
 def sparse_block_table(
@@ -46,3 +48,11 @@ def sparse_block_table(
 
         return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summary)
     return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count, summary)
+
+
+def selection_summary(pool: ColdPool, q: torch.Tensor) -> QuestSummary8 | None:
+    """The summary the selection reads for ``q``'s device: the pool's e4m3 bounds where it keeps them and the
+    device loads e4m3 (sm_89 or newer; the reference on the CPU), else None (the fp16 bounds)."""
+    if pool.summary is None or (use_triton(q) and not arch_of(q.device).fp8):
+        return None
+    return pool.summary

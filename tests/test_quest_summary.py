@@ -15,14 +15,14 @@ import torch
 
 from kvtune.kernels.layout import ColdLayout, ColdPool, key_bounds
 from kvtune.kernels.quant import seal_blocks_ref
-from kvtune.kernels.quest_summary import E4M3, outward, summary8
+from kvtune.kernels.quest_summary import E4M3, outward, outward_codes, summary8
 from kvtune.kernels.requant import requantize_int4_ref
 from kvtune.kernels.sparse_table import L1, L2, ByteCount, sparse_block_table_ref
 from kvtune.tests.triton_testlib import INTERPRETING, fixtures
 
 pytest.importorskip("triton")
 
-MODULES = ("triton_sparse_table", "triton_sparse_split")
+MODULES = ("triton_sparse_table", "triton_sparse_split", "triton_quant")
 # pool kinds: (pool bits, a third of the blocks demoted to 4 bits, may_demote)
 POOLS = {"int8 mixed": (8, True, True), "int8": (8, False, False), "int4": (4, False, False),
          "unquantized": (0, False, False)}  # fmt: skip
@@ -265,3 +265,95 @@ def test_summary_of_e4m3_bounds_selects_the_same_blocks(kind: str) -> None:
     want = sparse_block_table_ref(q, pool, blocks, tier, 20, _count("cpu"))
     got = sparse_block_table_ref(q, pool, blocks, tier, 20, _count("cpu"), summary)
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+# ---- the summary the cache keeps: written by the seal and both demotions, bit for bit the reference's
+def test_outward_codes_equal_outward_and_saturate() -> None:
+    """The integer rounding on the float32 bits (the seal kernels') gives :func:`outward`'s values on every
+    e4m3 value, the halfway points, subnormals and zeros of either sign; past ±448 it saturates at ±448."""
+    halfway = (E4M3_VALUES[1:] + E4M3_VALUES[:-1]) / 2
+    x = torch.cat([E4M3_VALUES, halfway, torch.randn(4000) * 50, torch.randn(1000) * 0.01,
+                   torch.tensor([1e-4, -1e-4, 0.0, -0.0, 7.94, 0.0089])]).clamp(-448, 448)  # fmt: skip
+    for up in (False, True):
+        assert torch.equal(outward_codes(x, up).view(E4M3).float(), outward(x, E4M3, up))
+    big = outward_codes(torch.tensor([449.0, 500.0, 1e6, -449.0, -1e6]), up=True).view(E4M3).float()
+    assert big.tolist() == [448.0, 448.0, 448.0, -448.0, -448.0]
+
+
+def test_layout_keeps_a_summary_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout with ``summary`` allocates e4m3 lo and span per layer (at the key mins' strides) and counts
+    their 2 bytes a channel; the cache's layout keeps one with the sparse tier, unless
+    KVTUNE_QUEST_SUMMARY=0."""
+    from kvtune.cache_impl.layout import QUEST_SUMMARY_ENV, ModelKVShape, cold_layout
+    from kvtune.tests.cache_testlib import config
+
+    plain, kept = (ColdLayout(16, 2, 32, 8, torch.float16, summary=x) for x in (False, True))
+    assert kept.bytes_per_block - plain.bytes_per_block == 2 * 2 * 32
+    pools = kept.allocate_layers(3, 5, "cpu")
+    for pool in pools:
+        assert pool.summary is not None and pool.summary.lo.dtype == E4M3
+        assert pool.summary.lo.stride() == pool.k_min.stride() and pool.summary.lo.shape == pool.k_min.shape
+    assert plain.allocate(5, "cpu").summary is None and kept.allocate(5, "cpu").summary is not None
+    shape = ModelKVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4, dtype=torch.float16)
+    dense = config(hot_tokens=32, block_size=16, quantization_bits=8)
+    sparse = dense.replace(sparse_top_k=64)
+    assert not cold_layout(dense, shape).summary and cold_layout(sparse, shape).summary
+    monkeypatch.setenv(QUEST_SUMMARY_ENV, "0")
+    assert not cold_layout(sparse, shape).summary
+
+
+def _same_codes(a: ColdPool, b: ColdPool) -> bool:
+    assert a.summary is not None and b.summary is not None
+    return all(torch.equal(getattr(a.summary, n).view(torch.uint8), getattr(b.summary, n).view(torch.uint8))
+               for n in ("lo", "span"))  # fmt: skip
+
+
+def check_written_summary(kern: Any, bits: int, device: str) -> None:
+    """Seal (the pool's bits, and 4 in an 8-bit pool's second layer), demote blocks by list and over a
+    layer mask: the Triton kernels' e4m3 codes equal the reference's bit for bit, and :func:`summary8`'s
+    where the keys fit e4m3's range; there lo ≤ every key and lo + span ≥ every key of the block. Keys at
+    scales from 1e-3 to 300 (past ±448 the codes saturate alike)."""
+    quant = kern.triton_quant
+    gen = torch.Generator(device=device).manual_seed(bits)
+    lay = ColdLayout(16, 2, 32, bits, torch.float16, summary=True)
+    got, want = lay.allocate_layers(2, 7, device), lay.allocate_layers(2, 7, device)
+    scale = torch.tensor([1e-3, 3.0, 30.0, 300.0, 1.0], device=device)[:, None, None, None]
+    keys = (torch.randn(5, 16, 2, 32, generator=gen, device=device) * scale).half()
+    vals = torch.randn(5, 16, 2, 32, generator=gen, device=device).half()
+    ids = torch.tensor([0, 2, 3, 5, 6], device=device)
+    for layer in range(2):
+        seal_bits = 4 if bits == 8 and layer == 1 else bits
+        quant.seal_blocks_triton(got[layer], ids, keys, vals, seal_bits)
+        seal_blocks_ref(want[layer], ids, keys, vals, seal_bits)
+        assert _same_codes(got[layer], want[layer]), layer
+    fits = torch.tensor([True, True, True, False, True], device=device)  # the fourth block's keys pass 448
+    for pool in want:
+        s8 = summary8(ColdPool(pool.layout, *(getattr(pool, n)[ids[fits]] for n in
+                      ("k", "v", "k_min", "k_scale", "v_min", "v_scale", "block_bits"))))  # fmt: skip
+        assert pool.summary is not None
+        assert torch.equal(pool.summary.span[ids[fits]].view(torch.uint8), s8.span.view(torch.uint8))
+        lo, span = pool.summary.lo[ids[fits]].float(), pool.summary.span[ids[fits]].float()
+        kt = keys[fits].permute(0, 2, 1, 3).float()
+        assert (lo <= kt.amin(2)).all() and (lo + span >= kt.amax(2)).all()
+    if bits != 8:
+        return
+    quant.requantize_int4_triton(got[0], ids[:2])
+    requantize_int4_ref(want[0], ids[:2])
+    mask = torch.zeros(2, 7, dtype=torch.bool, device=device)
+    mask[0, 3] = mask[0, 6] = mask[1, 5] = True
+    quant.requantize_int4_masked_triton(got, mask)
+    for layer in range(2):
+        requantize_int4_ref(want[layer], torch.arange(7, device=device), where=mask[layer])
+        assert torch.equal(got[layer].k_min, want[layer].k_min)
+        assert _same_codes(got[layer], want[layer]), layer
+
+
+@pytest.mark.parametrize("bits", [8, 4, 0])
+def test_written_summary_interpreted(kernels, bits: int) -> None:
+    check_written_summary(kernels, bits, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4, 0])
+def test_written_summary_gpu(gpu_kernels, bits: int) -> None:
+    check_written_summary(gpu_kernels, bits, "cuda")

@@ -17,6 +17,7 @@ from kvtune.kernels.access import (
 )
 from kvtune.kernels.layout import ColdLayout
 from kvtune.kernels.quant import seal_blocks
+from kvtune.kernels.quest_summary import summary8
 from kvtune.tests.cache_testlib import config, decode_step, new_cache, prefill, qkv
 
 TABLE = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 3]]], dtype=torch.int32)  # one sequence, two KV heads
@@ -159,6 +160,11 @@ def test_cache_plans_every_interval_and_demotes(throttling: bool, done_per_step:
     assert stats["plans"] == 1 and stats["l2_blocks"] == done[-1]
     assert cache.debug_stats()["migrations_queued"] == 12 - done[-1]
     cache.check_integrity()
+    for pool in cache.pools:  # the e4m3 summary follows every seal and demotion
+        assert pool.summary is not None and (pool.block_bits == 4).any()
+        want = summary8(pool)
+        assert torch.equal(pool.summary.lo.view(torch.uint8), want.lo.view(torch.uint8))
+        assert torch.equal(pool.summary.span.view(torch.uint8), want.span.view(torch.uint8))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -195,7 +201,7 @@ def test_device_queue_follows_the_host_spec(seed: int, throttling: bool, explici
     )
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    layout = ColdLayout(8, 2, 16, bits, torch.float32)
+    layout = ColdLayout(8, 2, 16, bits, torch.float32, summary=True)
     states = [TierState(layers, n, torch.device("cpu")) for _ in range(2)]
     pools = [layout.allocate_layers(layers, n, "cpu") for _ in range(2)]
     kv = torch.randn(layers, 2, n, 8, 2, 16, generator=gen)
@@ -226,6 +232,9 @@ def test_device_queue_follows_the_host_spec(seed: int, throttling: bool, explici
         assert dev.queued() == len(queue), step
         for a, b in zip(*pools):
             assert torch.equal(a.block_bits, b.block_bits) and torch.equal(a.k, b.k)
+            assert a.summary is not None and b.summary is not None
+            assert torch.equal(a.summary.span.view(torch.uint8), b.summary.span.view(torch.uint8))
+            assert torch.equal(b.summary.span.view(torch.uint8), summary8(b).span.view(torch.uint8))
     assert done > 0 and (host.tier_host == L2).any()
 
 

@@ -109,7 +109,18 @@ def cold_pool_view(page: PageLayout, pages: torch.Tensor) -> ColdPool:
     for name, (offset, length, dtype, shape) in page.fields().items():
         raw = flat[:, offset : offset + length]
         views[name] = raw[:, 0] if name == "block_bits" else raw.view(dtype).view(-1, *shape)
-    return ColdPool(layout=page.cold, may_demote=False, **views)
+    v = views
+    return ColdPool(
+        page.cold,
+        v["k"],
+        v["v"],
+        v["k_min"],
+        v["k_scale"],
+        v["v_min"],
+        v["v_scale"],
+        v["block_bits"],
+        may_demote=False,
+    )
 
 
 def hot_views(hot_pages: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
