@@ -207,7 +207,7 @@ def test_sparse_static_step_selects_plans_and_migrates_inside_the_graph(tiny, mo
     graphs = DecodeGraphs(tiny.model, cache, 4, cache.layout.blocks_for(100), capture=False, padded=True)
     calls = []
     real = hc.sparse_block_table
-    monkeypatch.setattr(hc, "sparse_block_table", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(hc, "sparse_block_table", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     slots = np.asarray([cache.slot_of(i) for i in range(3)])
     tokens = np.array([3, 4, 5])
     done = []
