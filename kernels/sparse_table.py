@@ -39,7 +39,10 @@ def sparse_block_table(
             f"the float8 Quest summary needs sm_89 or newer (e4m3 loads), but {q.device} is "
             f"{arch_of(q.device).name}: select from the pool's fp16 key bounds (summary=None)"
         )
-    if use_triton(q) and select_kernel(k_blocks, q.shape[2], options, rows, num_sms(q.device)) == "split":
+    kernel = use_triton(q) and select_kernel(
+        k_blocks, q.shape[2], options, rows, num_sms(q.device), summary is not None
+    )
+    if kernel == "split":
         from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
 
         return sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, options, summary)

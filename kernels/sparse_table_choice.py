@@ -26,6 +26,9 @@ from kvtune.kernels.triton_common import cdiv, next_pow2, tileable_head_dim
 SelectKernel = Literal["single", "split"]
 CHUNK = 64  # L2 positions a program scores at a time (the kernels' ``MB``)
 MERGE_KEYS = 1024  # keys the merge ranks at once: splits x next_pow2(k_blocks) at most (32 spans at top 32)
+MERGE_KEYS_SUMMARY = 512  # the same from the e4m3 summary (16 spans at top 32: two-warp spans)
+SPAN_WARPS = 1  # a span program's warps from the fp16 bounds (SelectOptions.warps None)
+SPAN_WARPS_SUMMARY = 2  # and from the e4m3 summary
 
 
 @dataclass(frozen=True)
@@ -35,16 +38,21 @@ class SelectOptions:
     split: score each row's L2 blocks with several programs, then merge their top-k in a second launch
         (``"split"`` of :func:`select_kernel`); None: where the rows are few for the card (:func:`few_rows`:
         on an H200, 32 rows took 32 µs split against 53 µs single, 128 rows 31 µs against 23 µs;
-        ``benchmarks/decode_attention.py --quest``); True / False: always / never.
+        ``benchmarks/decode_attention.py --quest``), and from the e4m3 summary where they are at most one
+        a multiprocessor (:func:`select_kernel`); True / False: always / never.
     programs_per_sm: the split plan aims at this many scoring programs per multiprocessor (8 one-warp
         programs: two warps a scheduler).
     maxnreg: register cap per thread of the span kernel (None: the compiler's choice, 185 at one warp, head
         dim 128 and top 32, no spills; at 8 warps 128 lets two programs share a multiprocessor).
     splits: scoring programs per row (None: planned by :func:`split_plan`; tests and sweeps set it).
-    warps: warps of a span's program. One: a program meets no other warp until the merge, and issues about
-        a quarter fewer instructions a block than at 8 warps (sm_90 SASS). On an H100 SXM, 4 x 128K, top
-        2,048 (``lab/scripts/select_warps.py``, run 52a): 19.7 µs with 32 one-warp spans a row, 26.6 with 8
-        spans of 8 warps and 64 blocks a step; at 16 x 32K 18.3 with 8 one-warp spans, 18.4 single.
+    warps: warps of a span's program (None: :data:`SPAN_WARPS` from the fp16 bounds,
+        :data:`SPAN_WARPS_SUMMARY` from the e4m3 summary). Few warps: a program meets no other warp until
+        the merge, and issues about a quarter fewer instructions a block at one warp than at 8 (sm_90
+        SASS). On an H100 SXM, top 2,048 (``lab/scripts/select_warps.py``, run 52a), fp16 / e4m3 bounds:
+        at 4 x 128K 19.7 / 17.7 µs with 32 one-warp spans a row (1,024-key merge), 22.5 / 17.0 with 16
+        two-warp spans (512 keys), 26.6 / 18.2 with 8 spans of 8 warps and 64 blocks a step; at 16 x 32K
+        (8 spans a row) 20.6 / 16.2 with one warp and 1,024 keys, 18.7 / **14.9** with two warps and 512
+        keys, against 18.4 / 16.8 single.
     chunk: L2 positions a span's program scores at a time, a power of two dividing :data:`CHUNK`.
     """
 
@@ -52,7 +60,7 @@ class SelectOptions:
     programs_per_sm: int = 8
     maxnreg: int | None = None
     splits: int | None = None
-    warps: int = 1
+    warps: int | None = None
     chunk: int = 16
 
     def __post_init__(self) -> None:
@@ -64,10 +72,16 @@ class SelectOptions:
             raise ValueError(f"`32 <= maxnreg <= 255` must hold (or None), but got maxnreg={self.maxnreg}")
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"`splits >= 1` must hold (or None: planned), but got splits={self.splits}")
-        if self.warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"`warps in (1, 2, 4, 8, 16)` must hold, but got warps={self.warps}")
+        if self.warps not in (None, 1, 2, 4, 8, 16):
+            raise ValueError(f"`warps in (1, 2, 4, 8, 16)` must hold (or None), but got warps={self.warps}")
         if self.chunk not in (16, 32, 64):
             raise ValueError(f"`chunk in (16, 32, 64)` must hold, but got chunk={self.chunk}")
+
+    def span_warps(self, summary: bool) -> int:
+        """The span programs' warps: as set, else by the bounds read (see ``warps``)."""
+        if self.warps is not None:
+            return self.warps
+        return SPAN_WARPS_SUMMARY if summary else SPAN_WARPS
 
 
 DEFAULT_SELECT = SelectOptions()
@@ -80,18 +94,27 @@ class SplitPlan(NamedTuple):
     span: int
 
 
-def max_splits(k_blocks: int) -> int:
+def merge_keys(summary: bool = False) -> int:
+    """Keys the merge ranks at once (its build's width): :data:`MERGE_KEYS`, or
+    :data:`MERGE_KEYS_SUMMARY` from the e4m3 summary (a separate build either way)."""
+    return MERGE_KEYS_SUMMARY if summary else MERGE_KEYS
+
+
+def max_splits(k_blocks: int, summary: bool = False) -> int:
     """The most spans a row may have: the merge ranks ``splits x next_pow2(k_blocks)`` keys at once."""
-    return max(1, MERGE_KEYS // next_pow2(k_blocks))
+    return max(1, merge_keys(summary) // next_pow2(k_blocks))
 
 
-def split_plan(rows: int, width: int, k_blocks: int, sms: int, options: SelectOptions) -> SplitPlan:
+def split_plan(
+    rows: int, width: int, k_blocks: int, sms: int, options: SelectOptions, summary: bool = False
+) -> SplitPlan:
     """Spans per row for ``rows`` (sequence, KV head) rows of ``width`` positions on ``sms``
     multiprocessors: about ``options.programs_per_sm`` scoring programs per multiprocessor, at least one
-    chunk per span, at most :func:`max_splits`. Depends on sizes only (no data): capturable."""
+    chunk per span, at most :func:`max_splits` (from the e4m3 summary where ``summary``). Depends on sizes
+    only (no data): capturable."""
     chunks = max(1, cdiv(width, CHUNK))
     wanted = options.splits or cdiv(options.programs_per_sm * sms, max(rows, 1))
-    splits = max(1, min(wanted, chunks, max_splits(k_blocks)))
+    splits = max(1, min(wanted, chunks, max_splits(k_blocks, summary)))
     span = cdiv(chunks, splits) * CHUNK
     return SplitPlan(cdiv(chunks * CHUNK, span), span)
 
@@ -103,14 +126,22 @@ def few_rows(rows: int, sms: int) -> bool:
 
 
 def select_kernel(
-    k_blocks: int, head_dim: int, options: SelectOptions | None = None, rows: int = 0, sms: int = 0
+    k_blocks: int,
+    head_dim: int,
+    options: SelectOptions | None = None,
+    rows: int = 0,
+    sms: int = 0,
+    summary: bool = False,
 ) -> SelectKernel | None:
     """The Triton kernels that build the table, None where the reference must (a head dim the kernels do
     not tile). ``"split"`` where there is something to select (``k_blocks > 0``) and the options ask for it
     (None: :data:`DEFAULT_SELECT`; ``split`` None: where :func:`few_rows` holds for ``rows`` on ``sms``
-    multiprocessors, unknown sizes 0)."""
+    multiprocessors, unknown sizes 0, and from the e4m3 summary (``summary``) where the rows are at most
+    one a multiprocessor: on an H100 SXM at 16 x 32K, 128 rows, 14.9 µs split against 16.8 single from the
+    summary, 18.7 against 18.4 from fp16; run 52a)."""
     if not tileable_head_dim(head_dim):
         return None
     opts = DEFAULT_SELECT if options is None else options
-    split = few_rows(rows, sms) if opts.split is None else opts.split
+    wide = few_rows(rows, sms) or (summary and 0 < rows <= sms)
+    split = wide if opts.split is None else opts.split
     return "split" if split and k_blocks > 0 else "single"

@@ -27,11 +27,11 @@ the single kernel does.
 Why: the single kernel scores a row's L2 blocks one chunk after another in one program per row, 128
 programs at 16 sequences x 8 KV heads (about one per multiprocessor, each waiting on its chunks in turn),
 32 at 4 x 128K. Here a row's chunks are spread over ``splits`` programs (planned from the rows and the
-multiprocessors, :func:`~kvtune.kernels.sparse_table_choice.split_plan`) of one warp each
-(``SelectOptions.warps``, 16 blocks a step): a warp that never waits on another, about a quarter fewer
-instructions a block than at 8 warps, 185 registers and no spills. The merge ranks
-:func:`~kvtune.kernels.sparse_table_choice.max_splits` x ``TOPK`` keys (1,024 at most: 32 spans at top 32;
-those of absent spans masked), one build for every size.
+multiprocessors, :func:`~kvtune.kernels.sparse_table_choice.split_plan`) of one warp each from the fp16
+bounds, two from the e4m3 summary (``SelectOptions.warps``, 16 blocks a step): a warp that never waits on
+another, about a quarter fewer instructions a block than at 8 warps, 185 registers and no spills at one.
+The merge ranks :func:`~kvtune.kernels.sparse_table_choice.max_splits` x ``TOPK`` keys (1,024 at most from
+fp16, 32 spans at top 32; 512 from the summary; those of absent spans masked), one build for every size.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def sparse_block_table_split_triton(
     ``options.split`` is not read); ``summary``: the bounds from its e4m3 lo and span. With nothing to
     select (``k_blocks`` 0) or a head dim the kernels do not tile, the single-program launcher's path."""
     opts = DEFAULT_SELECT if options is None else options
-    if select_kernel(k_blocks, q.shape[2], replace(opts, split=True)) != "split":
+    if select_kernel(k_blocks, q.shape[2], replace(opts, split=True), summary=summary is not None) != "split":
         return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summary)
     table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count, summary)
     B, M = blocks.shape
@@ -225,7 +225,8 @@ def sparse_block_table_split_triton(
         q = q.contiguous()
     H = pool.layout.num_kv_heads
     W, dev = M + k_blocks, q.device
-    plan = split_plan(B * H, M, k_blocks, num_sms(dev), opts)
+    fp8 = summary is not None
+    plan = split_plan(B * H, M, k_blocks, num_sms(dev), opts, fp8)
     topk = next_pow2(k_blocks)
     keys = torch.empty((B * H, plan.splits, topk), dtype=torch.int64, device=dev)
     scratch = torch.empty((B * H, plan.splits, plan.span + topk), dtype=torch.int64, device=dev)
@@ -236,10 +237,10 @@ def sparse_block_table_split_triton(
         scratch, M, W, k_blocks, plan.span, plan.splits, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0),
         k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=opts.chunk, SPLIT=SPLIT, TOPK=topk, T1=L1,
         T2=L2, POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote, SUMMARY8=summary is not None,
-        FILL=FILL, num_warps=opts.warps, num_stages=1, **cap,
+        FILL=FILL, num_warps=opts.span_warps(fp8), num_stages=1, **cap,
     )  # fmt: skip
     launch(_merge_spans_kernel, (B * H,),
         keys, blocks, count.cost, table, n1, count.total, M, W, k_blocks, plan.splits, H=H,
-        TOPK=topk, NK=max_splits(k_blocks) * topk, num_warps=MERGE_WARPS,
+        TOPK=topk, NK=max_splits(k_blocks, fp8) * topk, num_warps=MERGE_WARPS,
     )  # fmt: skip
     return table, num, n1

@@ -53,6 +53,23 @@ def test_the_default_splits_where_rows_are_few(
     assert select_kernel(32, 128, options, rows, sms) == kernel
 
 
+@pytest.mark.parametrize(
+    ("rows", "kernel"),
+    [(32, "split"), (128, "split"), (132, "split"), (133, "single"), (512, "single"), (0, "single")],
+)
+def test_from_the_summary_the_default_splits_up_to_a_row_a_multiprocessor(rows: int, kernel: str) -> None:
+    """From the e4m3 summary the split selection also takes 16 x 32K (128 rows on 132 multiprocessors)."""
+    assert select_kernel(32, 128, None, rows, 132, summary=True) == kernel
+
+
+def test_from_the_summary_spans_have_two_warps_and_the_merge_512_keys() -> None:
+    assert DEFAULT_SELECT.span_warps(False) == 1 and DEFAULT_SELECT.span_warps(True) == 2
+    assert SelectOptions(warps=4).span_warps(True) == 4
+    assert max_splits(32) == 32 and max_splits(32, summary=True) == 16
+    assert split_plan(32, 2047, 32, 132, SPLIT, summary=True) == SplitPlan(16, 2 * CHUNK)  # 4 x 128K
+    assert split_plan(128, 511, 32, 132, SPLIT, summary=True) == SplitPlan(8, CHUNK)  # 16 x 32K
+
+
 # (rows, row width, k_blocks, multiprocessors, options) -> plan
 PLANS = [
     ((128, 511, 32, 132, SPLIT), SplitPlan(8, CHUNK)),  # 16 x 32K, 8 KV heads: 9 wanted, one per chunk

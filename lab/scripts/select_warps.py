@@ -15,7 +15,8 @@ Split variants ``sW:C:S[:R]`` time the split selection (:mod:`kvtune.kernels.tri
 scoring programs a row, 0 = planned, then a merge launch) with its span programs at ``W`` warps and ``C``
 blocks a step, capped at ``R`` registers a thread (0: no cap; default the options'): at one warp a program
 meets no other warp until the merge. The merge ranks ``S`` x top-k blocks keys rounded up to a power of two,
-256 at least (as in run 52a); planned spans (``S`` 0) keep ``MERGE_KEYS`` as set (1,024).
+256 at least (as in run 52a); planned spans (``S`` 0) keep ``MERGE_KEYS`` as set (1,024; 512 from the
+summary).
 
 ``--baseline FILE``: also the single kernel of another version of that module (a copy of the file), at its
 own defaults, as ``base``.
@@ -46,7 +47,7 @@ from kvtune.kernels.sparse_table_choice import SelectOptions
 from kvtune.kernels.triton_common import next_pow2
 
 DEFAULT = (tst.NUM_WARPS, tst.CHUNK)
-MERGE_KEYS = choice.MERGE_KEYS
+MERGE_KEYS = choice.MERGE_KEYS, choice.MERGE_KEYS_SUMMARY
 
 
 class Variant(NamedTuple):
@@ -94,12 +95,13 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[Varia
                 opts = SelectOptions(split=True, splits=variant.splits or None, maxnreg=variant.cap or None,
                                      warps=variant.warps, chunk=variant.chunk)  # fmt: skip
                 if variant.splits:  # the merge as wide as the spans need, 256 keys at least (planned: as set)
-                    choice.MERGE_KEYS = max(256, next_pow2(variant.splits * next_pow2(k_blocks)))
+                    keys = max(256, next_pow2(variant.splits * next_pow2(k_blocks)))
+                    choice.MERGE_KEYS = choice.MERGE_KEYS_SUMMARY = keys
                 try:
                     args = (q, pool, blocks, tier, k_blocks, count, opts, summ)
                     return tss.sparse_block_table_split_triton(*args)
                 finally:
-                    choice.MERGE_KEYS = MERGE_KEYS
+                    choice.MERGE_KEYS, choice.MERGE_KEYS_SUMMARY = MERGE_KEYS
             tst.NUM_WARPS, tst.CHUNK = variant.warps, variant.chunk
             try:
                 return tst.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
