@@ -269,9 +269,14 @@ def zero_count() -> ByteCount:
 
 
 def summary_default() -> bool:
-    """Whether the cache's selection reads the e4m3 summary here: kept (``KVTUNE_QUEST_SUMMARY`` not 0) and
+    """Whether the cache's selection reads the e4m3 summary here: kept (``KVTUNE_QUEST_SUMMARY=1``) and
     loadable (sm_89 or newer)."""
-    return os.environ.get(QUEST_SUMMARY_ENV, "1") != "0" and DEVICE == "cuda" and arch_of(DEVICE).fp8
+    return os.environ.get(QUEST_SUMMARY_ENV, "0") == "1" and summary_loads()
+
+
+def summary_loads() -> bool:
+    """Whether the selection can read an e4m3 summary here (sm_89 or newer)."""
+    return DEVICE == "cuda" and arch_of(DEVICE).fp8
 
 
 def sparse_case(
@@ -750,9 +755,11 @@ def main() -> int:
             for bits in (8, 4, 0):
                 case = sparse_rows(batch, length, bits)
                 row[f"sparse{bits}"] = sparse_case(case, chosen[f"sparse{bits}"], summary=summary)
-            for bits in (8, 4, 0) if summary else ():  # the fp16 bounds, same run
-                fp16 = sparse_case(sparse_rows(batch, length, bits), chosen[f"sparse{bits}"])
-                row[f"sparse{bits}_fp16"] = fp16
+            for bits in (8, 4, 0) if summary_loads() else ():  # Quest's other bounds, same run
+                other = sparse_case(
+                    sparse_rows(batch, length, bits), chosen[f"sparse{bits}"], summary=not summary
+                )
+                row[f"sparse{bits}_other"] = other
         rows.append(row)
         log(json.dumps(row))
     results["rows"] = rows
@@ -819,14 +826,19 @@ def format_table(results: dict) -> str:
         if parts:
             lines.append(f"\nSparse step at {r['batch']} x {r['length'] // 1024}K, its parts alone (ms): "
                          + "; ".join(parts))  # fmt: skip
-        fp16 = [
+        other = [
             f"{label} {x['ms']:.3f} ({x['ms'] / r['sdpa_ms']:.3f}x; Quest {1e3 * x['selection_ms']:.1f} µs)"
-            for label, name in (("INT8", "sparse8_fp16"), ("INT4", "sparse4_fp16"), ("unq.", "sparse0_fp16"))
+            for label, name in (
+                ("INT8", "sparse8_other"),
+                ("INT4", "sparse4_other"),
+                ("unq.", "sparse0_other"),
+            )
             if (x := r.get(name))
         ]
-        if fp16:
-            lines.append(f"\nThe same sparse steps, Quest on the fp16 bounds, same run, {r['batch']} x "
-                         f"{r['length'] // 1024}K (ms): " + "; ".join(fp16))  # fmt: skip
+        if other:
+            bounds = "the e4m3 summary" if r["sparse8_other"]["summary"] else "the fp16 bounds"
+            lines.append(f"\nThe same sparse steps, Quest on {bounds}, same run, {r['batch']} x "
+                         f"{r['length'] // 1024}K (ms): " + "; ".join(other))  # fmt: skip
     return "\n".join(lines)
 
 

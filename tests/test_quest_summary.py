@@ -282,8 +282,8 @@ def test_outward_codes_equal_outward_and_saturate() -> None:
 
 def test_layout_keeps_a_summary_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """A layout with ``summary`` allocates e4m3 lo and span per layer (at the key mins' strides) and counts
-    their 2 bytes a channel; the cache's layout keeps one with the sparse tier, unless
-    KVTUNE_QUEST_SUMMARY=0."""
+    their 2 bytes a channel; the cache's layout keeps one with the sparse tier where
+    KVTUNE_QUEST_SUMMARY=1."""
     from kvtune.cache_impl.layout import QUEST_SUMMARY_ENV, ModelKVShape, cold_layout
     from kvtune.tests.cache_testlib import config
 
@@ -297,9 +297,10 @@ def test_layout_keeps_a_summary_only_where_asked(monkeypatch: pytest.MonkeyPatch
     shape = ModelKVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4, dtype=torch.float16)
     dense = config(hot_tokens=32, block_size=16, quantization_bits=8)
     sparse = dense.replace(sparse_top_k=64)
+    monkeypatch.delenv(QUEST_SUMMARY_ENV, raising=False)
+    assert not cold_layout(dense, shape).summary and not cold_layout(sparse, shape).summary
+    monkeypatch.setenv(QUEST_SUMMARY_ENV, "1")
     assert not cold_layout(dense, shape).summary and cold_layout(sparse, shape).summary
-    monkeypatch.setenv(QUEST_SUMMARY_ENV, "0")
-    assert not cold_layout(sparse, shape).summary
 
 
 def _same_codes(a: ColdPool, b: ColdPool) -> bool:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtune.cache_impl.layout import QUEST_SUMMARY_ENV
 from kvtune.cache_impl.tiers import L1, L2, MigrationQueue, Migrations, TierState, load_factor, threshold_ms
 from kvtune.kernels.access import (
     accessed_blocks_ref,
@@ -136,8 +137,12 @@ def test_queue_new_plan_replaces_rest_and_drops_finished() -> None:
 
 
 @pytest.mark.parametrize(("throttling", "done_per_step"), [(False, [12, 0]), (True, [3, 3])])
-def test_cache_plans_every_interval_and_demotes(throttling: bool, done_per_step: list[int]) -> None:
-    """Threshold 1 ms and 1 s steps: at the planning step every in-use block is cold enough to go to L2."""
+def test_cache_plans_every_interval_and_demotes(
+    throttling: bool, done_per_step: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Threshold 1 ms and 1 s steps: at the planning step every in-use block is cold enough to go to L2.
+    The cache keeps the e4m3 summary (KVTUNE_QUEST_SUMMARY=1): it follows every seal and demotion."""
+    monkeypatch.setenv(QUEST_SUMMARY_ENV, "1")
     cfg = config(
         quantization_bits=8,
         sparse_top_k=8,
