@@ -28,8 +28,10 @@ pytestmark = pytest.mark.skipif(INTERPRETING, reason="kernels defined under the 
 
 
 # ---- the launches: CPU tensors of real decode shapes
-def _pool(bits: int, heads: int = 8, d: int = 128, bs: int = 64, demotable: bool = True) -> ColdPool:
-    pool = ColdLayout(bs, heads, d, bits, torch.bfloat16).allocate(40, "cpu")
+def _pool(
+    bits: int, heads: int = 8, d: int = 128, bs: int = 64, demotable: bool = True, summary: bool = False
+) -> ColdPool:
+    pool = ColdLayout(bs, heads, d, bits, torch.bfloat16, summary=summary).allocate(40, "cpu")
     pool.may_demote = demotable
     return pool
 
@@ -101,15 +103,19 @@ def _quest(bits: int, b: int = 2, m: int = 9) -> Callable[[], Any]:
     return lambda: quest_scores_triton(q, _pool(bits), table, count)
 
 
-def _seal(pool_bits: int, bits: int, from_hot_zones: bool = False) -> Callable[[], Any]:
+def _seal(
+    pool_bits: int, bits: int, from_hot_zones: bool = False, summary: bool = False
+) -> Callable[[], Any]:
+    """The seal's launch; ``summary``: the pool keeps the e4m3 key bounds, which the kernel writes too."""
     from kvtune.kernels.triton_quant import seal_blocks_triton
 
+    pool = _pool(pool_bits, summary=summary)
     if from_hot_zones:  # the cache's path: block i read in place from hot zone rows[i]
         zones = torch.zeros(2, 6, 8, 96, 128, dtype=torch.bfloat16)[:, :, :, :64].transpose(2, 3)
         rows = torch.tensor([4, 0, 2])
-        return lambda: seal_blocks_triton(_pool(pool_bits), torch.arange(3), zones[0], zones[1], bits, rows)
+        return lambda: seal_blocks_triton(pool, torch.arange(3), zones[0], zones[1], bits, rows)
     kv = torch.zeros(2, 5, 64, 8, 128, dtype=torch.bfloat16)
-    return lambda: seal_blocks_triton(_pool(pool_bits), torch.arange(5), kv[0], kv[1], bits)
+    return lambda: seal_blocks_triton(pool, torch.arange(5), kv[0], kv[1], bits)
 
 
 def _pack(bits: int, heads: int = 8, d: int = 128, bs: int = 64) -> Callable[[], Any]:
@@ -132,16 +138,17 @@ def _hot_write(rows: bool) -> Callable[[], Any]:
     return lambda: hot_write_triton(hot, k, k.clone(), torch.arange(5), torch.arange(5), which)
 
 
-def _requantize() -> Callable[[], Any]:
+def _requantize(summary: bool = False) -> Callable[[], Any]:
     from kvtune.kernels.triton_quant import requantize_int4_triton
 
-    return lambda: requantize_int4_triton(_pool(8), torch.arange(5))
+    pool = _pool(8, summary=summary)
+    return lambda: requantize_int4_triton(pool, torch.arange(5))
 
 
-def _requantize_masked() -> Callable[[], Any]:
+def _requantize_masked(summary: bool = False) -> Callable[[], Any]:
     from kvtune.kernels.triton_quant import requantize_int4_masked_triton
 
-    pools = ColdLayout(64, 8, 128, 8, torch.bfloat16).allocate_layers(2, 40, "cpu")
+    pools = ColdLayout(64, 8, 128, 8, torch.bfloat16, summary=summary).allocate_layers(2, 40, "cpu")
     return lambda: requantize_int4_masked_triton(pools, torch.ones(2, 40, dtype=torch.bool))
 
 
@@ -282,6 +289,11 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         "seal unquantized from hot zones": lambda: _seal(0, 0, from_hot_zones=True),
         "requantize": _requantize,
         "requantize masked": _requantize_masked,
+        # the e4m3 summary's writes: integer rounding only, so every architecture compiles them
+        "seal int8 with the summary": lambda: _seal(8, 8, from_hot_zones=True, summary=True),
+        "seal unquantized with the summary": lambda: _seal(0, 0, summary=True),
+        "requantize with the summary": lambda: _requantize(summary=True),
+        "requantize masked with the summary": lambda: _requantize_masked(summary=True),
         **{f"pack {name}": (lambda bits=bits: _pack(bits)) for name, bits in (("int8", 8), ("int4", 4),
                                                                                ("unquantized", 0))},
         "hot write from rows": lambda: _hot_write(True),
