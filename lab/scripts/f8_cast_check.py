@@ -4,10 +4,10 @@ blocks a seal kernel would need to write the e4m3 Quest summary.
 
 Under ``TRITON_INTERPRET=1`` (Triton 3.6, on the CPU) the cast is wrong where the rounding carries into
 the exponent: of 1,024 values of N(0, 10) some differ (7.86 -> 4.0, -1.98 -> -1.0, where PyTorch gives 8.0
-and -2.0), so the outward codes miss too. ``_outward_bits`` rounds on the float32 bits instead (integer
-operations: the truncated code from the exponent and the top 3 mantissa bits, or from ``|x| * 2^9`` below
-e4m3's normals, one code further where inexact and away from zero is the direction), the same in the
-interpreter and compiled.
+and -2.0), so the outward codes miss too. The seal kernels' ``_outward_e4m3``
+(:mod:`kvtune.kernels.triton_quant`) rounds on the float32 bits instead (integer operations: the truncated
+code from the exponent and the top 3 mantissa bits, or from ``|x| * 2^9`` below e4m3's normals, one code
+further where inexact and away from zero is the direction), the same in the interpreter and compiled.
 On a GPU, run it to see the compiled cast.
 
     TRITON_INTERPRET=1 python lab/scripts/f8_cast_check.py
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.quest_summary import outward
+from kvtune.kernels.triton_quant import _outward_e4m3
 
 E4M3 = torch.float8_e4m3fn
 
@@ -39,28 +40,11 @@ def _cast(x_ptr, y_ptr, lo_ptr, up_ptr, N: tl.constexpr):
 
 
 @triton.jit
-def _outward_bits(x, UP: tl.constexpr):
-    """``x`` (float32, |x| <= 448) rounded to e4m3 towards +inf (UP) or -inf, as float8e4nv."""
-    a = tl.abs(x)
-    b = a.to(tl.int32, bitcast=True)
-    e = (b >> 23) - 127
-    normal = e >= -6  # e4m3's smallest normal is 2^-6
-    s = a * 512.0  # below it, |x| in units of the smallest subnormal (2^-9), exact
-    sub = s.to(tl.int32)
-    code = tl.where(normal, ((e + 7) << 3) | ((b >> 20) & 7), sub)
-    inexact = tl.where(normal, (b & 0xFFFFF) != 0, s != sub.to(tl.float32))
-    away = (x > 0) if UP else (x < 0)  # rounding away from zero: the next code (carries into the exponent)
-    code = tl.minimum(code + (inexact & away).to(tl.int32), 0x7E)
-    code = code | tl.where(x < 0, 0x80, 0)
-    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
 def _bits(x_ptr, lo_ptr, up_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     x = tl.load(x_ptr + i)
-    tl.store(lo_ptr + i, _outward_bits(x, False))
-    tl.store(up_ptr + i, _outward_bits(x, True))
+    tl.store(lo_ptr + i, _outward_e4m3(x, False)[0])
+    tl.store(up_ptr + i, _outward_e4m3(x, True)[0])
 
 
 def main() -> int:
@@ -83,7 +67,7 @@ def main() -> int:
     print()
     want = {"down": outward(x, E4M3, up=False), "up": outward(x, E4M3, up=True)}
     lo_b, up_b = torch.empty_like(lo), torch.empty_like(up)
-    _bits[(1,)](x, lo_b, up_b, N=n)
+    _bits[(1,)](x, lo_b.view(torch.uint8), up_b.view(torch.uint8), N=n)
     for how, got in (("cast and nudge, down", lo), ("cast and nudge, up", up), ("on the bits, down", lo_b),
                      ("on the bits, up", up_b)):  # fmt: skip
         miss = int((got.float() != want[how.rsplit(" ", 1)[1]]).sum())
