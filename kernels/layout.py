@@ -8,7 +8,7 @@ One pool per layer. ``N`` = blocks, ``H`` = KV heads, ``bs`` = block_size, ``D``
     │ hot_tokens + block_size              │ ────►  k_min, k_scale [N, H, D]   fp16  keys: per channel
     └──────────────────────────────────────┘       v_min, v_scale [N, H, bs]  fp16  values: per token
                                                    block_bits    [N]          uint8 (8, 4 or 0)
-                                                   summary lo, span [N, H, D] e4m3 (with the sparse tier)
+                                                   summary lo, span [N, H, D] e4m3 (where asked)
 
 * ``x ≈ min + code · scale`` with ``code ∈ [0, 2^bits − 1]``; min is rounded down and scale up to fp16 so that
   ``|x − deq| ≤ scale / 2`` (up to fp32 rounding) for every element of the block.
@@ -108,7 +108,8 @@ class ColdLayout:
         """A zeroed e4m3 summary of ``shape`` ([N, H, D], or [layers, N, H, D]), None without one."""
         if not self.summary:
             return None
-        return QuestSummary8(*(torch.zeros(shape, dtype=torch.uint8, device=device).view(E4M3) for _ in "ls"))
+        lo, span = (torch.zeros(shape, dtype=torch.uint8, device=device).view(E4M3) for _ in range(2))
+        return QuestSummary8(lo, span)
 
     def allocate_layers(self, num_layers: int, num_blocks: int, device: torch.device | str) -> list[ColdPool]:
         """One zeroed pool per layer, each field of every layer a slice of one allocation at a constant
