@@ -63,10 +63,10 @@ class ModelKVShape:
 def keeps_summary(config: HybridConfig) -> bool:
     """Whether the cache keeps Quest's key bounds in e4m3 too (:class:`~kvtune.kernels.layout.QuestSummary8`),
     which its selection then reads on sm_89 and newer: with the sparse tier where ``KVTUNE_QUEST_SUMMARY=1``.
-    Off by default: on the real SmolLM2 weights, six sparse configs, the aggregation probe recalled as many
-    facts from the e4m3 bounds as from the fp16 ones in four and one fact fewer in two, its NLL per value
-    token between −10 % and +22 % (``docs/RESULTS.md``): no consistent effect, but too few facts to rule one
-    out, against a selection 1.5-3.5 µs a layer shorter (run 52a, an H100)."""
+    Off by default: on the real SmolLM2 weights, in ten sparse configs, the aggregation probe recalled as
+    many facts from the e4m3 bounds as from the fp16 ones in six and one fact fewer (of 12) in four, never
+    more (``docs/RESULTS.md``): a hint of a small loss, against a selection 1.5-3.5 µs a layer shorter (run
+    52a, an H100)."""
     return config.sparse_top_k > 0 and os.environ.get(QUEST_SUMMARY_ENV, "0") == "1"
 
 
