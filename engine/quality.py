@@ -96,6 +96,7 @@ class QualityResult:
     aggregation_base_rate: float | None = None
     aggregation_nll: float | None = None
     aggregation_base_nll: float | None = None
+    aggregation_facts: int | None = None  # pairs asked back: prompts × AGGREGATION_PAIRS
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
@@ -140,9 +141,11 @@ def measure_quality(
     passkey: bool = True,
     progress: Progress | None = None,
     aggregation: bool = False,
+    aggregation_prompts: int = AGGREGATION_PROMPTS,
 ) -> QualityResult:
     """Measure ``config`` against ``config.unquantized()`` on ``text`` (see the module docstring);
-    ``aggregation``: also the aggregation probe (:mod:`kvtune.engine.aggregation`) on the same text."""
+    ``aggregation``: also the aggregation probe (:mod:`kvtune.engine.aggregation`) on the same text, with
+    ``aggregation_prompts`` prompts of :data:`~kvtune.engine.aggregation.AGGREGATION_PAIRS` pairs each."""
     check_quality_args(windows, prefill_tokens, decode_tokens, step_ms)
     ids = text_token_ids(loaded, text)
     starts = window_starts(len(ids), windows, prefill_tokens + decode_tokens + 1)
@@ -150,7 +153,11 @@ def measure_quality(
     if passkey:
         min_length = passkey_min_length(loaded)
         trials = passkey_trials(config, prefill_tokens, loaded.spec.max_context, step_ms, min_length)
-    probe = aggregation_probe(loaded, config, ids, prefill_tokens, step_ms) if aggregation else None
+    probe = (
+        aggregation_probe(loaded, config, ids, prefill_tokens, step_ms, aggregation_prompts)
+        if aggregation
+        else None
+    )
     probe_total = probe_steps(*probe) if probe else 0
     ticker = _Ticker(progress, windows * decode_tokens + sum(t.steps for t in trials) + probe_total)
     totals = _Totals()
@@ -169,26 +176,34 @@ def measure_quality(
         aggregation_base_rate=score.base_rate,
         aggregation_nll=score.nll,
         aggregation_base_nll=score.base_nll,
+        aggregation_facts=len(probe[0]) * AGGREGATION_PAIRS,
     )
 
 
 def aggregation_probe(
-    loaded: Any, config: HybridConfig, text_ids: Sequence[int], prefill_tokens: int, step_ms: float
+    loaded: Any,
+    config: HybridConfig,
+    text_ids: Sequence[int],
+    prefill_tokens: int,
+    step_ms: float,
+    prompts: int = AGGREGATION_PROMPTS,
 ) -> tuple[list[AggregationPrompt], int]:
     """The aggregation probe's prompts (contexts of ``prefill_tokens`` tokens, at least
     :func:`~kvtune.engine.aggregation.min_aggregation_length`, filler from ``text_ids``) and how many of the
     context's last tokens are fed by decode steps (as for the passkey: :func:`passkey_forced_steps`)."""
     tokenize = lambda s: text_token_ids(loaded, s)
     length = max(prefill_tokens, min_aggregation_length(tokenize))
-    prompts = aggregation_prompts(
-        tokenize, text_ids, loaded.spec.bos_token_id, length, AGGREGATION_PROMPTS, AGGREGATION_PAIRS
+    if prompts < 1:
+        raise ValueError(f"`aggregation_prompts >= 1` must hold, but got aggregation_prompts={prompts}")
+    built = aggregation_prompts(
+        tokenize, text_ids, loaded.spec.bos_token_id, length, prompts, AGGREGATION_PAIRS
     )
-    if len(prompts[0].tokens) > loaded.spec.max_context:
+    if len(built[0].tokens) > loaded.spec.max_context:
         raise ValueError(
-            f"the aggregation probe needs {len(prompts[0].tokens)} tokens, but the model's context allows "
+            f"the aggregation probe needs {len(built[0].tokens)} tokens, but the model's context allows "
             f"{loaded.spec.max_context}: use a smaller prefill"
         )
-    return prompts, passkey_forced_steps(config, length, step_ms)
+    return built, passkey_forced_steps(config, length, step_ms)
 
 
 def text_token_ids(loaded: Any, text: str) -> list[int]:

@@ -182,6 +182,18 @@ def test_aggregation_probe_runs_beside_the_baseline(tiny, text, bits, sparse):
         assert (r.aggregation_rate, r.aggregation_nll) == (r.aggregation_base_rate, r.aggregation_base_nll)
 
 
+def test_aggregation_probe_asks_as_many_prompts_as_given(tiny, text):
+    """``aggregation_prompts`` prompts of AGGREGATION_PAIRS facts each, in one batch; fewer than one is an
+    error naming the rule."""
+    config = _config(8, sparse_top_k=16, migration_interval=4, migration_threshold_ms=100.0)
+    kw: dict = dict(windows=1, prefill_tokens=32, decode_tokens=4, passkey=False, aggregation=True)
+    r = measure_quality(tiny, config, text, aggregation_prompts=3, **kw)
+    assert r.aggregation_facts == 3 * AGGREGATION_PAIRS and 0.0 <= r.aggregation_rate <= 1.0
+    assert measure_quality(tiny, config, text, **kw).aggregation_facts == 2 * AGGREGATION_PAIRS
+    with pytest.raises(ValueError, match="`aggregation_prompts >= 1`"):
+        measure_quality(tiny, config, text, aggregation_prompts=0, **kw)
+
+
 def test_quality_without_the_probe_reports_none(results):
     d = results[8].to_dict()
     assert d["aggregation_rate"] is None and d["aggregation_base_nll"] is None
@@ -198,6 +210,7 @@ def test_quality_command_reports_the_aggregation_probe_unless_skipped(tmp_path, 
     assert main(argv + ["--no-aggregation"] * skip) == 0
     rate = json.loads(out.read_text())["aggregation_rate"]
     assert (rate is None) if skip else (0.0 <= rate <= 1.0)
+    assert json.loads(out.read_text())["aggregation_facts"] == (None if skip else 2 * AGGREGATION_PAIRS)
     assert ("skipped" in capsys.readouterr().out.split("pairs recalled")[1].splitlines()[0]) == skip
 
 

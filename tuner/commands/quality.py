@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtune.cache_impl.config import HybridConfig
+from kvtune.engine.aggregation import AGGREGATION_PROMPTS
 from kvtune.engine.engine import resolve_device
 from kvtune.engine.metrics import json_safe
 from kvtune.engine.model import load_model
@@ -53,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the aggregation probe (6 key-value pairs spread over --prefill tokens, recalled)",
     )
+    parser.add_argument(
+        "--aggregation-prompts",
+        type=int,
+        default=AGGREGATION_PROMPTS,
+        help=f"the aggregation probe's prompts, 6 pairs each, decoded as one batch (default "
+        f"{AGGREGATION_PROMPTS}); more prompts, a finer recall rate",
+    )
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="model precision (default float32)"
@@ -69,6 +77,7 @@ LIMITS: Limits = {
     "--decode": (1, True),
     "--step-ms": (0, False),
     "--threads": (1, True),
+    "--aggregation-prompts": (1, True),
 }
 
 
@@ -101,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             not args.no_passkey,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
             aggregation=not args.no_aggregation,
+            aggregation_prompts=args.aggregation_prompts,
         )
     d = result.to_dict()
     table_console().print(_table(d, args.model, text_path))
@@ -139,7 +149,7 @@ def _table(d: dict[str, Any], model: str, text: Path) -> Table:
     table.add_row("attention on L2 blocks", f"{100 * d['l2_attention_share']:.1f} %")
     table.add_row("passkey (config / base)", f"{_rate(d['passkey_rate'])} / {_rate(d['passkey_base_rate'])}")
     table.add_row(
-        "aggregation: pairs recalled (config / base)",
+        f"aggregation: pairs recalled of {d.get('aggregation_facts') or '-'} (config / base)",
         f"{_rate(d['aggregation_rate'])} / {_rate(d['aggregation_base_rate'])}",
     )
     if d["aggregation_nll"] is not None:
