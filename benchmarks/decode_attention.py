@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -44,12 +43,11 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kvtune.cache_impl.layout import QUEST_SUMMARY_ENV
-from kvtune.kernels.arch import arch_of
+from kvtune.cache_impl.layout import summary_asked
 from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import dequantize_blocks_ref
 from kvtune.kernels.quest_summary import QuestSummary8, summary8
-from kvtune.kernels.sparse_table import L1, L2, ByteCount, sparse_block_table
+from kvtune.kernels.sparse_table import L1, L2, ByteCount, loads_summary, sparse_block_table
 from kvtune.kernels.sparse_table_choice import SelectOptions, split_plan
 from kvtune.kernels.triton_decode import (
     PURE_INT8,
@@ -271,12 +269,12 @@ def zero_count() -> ByteCount:
 def summary_default() -> bool:
     """Whether the cache's selection reads the e4m3 summary here: kept (``KVTUNE_QUEST_SUMMARY=1``) and
     loadable (sm_89 or newer)."""
-    return os.environ.get(QUEST_SUMMARY_ENV, "0") == "1" and summary_loads()
+    return summary_asked() and summary_loads()
 
 
 def summary_loads() -> bool:
-    """Whether the selection can read an e4m3 summary here (sm_89 or newer)."""
-    return DEVICE == "cuda" and arch_of(DEVICE).fp8
+    """Whether the selection's kernels read an e4m3 summary here (a GPU of sm_89 or newer)."""
+    return DEVICE == "cuda" and loads_summary(torch.device(DEVICE))
 
 
 def sparse_case(

@@ -68,7 +68,12 @@ def keeps_summary(config: HybridConfig) -> bool:
     more, and with 48 facts a config 39 against 41 of 192 (``docs/RESULTS.md``): a loss of a fact in a
     hundred at most, against a selection 1.5-3.5 µs a layer shorter (run 52a, an H100), not yet measured
     through the cache on a GPU."""
-    return config.sparse_top_k > 0 and os.environ.get(QUEST_SUMMARY_ENV, "0") == "1"
+    return config.sparse_top_k > 0 and summary_asked()
+
+
+def summary_asked() -> bool:
+    """Whether ``KVTUNE_QUEST_SUMMARY=1`` asks sparse configs to keep the e4m3 summary."""
+    return os.environ.get(QUEST_SUMMARY_ENV, "0") == "1"
 
 
 def cold_layout(config: HybridConfig, shape: ModelKVShape) -> ColdLayout:

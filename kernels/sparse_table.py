@@ -16,7 +16,8 @@ from kvtune.kernels.sparse_table_choice import SelectOptions, select_kernel
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, compact, sparse_block_table_ref
 
 __all__ = [
-    "L1", "L2", "ByteCount", "compact", "selection_summary", "sparse_block_table", "sparse_block_table_ref",
+    "L1", "L2", "ByteCount", "compact", "loads_summary", "selection_summary", "sparse_block_table",
+    "sparse_block_table_ref",
 ]  # fmt: skip
 
 
@@ -34,7 +35,7 @@ def sparse_block_table(
     :func:`kvtune.kernels.sparse_table_choice.select_kernel`; None: the default). ``summary``: select from
     the pool's float8 key bounds (:mod:`kvtune.kernels.quest_summary`) instead of its fp16 ones."""
     rows = q.shape[0] * pool.layout.num_kv_heads
-    if summary is not None and use_triton(q) and not arch_of(q.device).fp8:
+    if summary is not None and not loads_summary(q.device):
         raise ValueError(
             f"the float8 Quest summary needs sm_89 or newer (e4m3 loads), but {q.device} is "
             f"{arch_of(q.device).name}: select from the pool's fp16 key bounds (summary=None)"
@@ -53,9 +54,13 @@ def sparse_block_table(
     return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count, summary)
 
 
+def loads_summary(device: torch.device) -> bool:
+    """Whether the selection can read an e4m3 summary on ``device``: the reference anywhere, the Triton
+    kernels on sm_89 or newer (e4m3 loads)."""
+    return not use_triton(device) or arch_of(device).fp8
+
+
 def selection_summary(pool: ColdPool, q: torch.Tensor) -> QuestSummary8 | None:
     """The summary the selection reads for ``q``'s device: the pool's e4m3 bounds where it keeps them and the
-    device loads e4m3 (sm_89 or newer; the reference on the CPU), else None (the fp16 bounds)."""
-    if pool.summary is None or (use_triton(q) and not arch_of(q.device).fp8):
-        return None
-    return pool.summary
+    device loads them (:func:`loads_summary`), else None (the fp16 bounds)."""
+    return pool.summary if pool.summary is not None and loads_summary(q.device) else None
