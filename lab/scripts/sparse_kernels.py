@@ -1,0 +1,150 @@
+"""Where the sparse step's time goes: each kernel of ``attend(select())`` on the device's own clock.
+
+The sparse rows of ``benchmarks/decode_attention.py`` (L1 1/8 + top 2,048; sparse INT8 with its L2 blocks
+demoted to 4 bits, INT4, unquantized) at 16 x 32K and 4 x 128K: the whole step captured as one CUDA graph,
+replayed ``--steps`` times under ``torch.profiler``; from the trace's kernel records (device timestamps),
+per step: each kernel's duration (median over the steps), the step's span (first kernel's start to last
+kernel's end), the union of the kernels' intervals (busy) and the span's idle part (gaps between kernels,
+launch latency inside the graph). Kernels that overlap (a programmatic dependent launch) count once in busy.
+With ``--summary`` Quest reads the e4m3 summary (sm_89+), as the cache does with ``KVTUNE_QUEST_SUMMARY=1``.
+The same step timed by ``do_bench_cudagraph`` beside it, and SDPA bf16 in the same process.
+
+    python lab/scripts/sparse_kernels.py --out $OUT [--steps 20] [--summary] [--shapes 16:32768,4:131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import decode_attention as da
+
+from kvtune.kernels.decode_choice import default_options
+from kvtune.kernels.quest_summary import summary8
+from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
+
+
+def step_fn(case: da.Case, summary: bool):
+    inp, blocks, tier, count = da.sparse_setup(case)
+    pool = inp["pool"]
+    k_blocks = da.SPARSE_TOKENS // da.BS
+    bounds = summary8(pool) if summary else None
+    options = default_options(case.bits)
+
+    def step():
+        table, num_cold, _ = da.select_table(inp["q"], pool, blocks, tier, k_blocks, count, None, bounds)
+        return hybrid_decode_attention_triton(
+            inp["q"], inp["hot_k"], inp["hot_v"], inp["hot_slot"], inp["hot_len"], pool, table, num_cold,
+            1 / math.sqrt(da.D), options=options,
+        )  # fmt: skip
+
+    return step
+
+
+def profile_steps(step, steps: int, trace: Path) -> list[dict]:
+    """Replays of one captured step under the profiler; each step's kernels as (name, start, end) in µs."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm on the side stream, as the capture will run
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    torch.cuda.synchronize()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+            torch.cuda.synchronize()  # one replay at a time: a step's kernels lie between syncs
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = sorted(
+        ((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel"),
+        key=lambda k: k[0],
+    )
+    if not kernels:
+        raise SystemExit("the trace holds no kernel records (graph kernels untraced by this CUPTI?)")
+    per = len(kernels) // steps
+    if per * steps != len(kernels):
+        raise SystemExit(f"{len(kernels)} kernels over {steps} steps: not a whole number a step")
+    out = []
+    for i in range(steps):
+        ks = kernels[i * per : (i + 1) * per]
+        busy, end = 0.0, -math.inf
+        for s, e, _ in ks:  # union of intervals (sorted by start)
+            if e > end:
+                busy += e - max(s, end)
+                end = e
+        out.append(dict(span=max(e for _, e, _ in ks) - ks[0][0], busy=busy,
+                        kernels=[(n, e - s) for s, e, n in ks]))  # fmt: skip
+    return out
+
+
+def short(name: str) -> str:
+    return name.split("(")[0].split("<")[0][:48]
+
+
+def summarise(steps: list[dict]) -> dict:
+    med = statistics.median
+    names = [short(n) for n, _ in steps[0]["kernels"]]
+    per_kernel = defaultdict(list)
+    for st in steps:
+        for j, (_, d) in enumerate(st["kernels"]):
+            per_kernel[j].append(d)
+    return dict(
+        span_us=med(s["span"] for s in steps), busy_us=med(s["busy"] for s in steps),
+        sum_us=med(sum(d for _, d in s["kernels"]) for s in steps),
+        kernels=[dict(name=names[j], us=med(per_kernel[j])) for j in range(len(names))],
+    )  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--summary", action="store_true", help="Quest from the e4m3 summary (sm_89+)")
+    ap.add_argument("--shapes", default="16:32768,4:131072")
+    ap.add_argument("--bits", default="8,4,0")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a GPU (device timestamps of graph replays)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    da.GRAPHS = True
+    torch.manual_seed(0)
+    results = []
+    for shape in args.shapes.split(","):
+        b, length = (int(x) for x in shape.split(":"))
+        sdpa_ms, _ = da.sdpa_case(b, length)
+        for bits in (int(x) for x in args.bits.split(",")):
+            case = da.sparse_rows(b, length, bits)
+            step = step_fn(case, args.summary)
+            ms = da.bench(step)
+            tag = f"{b}x{length // 1024}K_b{bits}{'_e4m3' if args.summary else ''}"
+            res = summarise(profile_steps(step, args.steps, args.out / f"trace_{tag}.json"))
+            res.update(shape=shape, bits=bits, summary=args.summary, graph_ms=ms, sdpa_ms=sdpa_ms)
+            results.append(res)
+            print(f"{tag}: graph {ms * 1e3:.1f} µs ({ms / sdpa_ms:.3f}x SDPA {sdpa_ms:.4f} ms); span "
+                  f"{res['span_us']:.1f}, busy {res['busy_us']:.1f}, kernels' sum {res['sum_us']:.1f} µs",
+                  flush=True)  # fmt: skip
+            for k in res["kernels"]:
+                print(f"    {k['us']:7.1f} µs  {k['name']}", flush=True)
+            (args.out / f"trace_{tag}.json").unlink()  # large; the summary keeps what it showed
+    (args.out / "sparse_kernels.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
