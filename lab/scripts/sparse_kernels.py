@@ -70,7 +70,12 @@ def profile_steps(step, steps: int, trace: Path) -> list[dict]:
             graph.replay()
             torch.cuda.synchronize()  # one replay at a time: a step's kernels lie between syncs
     prof.export_chrome_trace(str(trace))
-    events = json.loads(trace.read_text())["traceEvents"]
+    return step_kernels(json.loads(trace.read_text())["traceEvents"], steps)
+
+
+def step_kernels(events: list[dict], steps: int) -> list[dict]:
+    """A trace's kernel records cut into ``steps`` equal steps: each step's span, busy time (the union of
+    its kernels' intervals) and kernels (name, duration), in µs."""
     kernels = sorted(
         ((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel"),
         key=lambda k: k[0],
