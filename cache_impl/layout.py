@@ -63,11 +63,10 @@ class ModelKVShape:
 def keeps_summary(config: HybridConfig) -> bool:
     """Whether the cache keeps Quest's key bounds in e4m3 too (:class:`~kvtune.kernels.layout.QuestSummary8`),
     which its selection then reads on sm_89 and newer: with the sparse tier where ``KVTUNE_QUEST_SUMMARY=1``.
-    Off by default: on the real SmolLM2 weights, in ten sparse configs, the aggregation probe recalled as
-    many facts from the e4m3 bounds as from the fp16 ones in six and one fact fewer (of 12) in four, never
-    more, and with 48 facts a config 39 against 41 of 192 (``docs/RESULTS.md``): a loss of a fact in a
-    hundred at most, against a selection 1.5-3.5 µs a layer shorter (run 52a, an H100), not yet measured
-    through the cache on a GPU."""
+    Off by default until its speed through the cache is timed on a GPU (run 52a, an H100, timed the
+    selection alone: 1.5-3.5 µs a layer shorter); on the real SmolLM2 weights the aggregation probe recalled
+    as many facts from the e4m3 bounds as from the fp16 ones, 117 of 576 over four sparse configs
+    (``docs/RESULTS.md``)."""
     return config.sparse_top_k > 0 and summary_asked()
 
 
