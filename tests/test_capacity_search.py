@@ -168,6 +168,9 @@ def test_a_search_stops_at_the_saturation_rate() -> None:
     assert capped.to_dict()["saturated"] and capped.to_dict()["max_rate"] == 10.0
     below, _ = search_to_end(CapacitySearch(start=1.0, granularity=0.05, max_probes=16, max_rate=10.0), 9.0)
     assert below.converged and not below.saturated and below.lo <= 9.0 < below.hi <= 10.0  # type: ignore[operator]
+    assert not below.near_saturation and capped.near_saturation and not free.near_saturation
+    short, _ = search_to_end(CapacitySearch(start=1.0, granularity=0.05, max_probes=16, max_rate=10.0), 9.9)
+    assert short.converged and not short.saturated and short.near_saturation  # one step below the cap
     high = CapacitySearch(start=50.0, max_rate=10.0)
     assert high.next_rate() == 10.0 and high.record(10.0, False).next_rate() == 5.0
     with pytest.raises(ValueError, match="max_rate > 0"):
