@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kvtune.cache_impl.layout import summary_asked
+from kvtune.cache_impl.layout import summary_setting
 from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import dequantize_blocks_ref
 from kvtune.kernels.quest_summary import QuestSummary8, summary8
@@ -267,9 +267,9 @@ def zero_count() -> ByteCount:
 
 
 def summary_default() -> bool:
-    """Whether the cache's selection reads the e4m3 summary here: kept (``KVTUNE_QUEST_SUMMARY=1``) and
-    loadable (sm_89 or newer)."""
-    return summary_asked() and summary_loads()
+    """Whether the cache's selection reads the e4m3 summary here: loadable (sm_89 or newer) and not turned
+    off (``KVTUNE_QUEST_SUMMARY=0``)."""
+    return summary_setting() != "0" and summary_loads()
 
 
 def summary_loads() -> bool:

@@ -168,7 +168,7 @@ class HybridCache:
         max_seqs: int | None = None,
     ) -> None:
         self.config, self.shape, self.device = config, shape, torch.device(device)
-        self.layout = cache_layout(config, shape, budget_bytes, max_seqs)
+        self.layout = cache_layout(config, shape, budget_bytes, max_seqs, self.device)
         lay, n_layers = self.layout, shape.num_layers
         hot_shape = (n_layers, lay.num_slots, shape.num_kv_heads, hot_capacity(config), shape.head_dim)
         # K and V hot zones in one tensor [layers, 2, slots, H, C, D], so one copy shifts both after a seal

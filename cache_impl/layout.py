@@ -31,7 +31,8 @@ DEFAULT_MAX_SEQS = 256
 SLOT_META_BYTES = 64
 BLOCK_META_BYTES = 32
 TIER_BYTES_PER_LAYER = 1 + 8 + 8
-QUEST_SUMMARY_ENV = "KVTUNE_QUEST_SUMMARY"  # 1: keep the e4m3 summary (Quest reads it on sm_89+)
+QUEST_SUMMARY_ENV = "KVTUNE_QUEST_SUMMARY"  # auto (default), 1 or 0: keep the e4m3 summary (keeps_summary)
+QUEST_SUMMARY_VALUES = ("auto", "1", "0")
 
 
 @dataclass(frozen=True)
@@ -60,25 +61,45 @@ class ModelKVShape:
         return torch.empty(0, dtype=self.dtype).element_size()
 
 
-def keeps_summary(config: HybridConfig) -> bool:
-    """Whether the cache keeps Quest's key bounds in e4m3 too (:class:`~kvtune.kernels.layout.QuestSummary8`),
-    which its selection then reads on sm_89 and newer: with the sparse tier where ``KVTUNE_QUEST_SUMMARY=1``.
-    Off by default until its speed through the cache is timed on a GPU (run 52a, an H100, timed the
-    selection alone: 1.5-3.5 µs a layer shorter); on the real SmolLM2 weights the aggregation probe recalled
-    as many facts from the e4m3 bounds as from the fp16 ones, 117 of 576 over four sparse configs
-    (``docs/RESULTS.md``)."""
-    return config.sparse_top_k > 0 and summary_asked()
+def keeps_summary(config: HybridConfig, device: torch.device | str | None = None) -> bool:
+    """Whether a cache on ``device`` keeps Quest's key bounds in e4m3 too
+    (:class:`~kvtune.kernels.layout.QuestSummary8`), which its selection then reads on sm_89 and newer. Only
+    with the sparse tier; ``KVTUNE_QUEST_SUMMARY`` decides: ``auto`` (the default) keeps it where ``device``
+    is a GPU of sm_89 or newer (None: the process's current GPU, if it has one; never on the CPU), ``1``
+    on every device, ``0`` nowhere. Through the cache's sparse step it is 2-5 µs a layer shorter on an H100
+    at 16 x 32K and 4 x 128K, and on the real SmolLM2 weights the aggregation probe recalled as many facts
+    from it as from the fp16 bounds, 117 of 576 over four sparse configs (``docs/RESULTS.md``)."""
+    if config.sparse_top_k <= 0:
+        return False
+    setting = summary_setting()
+    return summary_loads_on(device) if setting == "auto" else setting == "1"
 
 
-def summary_asked() -> bool:
-    """Whether ``KVTUNE_QUEST_SUMMARY=1`` asks sparse configs to keep the e4m3 summary."""
-    return os.environ.get(QUEST_SUMMARY_ENV, "0") == "1"
+def summary_setting() -> str:
+    """``KVTUNE_QUEST_SUMMARY``: ``auto`` when unset; ``ValueError`` for anything but auto, 1 or 0."""
+    value = os.environ.get(QUEST_SUMMARY_ENV, "").strip() or "auto"
+    if value not in QUEST_SUMMARY_VALUES:
+        raise ValueError(f"{QUEST_SUMMARY_ENV}={value!r}: must be auto, 1 or 0")
+    return value
 
 
-def cold_layout(config: HybridConfig, shape: ModelKVShape) -> ColdLayout:
+def summary_loads_on(device: torch.device | str | None) -> bool:
+    """Whether ``device`` is a GPU whose kernels load e4m3 (sm_89 or newer); None: the process's current GPU
+    (False without one)."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def cold_layout(config: HybridConfig, shape: ModelKVShape, summary: bool | None = None) -> ColdLayout:
+    """The cold pool's layout; ``summary``: whether it keeps the e4m3 bounds (None: :func:`keeps_summary` for
+    the process's current GPU)."""
     return ColdLayout(
         config.block_size, shape.num_kv_heads, shape.head_dim, config.quantization_bits, shape.dtype,
-        summary=keeps_summary(config),
+        summary=keeps_summary(config) if summary is None else summary,
     )  # fmt: skip
 
 
@@ -92,9 +113,10 @@ def hot_bytes_per_seq(config: HybridConfig, shape: ModelKVShape) -> int:
     return elems * shape.element_size + SLOT_META_BYTES
 
 
-def block_bytes(config: HybridConfig, shape: ModelKVShape) -> int:
-    """Bytes of one physical block over all layers, its metadata included."""
-    per_layer = cold_layout(config, shape).bytes_per_block + TIER_BYTES_PER_LAYER
+def block_bytes(config: HybridConfig, shape: ModelKVShape, summary: bool | None = None) -> int:
+    """Bytes of one physical block over all layers, its metadata included (``summary``: as
+    :func:`cold_layout`)."""
+    per_layer = cold_layout(config, shape, summary).bytes_per_block + TIER_BYTES_PER_LAYER
     return shape.num_layers * per_layer + BLOCK_META_BYTES
 
 
@@ -114,6 +136,7 @@ class CacheLayout:
     num_blocks: int
     hot_bytes_per_seq: int
     block_bytes: int
+    summary: bool = False  # the cold pool keeps the e4m3 bounds too (keeps_summary)
 
     @property
     def total_bytes(self) -> int:
@@ -122,7 +145,7 @@ class CacheLayout:
 
     @property
     def cold(self) -> ColdLayout:
-        return cold_layout(self.config, self.shape)
+        return cold_layout(self.config, self.shape, self.summary)
 
     def blocks_for(self, length: int) -> int:
         return blocks_for(self.config, length)
@@ -134,9 +157,14 @@ class CacheLayout:
 
 
 def cache_layout(
-    config: HybridConfig, shape: ModelKVShape, budget_bytes: int, max_seqs: int | None = None
+    config: HybridConfig,
+    shape: ModelKVShape,
+    budget_bytes: int,
+    max_seqs: int | None = None,
+    device: torch.device | str | None = None,
 ) -> CacheLayout:
-    """The layout ``budget_bytes`` buys; ``ValueError`` if it cannot hold one hot zone."""
+    """The layout ``budget_bytes`` buys for a cache on ``device`` (None: the process's current GPU, for
+    :func:`keeps_summary`); ``ValueError`` if it cannot hold one hot zone."""
     hot = hot_bytes_per_seq(config, shape)
     if budget_bytes < hot:
         raise ValueError(
@@ -146,9 +174,10 @@ def cache_layout(
         raise ValueError(f"`max_seqs >= 1` must hold, but got max_seqs={max_seqs}")
     wanted = DEFAULT_MAX_SEQS if max_seqs is None else max_seqs
     slots = min(wanted, max(1, budget_bytes // (2 * hot)))
-    blk = block_bytes(config, shape)
+    summary = keeps_summary(config, device)
+    blk = block_bytes(config, shape, summary)
     blocks = (budget_bytes - slots * hot) // blk
-    return CacheLayout(config, shape, int(budget_bytes), slots, int(blocks), hot, blk)
+    return CacheLayout(config, shape, int(budget_bytes), slots, int(blocks), hot, blk, summary)
 
 
 def sequences_for_budget(config: HybridConfig, shape: ModelKVShape, budget_bytes: int, length: float) -> int:

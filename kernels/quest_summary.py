@@ -19,8 +19,9 @@ single kernel took 20.6 µs from the summary against 22.5 µs from fp16 at 16 ×
 against 26.6 µs at 4 × 128K: half the bytes took 8-17 % off, so the bytes are not the whole of the
 selection's time.
 
-The cache keeps a summary where ``KVTUNE_QUEST_SUMMARY=1`` and the config has the sparse tier
-(:func:`kvtune.cache_impl.layout.keeps_summary`; off by default, for the quality it costs): the layout
+A cache whose config has the sparse tier keeps a summary on a GPU of sm_89 or newer
+(:func:`kvtune.cache_impl.layout.keeps_summary`: ``KVTUNE_QUEST_SUMMARY`` auto, the default; 1 on every
+device, 0 never): the layout
 allocates it beside the fp16 bounds and counts its bytes, the seal and both demotion kernels write it
 (:func:`summary_codes`, rounded by integer operations on the float32 bits: :func:`outward_codes`), and the
 selection reads it on sm_89 and newer.

@@ -282,9 +282,10 @@ def test_outward_codes_equal_outward_and_saturate() -> None:
 
 def test_layout_keeps_a_summary_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """A layout with ``summary`` allocates e4m3 lo and span per layer (at the key mins' strides) and counts
-    their 2 bytes a channel; the cache's layout keeps one with the sparse tier where
-    KVTUNE_QUEST_SUMMARY=1."""
-    from kvtune.cache_impl.layout import QUEST_SUMMARY_ENV, ModelKVShape, cold_layout
+    their 2 bytes a channel; the cache's layout keeps one with the sparse tier: by default (auto) only on a
+    GPU that loads e4m3, never on the CPU; everywhere with KVTUNE_QUEST_SUMMARY=1, nowhere with 0; any other
+    value is refused in one line."""
+    from kvtune.cache_impl.layout import QUEST_SUMMARY_ENV, ModelKVShape, cache_layout, cold_layout
     from kvtune.tests.cache_testlib import config
 
     plain, kept = (ColdLayout(16, 2, 32, 8, torch.float16, summary=x) for x in (False, True))
@@ -297,10 +298,44 @@ def test_layout_keeps_a_summary_only_where_asked(monkeypatch: pytest.MonkeyPatch
     shape = ModelKVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4, dtype=torch.float16)
     dense = config(hot_tokens=32, block_size=16, quantization_bits=8)
     sparse = dense.replace(sparse_top_k=64)
-    monkeypatch.delenv(QUEST_SUMMARY_ENV, raising=False)
-    assert not cold_layout(dense, shape).summary and not cold_layout(sparse, shape).summary
+    for unset in (None, "auto", ""):  # auto: the CPU cache does not keep it
+        if unset is None:
+            monkeypatch.delenv(QUEST_SUMMARY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(QUEST_SUMMARY_ENV, unset)
+        assert (
+            not cold_layout(dense, shape).summary
+            and not cache_layout(sparse, shape, 1 << 24, None, "cpu").summary
+        )
     monkeypatch.setenv(QUEST_SUMMARY_ENV, "1")
     assert not cold_layout(dense, shape).summary and cold_layout(sparse, shape).summary
+    on = cache_layout(sparse, shape, 1 << 24, None, "cpu")
+    off = cache_layout(sparse.replace(sparse_top_k=0), shape, 1 << 24, None, "cpu")
+    assert on.summary and on.cold.summary and on.block_bytes - off.block_bytes == 2 * (2 * 2 * 32)  # 2 layers
+    monkeypatch.setenv(QUEST_SUMMARY_ENV, "0")
+    assert not cold_layout(sparse, shape).summary
+    monkeypatch.setenv(QUEST_SUMMARY_ENV, "yes")
+    with pytest.raises(ValueError, match=r"^KVTUNE_QUEST_SUMMARY='yes': must be auto, 1 or 0$"):
+        cold_layout(sparse, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the default follows it")
+def test_a_gpu_cache_keeps_the_summary_by_default_where_it_loads_e4m3(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Auto: a sparse cache on a GPU of sm_89 or newer keeps the e4m3 summary and its selection reads it; on
+    an older GPU it keeps only the fp16 bounds."""
+    from kvtune.cache_impl.hybrid_cache import HybridCache
+    from kvtune.cache_impl.layout import QUEST_SUMMARY_ENV, ModelKVShape
+    from kvtune.tests.cache_testlib import config
+
+    monkeypatch.delenv(QUEST_SUMMARY_ENV, raising=False)
+    shape = ModelKVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4, dtype=torch.float16)
+    cache = HybridCache(config(hot_tokens=32, block_size=16, quantization_bits=8, sparse_top_k=64), shape,
+                          1 << 24, "cuda")  # fmt: skip
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    assert cache.layout.summary == fp8 and all((p.summary is not None) == fp8 for p in cache.pools)
 
 
 def _same_codes(a: ColdPool, b: ColdPool) -> bool:
