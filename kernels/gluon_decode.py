@@ -342,6 +342,14 @@ def _launch_dependents(x):
 
 
 @gluon.jit
+def _wait_primary(x):
+    """``griddepcontrol.wait``: wait until the launch this one depends on (programmatically) has ended and its
+    memory is visible."""
+    return gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [x],
+                                     dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def _block_id(table_ptr, row, j, j1):
     """Entry ``j`` of the block-table row at ``row`` as int64 (0 past the split's end ``j1``)."""
     return gl.load(table_ptr + row + j, mask=j < j1, other=0).to(gl.int64)
@@ -468,12 +476,14 @@ def _cold_kernel(
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
     KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, ROW: gl.constexpr,
-    SPLIT_MAJOR: gl.constexpr = False,
+    SPLIT_MAJOR: gl.constexpr = False, FOLLOW: gl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
     partial (m, l, acc) in the layout of ``_split_kernel``'s partials (slot ``part0 + split`` of the row's
     ``part_stride``), and each block's lse. ``ROW``: bytes from one code row to the next (``C``; ``D`` for
-    the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each row)."""
+    the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each row). ``FOLLOW``: this launch
+    is a programmatic dependent of the build before it, whose outputs it does not read: it waits for that
+    build only after its own stores (``gluon_overlap``)."""
     pid_s = gl.program_id(1 if SPLIT_MAJOR else 0)  # SPLIT_MAJOR: grid (B * H, splits)
     bh = gl.program_id(0 if SPLIT_MAJOR else 1)
     if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
@@ -612,6 +622,8 @@ def _cold_kernel(
                  mask=o_mask)  # fmt: skip
     gl.store(part_ml_ptr + part * 2 * G + rows, m_i, mask=(rows < G) & (pid_s < busy))
     gl.store(part_ml_ptr + part * 2 * G + G + rows, l_i, mask=(rows < G) & (pid_s < busy))
+    if FOLLOW:  # end no earlier than the build before: the merge, waiting on this launch, then has both
+        _wait_primary(pid_s)
 
 
 # ---- host side ----
@@ -712,13 +724,15 @@ SPLIT_MAJOR = True
 
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
                 stages: int = 2, pdl: bool = False, key_rows: bool = True, table_ahead: bool = True,
-                row: int | None = None) -> object:  # fmt: skip
+                row: int | None = None, follow: bool = False) -> object:  # fmt: skip
     """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H), in :data:`SPLIT_MAJOR` order, with its runtime
     ``args`` (in order); ``pdl``: the next launch on the stream, a programmatic dependent, may start at once;
     ``row``: bytes between code rows (None: the pool's own width, ``D * kind / 8``; ``D`` for 4-bit codes in
-    an 8-bit pool)."""
+    an 8-bit pool); ``follow``: launched as a programmatic dependent of the launch before it (launched with
+    ``pdl``), which it does not read, and waits for it at its end (``FOLLOW``)."""
     channels = D if kind == 8 else D // 2
     constants = build_constants(channels, T, stages, key_rows, table_ahead)
     order = (grid[1], grid[0]) if SPLIT_MAJOR else grid
+    extra: dict[str, object] = {"FOLLOW": True, "launch_pdl": True} if follow else {}
     return launch(_cold_kernel, order, *args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, ROW=row or channels,
-                  SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **constants)  # fmt: skip
+                  SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **constants, **extra)  # fmt: skip

@@ -763,7 +763,9 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
     splits - 1``), then the 4-bit build over the second half (its ``splits4`` slots after those; its 4-bit
     codes fill the first ``D / 2`` bytes of the pool's ``D``-byte rows), each block's lse where
     ``parts.positions`` points. Only the second launch lets the merge start early (``pdl``): the merge's
-    wait then follows both. Returns the 8-bit build (its occupancy plans the splits)."""
+    wait then follows both. With ``gluon_overlap`` (and ``pdl``) the 8-bit build lets the 4-bit one start
+    early too, which waits for it only at its end. Returns the 8-bit build (its occupancy plans the
+    splits)."""
     B, _, D = q.shape
     H = parts.table.shape[1]
     w = parts.table.shape[2] // 2
@@ -774,14 +776,16 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
     head = (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale)
     strides = (q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0),
                pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1))  # fmt: skip
+    overlap = pdl and opts.gluon_overlap
     launched = []
     for i, (kind, stages, splits, busy, part0) in enumerate(builds):
         launched.append(gluon_decode.launch_cold(
             (splits, B * H),
             (*head, parts.table[..., i * w:], parts.counts[i], part_acc, part_ml, blk_lse[:, i * w:],
              qk_scale, busy, splits, 2 * w, slots, part0, *strides),
-            H=H, G=q.shape[1] // H, D=D, T=pool.k.shape[2], kind=kind, stages=stages, pdl=pdl and i == 1,
-            key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead, row=D,
+            H=H, G=q.shape[1] // H, D=D, T=pool.k.shape[2], kind=kind, stages=stages,
+            pdl=pdl and (i == 1 or overlap), key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead,
+            row=D, follow=overlap and i == 1,
         ))  # fmt: skip
     return launched[0]
 

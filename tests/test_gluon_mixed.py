@@ -222,13 +222,15 @@ GPU_SHAPES = [
 ]
 
 
-def _mixed_options(td, stages: int = 3, pdl: bool = True):
-    return replace(td.default_options(8), gluon_mixed=True, gluon_stages=stages, gluon_pdl=pdl)
+def _mixed_options(td, stages: int = 3, pdl: bool = True, overlap: bool = False):
+    return replace(td.default_options(8), gluon_mixed=True, gluon_stages=stages, gluon_pdl=pdl,
+                   gluon_overlap=overlap)  # fmt: skip
 
 
-def _check_mixed(td, shape: Shape, dtype: torch.dtype, stages: int = 3, pdl: bool = True) -> None:
+def _check_mixed(td, shape: Shape, dtype: torch.dtype, stages: int = 3, pdl: bool = True,
+                 overlap: bool = False) -> None:  # fmt: skip
     inp = make_decode(shape, 8, dtype, "cuda", demote=True)
-    opts = _mixed_options(td, stages, pdl)
+    opts = _mixed_options(td, stages, pdl, overlap)
     plan = td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)
     assert plan.kernel == "gluon_mixed" and plan.stages4 == min(stages, 2)
     want = hybrid_decode_attention_ref(**inp)
@@ -254,15 +256,27 @@ def test_mixed_gluon_variants_gpu(gpu_kernels, stages: int, pdl: bool) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_mixed_gluon_with_the_builds_overlapped_gpu(gpu_kernels, shape: Shape) -> None:
+    """``gluon_overlap``: the 4-bit build started beside the 8-bit one still matches the reference, block
+    mass included (the merge waits on the 4-bit build, which ends after the 8-bit one)."""
+    _check_mixed(gpu_kernels.triton_decode, shape, torch.bfloat16, overlap=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES[:3], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_mixed_gluon_in_a_cuda_graph_gpu(gpu_kernels, shape: Shape, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["after", "overlapped"])
+def test_mixed_gluon_in_a_cuda_graph_gpu(
+    gpu_kernels, shape: Shape, dtype: torch.dtype, overlap: bool
+) -> None:
     """Captured once, replayed on new queries, a new table (other blocks, other counts, other bits mix) and
     new hot lengths written into the captured inputs: each replay matches the reference of what the inputs
-    then hold (nothing is read back to the host while capturing; a sync would fail the capture)."""
+    then hold (nothing is read back to the host while capturing; a sync would fail the capture); with the
+    4-bit build after the 8-bit one and beside it (``gluon_overlap``)."""
     td = gpu_kernels.triton_decode
     inp = make_decode(shape, 8, dtype, "cuda", demote=True)
-    opts = _mixed_options(td)
+    opts = _mixed_options(td, overlap=overlap)
     run = lambda: td.hybrid_decode_attention_triton(**inp, options=opts)
     run()  # compiles, and reads the build's occupancy, outside the capture
     torch.cuda.synchronize()

@@ -79,11 +79,12 @@ def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64
 
 
 def _gluon_mixed(d: int = 128, bs: int = 64, b: int = 3, m: int = 9, stages: int = 3, heads: int = 8,
-                 group: int = 4, arch: Any = None) -> Callable[[], Any]:  # fmt: skip
+                 group: int = 4, arch: Any = None, overlap: bool = False) -> Callable[[], Any]:  # fmt: skip
     """The launches of the mixed Gluon path (an 8-bit pool with demoted blocks: the partition kernel, the
-    8-bit and the 4-bit builds, the merge); the launcher is told it applies, as for ``_gluon``."""
+    8-bit and the 4-bit builds, the merge); the launcher is told it applies, as for ``_gluon``;
+    ``overlap``: the 4-bit build beside the 8-bit one (``gluon_overlap``)."""
     return _decode(8, demotable=True, heads=heads, group=group, d=d, b=b, m=m, bs=bs, kernel="gluon_mixed",
-                   arch=arch, gluon_mixed=True, gluon_stages=stages)  # fmt: skip
+                   arch=arch, gluon_mixed=True, gluon_stages=stages, gluon_overlap=overlap)  # fmt: skip
 
 
 def _partition(b: int = 3, m: int = 9, heads: int = 8) -> Callable[[], Any]:
@@ -215,6 +216,7 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     **{f"decode int8 gluon mixed d{d} bs{bs}": (lambda d=d, bs=bs: _gluon_mixed(d, bs))
        for d in (64, 128) for bs in (16, 32, 64)},
     "decode int8 gluon mixed smollm2 heads": lambda: _gluon_mixed(64, 32, heads=3, group=3),
+    "decode int8 gluon mixed, builds overlapped": lambda: _gluon_mixed(overlap=True),
     **{f"decode int8 gluon mixed stages {s}": (lambda s=s: _gluon_mixed(stages=s)) for s in (0, 2)},
     "bits partition": _partition,
     "bits partition 16 x 543": lambda: _partition(b=16, m=543),
@@ -265,6 +267,28 @@ def test_kernels_compile_for_sm90(case: str) -> None:
         compiled = compile_launch(launch)
         assert compiled.asm["cubin"], f"{launch.fn.__name__}: no cubin"
         assert ".target sm_90" in compiled.asm["ptx"]
+
+
+def test_overlapped_builds_launch_the_4_bit_build_as_a_dependent_that_waits_at_its_end() -> None:
+    """``gluon_overlap`` on sm_90: the 8-bit build lets the next launch start (``launch_dependents``), the
+    4-bit build is that programmatic dependent and waits for it (``griddepcontrol.wait``) after its last
+    store, and lets the merge start; without it the 8-bit build has neither and the 4-bit build no wait. On
+    sm_80 the plan drops the programmatic launches altogether."""
+    for overlap in (False, True):
+        launches = record_launches(_gluon_mixed(overlap=overlap))
+        names = [launch.fn.__name__ for launch in launches]
+        assert names == ["_partition_kernel", "_cold_kernel", "_cold_kernel", "_merge_kernel"], names
+        eight, four = launches[1], launches[2]
+        assert eight.kwargs["KIND"] == 8 and four.kwargs["KIND"] == 4
+        ptx8, ptx4 = (compile_launch(x).asm["ptx"] for x in (eight, four))
+        assert ("griddepcontrol.launch_dependents" in ptx8) == overlap and "griddepcontrol.wait" not in ptx8
+        assert "griddepcontrol.launch_dependents" in ptx4
+        assert ("griddepcontrol.wait" in ptx4) == overlap and bool(four.kwargs.get("launch_pdl")) == overlap
+        if overlap:  # the wait comes after the partials' stores
+            assert ptx4.rindex("griddepcontrol.wait") > ptx4.rindex("st.global")
+    old = ARCHS["sm_80"]
+    for launch in record_launches(_gluon_mixed(arch=old, overlap=True)):
+        assert not launch.kwargs.get("launch_pdl") and not launch.kwargs.get("FOLLOW"), launch.fn.__name__
 
 
 # ---- the compile matrix: every card's architecture, with the options the dispatcher picks there -----------

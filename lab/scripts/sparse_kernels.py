@@ -7,9 +7,12 @@ per step: each kernel's duration (median over the steps), the step's span (first
 kernel's end), the union of the kernels' intervals (busy) and the span's idle part (gaps between kernels,
 launch latency inside the graph). Kernels that overlap (a programmatic dependent launch) count once in busy.
 With ``--summary`` Quest reads the e4m3 summary (sm_89+), as the cache does with ``KVTUNE_QUEST_SUMMARY=1``.
-The same step timed by ``do_bench_cudagraph`` beside it, and SDPA bf16 in the same process.
+The same step timed by ``do_bench_cudagraph`` beside it, and SDPA bf16 in the same process. With
+``--overlap both`` the INT8 steps run with ``gluon_overlap`` off and on (the 4-bit build started beside the
+8-bit one), ``--rounds`` times each, alternating, for an A/B in one process.
 
     python lab/scripts/sparse_kernels.py --out $OUT [--steps 20] [--summary] [--shapes 16:32768,4:131072]
+        [--overlap off|on|both] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,12 +36,12 @@ from kvtune.kernels.quest_summary import summary8
 from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
 
 
-def step_fn(case: da.Case, summary: bool):
+def step_fn(case: da.Case, summary: bool, overlap: bool = False):
     inp, blocks, tier, count = da.sparse_setup(case)
     pool = inp["pool"]
     k_blocks = da.SPARSE_TOKENS // da.BS
     bounds = summary8(pool) if summary else None
-    options = default_options(case.bits)
+    options = replace(default_options(case.bits), gluon_overlap=overlap)
 
     def step():
         table, num_cold, _ = da.select_table(inp["q"], pool, blocks, tier, k_blocks, count, None, bounds)
@@ -116,6 +120,17 @@ def summarise(steps: list[dict]) -> dict:
     )  # fmt: skip
 
 
+def variants(bits: str, overlap: str, rounds: int) -> list[tuple[int, bool, int]]:
+    """(bits, gluon_overlap, round) in the order run: per bits, the rounds, each with overlap off then on
+    (INT8 only: the other pools have one build)."""
+    ways = {"off": (False,), "on": (True,), "both": (False, True)}[overlap]
+    out = []
+    for b in (int(x) for x in bits.split(",")):
+        for r in range(rounds):
+            out += [(b, o, r) for o in (ways if b == 8 else ways[:1])]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -123,6 +138,13 @@ def main() -> int:
     ap.add_argument("--summary", action="store_true", help="Quest from the e4m3 summary (sm_89+)")
     ap.add_argument("--shapes", default="16:32768,4:131072")
     ap.add_argument("--bits", default="8,4,0")
+    ap.add_argument(
+        "--overlap",
+        choices=["off", "on", "both"],
+        default="off",
+        help="INT8: the 4-bit build beside the 8-bit one (gluon_overlap)",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="each (step, overlap) this many times, alternating")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a GPU (device timestamps of graph replays)")
@@ -133,13 +155,15 @@ def main() -> int:
     for shape in args.shapes.split(","):
         b, length = (int(x) for x in shape.split(":"))
         sdpa_ms, _ = da.sdpa_case(b, length)
-        for bits in (int(x) for x in args.bits.split(",")):
+        for bits, overlap, rnd in variants(args.bits, args.overlap, args.rounds):
             case = da.sparse_rows(b, length, bits)
-            step = step_fn(case, args.summary)
+            step = step_fn(case, args.summary, overlap)
             ms = da.bench(step)
-            tag = f"{b}x{length // 1024}K_b{bits}{'_e4m3' if args.summary else ''}"
+            tag = (f"{b}x{length // 1024}K_b{bits}{'_e4m3' if args.summary else ''}"
+                   f"{'_overlap' if overlap else ''}{f'_r{rnd}' if args.rounds > 1 else ''}")  # fmt: skip
             res = summarise(profile_steps(step, args.steps, args.out / f"trace_{tag}.json"))
-            res.update(shape=shape, bits=bits, summary=args.summary, graph_ms=ms, sdpa_ms=sdpa_ms)
+            res.update(shape=shape, bits=bits, summary=args.summary, overlap=overlap, round=rnd, graph_ms=ms,
+                       sdpa_ms=sdpa_ms)  # fmt: skip
             results.append(res)
             print(f"{tag}: graph {ms * 1e3:.1f} µs ({ms / sdpa_ms:.3f}x SDPA {sdpa_ms:.4f} ms); span "
                   f"{res['span_us']:.1f}, busy {res['busy_us']:.1f}, kernels' sum {res['sum_us']:.1f} µs",
