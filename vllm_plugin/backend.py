@@ -70,7 +70,8 @@ _PROCESS = _Process()
 
 def page_layout(settings: PluginSettings, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> PageLayout:
     shape = ModelKVShape(1, num_kv_heads, head_dim, num_kv_heads, dtype)
-    return PageLayout(cold_layout(settings.config, shape))
+    # vLLM's pages hold no e4m3 summary (``pages.PageLayout.fields``): Quest reads the fp16 bounds there
+    return PageLayout(cold_layout(settings.config, shape, summary=False))
 
 
 class KvtuneCPUBackend(CPUAttentionBackend):
