@@ -7,7 +7,7 @@ beside them, and each kernel's device time (``torch.profiler`` over eager launch
 the launch planned. Writes ``merge_tile.json`` and prints a table.
 
     python lab/scripts/merge_tile.py --out $OUT [--smoke]   (--smoke: tiny shapes, TRITON_INTERPRET=1)
-        [--busy 1:0,24:4] [--mass 0:64,1:64] [--tiles 4] [--splits 9,17] [--mixed-splits p:1,9:3]
+        [--busy 1:0,24:4,11:4:2:6] [--mass 0:64,1:64] [--tiles 4] [--splits 9,17] [--mixed-splits p:1,9:3]
 """
 
 from __future__ import annotations
@@ -140,15 +140,31 @@ def measure(
                 triton_decode.launch_plan = planned_plan
     if kind == "sparse" and plan.kernel in ("gluon", "gluon_mixed"):  # a dense row keeps every split busy
         want = run()[0].float()
-        for b8, b4 in busy:
+        for b8, b4, *more in busy:  # more: the 8-bit ring's stages, then the 8-bit build's splits forced
             opt_b = replace(opt, gluon_busy_blocks=b8, gluon_busy_blocks4=b4)
+            if more:
+                opt_b = replace(opt_b, gluon_stages=more[0])
 
             def run_b(o=opt_b) -> tuple:
                 return da.run_hybrid({**inp, "block_table": table, "num_cold": num_cold}, o)
 
-            ms = da.bench(run_b)
-            diff = float((run_b()[0].float() - want).abs().max())
-            row[f"busy{b8}:{b4}"] = dict(ms=ms, max_diff=diff, kernels=kernel_times(run_b, iters))
+            forced8 = more[1] if len(more) > 1 else 0
+
+            def split8(*a, n=forced8, **k):
+                p = planned_plan(*a, **k)
+                if not n:
+                    return p
+                per = max(1, -(-a[3].shape[2] // n))
+                return p._replace(splits=-(-a[3].shape[2] // per), per=per, splits4=p.splits4 or p.splits)
+
+            triton_decode.launch_plan = split8
+            try:
+                ms = da.bench(run_b)
+                diff = float((run_b()[0].float() - want).abs().max())
+                name = ":".join(str(x) for x in (b8, b4, *more))
+                row[f"busy{name}"] = dict(ms=ms, max_diff=diff, kernels=kernel_times(run_b, iters))
+            finally:
+                triton_decode.launch_plan = planned_plan
     # the same sums in another order: the outputs and masses agree to float rounding
     row["max_diff"] = [float((x - y).abs().max()) for x, y in zip(outs[tiles[0]], outs[tiles[-1]])]
     return row
@@ -167,7 +183,8 @@ def main() -> int:
         "--busy",
         type=lambda x: [tuple(int(b) for b in v.split(":")) for v in x.split(",")],
         default=[],
-        help="gluon_busy_blocks:gluon_busy_blocks4 pairs to time, e.g. 1:0,24:4",
+        help="gluon_busy_blocks:gluon_busy_blocks4[:gluon_stages[:8-bit splits forced]] to time, e.g. "
+        "1:0,24:4,11:4:2:6",
     )
     ap.add_argument("--tiles", type=lambda x: [int(v) for v in x.split(",")], default=None,
                     help="merge tiles to time (default: 1 and MERGE_TILE)")  # fmt: skip
