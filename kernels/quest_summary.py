@@ -21,10 +21,9 @@ selection's time.
 
 A cache whose config has the sparse tier keeps a summary on a GPU of sm_89 or newer
 (:func:`kvtune.cache_impl.layout.keeps_summary`: ``KVTUNE_QUEST_SUMMARY`` auto, the default; 1 on every
-device, 0 never): the layout
-allocates it beside the fp16 bounds and counts its bytes, the seal and both demotion kernels write it
-(:func:`summary_codes`, rounded by integer operations on the float32 bits: :func:`outward_codes`), and the
-selection reads it on sm_89 and newer.
+device, 0 never): the layout allocates it beside the fp16 bounds and counts its bytes, the seal and both
+demotion kernels write it (:func:`summary_codes`, rounded by integer operations on the float32 bits:
+:func:`outward_codes`), and the selection reads it on sm_89 and newer.
 
 The kernels load e4m3 tiles, which Triton compiles for sm_89 (Ada) and newer only: on an A100 or an A10G
 :func:`~kvtune.kernels.sparse_table.sparse_block_table` refuses a summary (ValueError) and the selection
