@@ -364,9 +364,9 @@ class CapacitySearch:
         """Whether the search passed at the saturation rate or converged within one step (``width``) below
         it: no config can show a capacity above this one by more than the search resolves."""
         lo = self.lo
-        if lo is None or self.max_rate is None:
-            return False
-        return self.saturated or (self.converged and lo * (1.0 + self.width) >= self.max_rate * (1.0 - 1e-9))
+        return self.saturated or (
+            self.converged and lo is not None and at_saturation(lo * (1.0 + self.width), self.max_rate)
+        )
 
     def next_rate(self) -> float | None:
         """The next rate to probe; None when the search is done (converged, saturated, or out of

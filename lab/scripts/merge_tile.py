@@ -65,6 +65,13 @@ def kernel_times(fn, iters: int) -> dict[str, float]:
     return dict(out)
 
 
+def forced_splits(plan: triton_decode.DecodePlan, width: int, n8: int, n4: int) -> triton_decode.DecodePlan:
+    """``plan`` with the 8-bit build's split count forced to about ``n8`` over a table ``width`` blocks wide
+    (whole blocks per split) and the 4-bit build's to ``n4``."""
+    per = max(1, -(-width // n8))
+    return plan._replace(splits=-(-width // per), per=per, splits4=n4)
+
+
 def measure(
     kind: str,
     b: int,
@@ -125,9 +132,7 @@ def measure(
 
             def both(*a, s8=s8, s4=s4, **k):
                 p = planned_plan(*a, **k)
-                n8 = p.splits if s8 == "p" else int(s8)
-                per = max(1, -(-a[3].shape[2] // n8))
-                return p._replace(splits=-(-a[3].shape[2] // per), per=per, splits4=int(s4))
+                return forced_splits(p, a[3].shape[2], p.splits if s8 == "p" else int(s8), int(s4))
 
             triton_decode.launch_plan = both
             try:
@@ -152,10 +157,7 @@ def measure(
 
             def split8(*a, n=forced8, **k):
                 p = planned_plan(*a, **k)
-                if not n:
-                    return p
-                per = max(1, -(-a[3].shape[2] // n))
-                return p._replace(splits=-(-a[3].shape[2] // per), per=per, splits4=p.splits4 or p.splits)
+                return forced_splits(p, a[3].shape[2], n, p.splits4 or p.splits) if n else p
 
             triton_decode.launch_plan = split8
             try:

@@ -6,7 +6,7 @@ replayed ``--steps`` times under ``torch.profiler``; from the trace's kernel rec
 per step: each kernel's duration (median over the steps), the step's span (first kernel's start to last
 kernel's end), the union of the kernels' intervals (busy) and the span's idle part (gaps between kernels,
 launch latency inside the graph). Kernels that overlap (a programmatic dependent launch) count once in busy.
-With ``--summary`` Quest reads the e4m3 summary (sm_89+), as the cache does with ``KVTUNE_QUEST_SUMMARY=1``.
+With ``--summary`` Quest reads the e4m3 summary, as the cache does by default on sm_89 and newer.
 The same step timed by ``do_bench_cudagraph`` beside it, and SDPA bf16 in the same process. With
 ``--overlap both`` the INT8 steps run with ``gluon_overlap`` off and on (the 4-bit build started beside the
 8-bit one), ``--rounds`` times each, alternating, for an A/B in one process.
