@@ -63,9 +63,10 @@ class DecodeKernelOptions:
     gluon_overlap: (``gluon_mixed`` with ``gluon_pdl``, sm_90) the 4-bit build is launched as a programmatic
         dependent of the 8-bit build, so its programs start in the multiprocessors' free room while the
         8-bit build runs instead of after it; it waits for the 8-bit build only after its own stores, so its
-        end still implies both builds' and the merge's wait covers them. Off by default: not yet timed on a
-        GPU (the sparse INT8 step's profile, ``lab/scripts/sparse_kernels.py``, shows the two builds one
-        after the other: 54.6 then 21.1 µs at 16 x 32K on an H100).
+        end still implies both builds' and the merge's wait covers them. Off by default: on an H100 it saved
+        nothing (sparse INT8, graphs, two rounds: 102.7-106.6 µs without, 106.4 with at 16 x 32K; 113.2-113.9
+        both ways at 4 x 128K; ``lab/scripts/sparse_kernels.py --overlap both``): the 8-bit build's
+        programs hold every slot the multiprocessors have, so the dependent's programs start only to wait.
 
     Named constants, the same in every shipped default (tests and sweeps set the other values):
 
