@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed sparsekernels quest pieces host plugin busy bound step sparse collapse forward launch hostab warm whole wholeengine leaks)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed precision sparsekernels quest pieces host plugin busy bound step sparse collapse forward launch hostab warm whole wholeengine leaks)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # sparse: SPARSE_SHAPES (batch:context ...), SPARSE_HOLD=1 (tiers held as set up: decode_step.py --hold-tiers), SPARSE_S
 # pieces: PIECES_TESTS_S, PIECES_S (each replay), PIECES_BUDGET (4e9), PIECES_REPEATS (3)
@@ -61,6 +61,13 @@ for stage in "$@"; do
     log "sparse INT8 split kernel vs gluon_mixed, INT4, unquantized, SDPA (graphs, launches)"
     timeout ${MIXED_BENCH_S:-80} python3 benchmarks/decode_attention.py --mixed --out "$OUT/mixed" > "$OUT/mixed.log" 2>&1
     grep -E "rel err|Traceback|Error" "$OUT/mixed.log" | tail -6; cat "$OUT/mixed/mixed.md" 2>/dev/null || tail -5 "$OUT/mixed.log" ;;
+  precision)
+    log "the cold kernels' error against the blocks a program reads, then the Gluon kernels' GPU tests"
+    timeout ${PRECISION_S:-90} python3 lab/scripts/split_error.py --out "$OUT" 2>&1 | grep -v -i warn \
+      | tee "$OUT/split_error.log" | tail -42
+    timeout ${GLUON_TESTS_S:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line \
+      tests/test_triton_kernels.py tests/test_gluon_mixed.py 2>&1 | tee "$OUT/gluon_tests.log" \
+      | grep -E "^FAILED|^E  |passed|failed" | tail -20 ;;
   sparsekernels)
     log "the sparse step's kernels on the device clock (profiled graph replays), fp16 bounds then the e4m3 summary"
     timeout ${SK_S:-70} python3 lab/scripts/sparse_kernels.py --out /tmp/sk > "$OUT/sk.log" 2>&1; tail -40 "$OUT/sk.log"
