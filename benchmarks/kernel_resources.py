@@ -1,6 +1,7 @@
-"""Registers, stack and shared memory of the decode-attention kernel variants, and the programs per SM they
-allow on an H100/H200 (:func:`kvtune.kernels.triton_decode.resident_programs`), read from a sm_90 compile on
-any machine (no GPU needed: :mod:`kvtune.kernels.aot`).
+"""Registers, stack and shared memory of the decode-attention kernel variants, the programs per SM they
+allow on an H100/H200 (:func:`kvtune.kernels.triton_decode.resident_programs`) and the SASS instructions of
+their block loop (:func:`kvtune.kernels.aot.longest_loop`), read from a sm_90 compile on any machine (no GPU
+needed: :mod:`kvtune.kernels.aot`).
 
 Llama-3-8B heads (32 query, 8 KV, d128), block_size 64, bf16, as ``benchmarks/decode_attention.py`` launches
 them.
@@ -55,7 +56,7 @@ def split_launch(bits: int, options: td.DecodeKernelOptions, gluon: bool = False
 
 def main() -> None:
     print(f"{'bits':>4} {'variant':<34} {'warps':>5} {'regs':>5} {'stack B':>7} {'smem KB':>7} "
-          f"{'programs/SM':>11}")  # fmt: skip
+          f"{'programs/SM':>11} {'loop SASS':>9}")  # fmt: skip
     for bits, variants in VARIANTS.items():
         base = td.PURE_INT8 if bits == 8 else td.default_options(bits)
         for name, changes in variants.items():
@@ -63,7 +64,7 @@ def main() -> None:
             r = resources(split_launch(bits, replace(base, **opts), gluon=changes.get(GLUON, False)))
             resident = td.resident_programs(r.registers, r.num_warps, r.shared_bytes)
             print(f"{bits:>4} {name:<34} {r.num_warps:>5} {r.registers:>5} {r.stack_bytes:>7} "
-                  f"{r.shared_bytes / 1024:>7.1f} {resident:>11}")  # fmt: skip
+                  f"{r.shared_bytes / 1024:>7.1f} {resident:>11} {r.loop_instructions:>9}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ class Resources:
     stack_bytes: int
     shared_bytes: int
     num_warps: int
+    loop_instructions: int = 0  # SASS instructions of the longest loop (the block loop of a decode kernel)
 
 
 def record_launches(launcher: Callable[[], Any]) -> list[Launch]:
@@ -131,16 +132,38 @@ def compile_launch(launch: Launch, target: GPUTarget = HOPPER) -> Any:
 
 
 def resources(launch: Launch, target: GPUTarget = HOPPER) -> Resources:
-    """Registers and stack (from ``cuobjdump --dump-resource-usage``) and shared memory of one launch."""
+    """Registers and stack (from ``cuobjdump --dump-resource-usage``), shared memory and the longest loop's
+    SASS instructions (:func:`longest_loop`) of one launch."""
     compiled = compile_launch(launch, target)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     reg, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     if reg is None or stack is None:
         raise RuntimeError(f"cuobjdump printed no resource usage for {launch.fn.__name__}: {usage[:200]!r}")
     warps = int(launch.kwargs.get("num_warps", 4))
     shared = int(compiled.metadata.shared)
-    return Resources(launch.fn.__name__, int(reg.group(1)), int(stack.group(1)), shared, warps)
+    loop = longest_loop(sass)
+    return Resources(launch.fn.__name__, int(reg.group(1)), int(stack.group(1)), shared, warps, loop)
+
+
+def longest_loop(sass: str) -> int:
+    """Instructions between the target of a backward branch and the branch, for the longest such span of a
+    ``cuobjdump -sass`` listing: a decode kernel's block loop, whose length per block is what an issue-bound
+    kernel pays (0 where the listing has no backward branch)."""
+    seen: list[int] = []
+    best = 0
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)", line)
+        if m is None:
+            continue
+        addr = int(m.group(1), 16)
+        seen.append(addr)
+        branch = re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)", m.group(2))
+        if branch is not None and int(branch.group(1), 16) < addr:
+            start = int(branch.group(1), 16)
+            best = max(best, sum(1 for a in seen if start <= a <= addr))
+    return best

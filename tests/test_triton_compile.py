@@ -291,6 +291,34 @@ def test_overlapped_builds_launch_the_4_bit_build_as_a_dependent_that_waits_at_i
         assert not launch.kwargs.get("launch_pdl") and not launch.kwargs.get("FOLLOW"), launch.fn.__name__
 
 
+def test_longest_loop_counts_the_span_of_the_longest_backward_branch() -> None:
+    from kvtune.kernels.aot import longest_loop
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   FADD R2, R2, R3 ;
+        /*0020*/                   HMMA.16816.F32 R4, R8, R10, R4 ;
+        /*0030*/              @P0 BRA 0x10 ;
+        /*0040*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0050*/              @P1 BRA 0x40 ;
+        /*0060*/                   BRA 0x70 ;
+        /*0070*/                   EXIT ;
+    """
+    assert longest_loop(sass) == 3  # 0x10..0x30; the 2-instruction loop and the forward branch lose
+    assert longest_loop("") == 0
+
+
+def test_the_gluon_builds_block_loop_is_found_in_their_sass() -> None:
+    """The Gluon INT8 and INT4 builds' block loop (benchmarks/kernel_resources.py reports it): a loop, and
+    most of a program's instructions."""
+    from kvtune.kernels.aot import resources
+
+    for bits in (8, 4):
+        launches = record_launches(_gluon(bits, stages=2))
+        r = resources(launches[0])
+        assert r.name == "_cold_kernel" and 500 < r.loop_instructions < 2000, (bits, r)
+
+
 # ---- the compile matrix: every card's architecture, with the options the dispatcher picks there -----------
 def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
     """The launches a decode step makes on ``arch`` with the default options (the Gluon kernel where a GPU
