@@ -131,10 +131,11 @@ def compile_launch(launch: Launch, target: GPUTarget = HOPPER) -> Any:
     return triton.compile(src, target, options)
 
 
-def resources(launch: Launch, target: GPUTarget = HOPPER) -> Resources:
+def resources(launch: Launch, target: GPUTarget = HOPPER, compiled: Any = None) -> Resources:
     """Registers and stack (from ``cuobjdump --dump-resource-usage``), shared memory and the longest loop's
-    SASS instructions (:func:`longest_loop`) of one launch."""
-    compiled = compile_launch(launch, target)
+    SASS instructions (:func:`longest_loop`) of one launch (``compiled``: its :func:`compile_launch`, where
+    the caller has it already)."""
+    compiled = compile_launch(launch, target) if compiled is None else compiled
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

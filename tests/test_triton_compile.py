@@ -366,7 +366,10 @@ MATRIX = [(a, case) for a in ARCHS for case in _matrix_cases(ARCHS[a])]
 def test_kernels_compile_for_every_architecture(arch: str, case: str) -> None:
     """Each launch compiles for the architecture with the options the launcher planned for it, fits one
     program's shared memory there, and uses no Hopper-only instruction below sm_90 (``griddepcontrol``: the
-    programmatic dependent launch)."""
+    programmatic dependent launch). The Gluon cold kernel's builds keep every value in registers (no stack):
+    a spill inside its block loop costs every block (a variant of the per-block offset spilled 16 bytes)."""
+    from kvtune.kernels.aot import resources
+
     a = ARCHS[arch]
     launches = record_launches(_matrix_cases(a)[case]())
     assert launches, "the launcher launched no kernel"
@@ -377,6 +380,9 @@ def test_kernels_compile_for_every_architecture(arch: str, case: str) -> None:
         assert compiled.metadata.shared <= a.shared_per_program, (name, compiled.metadata.shared)
         if not a.pdl:
             assert "griddepcontrol" not in ptx and not launch.kwargs.get("launch_pdl"), name
+        if name == "_cold_kernel":
+            stack = resources(launch, target_of(a), compiled).stack_bytes
+            assert stack == 0, (name, launch.kwargs.get("KIND"), stack)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
