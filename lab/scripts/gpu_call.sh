@@ -63,7 +63,8 @@ for stage in "$@"; do
     grep -E "rel err|Traceback|Error" "$OUT/mixed.log" | tail -6; cat "$OUT/mixed/mixed.md" 2>/dev/null || tail -5 "$OUT/mixed.log" ;;
   precision)
     log "the cold kernels' error against the blocks a program reads, then the Gluon kernels' GPU tests"
-    timeout ${PRECISION_S:-90} python3 lab/scripts/split_error.py --out "$OUT" 2>&1 | grep -v -i warn \
+    timeout ${PRECISION_S:-150} python3 lab/scripts/split_error.py --out "$OUT" --planned 16:32768,4:131072 2>&1 \
+      | grep -v -i warn \
       | tee "$OUT/split_error.log" | tail -42
     timeout ${GLUON_TESTS_S:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line \
       tests/test_triton_kernels.py tests/test_gluon_mixed.py 2>&1 | tee "$OUT/gluon_tests.log" \

@@ -6,9 +6,12 @@ same number of blocks), so each program folds ``blocks / splits`` blocks into on
 the Gluon kernel (INT4: ``default_options(4)``; INT8: ``PURE_INT8``) and, as a control, the Triton split
 kernel (``gluon=False``), each at fp16 and bf16: the relative L2 error of the output against the reference
 computed in float32 from the same codes, beside the floor (the reference's own output rounded to the model
-dtype). Writes ``split_error.json`` and prints a table. GPU only.
+dtype). ``--planned B:L,...``: then, at those batch x context shapes, bf16, the launcher's own plan (after
+a first launch, so the Gluon kernel's wave model plans from its occupancy, as in serving): the error the
+decode-attention table's dense launches carry. Writes ``split_error.json`` and prints a table. GPU only.
 
     python lab/scripts/split_error.py --out $OUT [--blocks 512] [--per 1,4,16,64,256]
+        [--planned 16:32768,4:131072]
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from kvtune.kernels.quant import seal_blocks_ref
 B, H, G, D, BS, HOT = 2, 8, 4, 128, 64, 64
 
 
-def inputs(bits: int, dtype: torch.dtype, blocks: int) -> dict:
+def inputs(bits: int, dtype: torch.dtype, blocks: int, B: int = B) -> dict:
     n = B * H * blocks + 1
     pool = ColdLayout(BS, H, D, bits, dtype).allocate(n, "cuda")
-    kv = torch.randn(2, n, BS, H, D, device="cuda") * 2 + 0.5
-    seal_blocks_ref(pool, torch.arange(n, device="cuda"), kv[0].to(dtype), kv[1].to(dtype), bits)
+    for lo in range(0, n, 4096):  # sealed in chunks: the float32 K/V of a 16 x 32K pool alone is 34 GB
+        hi = min(n, lo + 4096)
+        kv = torch.randn(2, hi - lo, BS, H, D, device="cuda") * 2 + 0.5
+        seal_blocks_ref(pool, torch.arange(lo, hi, device="cuda"), kv[0].to(dtype), kv[1].to(dtype), bits)
     table = torch.randperm(n, device="cuda")[: B * H * blocks].view(B, H, blocks).to(torch.int32)
     return dict(
         q=torch.randn(B, H * G, D, device="cuda").to(dtype),
@@ -55,6 +60,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--blocks", type=int, default=512)
     ap.add_argument("--per", type=lambda x: [int(v) for v in x.split(",")], default=[1, 4, 16, 64, 256])
+    ap.add_argument("--planned", type=lambda x: [tuple(int(v) for v in p.split(":")) for p in x.split(",")],
+                    default=[], help="batch:context shapes, each split as planned")  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -89,6 +96,24 @@ def main() -> int:
                                      splits=plan.splits, err=err, floor=floor))  # fmt: skip
                     print(f"INT{bits} {name:8s} {plan.kernel:6s} {plan.per:4d} blocks a program "
                           f"({plan.splits:3d} splits): rel. error {err:.2e} (floor {floor:.2e})")  # fmt: skip
+    for batch, context in args.planned:
+        for bits in (4, 8):
+            inp = inputs(bits, torch.bfloat16, context // BS, batch)
+            exact = hybrid_decode_attention_ref(
+                **{**inp, "q": inp["q"].float(), "hot_k": inp["hot_k"].float(), "hot_v": inp["hot_v"].float()}
+            )[0]
+            floor = rel(hybrid_decode_attention_ref(**inp)[0], exact)
+            opts = triton_decode.PURE_INT8 if bits == 8 else triton_decode.default_options(bits)
+            triton_decode.hybrid_decode_attention_triton(**inp, options=opts)  # the build's occupancy
+            out = triton_decode.hybrid_decode_attention_triton(**inp, options=opts)[0]
+            plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)
+            err = rel(out, exact)
+            rows.append(dict(bits=bits, dtype="bfloat16", kernel=plan.kernel, batch=batch, context=context,
+                             per=plan.per, splits=plan.splits, err=err, floor=floor))  # fmt: skip
+            print(f"INT{bits} bfloat16 {plan.kernel:6s} {batch} x {context}, planned: {plan.per} blocks a "
+                  f"program ({plan.splits} splits): rel. error {err:.2e} (floor {floor:.2e})")  # fmt: skip
+            del inp, exact, out
+            torch.cuda.empty_cache()
     (args.out / "split_error.json").write_text(json.dumps(rows, indent=1))
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     return 0
