@@ -132,7 +132,7 @@ def compile_launch(launch: Launch, target: GPUTarget = HOPPER) -> Any:
 
 
 def resources(launch: Launch, target: GPUTarget = HOPPER, compiled: Any = None) -> Resources:
-    """Registers and stack (from ``cuobjdump --dump-resource-usage``), shared memory and the longest loop's
+    """Registers and stack (``cuobjdump --dump-resource-usage``), shared memory and the longest loop's
     SASS instructions (:func:`longest_loop`) of one launch (``compiled``: its :func:`compile_launch`, where
     the caller has it already)."""
     compiled = compile_launch(launch, target) if compiled is None else compiled
@@ -140,14 +140,14 @@ def resources(launch: Launch, target: GPUTarget = HOPPER, compiled: Any = None) 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([tool, "--dump-resource-usage", "-sass", f.name], capture_output=True,
+                               text=True).stdout  # fmt: skip
     reg, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     if reg is None or stack is None:
         raise RuntimeError(f"cuobjdump printed no resource usage for {launch.fn.__name__}: {usage[:200]!r}")
     warps = int(launch.kwargs.get("num_warps", 4))
     shared = int(compiled.metadata.shared)
-    loop = longest_loop(sass)
+    loop = longest_loop(usage)
     return Resources(launch.fn.__name__, int(reg.group(1)), int(stack.group(1)), shared, warps, loop)
 
 

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from merge_tile import forced_plan  # lab/scripts, beside this file
 
 from kvtune.kernels import triton_decode
 from kvtune.kernels.decode_ref import hybrid_decode_attention_ref
@@ -55,6 +56,15 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.float() - ref).norm() / ref.norm())
 
 
+def reference(inp: dict) -> tuple[torch.Tensor, float]:
+    """The reference output computed in float32 from the pool's codes, and the floor: the error of the
+    reference's own output in the model dtype."""
+    exact = hybrid_decode_attention_ref(
+        **{**inp, "q": inp["q"].float(), "hot_k": inp["hot_k"].float(), "hot_v": inp["hot_v"].float()}
+    )[0]
+    return exact, rel(hybrid_decode_attention_ref(**inp)[0], exact)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -70,20 +80,11 @@ def main() -> int:
     for bits in (4, 8):
         for dtype in (torch.float16, torch.bfloat16):
             inp = inputs(bits, dtype, args.blocks)
-            exact = hybrid_decode_attention_ref(
-                **{**inp, "q": inp["q"].float(), "hot_k": inp["hot_k"].float(), "hot_v": inp["hot_v"].float()}
-            )[0]
-            floor = rel(hybrid_decode_attention_ref(**inp)[0], exact)
+            exact, floor = reference(inp)
             base = triton_decode.PURE_INT8 if bits == 8 else triton_decode.default_options(bits)
             for kernel, opts in (("gluon", replace(base, gluon=True)), ("split", replace(base, gluon=False))):
                 for per in args.per:
-                    splits = max(1, args.blocks // per)
-
-                    def forced(bh, m, device, options, resident=None, n=splits):
-                        p = max(1, -(-m // n))
-                        return -(-max(m, 1) // p), p
-
-                    triton_decode.plan_splits = forced
+                    triton_decode.plan_splits = forced_plan(max(1, args.blocks // per))
                     try:
                         out = triton_decode.hybrid_decode_attention_triton(**inp, options=opts)[0]
                         table = inp["block_table"]
@@ -99,10 +100,7 @@ def main() -> int:
     for batch, context in args.planned:
         for bits in (4, 8):
             inp = inputs(bits, torch.bfloat16, context // BS, batch)
-            exact = hybrid_decode_attention_ref(
-                **{**inp, "q": inp["q"].float(), "hot_k": inp["hot_k"].float(), "hot_v": inp["hot_v"].float()}
-            )[0]
-            floor = rel(hybrid_decode_attention_ref(**inp)[0], exact)
+            exact, floor = reference(inp)
             opts = triton_decode.PURE_INT8 if bits == 8 else triton_decode.default_options(bits)
             triton_decode.hybrid_decode_attention_triton(**inp, options=opts)  # the build's occupancy
             out = triton_decode.hybrid_decode_attention_triton(**inp, options=opts)[0]
