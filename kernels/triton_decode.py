@@ -57,12 +57,16 @@ from kvtune.kernels.triton_bits_partition import partition_by_bits_triton
 from kvtune.kernels.triton_common import cdiv, next_pow2, require
 
 LOG2E = 1.4426950408889634
-# Splits' partials the merge loads before it merges them (``_merge_kernel``'s ``SB``: 1, 4 or 8; 8 was
+# Splits' partials the merge loads before it merges them (``_merge_kernel``'s ``SB``: 1, 4, 8 or 16; 8 was
 # within 1 % of 4 on an H200, run 24b); listed blocks per step of the merge's per-block mass (``MB``), and
 # whether the first step's loads go out with the first partials (``AHEAD``): on the H200 (graphs, run 24b)
 # AHEAD took sparse INT4 at 4 x 128K from 0.0530 to 0.0504 ms and 128 blocks a step to 0.0498 (dense INT4
 # at 4 x 128K: 0.2052, 0.2016, 0.1940).
 MERGE_TILE = 4
+# Where the Gluon kernel takes the cold blocks, the merge handles the partials, the output and the mass at the
+# group's rows (``GM``), not at the 16 its hot zone's products pad them to: a quarter of the registers a
+# partial at G 4, so ``MERGE_TILE`` 8 or 16 of them in flight at once.
+MERGE_GROUP_ROWS = False
 MASS_TILE = 128
 MASS_AHEAD = True
 # The merge's software-pipelining stages where the Gluon kernel takes the cold blocks (None: Triton's default,
@@ -424,6 +428,20 @@ def _partial(part_ml_ptr, part_acc_ptr, bh, s, slots, end, g, c, gmask, G: tl.co
 
 
 @triton.jit
+def _group_rows(m, l_sum, acc_lo, acc_hi, lse, gmask, GP: tl.constexpr, GM: tl.constexpr, DH: tl.constexpr):
+    """The running state of ``GP`` rows (the first ``GM`` of them the group's, the rest padding) as ``GM``
+    rows: the padding emptied, then each column of the [GP / GM, GM] view reduced (the group's rows meet
+    only empty ones, so the values are exact)."""
+    R: tl.constexpr = GP // GM
+    m = tl.max(tl.reshape(tl.where(gmask, m, -1.0e30), [R, GM]), 0)
+    l_sum = tl.sum(tl.reshape(tl.where(gmask, l_sum, 0.0), [R, GM]), 0)
+    acc_lo = tl.sum(tl.reshape(tl.where(gmask[:, None], acc_lo, 0.0), [R, GM, DH]), 0)
+    acc_hi = tl.sum(tl.reshape(tl.where(gmask[:, None], acc_hi, 0.0), [R, GM, DH]), 0)
+    lse = tl.max(tl.reshape(tl.where(gmask, lse, float("-inf")), [R, GM]), 0)
+    return m, l_sum, acc_lo, acc_hi, lse
+
+
+@triton.jit
 def _fold4(m, l_sum, acc_lo, acc_hi, m0, l0, lo0, hi0, m1, l1, lo1, hi1, m2, l2, lo2, hi2, m3, l3, lo3, hi3):
     """The running (m, l, acc) with four partials merged in."""
     m_new = tl.maximum(tl.maximum(m, m0), tl.maximum(tl.maximum(m1, m2), m3))
@@ -444,7 +462,7 @@ def _fold4(m, l_sum, acc_lo, acc_hi, m0, l0, lo0, hi0, m1, l1, lo1, hi1, m2, l2,
 def _merge_slots(ml_ptr, acc_ptr, bh, begin, end, slots, m, l_sum, acc_lo, acc_hi, g, c, gmask,
                  G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):  # fmt: skip
     """The running (m, l, acc) with row ``bh``'s partials in slots ``begin .. end - 1`` merged in, ``SB`` (1,
-    4 or 8) of them loaded before any of them is merged."""
+    4, 8 or 16) of them loaded before any of them is merged."""
     for s0 in range(begin, end, SB):
         m0, l0, lo0, hi0 = _partial(ml_ptr, acc_ptr, bh, s0, slots, end, g, c, gmask, G, D)
         if SB == 1:
@@ -459,16 +477,30 @@ def _merge_slots(ml_ptr, acc_ptr, bh, begin, end, slots, m, l_sum, acc_lo, acc_h
             m1, l1, lo1, hi1 = _partial(ml_ptr, acc_ptr, bh, s0 + 1, slots, end, g, c, gmask, G, D)
             m2, l2, lo2, hi2 = _partial(ml_ptr, acc_ptr, bh, s0 + 2, slots, end, g, c, gmask, G, D)
             m3, l3, lo3, hi3 = _partial(ml_ptr, acc_ptr, bh, s0 + 3, slots, end, g, c, gmask, G, D)
-            if SB == 8:
+            if SB >= 8:
                 m4, l4, lo4, hi4 = _partial(ml_ptr, acc_ptr, bh, s0 + 4, slots, end, g, c, gmask, G, D)
                 m5, l5, lo5, hi5 = _partial(ml_ptr, acc_ptr, bh, s0 + 5, slots, end, g, c, gmask, G, D)
                 m6, l6, lo6, hi6 = _partial(ml_ptr, acc_ptr, bh, s0 + 6, slots, end, g, c, gmask, G, D)
                 m7, l7, lo7, hi7 = _partial(ml_ptr, acc_ptr, bh, s0 + 7, slots, end, g, c, gmask, G, D)
+            if SB == 16:
+                m8, l8, lo8, hi8 = _partial(ml_ptr, acc_ptr, bh, s0 + 8, slots, end, g, c, gmask, G, D)
+                m9, l9, lo9, hi9 = _partial(ml_ptr, acc_ptr, bh, s0 + 9, slots, end, g, c, gmask, G, D)
+                mA, lA, loA, hiA = _partial(ml_ptr, acc_ptr, bh, s0 + 10, slots, end, g, c, gmask, G, D)
+                mB, lB, loB, hiB = _partial(ml_ptr, acc_ptr, bh, s0 + 11, slots, end, g, c, gmask, G, D)
+                mC, lC, loC, hiC = _partial(ml_ptr, acc_ptr, bh, s0 + 12, slots, end, g, c, gmask, G, D)
+                mD, lD, loD, hiD = _partial(ml_ptr, acc_ptr, bh, s0 + 13, slots, end, g, c, gmask, G, D)
+                mE, lE, loE, hiE = _partial(ml_ptr, acc_ptr, bh, s0 + 14, slots, end, g, c, gmask, G, D)
+                mF, lF, loF, hiF = _partial(ml_ptr, acc_ptr, bh, s0 + 15, slots, end, g, c, gmask, G, D)
             m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, m0, l0, lo0, hi0, m1, l1, lo1, hi1,
                                               m2, l2, lo2, hi2, m3, l3, lo3, hi3)  # fmt: skip
-            if SB == 8:
+            if SB >= 8:
                 m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, m4, l4, lo4, hi4, m5, l5, lo5,
                                                   hi5, m6, l6, lo6, hi6, m7, l7, lo7, hi7)  # fmt: skip
+            if SB == 16:
+                m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, m8, l8, lo8, hi8, m9, l9, lo9,
+                                                  hi9, mA, lA, loA, hiA, mB, lB, loB, hiB)  # fmt: skip
+                m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, mC, lC, loC, hiC, mD, lD, loD,
+                                                  hiD, mE, lE, loE, hiE, mF, lF, loF, hiF)  # fmt: skip
     return m, l_sum, acc_lo, acc_hi
 
 
@@ -481,7 +513,7 @@ def _merge_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
     HOT: tl.constexpr = False, WAIT: tl.constexpr = False, HOT_T: tl.constexpr = 64,
     PREC: tl.constexpr = "tf32", MAPPED: tl.constexpr = False, SB: tl.constexpr = 4,
-    ZB: tl.constexpr = 512, AHEAD: tl.constexpr = False,
+    ZB: tl.constexpr = 512, AHEAD: tl.constexpr = False, GM: tl.constexpr = 16,
 ):  # fmt: skip
     """Merge the splits of one (sequence, KV head): output rows, per-block mass, hot mass. ``HOT``: the hot
     zone is attended here first (the splits hold the cold blocks only) and ``WAIT``: this launch is a
@@ -495,7 +527,9 @@ def _merge_kernel(
     in slots ``0 .. split2 - 1`` (its row's count at ``count1``, ``busy1`` blocks a busy split), with
     ``MAPPED`` the second's after them (``count2``, ``busy2``). ``AHEAD``: the first ``MB`` listed blocks'
     lse are loaded with the first partials (their positions before the wait), not after the output, one
-    memory round trip fewer on the merge's serial path."""
+    memory round trip fewer on the merge's serial path. ``GM`` (< ``GP``): after the hot zone, whose products
+    need 16 rows, the partials, the output and the mass are handled at ``GM`` rows (the group's, to a power of
+    two), so that ``SB`` partials in flight take a quarter of the registers at ``G`` 4."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -528,6 +562,10 @@ def _merge_kernel(
             tl.extra.cuda.gdc_wait()
     else:
         lse_hot = tl.load(hot_lse_ptr + bh * G + g, mask=gmask, other=float("-inf"))
+    if GM < GP:  # the rest at the group's own rows: the hot zone's tile had the 16 rows its products need
+        m, l_sum, acc_lo, acc_hi, lse_hot = _group_rows(m, l_sum, acc_lo, acc_hi, lse_hot, gmask, GP, GM, DH)
+        g = tl.arange(0, GM)
+        gmask = g < G
     if AHEAD:  # ... and their lse, in flight with the first partials
         lb0 = tl.load(blk_lse_ptr + at0[:, None] * G + g[None, :], mask=valid0[:, None] & gmask[None, :],
                       other=float("-inf"))  # fmt: skip
@@ -886,6 +924,7 @@ def hybrid_decode_attention_triton(
         *((parts.counts[0], parts.counts[1]) if parts is not None else (ncold, ncold)),
         plan.splits, opts.gluon_busy_blocks, opts.gluon_busy_blocks4 or opts.gluon_busy_blocks,
         H=H, G=G, GP=max(16, next_pow2(G)) if gluon else next_pow2(G), D=D, MB=MASS_TILE, HOT=gluon,
-        MAPPED=parts is not None, SB=MERGE_TILE, AHEAD=MASS_AHEAD, **hot_args,
+        MAPPED=parts is not None, SB=MERGE_TILE, AHEAD=MASS_AHEAD,
+        GM=next_pow2(G) if gluon and MERGE_GROUP_ROWS else 16, **hot_args,
     )  # fmt: skip
     return out, mass, hot_mass

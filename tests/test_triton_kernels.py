@@ -159,15 +159,19 @@ def test_decode_attention_interpreted(
 @pytest.mark.parametrize(
     ("bits", "dtype", "busy"), [(8, torch.float16, 1), (4, torch.float16, 1), (4, torch.float32, 3)], ids=str
 )
+@pytest.mark.parametrize(("group_rows", "tile"), [(False, 4), (True, 16)], ids=["padded", "group16"])
 def test_merge_attends_hot_zone_interpreted(
-    kernels, monkeypatch, shape: Shape, bits: int, dtype, busy: int
+    kernels, monkeypatch, shape: Shape, bits: int, dtype, busy: int, group_rows: bool, tile: int
 ) -> None:
     """The Gluon path's merge (``HOT``: it attends the hot zone, then merges the cold splits). The Gluon
     kernel cannot run here; the split kernel writes the same cold partials (the hot zone left out) in its
     place, and the result must match the reference. With ``gluon_busy_blocks`` above 1 a row keeps fewer
     splits busy than planned: the others' partials are NaN here (the Gluon kernel leaves them unwritten),
-    which the merge must not read."""
+    which the merge must not read. ``group16``: the partials, output and mass at the group's rows
+    (``MERGE_GROUP_ROWS``, groups of 1, 3 and 4 here), 16 partials in flight."""
     td = kernels.triton_decode
+    monkeypatch.setattr(td, "MERGE_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(td, "MERGE_TILE", tile)
     inp = make_decode(shape, bits, dtype, "cpu", demote=False)
     opts = td.DecodeKernelOptions(cvt=1, mixed=False, min_blocks_per_split=2, gluon=True, gluon_pdl=False,
                                   gluon_busy_blocks=busy)  # fmt: skip

@@ -1,4 +1,5 @@
-"""Decode attention's kernels one by one, with the merge loading 1 or MERGE_TILE splits' partials at a time.
+"""Decode attention's kernels one by one, with the merge loading 1 or MERGE_TILE splits' partials at a time
+(``--tiles``: other counts, at the padded 16 rows or at the group's own, ``MERGE_GROUP_ROWS``).
 
 For the dense INT8 / INT4 rows (64 x 8K, 16 x 32K) and the sparse rows (16 x 32K, 4 x 128K: L1 1/8 + top
 2,048, as ``benchmarks/decode_attention.py`` sets them up), in one process: the attention as CUDA graph
@@ -7,7 +8,7 @@ beside them, and each kernel's device time (``torch.profiler`` over eager launch
 the launch planned. Writes ``merge_tile.json`` and prints a table.
 
     python lab/scripts/merge_tile.py --out $OUT [--smoke]   (--smoke: tiny shapes, TRITON_INTERPRET=1)
-        [--busy 1:0,24:4,11:4:2:6] [--mass 0:64,1:64] [--tiles 4] [--splits 9,17] [--mixed-splits p:1,9:3]
+        [--busy 1:0,24:4,11:4:2:6] [--mass 0:64,1:64] [--tiles 4,16g] [--splits 9,17] [--mixed-splits p:1,9:3]
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def forced_plan(n: int):
     return fixed
 
 
+def set_tile(tile: str) -> None:
+    """The merge's partials in flight (``MERGE_TILE``) and, with a trailing g, at the group's rows."""
+    triton_decode.MERGE_TILE = int(tile.rstrip("g"))
+    triton_decode.MERGE_GROUP_ROWS = tile.endswith("g")
+
+
 def kernel_times(fn, iters: int) -> dict[str, float]:
     """Device µs per call of each kernel ``fn`` launches (eager), by kernel name."""
     fn()
@@ -78,7 +85,7 @@ def measure(
     length: int,
     bits: int,
     opts: dict,
-    tiles: list[int],
+    tiles: list[str],
     iters: int,
     splits: list[int],
     mixed: list[tuple[str, str]],
@@ -105,18 +112,18 @@ def measure(
     row: dict = dict(kind=kind, batch=b, length=length, bits=bits, kernel=plan.kernel)
     outs = {}
     want = run()[0].float()
-    for ahead, mass in masses:  # the merge's per-block mass: first step early or not, blocks per step
-        triton_decode.MASS_AHEAD, triton_decode.MASS_TILE = bool(ahead), mass
-        diff = float((run()[0].float() - want).abs().max())
-        row[f"mass{ahead}:{mass}"] = dict(ms=da.bench(run), max_diff=diff, kernels=kernel_times(run, iters))
-    triton_decode.MASS_AHEAD, triton_decode.MASS_TILE = default_mass
     for tile in tiles:
-        triton_decode.MERGE_TILE = tile
+        set_tile(tile)
         outs[tile] = [x.float() for x in run()]
         ms = da.bench(run)
         plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], inp["pool"], table, opt)
         row[f"tile{tile}"] = dict(ms=ms, splits=plan.splits, per=plan.per, kernels=kernel_times(run, iters))
-    triton_decode.MERGE_TILE = max(tiles)
+    set_tile(tiles[-1])
+    for ahead, mass in masses:  # the per-block mass, with the last tile: first step early or not, its step
+        triton_decode.MASS_AHEAD, triton_decode.MASS_TILE = bool(ahead), mass
+        diff = float((run()[0].float() - want).abs().max())
+        row[f"mass{ahead}:{mass}"] = dict(ms=da.bench(run), max_diff=diff, kernels=kernel_times(run, iters))
+    triton_decode.MASS_AHEAD, triton_decode.MASS_TILE = default_mass
     planned = triton_decode.plan_splits
     for forced in splits:  # the split count forced (the wave model's choice replaced)
         triton_decode.plan_splits = forced_plan(forced)
@@ -188,8 +195,9 @@ def main() -> int:
         help="gluon_busy_blocks:gluon_busy_blocks4[:gluon_stages[:8-bit splits forced]] to time, e.g. "
         "1:0,24:4,11:4:2:6",
     )
-    ap.add_argument("--tiles", type=lambda x: [int(v) for v in x.split(",")], default=None,
-                    help="merge tiles to time (default: 1 and MERGE_TILE)")  # fmt: skip
+    ap.add_argument("--tiles", type=lambda x: x.split(","), default=None,
+                    help="merge tiles to time, a g after the count: at the group's rows "
+                    "(MERGE_GROUP_ROWS), e.g. 4,8g,16g (default: 1 and MERGE_TILE)")  # fmt: skip
     ap.add_argument("--mass", type=lambda x: [tuple(int(b) for b in v.split(":")) for v in x.split(",")],
                     default=[], help="MASS_AHEAD:MASS_TILE pairs to time, e.g. 0:64,1:64,1:128")  # fmt: skip
     args = ap.parse_args()
@@ -201,7 +209,7 @@ def main() -> int:
     sparse = [(16, 32768), (4, 131072)]
     if args.smoke:
         dense, sparse, da.SPARSE_TOKENS = [(2, 512)], [(1, 2048), (1, 4096)], 128
-    tiles = args.tiles or sorted({1, getattr(triton_decode, "MERGE_TILE", 1)})  # a tree before it: 1
+    tiles = args.tiles or [str(t) for t in sorted({1, getattr(triton_decode, "MERGE_TILE", 1)})]
     rows = []
     cases = [("dense", b, length, bits) for b, length in dense for bits in (8, 4)]
     cases += [("sparse", b, length, bits) for b, length in sparse for bits in (8, 4, 0)]
