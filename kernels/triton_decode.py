@@ -62,11 +62,11 @@ LOG2E = 1.4426950408889634
 # whether the first step's loads go out with the first partials (``AHEAD``): on the H200 (graphs, run 24b)
 # AHEAD took sparse INT4 at 4 x 128K from 0.0530 to 0.0504 ms and 128 blocks a step to 0.0498 (dense INT4
 # at 4 x 128K: 0.2052, 0.2016, 0.1940).
-MERGE_TILE = 4
+MERGE_TILE = 8
 # Where the Gluon kernel takes the cold blocks, the merge handles the partials, the output and the mass at the
 # group's rows (``GM``), not at the 16 its hot zone's products pad them to: a quarter of the registers a
 # partial at G 4, so ``MERGE_TILE`` 8 or 16 of them in flight at once.
-MERGE_GROUP_ROWS = False
+MERGE_GROUP_ROWS = True
 MASS_TILE = 128
 MASS_AHEAD = True
 # The merge's software-pipelining stages where the Gluon kernel takes the cold blocks (None: Triton's default,
