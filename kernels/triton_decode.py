@@ -58,10 +58,11 @@ from kvtune.kernels.triton_common import cdiv, next_pow2, require
 
 LOG2E = 1.4426950408889634
 # Splits' partials the merge loads before it merges them (``_merge_kernel``'s ``SB``: 1, 4, 8 or 16; 8 was
-# within 1 % of 4 on an H200, run 24b); listed blocks per step of the merge's per-block mass (``MB``), and
-# whether the first step's loads go out with the first partials (``AHEAD``): on the H200 (graphs, run 24b)
-# AHEAD took sparse INT4 at 4 x 128K from 0.0530 to 0.0504 ms and 128 blocks a step to 0.0498 (dense INT4
-# at 4 x 128K: 0.2052, 0.2016, 0.1940).
+# within 1 % of 4 on an H200, run 24b, and with ``MERGE_GROUP_ROWS`` took sparse INT4 at 4 x 128K from 0.0576
+# to 0.0427 ms on an H100, run 57b, where 16 gained no more); listed blocks per step of the merge's per-block
+# mass (``MB``), and whether the first step's loads go out with the first partials (``AHEAD``): on the H200
+# (graphs, run 24b) AHEAD took sparse INT4 at 4 x 128K from 0.0530 to 0.0504 ms and 128 blocks a step to
+# 0.0498 (dense INT4 at 4 x 128K: 0.2052, 0.2016, 0.1940).
 MERGE_TILE = 8
 # Where the Gluon kernel takes the cold blocks, the merge handles the partials, the output and the mass at the
 # group's rows (``GM``), not at the 16 its hot zone's products pad them to: a quarter of the registers a
@@ -513,7 +514,7 @@ def _merge_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
     HOT: tl.constexpr = False, WAIT: tl.constexpr = False, HOT_T: tl.constexpr = 64,
     PREC: tl.constexpr = "tf32", MAPPED: tl.constexpr = False, SB: tl.constexpr = 4,
-    ZB: tl.constexpr = 512, AHEAD: tl.constexpr = False, GM: tl.constexpr = 16,
+    ZB: tl.constexpr = 512, AHEAD: tl.constexpr = False, GM: tl.constexpr = 0,
 ):  # fmt: skip
     """Merge the splits of one (sequence, KV head): output rows, per-block mass, hot mass. ``HOT``: the hot
     zone is attended here first (the splits hold the cold blocks only) and ``WAIT``: this launch is a
@@ -527,9 +528,9 @@ def _merge_kernel(
     in slots ``0 .. split2 - 1`` (its row's count at ``count1``, ``busy1`` blocks a busy split), with
     ``MAPPED`` the second's after them (``count2``, ``busy2``). ``AHEAD``: the first ``MB`` listed blocks'
     lse are loaded with the first partials (their positions before the wait), not after the output, one
-    memory round trip fewer on the merge's serial path. ``GM`` (< ``GP``): after the hot zone, whose products
-    need 16 rows, the partials, the output and the mass are handled at ``GM`` rows (the group's, to a power of
-    two), so that ``SB`` partials in flight take a quarter of the registers at ``G`` 4."""
+    memory round trip fewer on the merge's serial path. ``GM`` (0: ``GP``): after the hot zone, whose
+    products need 16 rows, the partials, the output and the mass are handled at ``GM`` rows (the group's, to a
+    power of two), so that ``SB`` partials in flight take a quarter of the registers at ``G`` 4."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -562,7 +563,7 @@ def _merge_kernel(
             tl.extra.cuda.gdc_wait()
     else:
         lse_hot = tl.load(hot_lse_ptr + bh * G + g, mask=gmask, other=float("-inf"))
-    if GM < GP:  # the rest at the group's own rows: the hot zone's tile had the 16 rows its products need
+    if 0 < GM < GP:  # the rest at the group's own rows: the hot zone's tile had the 16 rows its products need
         m, l_sum, acc_lo, acc_hi, lse_hot = _group_rows(m, l_sum, acc_lo, acc_hi, lse_hot, gmask, GP, GM, DH)
         g = tl.arange(0, GM)
         gmask = g < G
@@ -915,6 +916,7 @@ def hybrid_decode_attention_triton(
     hot_args = {"HOT_T": meta["HOT_T"], "PREC": meta["PREC"], "WAIT": pdl, "launch_pdl": pdl} if gluon else {}
     if gluon and MERGE_STAGES:
         hot_args["num_stages"] = MERGE_STAGES
+    gp = max(16, next_pow2(G)) if gluon else next_pow2(G)  # the hot zone's products need 16 rows
     launch(_merge_kernel, (B * H,),
         part_acc, part_ml, blk_lse, hot_lse, ncold, out, mass, hot_mass,
         q, hot_k, hot_v, hot_slot, hot_len, qk_scale,
@@ -923,8 +925,7 @@ def hybrid_decode_attention_triton(
         parts.positions if parts is not None else ncold, lse_w,
         *((parts.counts[0], parts.counts[1]) if parts is not None else (ncold, ncold)),
         plan.splits, opts.gluon_busy_blocks, opts.gluon_busy_blocks4 or opts.gluon_busy_blocks,
-        H=H, G=G, GP=max(16, next_pow2(G)) if gluon else next_pow2(G), D=D, MB=MASS_TILE, HOT=gluon,
-        MAPPED=parts is not None, SB=MERGE_TILE, AHEAD=MASS_AHEAD,
-        GM=next_pow2(G) if gluon and MERGE_GROUP_ROWS else 16, **hot_args,
+        H=H, G=G, GP=gp, D=D, MB=MASS_TILE, HOT=gluon, MAPPED=parts is not None, SB=MERGE_TILE,
+        AHEAD=MASS_AHEAD, GM=next_pow2(G) if gluon and MERGE_GROUP_ROWS else gp, **hot_args,
     )  # fmt: skip
     return out, mass, hot_mass

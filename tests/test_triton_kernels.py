@@ -159,7 +159,9 @@ def test_decode_attention_interpreted(
 @pytest.mark.parametrize(
     ("bits", "dtype", "busy"), [(8, torch.float16, 1), (4, torch.float16, 1), (4, torch.float32, 3)], ids=str
 )
-@pytest.mark.parametrize(("group_rows", "tile"), [(False, 4), (True, 16)], ids=["padded", "group16"])
+@pytest.mark.parametrize(
+    ("group_rows", "tile"), [(False, 4), (True, 8), (True, 16)], ids=["padded", "group8", "group16"]
+)
 def test_merge_attends_hot_zone_interpreted(
     kernels, monkeypatch, shape: Shape, bits: int, dtype, busy: int, group_rows: bool, tile: int
 ) -> None:
@@ -167,8 +169,8 @@ def test_merge_attends_hot_zone_interpreted(
     kernel cannot run here; the split kernel writes the same cold partials (the hot zone left out) in its
     place, and the result must match the reference. With ``gluon_busy_blocks`` above 1 a row keeps fewer
     splits busy than planned: the others' partials are NaN here (the Gluon kernel leaves them unwritten),
-    which the merge must not read. ``group16``: the partials, output and mass at the group's rows
-    (``MERGE_GROUP_ROWS``, groups of 1, 3 and 4 here), 16 partials in flight."""
+    which the merge must not read. ``group8``, ``group16``: the partials, output and mass at the group's rows
+    (``MERGE_GROUP_ROWS``, groups of 1, 3 and 4 here), 8 or 16 partials in flight."""
     td = kernels.triton_decode
     monkeypatch.setattr(td, "MERGE_GROUP_ROWS", group_rows)
     monkeypatch.setattr(td, "MERGE_TILE", tile)
@@ -201,6 +203,17 @@ def test_merge_attends_hot_zone_interpreted(
     got = td.hybrid_decode_attention_triton(**inp, options=opts, kernel="gluon")
     assert ran, "the launcher did not take the Gluon path"
     assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], dtype)
+
+
+@pytest.mark.parametrize("bits", [8, 0])
+def test_groups_wider_than_16_interpreted(kernels, bits: int) -> None:
+    """A group of 20 query heads a KV head (padded to 32 rows, wider than the 16 the Gluon path's hot zone
+    needs): the split kernel's merge keeps all its rows, with the merge's partials at the group's rows on."""
+    td = kernels.triton_decode
+    assert td.MERGE_GROUP_ROWS
+    inp = make_decode(Shape(2, 1, 20, 32, 8, 3, 16), bits, torch.float32, "cpu", demote=False)
+    got = td.hybrid_decode_attention_triton(**inp, options=td.DecodeKernelOptions(min_blocks_per_split=1))
+    assert_decode_close(got, hybrid_decode_attention_ref(**inp), inp["num_cold"], torch.float32)
 
 
 @pytest.mark.parametrize("bits", [4, 0])
