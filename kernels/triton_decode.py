@@ -24,9 +24,11 @@ once (GPU only, ``cvt=2``).
 ``exp2(lse_block - lse_total)`` averaged over the group, and the hot zone's mass. Where the Gluon kernel
 (``gluon_decode``) reads the cold blocks of a pure 8-bit or 4-bit pool, the merge attends the hot zone
 itself before it merges, launched as a programmatic dependent so that it does so while the cold blocks
-stream. An 8-bit pool with demoted blocks takes the Gluon kernel where ``gluon_mixed`` asks: its table split
-by bits (``triton_bits_partition``), the 8-bit and the 4-bit builds over their halves, and the merge finds
-each block's lse through the split's positions (``MAPPED``).
+stream; the hot zone's products need 16 query rows, and the rest of the merge runs at the group's own rows
+(``MERGE_GROUP_ROWS``), 8 partials in flight (``MERGE_TILE``). An 8-bit pool with demoted blocks takes the
+Gluon kernel where ``gluon_mixed`` asks: its table split by bits (``triton_bits_partition``), the 8-bit and
+the 4-bit builds over their halves, and the merge finds each block's lse through the split's positions
+(``MAPPED``).
 
 Which of these kernels takes a launch is decided by :func:`kvtune.kernels.decode_choice.decode_kernel`, with
 the options of :class:`~kvtune.kernels.decode_choice.DecodeKernelOptions`.
