@@ -513,10 +513,10 @@ def _merge_kernel(
     q_ptr, hot_k_ptr, hot_v_ptr, hot_slot_ptr, hot_len_ptr, qk_scale,
     num_splits, M, s_ob, s_oh, s_qb, s_qh, s_hs, s_hh, s_ht, pos_ptr, lse_w,
     count1_ptr, count2_ptr, split2, busy1, busy2,
-    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GM: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
     HOT: tl.constexpr = False, WAIT: tl.constexpr = False, HOT_T: tl.constexpr = 64,
     PREC: tl.constexpr = "tf32", MAPPED: tl.constexpr = False, SB: tl.constexpr = 4,
-    ZB: tl.constexpr = 512, AHEAD: tl.constexpr = False, GM: tl.constexpr = 0,
+    ZB: tl.constexpr = 512, AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """Merge the splits of one (sequence, KV head): output rows, per-block mass, hot mass. ``HOT``: the hot
     zone is attended here first (the splits hold the cold blocks only) and ``WAIT``: this launch is a
@@ -530,7 +530,7 @@ def _merge_kernel(
     in slots ``0 .. split2 - 1`` (its row's count at ``count1``, ``busy1`` blocks a busy split), with
     ``MAPPED`` the second's after them (``count2``, ``busy2``). ``AHEAD``: the first ``MB`` listed blocks'
     lse are loaded with the first partials (their positions before the wait), not after the output, one
-    memory round trip fewer on the merge's serial path. ``GM`` (0: ``GP``): after the hot zone, whose
+    memory round trip fewer on the merge's serial path. ``GM`` (≤ ``GP``): after the hot zone, whose
     products need 16 rows, the partials, the output and the mass are handled at ``GM`` rows (the group's, to a
     power of two), so that ``SB`` partials in flight take a quarter of the registers at ``G`` 4."""
     bh = tl.program_id(0)
@@ -565,7 +565,7 @@ def _merge_kernel(
             tl.extra.cuda.gdc_wait()
     else:
         lse_hot = tl.load(hot_lse_ptr + bh * G + g, mask=gmask, other=float("-inf"))
-    if 0 < GM < GP:  # the rest at the group's own rows: the hot zone's tile had the 16 rows its products need
+    if GM < GP:  # the rest at the group's own rows: the hot zone's tile had the 16 rows its products need
         m, l_sum, acc_lo, acc_hi, lse_hot = _group_rows(m, l_sum, acc_lo, acc_hi, lse_hot, gmask, GP, GM, DH)
         g = tl.arange(0, GM)
         gmask = g < G
