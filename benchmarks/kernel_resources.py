@@ -1,7 +1,8 @@
 """Registers, stack and shared memory of the decode-attention kernel variants, the programs per SM they
 allow on an H100/H200 (:func:`kvtune.kernels.triton_decode.resident_programs`) and the SASS instructions of
 their block loop (:func:`kvtune.kernels.aot.longest_loop`), read from a sm_90 compile on any machine (no GPU
-needed: :mod:`kvtune.kernels.aot`).
+needed: :mod:`kvtune.kernels.aot`); then the merge that follows the Gluon kernel, with 4, 8 or 16 splits'
+partials in flight at the padded 16 rows or at the group's own (``MERGE_TILE``, ``MERGE_GROUP_ROWS``).
 
 Llama-3-8B heads (32 query, 8 KV, d128), block_size 64, bf16, as ``benchmarks/decode_attention.py`` launches
 them.
@@ -38,8 +39,9 @@ VARIANTS: dict[int, dict[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def split_launch(bits: int, options: td.DecodeKernelOptions, gluon: bool = False) -> Any:
-    """The launch that reads the cold blocks: the Gluon kernel's (``gluon``) or the Triton split kernel's."""
+def split_launch(bits: int, options: td.DecodeKernelOptions, gluon: bool = False, merge: bool = False) -> Any:
+    """The launch that reads the cold blocks: the Gluon kernel's (``gluon``) or the Triton split kernel's;
+    ``merge``: the merge that follows it instead."""
     b, heads, group, d, m = 3, 8, 4, 128, 9
     pool = ColdLayout(64, heads, d, bits, torch.bfloat16).allocate(40, "cpu")
     pool.may_demote = options.mixed
@@ -51,7 +53,7 @@ def split_launch(bits: int, options: td.DecodeKernelOptions, gluon: bool = False
         torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=options,
         kernel="gluon" if gluon else "split",
     ))  # fmt: skip
-    return launches[0]  # the cold blocks' kernel (the merge kernel is small)
+    return launches[-1] if merge else launches[0]  # the merge comes last
 
 
 def main() -> None:
@@ -65,6 +67,18 @@ def main() -> None:
             resident = td.resident_programs(r.registers, r.num_warps, r.shared_bytes)
             print(f"{bits:>4} {name:<34} {r.num_warps:>5} {r.registers:>5} {r.stack_bytes:>7} "
                   f"{r.shared_bytes / 1024:>7.1f} {resident:>11} {r.loop_instructions:>9}")  # fmt: skip
+    # the merge after the Gluon kernel: partials in flight, at the padded 16 rows or at the group's own
+    default = (td.MERGE_TILE, td.MERGE_GROUP_ROWS)
+    for tile, group_rows in ((4, False), (8, False), (8, True), (16, True)):
+        td.MERGE_TILE, td.MERGE_GROUP_ROWS = tile, group_rows
+        r = resources(split_launch(4, td.default_options(4), gluon=True, merge=True))
+        name = f"merge {tile}, {'group' if group_rows else '16'} rows" + (
+            " (default)" if (tile, group_rows) == default else ""
+        )
+        resident = td.resident_programs(r.registers, r.num_warps, r.shared_bytes)
+        print(f"{4:>4} {name:<34} {r.num_warps:>5} {r.registers:>5} {r.stack_bytes:>7} "
+              f"{r.shared_bytes / 1024:>7.1f} {resident:>11} {r.loop_instructions:>9}")  # fmt: skip
+    td.MERGE_TILE, td.MERGE_GROUP_ROWS = default
 
 
 if __name__ == "__main__":
