@@ -445,8 +445,23 @@ def _group_rows(m, l_sum, acc_lo, acc_hi, lse, gmask, GP: tl.constexpr, GM: tl.c
 
 
 @triton.jit
-def _fold4(m, l_sum, acc_lo, acc_hi, m0, l0, lo0, hi0, m1, l1, lo1, hi1, m2, l2, lo2, hi2, m3, l3, lo3, hi3):
-    """The running (m, l, acc) with four partials merged in."""
+def _partials4(ml_ptr, acc_ptr, bh, s0, slots, end, g, c, gmask, G: tl.constexpr, D: tl.constexpr):
+    """Slots ``s0 .. s0 + 3`` (:func:`_partial` each), their loads issued together."""
+    return (
+        _partial(ml_ptr, acc_ptr, bh, s0, slots, end, g, c, gmask, G, D),
+        _partial(ml_ptr, acc_ptr, bh, s0 + 1, slots, end, g, c, gmask, G, D),
+        _partial(ml_ptr, acc_ptr, bh, s0 + 2, slots, end, g, c, gmask, G, D),
+        _partial(ml_ptr, acc_ptr, bh, s0 + 3, slots, end, g, c, gmask, G, D),
+    )
+
+
+@triton.jit
+def _fold4(m, l_sum, acc_lo, acc_hi, four):
+    """The running (m, l, acc) with four partials (:func:`_partials4`) merged in."""
+    m0, l0, lo0, hi0 = four[0]
+    m1, l1, lo1, hi1 = four[1]
+    m2, l2, lo2, hi2 = four[2]
+    m3, l3, lo3, hi3 = four[3]
     m_new = tl.maximum(tl.maximum(m, m0), tl.maximum(tl.maximum(m1, m2), m3))
     alpha = tl.exp2(m - m_new)
     b0 = tl.exp2(m0 - m_new)
@@ -467,8 +482,8 @@ def _merge_slots(ml_ptr, acc_ptr, bh, begin, end, slots, m, l_sum, acc_lo, acc_h
     """The running (m, l, acc) with row ``bh``'s partials in slots ``begin .. end - 1`` merged in, ``SB`` (1,
     4, 8 or 16) of them loaded before any of them is merged."""
     for s0 in range(begin, end, SB):
-        m0, l0, lo0, hi0 = _partial(ml_ptr, acc_ptr, bh, s0, slots, end, g, c, gmask, G, D)
         if SB == 1:
+            m0, l0, lo0, hi0 = _partial(ml_ptr, acc_ptr, bh, s0, slots, end, g, c, gmask, G, D)
             m_new = tl.maximum(m, m0)
             alpha = tl.exp2(m - m_new)
             b0 = tl.exp2(m0 - m_new)
@@ -477,33 +492,18 @@ def _merge_slots(ml_ptr, acc_ptr, bh, begin, end, slots, m, l_sum, acc_lo, acc_h
             acc_hi = acc_hi * alpha[:, None] + hi0 * b0[:, None]
             m = m_new
         else:
-            m1, l1, lo1, hi1 = _partial(ml_ptr, acc_ptr, bh, s0 + 1, slots, end, g, c, gmask, G, D)
-            m2, l2, lo2, hi2 = _partial(ml_ptr, acc_ptr, bh, s0 + 2, slots, end, g, c, gmask, G, D)
-            m3, l3, lo3, hi3 = _partial(ml_ptr, acc_ptr, bh, s0 + 3, slots, end, g, c, gmask, G, D)
+            q0 = _partials4(ml_ptr, acc_ptr, bh, s0, slots, end, g, c, gmask, G, D)
             if SB >= 8:
-                m4, l4, lo4, hi4 = _partial(ml_ptr, acc_ptr, bh, s0 + 4, slots, end, g, c, gmask, G, D)
-                m5, l5, lo5, hi5 = _partial(ml_ptr, acc_ptr, bh, s0 + 5, slots, end, g, c, gmask, G, D)
-                m6, l6, lo6, hi6 = _partial(ml_ptr, acc_ptr, bh, s0 + 6, slots, end, g, c, gmask, G, D)
-                m7, l7, lo7, hi7 = _partial(ml_ptr, acc_ptr, bh, s0 + 7, slots, end, g, c, gmask, G, D)
+                q1 = _partials4(ml_ptr, acc_ptr, bh, s0 + 4, slots, end, g, c, gmask, G, D)
             if SB == 16:
-                m8, l8, lo8, hi8 = _partial(ml_ptr, acc_ptr, bh, s0 + 8, slots, end, g, c, gmask, G, D)
-                m9, l9, lo9, hi9 = _partial(ml_ptr, acc_ptr, bh, s0 + 9, slots, end, g, c, gmask, G, D)
-                mA, lA, loA, hiA = _partial(ml_ptr, acc_ptr, bh, s0 + 10, slots, end, g, c, gmask, G, D)
-                mB, lB, loB, hiB = _partial(ml_ptr, acc_ptr, bh, s0 + 11, slots, end, g, c, gmask, G, D)
-                mC, lC, loC, hiC = _partial(ml_ptr, acc_ptr, bh, s0 + 12, slots, end, g, c, gmask, G, D)
-                mD, lD, loD, hiD = _partial(ml_ptr, acc_ptr, bh, s0 + 13, slots, end, g, c, gmask, G, D)
-                mE, lE, loE, hiE = _partial(ml_ptr, acc_ptr, bh, s0 + 14, slots, end, g, c, gmask, G, D)
-                mF, lF, loF, hiF = _partial(ml_ptr, acc_ptr, bh, s0 + 15, slots, end, g, c, gmask, G, D)
-            m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, m0, l0, lo0, hi0, m1, l1, lo1, hi1,
-                                              m2, l2, lo2, hi2, m3, l3, lo3, hi3)  # fmt: skip
+                q2 = _partials4(ml_ptr, acc_ptr, bh, s0 + 8, slots, end, g, c, gmask, G, D)
+                q3 = _partials4(ml_ptr, acc_ptr, bh, s0 + 12, slots, end, g, c, gmask, G, D)
+            m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, q0)
             if SB >= 8:
-                m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, m4, l4, lo4, hi4, m5, l5, lo5,
-                                                  hi5, m6, l6, lo6, hi6, m7, l7, lo7, hi7)  # fmt: skip
+                m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, q1)
             if SB == 16:
-                m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, m8, l8, lo8, hi8, m9, l9, lo9,
-                                                  hi9, mA, lA, loA, hiA, mB, lB, loB, hiB)  # fmt: skip
-                m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, mC, lC, loC, hiC, mD, lD, loD,
-                                                  hiD, mE, lE, loE, hiE, mF, lF, loF, hiF)  # fmt: skip
+                m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, q2)
+                m, l_sum, acc_lo, acc_hi = _fold4(m, l_sum, acc_lo, acc_hi, q3)
     return m, l_sum, acc_lo, acc_hi
 
 
