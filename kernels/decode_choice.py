@@ -19,6 +19,7 @@ from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.triton_common import tileable_head_dim
 
 DecodeKernel = Literal["reference", "split", "gluon", "gluon_mixed"]
+GluonBuilds = Literal["two", "paired", "by_id"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,12 @@ class DecodeKernelOptions:
         nothing (sparse INT8, graphs, two rounds: 102.7-106.6 µs without, 106.4 with at 16 x 32K; 113.2-113.9
         both ways at 4 x 128K; ``lab/scripts/sparse_kernels.py --overlap both``): the 8-bit build's
         programs hold every slot the multiprocessors have, so the dependent's programs start only to wait.
+    gluon_builds: how ``gluon_mixed`` launches its two builds: ``"two"``, one launch each, the 4-bit
+        build after the 8-bit one; ``"paired"``, one launch whose program reads its split of the 8-bit
+        build, then the same split of the 4-bit build; ``"by_id"``, one launch with both builds' splits,
+        each program taking one by its id (``gluon_decode._cold_pair_kernel``). In one launch the builds
+        share one ramp and one tail, and their rings the same shared memory.
+    gluon_stages4: ``gluon_mixed``'s 4-bit ring depth (0: ``gluon_stages``, at most 2).
 
     Named constants, the same in every shipped default (tests and sweeps set the other values):
 
@@ -97,6 +104,8 @@ class DecodeKernelOptions:
     gluon_busy_blocks: int = 1
     gluon_busy_blocks4: int = 0
     gluon_overlap: bool = False
+    gluon_builds: GluonBuilds = "two"
+    gluon_stages4: int = 0
     # named constants
     num_stages: int = 2
     min_blocks_per_split: int = 4

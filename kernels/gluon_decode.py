@@ -468,11 +468,9 @@ def _attend(s8, c8, vc, vs, vmn, m_i, l_i, vm_i, acc, acc_h, ones, lse_ptr, rows
     return m_i, l_i, vm_i, acc - off, acc_h
 
 
-# Sizes that follow the batch and the sequence lengths are not specialized (a value of 1 or a multiple of 16
-# would otherwise compile the kernel again in the middle of a replay).
-@gluon.jit(do_not_specialize=["busy_blocks", "num_splits", "M", "part_stride", "part0"])
-def _cold_kernel(
-    q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table_ptr, num_cold_ptr,
+@gluon.jit
+def _cold_part(
+    pid_s, bh, q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table_ptr, num_cold_ptr,
     part_acc_ptr, part_ml_ptr, blk_lse_ptr,
     qk_scale, busy_blocks, num_splits, M, part_stride, part0,
     s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh,
@@ -482,19 +480,13 @@ def _cold_kernel(
     ROWS: gl.constexpr, K_ORDER: gl.constexpr, Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr,
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
-    KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, ROW: gl.constexpr,
-    SPLIT_MAJOR: gl.constexpr = False, FOLLOW: gl.constexpr = False,
+    KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, ROW: gl.constexpr,
 ):  # fmt: skip
-    """Partial attention of one (split, sequence * KV head) over its cold blocks (module docstring): the
-    partial (m, l, acc) in the layout of ``_split_kernel``'s partials (slot ``part0 + split`` of the row's
-    ``part_stride``), and each block's lse. ``ROW``: bytes from one code row to the next (``C``; ``D`` for
-    the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each row). ``FOLLOW``: this launch
-    is a programmatic dependent of the build before it, whose outputs it does not read: it waits for that
-    build only after its own stores (``gluon_overlap``)."""
-    pid_s = gl.program_id(1 if SPLIT_MAJOR else 0)  # SPLIT_MAJOR: grid (B * H, splits)
-    bh = gl.program_id(0 if SPLIT_MAJOR else 1)
-    if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
-        _launch_dependents(pid_s)
+    """Partial attention of split ``pid_s`` of row ``bh`` (sequence * KV head) over its cold blocks (module
+    docstring): the partial (m, l, acc) in the layout of ``_split_kernel``'s partials (slot ``part0 +
+    split`` of the row's ``part_stride``), and each block's lse. ``ROW``: bytes from one code row to the
+    next (``C``; ``D`` for the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each
+    row)."""
     b = bh // H
     h = bh % H
     C: gl.constexpr = D if KIND == 8 else D // 2  # channels per operand (and bytes per code row)
@@ -626,8 +618,86 @@ def _cold_kernel(
         gl.store(part_acc_ptr + o_off + C, acc_h * 0.0625 + vmo[None, :], mask=o_mask)
     gl.store(part_ml_ptr + part * 2 * G + rows, m_i, mask=(rows < G) & (pid_s < busy))
     gl.store(part_ml_ptr + part * 2 * G + G + rows, l_i, mask=(rows < G) & (pid_s < busy))
+
+
+# Sizes that follow the batch and the sequence lengths are not specialized (a value of 1 or a multiple of 16
+# would otherwise compile the kernel again in the middle of a replay).
+@gluon.jit(do_not_specialize=["busy_blocks", "num_splits", "M", "part_stride", "part0"])
+def _cold_kernel(
+    q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table_ptr, num_cold_ptr,
+    part_acc_ptr, part_ml_ptr, blk_lse_ptr,
+    qk_scale, busy_blocks, num_splits, M, part_stride, part0,
+    s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh,
+    H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, T: gl.constexpr, KIND: gl.constexpr,
+    LK: gl.constexpr, LQ: gl.constexpr, LKM: gl.constexpr, LV: gl.constexpr, LP: gl.constexpr,
+    LP4: gl.constexpr,
+    ROWS: gl.constexpr, K_ORDER: gl.constexpr, Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr,
+    V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
+    KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
+    KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, ROW: gl.constexpr,
+    SPLIT_MAJOR: gl.constexpr = False, FOLLOW: gl.constexpr = False,
+):  # fmt: skip
+    """One build over its grid of (split, sequence * KV head) programs (:func:`_cold_part`). ``FOLLOW``:
+    this launch is a programmatic dependent of the build before it, whose outputs it does not read: it
+    waits for that build only after its own stores (``gluon_overlap``)."""
+    pid_s = gl.program_id(1 if SPLIT_MAJOR else 0)  # SPLIT_MAJOR: grid (B * H, splits)
+    bh = gl.program_id(0 if SPLIT_MAJOR else 1)
+    if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
+        _launch_dependents(pid_s)
+    _cold_part(pid_s, bh, q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table_ptr,
+               num_cold_ptr, part_acc_ptr, part_ml_ptr, blk_lse_ptr, qk_scale, busy_blocks, num_splits, M,
+               part_stride, part0, s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, H, G, D, T, KIND,
+               LK, LQ, LKM, LV, LP, LP4, ROWS, K_ORDER, Q_ORDER, KM_ORDER, V_ORDER, V_BITS, TC_BITS, Q_BITS,
+               KM_BITS, SK, SV, COPY, STAGES, KROWS, TABLE_AHEAD, ROW)  # fmt: skip
     if FOLLOW:  # end no earlier than the build before: the merge, waiting on this launch, then has both
         _wait_primary(pid_s)
+
+
+@gluon.jit(do_not_specialize=["busy_blocks", "busy_blocks4", "num_splits", "num_splits4", "M", "part_stride"])
+def _cold_pair_kernel(
+    q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table_ptr, num_cold_ptr, blk_lse_ptr,
+    table4_ptr, num_cold4_ptr, blk_lse4_ptr, part_acc_ptr, part_ml_ptr,
+    qk_scale, busy_blocks, busy_blocks4, num_splits, num_splits4, M, part_stride,
+    s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh,
+    H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
+    LK: gl.constexpr, LQ: gl.constexpr, LKM: gl.constexpr, LV: gl.constexpr, LP: gl.constexpr,
+    LP4: gl.constexpr,
+    ROWS: gl.constexpr, K_ORDER: gl.constexpr, Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr,
+    V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
+    KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
+    LK4: gl.constexpr, LQ4: gl.constexpr, LKM4: gl.constexpr, LV4: gl.constexpr, LP_4: gl.constexpr,
+    LP4_4: gl.constexpr,
+    ROWS4: gl.constexpr, K_ORDER4: gl.constexpr, Q_ORDER4: gl.constexpr, KM_ORDER4: gl.constexpr,
+    V_ORDER4: gl.constexpr, V_BITS4: gl.constexpr, TC_BITS4: gl.constexpr, Q_BITS4: gl.constexpr,
+    KM_BITS4: gl.constexpr, SK4: gl.constexpr, SV4: gl.constexpr, COPY4: gl.constexpr, STAGES4: gl.constexpr,
+    KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, BY_ID: gl.constexpr,
+    SPLIT_MAJOR: gl.constexpr = False,
+):  # fmt: skip
+    """Both builds of ``gluon_mixed`` in one launch (``gluon_builds``), over an 8-bit pool whose demoted
+    blocks hold 4-bit codes in the first half of their rows: the 8-bit build over ``table_ptr`` (partial
+    slots ``0 .. num_splits - 1``), the 4-bit one over ``table4_ptr`` (the ``num_splits4`` slots after
+    them). ``BY_ID``: the grid holds ``num_splits + num_splits4`` splits a row and each program takes one
+    build's split by its id; else ``max(num_splits, num_splits4)`` and each program reads its split of
+    both builds, the 8-bit one first. The builds' rings are live one after the other: the compiler gives
+    them the same shared memory."""
+    pid_s = gl.program_id(1 if SPLIT_MAJOR else 0)  # SPLIT_MAJOR: grid (B * H, splits)
+    bh = gl.program_id(0 if SPLIT_MAJOR else 1)
+    if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
+        _launch_dependents(pid_s)
+    if not BY_ID or pid_s < num_splits:
+        _cold_part(pid_s, bh, q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table_ptr,
+                   num_cold_ptr, part_acc_ptr, part_ml_ptr, blk_lse_ptr, qk_scale, busy_blocks, num_splits, M,
+                   part_stride, 0, s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, H, G, D, T, 8,
+                   LK, LQ, LKM, LV, LP, LP4, ROWS, K_ORDER, Q_ORDER, KM_ORDER, V_ORDER, V_BITS, TC_BITS,
+                   Q_BITS, KM_BITS, SK, SV, COPY, STAGES, KROWS, TABLE_AHEAD, D)  # fmt: skip
+    if not BY_ID or pid_s >= num_splits:
+        pid4 = pid_s - num_splits if BY_ID else pid_s
+        _cold_part(pid4, bh, q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table4_ptr,
+                   num_cold4_ptr, part_acc_ptr, part_ml_ptr, blk_lse4_ptr, qk_scale, busy_blocks4,
+                   num_splits4, M, part_stride, num_splits, s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh,
+                   H, G, D, T, 4,
+                   LK4, LQ4, LKM4, LV4, LP_4, LP4_4, ROWS4, K_ORDER4, Q_ORDER4, KM_ORDER4, V_ORDER4, V_BITS4,
+                   TC_BITS4, Q_BITS4, KM_BITS4, SK4, SV4, COPY4, STAGES4, KROWS, TABLE_AHEAD, D)  # fmt: skip
 
 
 # ---- host side ----
@@ -740,3 +810,23 @@ def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: i
     extra: dict[str, object] = {"FOLLOW": True, "launch_pdl": True} if follow else {}
     return launch(_cold_kernel, order, *args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, ROW=row or channels,
                   SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **constants, **extra)  # fmt: skip
+
+
+def launch_pair(splits: tuple[int, int], rows: int, args: tuple[object, ...], *, H: int, G: int, D: int,
+                T: int, stages: tuple[int, int], by_id: bool, pdl: bool = False, key_rows: bool = True,
+                table_ahead: bool = True) -> object:  # fmt: skip
+    """Launch ``_cold_pair_kernel``: both builds of an 8-bit pool with demoted blocks in one launch, with
+    ``splits`` (8-bit, 4-bit) a row over ``rows`` = B * H rows, ring depths ``stages`` (8-bit, 4-bit) and
+    its runtime ``args`` (in order); ``by_id``: each program takes one build's split (``BY_ID``), else
+    its split of both; ``pdl`` as :func:`launch_cold`."""
+    eight = build_constants(D, T, stages[0], key_rows, table_ahead)
+    four = build_constants(D // 2, T, stages[1], key_rows, table_ahead)
+    renamed = {"LP": "LP_4", "LP4": "LP4_4"}
+    both = {
+        **eight,
+        **{renamed.get(k, k + "4"): v for k, v in four.items() if k not in ("KROWS", "TABLE_AHEAD")},
+    }
+    n = splits[0] + splits[1] if by_id else max(splits)
+    order = (rows, n) if SPLIT_MAJOR else (n, rows)
+    return launch(_cold_pair_kernel, order, *args, H=H, G=G, D=D, T=T, PDL=pdl, BY_ID=by_id,
+                  SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **both)  # fmt: skip

@@ -672,7 +672,7 @@ def launch_plan(
         return DecodePlan(kernel, opts, meta, (), splits, per)
     # (gluon_mixed: the 8-bit build's occupancy plans both builds' splits)
     key = ("gluon", str(q.device), bits, D, pool.k.shape[2], G, opts.gluon_stages, opts.gluon_key_rows,
-           opts.gluon_table_ahead)  # fmt: skip
+           opts.gluon_table_ahead, kernel == "gluon_mixed" and opts.gluon_builds)  # fmt: skip
     # The wave model with the build's occupancy, once known: on the H200 it beat every programs-per-SM target
     # for the Gluon kernel.
     plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm)
@@ -680,7 +680,7 @@ def launch_plan(
     splits, per = plan_splits(B * H, M, q.device, plan, resident and max(1, resident - WAVE_FREE))
     stages4 = 0
     if kernel == "gluon_mixed":
-        asked = min(options_for(pool, options).gluon_stages, 2)
+        asked = opts.gluon_stages4 or min(options_for(pool, options).gluon_stages, 2)
         stages4 = gluon_decode.ring_stages(arch, D, pool.k.shape[2], 4, asked)
     return DecodePlan(kernel, opts, meta, key, splits, per, stages4)
 
@@ -805,8 +805,9 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
     codes fill the first ``D / 2`` bytes of the pool's ``D``-byte rows), each block's lse where
     ``parts.positions`` points. Only the second launch lets the merge start early (``pdl``): the merge's
     wait then follows both. With ``gluon_overlap`` (and ``pdl``) the 8-bit build lets the 4-bit one start
-    early too, which waits for it only at its end. Returns the 8-bit build (its occupancy plans the
-    splits)."""
+    early too, which waits for it only at its end. With ``gluon_builds`` ``"paired"`` or ``"by_id"`` both
+    builds run in one launch (``gluon_decode.launch_pair``). Returns the 8-bit build or the pair (its
+    occupancy plans the splits)."""
     B, _, D = q.shape
     H = parts.table.shape[1]
     w = parts.table.shape[2] // 2
@@ -817,6 +818,16 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
     head = (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale)
     strides = (q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0),
                pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1))  # fmt: skip
+    if opts.gluon_builds != "two":  # both builds in one launch
+        return gluon_decode.launch_pair(
+            (plan.splits, slots - plan.splits), B * H,
+            (*head, parts.table, parts.counts[0], blk_lse, parts.table[..., w:], parts.counts[1],
+             blk_lse[:, w:], part_acc, part_ml, qk_scale, opts.gluon_busy_blocks, busy4, plan.splits,
+             slots - plan.splits, 2 * w, slots, *strides),
+            H=H, G=q.shape[1] // H, D=D, T=pool.k.shape[2], stages=(opts.gluon_stages, plan.stages4),
+            by_id=opts.gluon_builds == "by_id", pdl=pdl, key_rows=opts.gluon_key_rows,
+            table_ahead=opts.gluon_table_ahead,
+        )  # fmt: skip
     overlap = pdl and opts.gluon_overlap
     launched = []
     for i, (kind, stages, splits, busy, part0) in enumerate(builds):

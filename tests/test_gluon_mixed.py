@@ -222,17 +222,18 @@ GPU_SHAPES = [
 ]
 
 
-def _mixed_options(td, stages: int = 3, pdl: bool = True, overlap: bool = False):
+def _mixed_options(td, stages: int = 3, pdl: bool = True, overlap: bool = False, builds: str = "two",
+                   stages4: int = 0):  # fmt: skip
     return replace(td.default_options(8), gluon_mixed=True, gluon_stages=stages, gluon_pdl=pdl,
-                   gluon_overlap=overlap)  # fmt: skip
+                   gluon_overlap=overlap, gluon_builds=builds, gluon_stages4=stages4)  # fmt: skip
 
 
 def _check_mixed(td, shape: Shape, dtype: torch.dtype, stages: int = 3, pdl: bool = True,
-                 overlap: bool = False) -> None:  # fmt: skip
+                 overlap: bool = False, builds: str = "two", stages4: int = 0) -> None:  # fmt: skip
     inp = make_decode(shape, 8, dtype, "cuda", demote=True)
-    opts = _mixed_options(td, stages, pdl, overlap)
+    opts = _mixed_options(td, stages, pdl, overlap, builds, stages4)
     plan = td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)
-    assert plan.kernel == "gluon_mixed" and plan.stages4 == min(stages, 2)
+    assert plan.kernel == "gluon_mixed" and plan.stages4 == (stages4 or min(stages, 2))
     want = hybrid_decode_attention_ref(**inp)
     poison_allocator("cuda")
     got = td.hybrid_decode_attention_triton(**inp, options=opts)
@@ -264,19 +265,32 @@ def test_mixed_gluon_with_the_builds_overlapped_gpu(gpu_kernels, shape: Shape) -
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize(("builds", "stages4"), [("paired", 0), ("by_id", 0), ("paired", 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_gluon_in_one_launch_gpu(
+    gpu_kernels, shape: Shape, builds: str, stages4: int, dtype: torch.dtype
+) -> None:
+    """``gluon_builds``: both builds in one launch, each program reading its split of both or one build's
+    split by its id, match the reference, block mass included; with a 4-bit ring of 4 in the 8-bit ring's
+    shared memory."""
+    _check_mixed(gpu_kernels.triton_decode, shape, dtype, builds=builds, stages4=stages4)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES[:3], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("overlap", [False, True], ids=["after", "overlapped"])
-def test_mixed_gluon_in_a_cuda_graph_gpu(
-    gpu_kernels, shape: Shape, dtype: torch.dtype, overlap: bool
-) -> None:
+@pytest.mark.parametrize("way", ["two", "overlap", "paired", "by_id"])
+def test_mixed_gluon_in_a_cuda_graph_gpu(gpu_kernels, shape: Shape, dtype: torch.dtype, way: str) -> None:
     """Captured once, replayed on new queries, a new table (other blocks, other counts, other bits mix) and
     new hot lengths written into the captured inputs: each replay matches the reference of what the inputs
     then hold (nothing is read back to the host while capturing; a sync would fail the capture); with the
-    4-bit build after the 8-bit one and beside it (``gluon_overlap``)."""
+    4-bit build after the 8-bit one, beside it (``gluon_overlap``) and in one launch with it
+    (``gluon_builds``)."""
     td = gpu_kernels.triton_decode
     inp = make_decode(shape, 8, dtype, "cuda", demote=True)
-    opts = _mixed_options(td, overlap=overlap)
+    overlap, builds = way == "overlap", way if way in ("paired", "by_id") else "two"
+    opts = _mixed_options(td, overlap=overlap, builds=builds)
     run = lambda: td.hybrid_decode_attention_triton(**inp, options=opts)
     run()  # compiles, and reads the build's occupancy, outside the capture
     torch.cuda.synchronize()
@@ -307,9 +321,10 @@ def test_mixed_gluon_on_a_sparse_table_gpu(gpu_kernels) -> None:
     demoted = demoted[demoted >= 0].long()
     requantize_int4_ref(pool, demoted.unique())
     want = hybrid_decode_attention_ref(**inp)
-    poison_allocator("cuda")
-    got = td.hybrid_decode_attention_triton(**inp, options=_mixed_options(td))
-    assert_decode_close(got, want, inp["num_cold"], torch.bfloat16)
+    for builds in ("two", "paired", "by_id"):
+        poison_allocator("cuda")
+        got = td.hybrid_decode_attention_triton(**inp, options=_mixed_options(td, builds=builds))
+        assert_decode_close(got, want, inp["num_cold"], torch.bfloat16)
 
 
 def test_aligned_pools_only_take_the_gluon_kernel() -> None:

@@ -79,12 +79,15 @@ def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64
 
 
 def _gluon_mixed(d: int = 128, bs: int = 64, b: int = 3, m: int = 9, stages: int = 3, heads: int = 8,
-                 group: int = 4, arch: Any = None, overlap: bool = False) -> Callable[[], Any]:  # fmt: skip
+                 group: int = 4, arch: Any = None, overlap: bool = False, builds: str = "two",
+                 stages4: int = 0) -> Callable[[], Any]:  # fmt: skip
     """The launches of the mixed Gluon path (an 8-bit pool with demoted blocks: the partition kernel, the
     8-bit and the 4-bit builds, the merge); the launcher is told it applies, as for ``_gluon``;
-    ``overlap``: the 4-bit build beside the 8-bit one (``gluon_overlap``)."""
+    ``overlap``: the 4-bit build beside the 8-bit one (``gluon_overlap``); ``builds``: both in one launch
+    (``gluon_builds``), with a 4-bit ring of ``stages4``."""
     return _decode(8, demotable=True, heads=heads, group=group, d=d, b=b, m=m, bs=bs, kernel="gluon_mixed",
-                   arch=arch, gluon_mixed=True, gluon_stages=stages, gluon_overlap=overlap)  # fmt: skip
+                   arch=arch, gluon_mixed=True, gluon_stages=stages, gluon_overlap=overlap,
+                   gluon_builds=builds, gluon_stages4=stages4)  # fmt: skip
 
 
 def _partition(b: int = 3, m: int = 9, heads: int = 8) -> Callable[[], Any]:
@@ -217,6 +220,11 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
        for d in (64, 128) for bs in (16, 32, 64)},
     "decode int8 gluon mixed smollm2 heads": lambda: _gluon_mixed(64, 32, heads=3, group=3),
     "decode int8 gluon mixed, builds overlapped": lambda: _gluon_mixed(overlap=True),
+    **{f"decode int8 gluon mixed, one launch {w}": (lambda w=w: _gluon_mixed(builds=w))
+       for w in ("paired", "by_id")},
+    "decode int8 gluon mixed, one launch, 4-bit ring 4": lambda: _gluon_mixed(builds="paired", stages4=4),
+    "decode int8 gluon mixed smollm2 heads, one launch": lambda: _gluon_mixed(64, 32, heads=3, group=3,
+                                                                              builds="paired"),
     **{f"decode int8 gluon mixed stages {s}": (lambda s=s: _gluon_mixed(stages=s)) for s in (0, 2)},
     "bits partition": _partition,
     "bits partition 16 x 543": lambda: _partition(b=16, m=543),
@@ -335,6 +343,7 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
            for bits, dem in ((8, True), (4, False), (0, False))},
         **{f"decode int8 gluon mixed d{d} bs{bs}": (lambda d=d, bs=bs: _gluon_mixed(d, bs, arch=arch))
            for d, bs in ((128, 64), (64, 16))},
+        "decode int8 gluon mixed, one launch": lambda: _gluon_mixed(arch=arch, builds="paired"),
         "quest int8": lambda: _quest(8),
         "seal int4 in an 8-bit pool": lambda: _seal(8, 4),
         "seal int8 from hot zones": lambda: _seal(8, 8, from_hot_zones=True),

@@ -8,11 +8,15 @@ kernel's end), the union of the kernels' intervals (busy) and the span's idle pa
 launch latency inside the graph). Kernels that overlap (a programmatic dependent launch) count once in busy.
 With ``--summary`` Quest reads the e4m3 summary, as the cache does by default on sm_89 and newer.
 The same step timed by ``do_bench_cudagraph`` beside it, and SDPA bf16 in the same process. With
-``--overlap both`` the INT8 steps run with ``gluon_overlap`` off and on (the 4-bit build started beside the
-8-bit one), ``--rounds`` times each, alternating, for an A/B in one process.
+``--ways`` the INT8 steps run each way its two builds can launch: ``two`` (one launch each, the default),
+``overlap`` (``gluon_overlap``: the 4-bit build started beside the 8-bit one), ``paired`` and ``by_id``
+(``gluon_builds``: both in one launch), each optionally with ``:S``, the 4-bit ring's depth
+(``gluon_stages4``, 0: the default), and ``:B``, the 4-bit build's busy blocks (``gluon_busy_blocks4``),
+``--rounds`` times each, alternating, for an A/B in one process (``--overlap both`` is ``--ways
+two,overlap``).
 
     python lab/scripts/sparse_kernels.py --out $OUT [--steps 20] [--summary] [--shapes 16:32768,4:131072]
-        [--overlap off|on|both] [--rounds 1]
+        [--ways two,paired,by_id,paired:4,paired:0:16] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -31,17 +35,35 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_attention as da
 
-from kvtune.kernels.decode_choice import default_options
+from kvtune.kernels.decode_choice import DecodeKernelOptions, default_options
 from kvtune.kernels.quest_summary import summary8
 from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
 
 
-def step_fn(case: da.Case, summary: bool, overlap: bool = False):
+def way_options(bits: int, way: str) -> DecodeKernelOptions:
+    """The default options of ``bits`` launched ``way`` (module docstring; INT8's builds only)."""
+    name, *rest = way.split(":")
+    if (
+        name not in ("two", "overlap", "paired", "by_id")
+        or len(rest) > 2
+        or not all(x.isdigit() for x in rest)
+    ):
+        raise SystemExit(f"--ways: {way!r} is not two, overlap, paired or by_id, each with optional :S[:B]")
+    if bits != 8:
+        return default_options(bits)
+    stages4, busy4 = (int(x) for x in [*rest, "0", "0"][:2])
+    base = default_options(8)
+    builds = name if name in ("paired", "by_id") else "two"
+    return replace(base, gluon_overlap=name == "overlap", gluon_builds=builds, gluon_stages4=stages4,
+                   gluon_busy_blocks4=busy4 or base.gluon_busy_blocks4)  # fmt: skip
+
+
+def step_fn(case: da.Case, summary: bool, way: str = "two"):
     inp, blocks, tier, count = da.sparse_setup(case)
     pool = inp["pool"]
     k_blocks = da.SPARSE_TOKENS // da.BS
     bounds = summary8(pool) if summary else None
-    options = replace(default_options(case.bits), gluon_overlap=overlap)
+    options = way_options(case.bits, way)
 
     def step():
         table, num_cold, _ = da.select_table(inp["q"], pool, blocks, tier, k_blocks, count, None, bounds)
@@ -120,10 +142,9 @@ def summarise(steps: list[dict]) -> dict:
     )  # fmt: skip
 
 
-def variants(bits: str, overlap: str, rounds: int) -> list[tuple[int, bool, int]]:
-    """(bits, gluon_overlap, round) in the order run: per bits, the rounds, each with overlap off then on
-    (INT8 only: the other pools have one build)."""
-    ways = {"off": (False,), "on": (True,), "both": (False, True)}[overlap]
+def variants(bits: str, ways: list[str], rounds: int) -> list[tuple[int, str, int]]:
+    """(bits, way, round) in the order run: per bits, the rounds, each with every way in turn (INT8 only:
+    the other pools have one build)."""
     out = []
     for b in (int(x) for x in bits.split(",")):
         for r in range(rounds):
@@ -141,11 +162,17 @@ def main() -> int:
     ap.add_argument(
         "--overlap",
         choices=["off", "on", "both"],
-        default="off",
-        help="INT8: the 4-bit build beside the 8-bit one (gluon_overlap)",
+        default=None,
+        help="INT8: the 4-bit build beside the 8-bit one (gluon_overlap): --ways two, overlap, two,overlap",
     )
+    ap.add_argument("--ways", default="two", help="INT8: how its builds launch (module docstring)")
     ap.add_argument("--rounds", type=int, default=1, help="each (step, overlap) this many times, alternating")
     args = ap.parse_args()
+    if args.overlap:
+        args.ways = {"off": "two", "on": "overlap", "both": "two,overlap"}[args.overlap]
+    ways = args.ways.split(",")
+    for w in ways:
+        way_options(8, w)  # refuses a bad way before the first step
     if not torch.cuda.is_available():
         raise SystemExit("needs a GPU (device timestamps of graph replays)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -155,14 +182,15 @@ def main() -> int:
     for shape in args.shapes.split(","):
         b, length = (int(x) for x in shape.split(":"))
         sdpa_ms, _ = da.sdpa_case(b, length)
-        for bits, overlap, rnd in variants(args.bits, args.overlap, args.rounds):
+        for bits, way, rnd in variants(args.bits, ways, args.rounds):
             case = da.sparse_rows(b, length, bits)
-            step = step_fn(case, args.summary, overlap)
+            step = step_fn(case, args.summary, way)
             ms = da.bench(step)
             tag = (f"{b}x{length // 1024}K_b{bits}{'_e4m3' if args.summary else ''}"
-                   f"{'_overlap' if overlap else ''}{f'_r{rnd}' if args.rounds > 1 else ''}")  # fmt: skip
+                   f"{'' if way == 'two' else '_' + way.replace(':', '-')}"
+                   f"{f'_r{rnd}' if args.rounds > 1 else ''}")  # fmt: skip
             res = summarise(profile_steps(step, args.steps, args.out / f"trace_{tag}.json"))
-            res.update(shape=shape, bits=bits, summary=args.summary, overlap=overlap, round=rnd, graph_ms=ms,
+            res.update(shape=shape, bits=bits, summary=args.summary, way=way, round=rnd, graph_ms=ms,
                        sdpa_ms=sdpa_ms)  # fmt: skip
             results.append(res)
             print(f"{tag}: graph {ms * 1e3:.1f} µs ({ms / sdpa_ms:.3f}x SDPA {sdpa_ms:.4f} ms); span "
