@@ -72,7 +72,10 @@ class DecodeKernelOptions:
         build after the 8-bit one; ``"paired"``, one launch whose program reads its split of the 8-bit
         build, then the same split of the 4-bit build; ``"by_id"``, one launch with both builds' splits,
         each program taking one by its id (``gluon_decode._cold_pair_kernel``). In one launch the builds
-        share one ramp and one tail, and their rings the same shared memory.
+        share one ramp and one tail, and their rings the same shared memory. ``"by_id"`` by default for
+        8-bit pools: on an H100 (sparse INT8, graph replays, four rounds over two machines' calls) the
+        step took 94.2-94.7 µs against 96.3-100.9 at 16 x 32K and 92.7-94.4 against 100.1-103.6 at 4 x
+        128K; ``"paired"`` 97.6-98.2 and 97.5-97.9 (``lab/scripts/sparse_kernels.py --ways``).
     gluon_stages4: ``gluon_mixed``'s 4-bit ring depth (0: ``gluon_stages``, at most 2).
 
     Named constants, the same in every shipped default (tests and sweeps set the other values):
@@ -124,7 +127,8 @@ _DEFAULTS = {
     # lists a fraction of its table, from which 33 splits are planned at 4 x 128K on an H200. Launched
     # split-major (``gluon_decode.SPLIT_MAJOR``), 24:4 took 0.0720 ms there against 0.0738 at 20:4, 0.0729 at
     # 16:4 and 0.1071 with every split busy (1:0), and 0.0677 against 0.0698 at 16 x 32K (graphs, two rounds
-    # each); the split kernel's options stay for what the Gluon kernel does not take
+    # each); both builds in one launch, each program one build's split (gluon_builds); the split kernel's
+    # options stay for what the Gluon kernel does not take
     8: DecodeKernelOptions(
         cvt=2,
         mixed=True,
@@ -134,6 +138,7 @@ _DEFAULTS = {
         gluon_stages=3,
         gluon_busy_blocks=24,
         gluon_busy_blocks4=4,
+        gluon_builds="by_id",
     ),
     # INT4: 2 stages and a 128-register cap fit 4 programs per multiprocessor (3 stages or no cap: 3).
     4: DecodeKernelOptions(

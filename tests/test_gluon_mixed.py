@@ -104,15 +104,17 @@ def test_partition_kernel_interpreted(kernels, b: int, h: int, m: int) -> None:
     "shape", [Shape(1, 1, 1, 32, 8, 3, 16), Shape(2, 2, 3, 32, 24, 5, 40), Shape(3, 2, 4, 64, 16, 7, 24)],
     ids=str,
 )  # fmt: skip
-@pytest.mark.parametrize(("dtype", "demoted", "splits4", "busy"), [
-    (torch.float16, "third", 0, (1, 0)), (torch.float32, "third", 0, (1, 0)),
-    (torch.float16, "none", 0, (1, 0)), (torch.float16, "all", 0, (1, 0)),
-    (torch.float16, "third", 1, (1, 0)), (torch.float32, "all", 1, (1, 0)),
-    (torch.float16, "third", 0, (3, 2)), (torch.float32, "all", 0, (2, 0)),
-    (torch.float16, "none", 0, (100, 1))])  # fmt: skip
+@pytest.mark.parametrize(("dtype", "demoted", "splits4", "busy", "builds"), [
+    (torch.float16, "third", 0, (1, 0), "two"), (torch.float32, "third", 0, (1, 0), "two"),
+    (torch.float16, "none", 0, (1, 0), "two"), (torch.float16, "all", 0, (1, 0), "two"),
+    (torch.float16, "third", 1, (1, 0), "two"), (torch.float32, "all", 1, (1, 0), "two"),
+    (torch.float16, "third", 0, (3, 2), "two"), (torch.float32, "all", 0, (2, 0), "two"),
+    (torch.float16, "none", 0, (100, 1), "two"),
+    (torch.float16, "third", 0, (1, 0), "by_id"), (torch.float16, "third", 1, (3, 2), "paired")])  # fmt: skip
 def test_mixed_launch_interpreted(
-    kernels, monkeypatch, shape: Shape, dtype: torch.dtype, demoted: str, splits4: int, busy: tuple[int, int]
-) -> None:
+    kernels, monkeypatch, shape: Shape, dtype: torch.dtype, demoted: str, splits4: int, busy: tuple[int, int],
+    builds: str,
+) -> None:  # fmt: skip
     """The mixed launcher end to end but for the Gluon kernel (it cannot run here): the split kernel, which
     honours per-block bits, writes each build's partials into that build's slots over the half of the split
     table it is given (its ids, counts, row stride and block-lse row), and the merge must then match the
@@ -120,7 +122,8 @@ def test_mixed_launch_interpreted(
     nothing demoted, or every block; with the 4-bit build given its own split count (``splits4``: one
     split, however many blocks its half lists); and with fewer busy splits than planned
     (``gluon_busy_blocks``, ``gluon_busy_blocks4``): the partials of the splits past a row's busy ones are
-    NaN here, which the merge must not read."""
+    NaN here, which the merge must not read. ``builds``: both builds in one launch (``gluon_builds``),
+    whose arguments are taken apart here into the two builds' (the pair kernel's own order)."""
     td = kernels.triton_decode
     if splits4:
         planned = td.launch_plan
@@ -131,7 +134,7 @@ def test_mixed_launch_interpreted(
         requantize_int4_ref(pool, torch.arange(pool.num_blocks))
     assert {"none": {8}, "all": {4}, "third": {4, 8}}[demoted] == set(pool.block_bits.tolist())
     opts = replace(td.default_options(8), cvt=1, min_blocks_per_split=2, gluon_mixed=True, gluon_pdl=False,
-                   gluon_busy_blocks=busy[0], gluon_busy_blocks4=busy[1])  # fmt: skip
+                   gluon_busy_blocks=busy[0], gluon_busy_blocks4=busy[1], gluon_builds=builds)  # fmt: skip
     meta = td.launch_plan(inp["q"], hot_k, pool, inp["block_table"], opts, kernel="split").meta
     no_hot = torch.zeros_like(inp["hot_len"])
     ran = []
@@ -159,7 +162,21 @@ def test_mixed_launch_interpreted(
         part_acc.view(grid[1], stride, G, D)[:, part0 : part0 + splits] = acc.view(grid[1], splits, G, D)
         part_ml.view(grid[1], stride, 2, G)[:, part0 : part0 + splits] = ml.view(grid[1], splits, 2, G)
 
+    def pair_partials(splits, rows, args, *, stages, by_id, D, **kw):
+        assert by_id == (builds == "by_id") and splits[1] == (splits4 or splits[0])
+        head, (t8, n8, lse8, t4, n4, lse4, acc, ml, scale, busy8, busy4, s8, s4, m, stride), strides = (
+            args[:7], args[7:22], args[22:]
+        )  # fmt: skip
+        assert (s8, s4) == splits and stride == s8 + s4
+        for kind, table, n, lse, per, s, part0 in (
+            (8, t8, n8, lse8, busy8, s8, 0),
+            (4, t4, n4, lse4, busy4, s4, s8),
+        ):
+            build = (*head, table, n, acc, ml, lse, scale, per, s, m, stride, part0, *strides)
+            cold_partials((s, rows), build, kind=kind, row=D, D=D, **kw)
+
     monkeypatch.setattr(td.gluon_decode, "launch_cold", cold_partials)
+    monkeypatch.setattr(td.gluon_decode, "launch_pair", pair_partials)
     got = td.hybrid_decode_attention_triton(**inp, options=opts, kernel="gluon_mixed")
     assert [kind for kind, *_ in ran] == [8, 4], "the launcher did not take the mixed path"
     assert not splits4 or ran[1][1] == splits4
