@@ -8,9 +8,9 @@ kernel's end), the union of the kernels' intervals (busy) and the span's idle pa
 launch latency inside the graph). Kernels that overlap (a programmatic dependent launch) count once in busy.
 With ``--summary`` Quest reads the e4m3 summary, as the cache does by default on sm_89 and newer.
 The same step timed by ``do_bench_cudagraph`` beside it, and SDPA bf16 in the same process. With
-``--ways`` the INT8 steps run each way its two builds can launch: ``two`` (one launch each, the default),
-``overlap`` (``gluon_overlap``: the 4-bit build started beside the 8-bit one), ``paired`` and ``by_id``
-(``gluon_builds``: both in one launch), each optionally with ``:S``, the 4-bit ring's depth
+``--ways`` the INT8 steps run each way its two builds can launch: ``default`` (as shipped), ``two`` (one
+launch each), ``overlap`` (``gluon_overlap``: the 4-bit build started beside the 8-bit one), ``paired`` and
+``by_id`` (``gluon_builds``: both in one launch), each optionally with ``:S``, the 4-bit ring's depth
 (``gluon_stages4``, 0: the default), and ``:B``, the 4-bit build's busy blocks (``gluon_busy_blocks4``),
 ``--rounds`` times each, alternating, for an A/B in one process (``--overlap both`` is ``--ways
 two,overlap``).
@@ -43,22 +43,19 @@ from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
 def way_options(bits: int, way: str) -> DecodeKernelOptions:
     """The default options of ``bits`` launched ``way`` (module docstring; INT8's builds only)."""
     name, *rest = way.split(":")
-    if (
-        name not in ("two", "overlap", "paired", "by_id")
-        or len(rest) > 2
-        or not all(x.isdigit() for x in rest)
-    ):
-        raise SystemExit(f"--ways: {way!r} is not two, overlap, paired or by_id, each with optional :S[:B]")
+    known = ("default", "two", "overlap", "paired", "by_id")
+    if name not in known or len(rest) > 2 or not all(x.isdigit() for x in rest):
+        raise SystemExit(f"--ways: {way!r} is not one of {', '.join(known)}, each with optional :S[:B]")
+    base = default_options(bits)
     if bits != 8:
-        return default_options(bits)
+        return base
     stages4, busy4 = (int(x) for x in [*rest, "0", "0"][:2])
-    base = default_options(8)
-    builds = name if name in ("paired", "by_id") else "two"
+    builds = {"default": base.gluon_builds, "overlap": "two"}.get(name, name)
     return replace(base, gluon_overlap=name == "overlap", gluon_builds=builds, gluon_stages4=stages4,
                    gluon_busy_blocks4=busy4 or base.gluon_busy_blocks4)  # fmt: skip
 
 
-def step_fn(case: da.Case, summary: bool, way: str = "two"):
+def step_fn(case: da.Case, summary: bool, way: str = "default"):
     inp, blocks, tier, count = da.sparse_setup(case)
     pool = inp["pool"]
     k_blocks = da.SPARSE_TOKENS // da.BS
@@ -165,7 +162,7 @@ def main() -> int:
         default=None,
         help="INT8: the 4-bit build beside the 8-bit one (gluon_overlap): --ways two, overlap, two,overlap",
     )
-    ap.add_argument("--ways", default="two", help="INT8: how its builds launch (module docstring)")
+    ap.add_argument("--ways", default="default", help="INT8: how its builds launch (module docstring)")
     ap.add_argument("--rounds", type=int, default=1, help="each (step, overlap) this many times, alternating")
     args = ap.parse_args()
     if args.overlap:
@@ -187,7 +184,7 @@ def main() -> int:
             step = step_fn(case, args.summary, way)
             ms = da.bench(step)
             tag = (f"{b}x{length // 1024}K_b{bits}{'_e4m3' if args.summary else ''}"
-                   f"{'' if way == 'two' else '_' + way.replace(':', '-')}"
+                   f"{'' if way == 'default' else '_' + way.replace(':', '-')}"
                    f"{f'_r{rnd}' if args.rounds > 1 else ''}")  # fmt: skip
             res = summarise(profile_steps(step, args.steps, args.out / f"trace_{tag}.json"))
             res.update(shape=shape, bits=bits, summary=args.summary, way=way, round=rnd, graph_ms=ms,
