@@ -61,10 +61,11 @@ class DecodeKernelOptions:
         (L1 + k of M + k entries), and the splits are sized from the row's count on the device, so no
         host synchronisation is needed (graph capture). 1: every split that can take a block does, as
         before. ``gluon_busy_blocks4``: the same for ``gluon_mixed``'s 4-bit build (0: as the 8-bit one's).
-    gluon_overlap: (``gluon_mixed`` with ``gluon_pdl``, sm_90) the 4-bit build is launched as a programmatic
-        dependent of the 8-bit build, so its programs start in the multiprocessors' free room while the
-        8-bit build runs instead of after it; it waits for the 8-bit build only after its own stores, so its
-        end still implies both builds' and the merge's wait covers them. Off by default: on an H100 it saved
+    gluon_overlap: (``gluon_mixed`` in two launches, ``gluon_builds`` "two", with ``gluon_pdl``, sm_90) the
+        4-bit build is launched as a programmatic dependent of the 8-bit build, so its programs start in the
+        multiprocessors' free room while the 8-bit build runs instead of after it; it waits for the 8-bit
+        build only after its own stores, so its end still implies both builds' and the merge's wait covers
+        them. Off by default: on an H100 it saved
         nothing (sparse INT8, graphs, two rounds: 102.7-106.6 µs without, 106.4 with at 16 x 32K; 113.2-113.9
         both ways at 4 x 128K; ``lab/scripts/sparse_kernels.py --overlap both``): the 8-bit build's
         programs hold every slot the multiprocessors have, so the dependent's programs start only to wait.
