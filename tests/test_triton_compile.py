@@ -79,15 +79,16 @@ def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64
 
 
 def _gluon_mixed(d: int = 128, bs: int = 64, b: int = 3, m: int = 9, stages: int = 3, heads: int = 8,
-                 group: int = 4, arch: Any = None, overlap: bool = False, builds: str = "two",
+                 group: int = 4, arch: Any = None, overlap: bool = False, builds: str | None = None,
                  stages4: int = 0) -> Callable[[], Any]:  # fmt: skip
     """The launches of the mixed Gluon path (an 8-bit pool with demoted blocks: the partition kernel, the
     8-bit and the 4-bit builds, the merge); the launcher is told it applies, as for ``_gluon``;
-    ``overlap``: the 4-bit build beside the 8-bit one (``gluon_overlap``); ``builds``: both in one launch
-    (``gluon_builds``), with a 4-bit ring of ``stages4``."""
+    ``overlap``: the 4-bit build beside the 8-bit one (``gluon_overlap``, two launches); ``builds``: how
+    the builds launch (``gluon_builds``; None: the default), with a 4-bit ring of ``stages4``."""
+    ways = {"gluon_builds": "two" if overlap else builds} if overlap or builds else {}
     return _decode(8, demotable=True, heads=heads, group=group, d=d, b=b, m=m, bs=bs, kernel="gluon_mixed",
                    arch=arch, gluon_mixed=True, gluon_stages=stages, gluon_overlap=overlap,
-                   gluon_builds=builds, gluon_stages4=stages4)  # fmt: skip
+                   gluon_stages4=stages4, **ways)  # fmt: skip
 
 
 def _partition(b: int = 3, m: int = 9, heads: int = 8) -> Callable[[], Any]:
@@ -220,11 +221,11 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
        for d in (64, 128) for bs in (16, 32, 64)},
     "decode int8 gluon mixed smollm2 heads": lambda: _gluon_mixed(64, 32, heads=3, group=3),
     "decode int8 gluon mixed, builds overlapped": lambda: _gluon_mixed(overlap=True),
-    **{f"decode int8 gluon mixed, one launch {w}": (lambda w=w: _gluon_mixed(builds=w))
-       for w in ("paired", "by_id")},
+    **{f"decode int8 gluon mixed, builds {w}": (lambda w=w: _gluon_mixed(builds=w))
+       for w in ("two", "paired", "by_id")},
     "decode int8 gluon mixed, one launch, 4-bit ring 4": lambda: _gluon_mixed(builds="paired", stages4=4),
-    "decode int8 gluon mixed smollm2 heads, one launch": lambda: _gluon_mixed(64, 32, heads=3, group=3,
-                                                                              builds="paired"),
+    "decode int8 gluon mixed smollm2 heads, paired": lambda: _gluon_mixed(64, 32, heads=3, group=3,
+                                                                          builds="paired"),
     **{f"decode int8 gluon mixed stages {s}": (lambda s=s: _gluon_mixed(stages=s)) for s in (0, 2)},
     "bits partition": _partition,
     "bits partition 16 x 543": lambda: _partition(b=16, m=543),
@@ -283,7 +284,7 @@ def test_overlapped_builds_launch_the_4_bit_build_as_a_dependent_that_waits_at_i
     store, and lets the merge start; without it the 8-bit build has neither and the 4-bit build no wait. On
     sm_80 the plan drops the programmatic launches altogether."""
     for overlap in (False, True):
-        launches = record_launches(_gluon_mixed(overlap=overlap))
+        launches = record_launches(_gluon_mixed(overlap=overlap, builds="two"))
         names = [launch.fn.__name__ for launch in launches]
         assert names == ["_partition_kernel", "_cold_kernel", "_cold_kernel", "_merge_kernel"], names
         eight, four = launches[1], launches[2]
@@ -343,7 +344,7 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
            for bits, dem in ((8, True), (4, False), (0, False))},
         **{f"decode int8 gluon mixed d{d} bs{bs}": (lambda d=d, bs=bs: _gluon_mixed(d, bs, arch=arch))
            for d, bs in ((128, 64), (64, 16))},
-        "decode int8 gluon mixed, one launch": lambda: _gluon_mixed(arch=arch, builds="paired"),
+        "decode int8 gluon mixed, two launches": lambda: _gluon_mixed(arch=arch, builds="two"),
         "quest int8": lambda: _quest(8),
         "seal int4 in an 8-bit pool": lambda: _seal(8, 4),
         "seal int8 from hot zones": lambda: _seal(8, 8, from_hot_zones=True),
@@ -694,11 +695,13 @@ def test_the_gluon_plan_leaves_the_asked_slots_free(monkeypatch: pytest.MonkeyPa
 def test_the_mixed_path_plans_each_builds_ring(arch: str) -> None:
     """The mixed Gluon path launches the partition kernel, the 8-bit build with the 8-bit ring the
     architecture allows, the 4-bit build (its codes in the first half of the pool's 8-bit rows) with the
-    4-bit one, then the merge; each build takes the shared memory its plan counts."""
+    4-bit one, then the merge; each build takes the shared memory its plan counts. In one launch (the
+    default, ``gluon_builds`` "by_id") the pair takes the larger of the two rings' bytes: the rings are
+    live one after the other and share them."""
     from kvtune.kernels.gluon_decode import ring_bytes
 
     a = ARCHS[arch]
-    launches = record_launches(_gluon_mixed(arch=a))
+    launches = record_launches(_gluon_mixed(arch=a, builds="two"))
     names = [x.fn.__name__ for x in launches]
     assert names == ["_partition_kernel", "_cold_kernel", "_cold_kernel", "_merge_kernel"], names
     for cold, bits in zip(launches[1:3], (8, 4), strict=True):
@@ -707,3 +710,10 @@ def test_the_mixed_path_plans_each_builds_ring(arch: str) -> None:
         assert stages == EXPECTED_STAGES[bits][arch]
         assert compile_launch(cold, target_of(a)).metadata.shared == ring_bytes(128, 64, bits, stages)
     assert launches[3].kwargs["MAPPED"]
+    launches = record_launches(_gluon_mixed(arch=a))
+    assert [x.fn.__name__ for x in launches] == ["_partition_kernel", "_cold_pair_kernel", "_merge_kernel"]
+    pair = launches[1]
+    stages = (pair.kwargs["STAGES"], pair.kwargs["STAGES4"])
+    assert stages == (EXPECTED_STAGES[8][arch], EXPECTED_STAGES[4][arch]) and pair.kwargs["BY_ID"]
+    rings = max(ring_bytes(128, 64, 8, stages[0]), ring_bytes(128, 64, 4, stages[1]))
+    assert compile_launch(pair, target_of(a)).metadata.shared == rings
