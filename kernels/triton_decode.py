@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -812,22 +812,24 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
     H = parts.table.shape[1]
     w = parts.table.shape[2] // 2
     opts, slots = plan.options, plan.slots
-    busy4 = opts.gluon_busy_blocks4 or opts.gluon_busy_blocks
-    builds = ((8, opts.gluon_stages, plan.splits, opts.gluon_busy_blocks, 0),
-              (4, plan.stages4, slots - plan.splits, busy4, plan.splits))  # fmt: skip
+    splits4 = slots - plan.splits
+    busy8, busy4 = opts.gluon_busy_blocks, opts.gluon_busy_blocks4 or opts.gluon_busy_blocks
     head = (q, pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale)
     strides = (q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1), pool.k_min.stride(0),
                pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1))  # fmt: skip
+    common: dict[str, Any] = dict(
+        H=H, G=q.shape[1] // H, D=D, T=pool.k.shape[2], key_rows=opts.gluon_key_rows,
+        table_ahead=opts.gluon_table_ahead,
+    )  # fmt: skip
     if opts.gluon_builds != "two":  # both builds in one launch
         return gluon_decode.launch_pair(
-            (plan.splits, slots - plan.splits), B * H,
+            (plan.splits, splits4), B * H,
             (*head, parts.table, parts.counts[0], blk_lse, parts.table[..., w:], parts.counts[1],
-             blk_lse[:, w:], part_acc, part_ml, qk_scale, opts.gluon_busy_blocks, busy4, plan.splits,
-             slots - plan.splits, 2 * w, slots, *strides),
-            H=H, G=q.shape[1] // H, D=D, T=pool.k.shape[2], stages=(opts.gluon_stages, plan.stages4),
-            by_id=opts.gluon_builds == "by_id", pdl=pdl, key_rows=opts.gluon_key_rows,
-            table_ahead=opts.gluon_table_ahead,
+             blk_lse[:, w:], part_acc, part_ml, qk_scale, busy8, busy4, plan.splits, splits4, 2 * w, slots,
+             *strides),
+            stages=(opts.gluon_stages, plan.stages4), by_id=opts.gluon_builds == "by_id", pdl=pdl, **common,
         )  # fmt: skip
+    builds = ((8, opts.gluon_stages, plan.splits, busy8, 0), (4, plan.stages4, splits4, busy4, plan.splits))
     overlap = pdl and opts.gluon_overlap
     launched = []
     for i, (kind, stages, splits, busy, part0) in enumerate(builds):
@@ -835,9 +837,8 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
             (splits, B * H),
             (*head, parts.table[..., i * w:], parts.counts[i], part_acc, part_ml, blk_lse[:, i * w:],
              qk_scale, busy, splits, 2 * w, slots, part0, *strides),
-            H=H, G=q.shape[1] // H, D=D, T=pool.k.shape[2], kind=kind, stages=stages,
-            pdl=pdl and (i == 1 or overlap), key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead,
-            row=D, follow=overlap and i == 1,
+            kind=kind, stages=stages, pdl=pdl and (i == 1 or overlap), row=D, follow=overlap and i == 1,
+            **common,
         ))  # fmt: skip
     return launched[0]
 
