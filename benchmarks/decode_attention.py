@@ -47,7 +47,14 @@ from kvtune.cache_impl.layout import summary_setting
 from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import dequantize_blocks_ref
 from kvtune.kernels.quest_summary import QuestSummary8, summary8
-from kvtune.kernels.sparse_table import L1, L2, ByteCount, loads_summary, sparse_block_table
+from kvtune.kernels.sparse_table import (
+    L1,
+    L2,
+    ByteCount,
+    loads_summary,
+    sparse_block_table,
+    sparse_block_table_parts,
+)
 from kvtune.kernels.sparse_table_choice import SelectOptions, split_plan
 from kvtune.kernels.triton_decode import (
     PURE_INT8,
@@ -243,6 +250,16 @@ def select_table(q, pool, blocks, tier, k_blocks, count, selection: SelectOption
     return sparse_block_table(q, pool, blocks, tier, k_blocks, count, selection, summary)
 
 
+def select_parts(q, pool, blocks, tier, k_blocks, count, selection: SelectOptions | None,
+                 summary: QuestSummary8 | None = None) -> tuple:  # fmt: skip
+    """:func:`select_table` as the cache's step calls it (``sparse_block_table_parts``): the table, its
+    counts, and the table split by bits where the split selection writes it (an 8-bit pool with demoted
+    blocks), for the attention to read instead of splitting the table itself."""
+    table, num_cold, _, parts = sparse_block_table_parts(q, pool, blocks, tier, k_blocks, count, selection,
+                                                         summary)  # fmt: skip
+    return table, num_cold, parts
+
+
 def sparse_setup(case: Case) -> tuple[dict, torch.Tensor, torch.Tensor, ByteCount]:
     """:func:`make_inputs` with the sparse tier set up: the oldest cold blocks but the newest ``l1_blocks``
     in L2 (demoted to 4 bits in an 8-bit pool). Returns the inputs, each sequence's blocks [B, nc] (oldest
@@ -294,14 +311,13 @@ def sparse_case(
     bounds = summary8(pool) if summary else None
 
     def select():
-        table, num_cold, _ = select_table(inp["q"], pool, blocks, tier, k_blocks, count, selection, bounds)
-        return table, num_cold
+        return select_parts(inp["q"], pool, blocks, tier, k_blocks, count, selection, bounds)
 
     def attend(selected):
-        table, num_cold = selected
+        table, num_cold, parts = selected
         return hybrid_decode_attention_triton(
             inp["q"], inp["hot_k"], inp["hot_v"], inp["hot_slot"], inp["hot_len"], pool, table, num_cold,
-            1 / math.sqrt(D), options=options,
+            1 / math.sqrt(D), options=options, partition=parts,
         )  # fmt: skip
 
     # The whole step, then its two parts alone: the selection (Quest bound, top-k, table) and the attention

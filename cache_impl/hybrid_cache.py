@@ -65,12 +65,13 @@ from kvtune.cache_impl.plan import DecodePlan, StepBuffers, StepInfo, StepShape
 from kvtune.cache_impl.tiers import L2, TierState, threshold_ms
 from kvtune.kernels.access import update_access
 from kvtune.kernels.backend import on_gpu
+from kvtune.kernels.bits_partition_ref import BitsPartition
 from kvtune.kernels.chunk_kv import hot_write, pack_kv
 from kvtune.kernels.decode_attention import hybrid_decode_attention
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
 from kvtune.kernels.requant import requantize_int4, requantize_int4_masked
-from kvtune.kernels.sparse_table import ByteCount, selection_summary, sparse_block_table
+from kvtune.kernels.sparse_table import ByteCount, selection_summary, sparse_block_table_parts
 from kvtune.kernels.sparse_table_choice import SelectOptions
 
 # a prompt chunk's attention: PyTorch's SDPA backends but cuDNN's, which builds an execution plan for each
@@ -224,7 +225,7 @@ class HybridCache:
                 continue
             for split in (True, False):  # the selection is split where rows are few (the step's size)
                 select = SelectOptions(split=split)
-                sparse_block_table(
+                sparse_block_table_parts(
                     q, pool, block, self.tiers.tier[layer], self.config.sparse_blocks, scratch, select,
                     selection_summary(pool, q),
                 )  # fmt: skip
@@ -771,13 +772,13 @@ class HybridCache:
         hot_write(self.hot_kv[layer], k, v, plan.slots, plan.write_pos)
         if plan.seals:
             self._seal(layer, plan)
-        table, num_cold, num_l1, counted = self._block_table(layer, plan, q)
+        table, num_cold, num_l1, counted, parts = self._block_table(layer, plan, q)
         if self.table_log is not None:
             self.table_log.append((layer, table.clone(), num_cold.clone()))
         if pool.num_blocks == 0:  # a budget the hot zones fill: every entry of the table is padding
-            table = table[..., :0]
+            table, parts = table[..., :0], None
         out, mass, hot_mass = hybrid_decode_attention(
-            q, hk, hv, plan.hot_slot, plan.hot_len, pool, table, num_cold, self.sm_scale
+            q, hk, hv, plan.hot_slot, plan.hot_len, pool, table, num_cold, self.sm_scale, parts
         )
         if self.sparse:  # without the sparse tier no decision reads the access statistics
             update_access(
@@ -807,19 +808,21 @@ class HybridCache:
 
     def _block_table(
         self, layer: int, plan: DecodePlan, q: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, BitsPartition | None]:
         """Cold blocks attended per (sequence, KV head): L1 then Quest-selected L2; [B, H, M] int32, counts,
-        and whether the bytes they read are already counted (the sparse path counts them itself). A static
-        plan of a sparse config always takes the sparse path (the same shapes whatever the tiers hold)."""
+        whether the bytes they read are already counted (the sparse path counts them itself), and the table
+        split by bits where the selection wrote it (an 8-bit pool with demoted blocks, the split selection).
+        A static plan of a sparse config always takes the sparse path (the same shapes whatever the tiers
+        hold)."""
         if not self.sparse or (not plan.static and (self._l2_layers is None or self._l2_layers[layer] == 0)):
-            return plan.cold_table, plan.cold_count, plan.cold_count, False
+            return plan.cold_table, plan.cold_count, plan.cold_count, False, None
         count = ByteCount(self._cost, self._quest_cost, self._bytes_dev)
         pool = self.pools[layer]
-        table, num, n1 = sparse_block_table(
+        table, num, n1, parts = sparse_block_table_parts(
             q, pool, plan.blocks, self.tiers.tier[layer], self.config.sparse_blocks, count,
             summary=selection_summary(pool, q),
         )  # fmt: skip
-        return table, num, n1, True
+        return table, num, n1, True, parts
 
     def _bytes_per_entry(self) -> torch.Tensor:
         """Bytes attention reads per (block, KV head) entry, indexed by block_bits (0..8)."""

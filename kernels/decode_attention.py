@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvtune.kernels.backend import use_triton
+from kvtune.kernels.bits_partition_ref import BitsPartition
 from kvtune.kernels.decode_choice import DecodeKernel, decode_kernel
 from kvtune.kernels.decode_ref import hybrid_decode_attention_ref
 from kvtune.kernels.layout import ColdPool
@@ -28,9 +29,11 @@ def hybrid_decode_attention(
     block_table: torch.Tensor,
     num_cold: torch.Tensor,
     sm_scale: float,
+    partition: BitsPartition | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`hybrid_decode_attention_ref`; computed by the kernel :func:`decode_kernel` picks (the fused
-    Triton kernels on CUDA tensors)."""
+    Triton kernels on CUDA tensors). ``partition``: the table split by bits where the selection wrote it
+    (:func:`~kvtune.kernels.sparse_table.sparse_block_table_parts`), which the mixed Gluon path then reads."""
     kernel = decode_kernel(q, pool, block_table, triton=use_triton(q))
     if kernel == "reference":
         return hybrid_decode_attention_ref(
@@ -39,5 +42,6 @@ def hybrid_decode_attention(
     from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
 
     return hybrid_decode_attention_triton(
-        q, hot_k, hot_v, hot_slot, hot_len, pool, block_table, num_cold, sm_scale, kernel=kernel
-    )
+        q, hot_k, hot_v, hot_slot, hot_len, pool, block_table, num_cold, sm_scale, kernel=kernel,
+        partition=partition,
+    )  # fmt: skip

@@ -35,11 +35,12 @@ and the loads back in the operands' layouts meet every bank once); the block ids
 groups, ``s`` blocks ahead, so no iteration waits on the load of its next id.
 
 An 8-bit pool whose blocks may be demoted to 4 bits (``gluon_mixed``) lists both widths in one table row:
-the launcher splits the row by bits first (``triton_bits_partition``), then runs the 8-bit build and the
-4-bit build (``ROW = D``: a demoted block's codes fill the first ``D/2`` bytes of its 8-bit rows) over their
-halves, each into its own partial slots (``part0``, ``part_stride``): by default both in one launch
-(``_cold_pair_kernel``), whose programs take one build's split each by their id, so the builds share one
-ramp and one tail, and their rings, live one after the other, the same shared memory.
+the row is split by bits first (by the sparse selection's kernels where they built the table, else by the
+launcher's ``triton_bits_partition``), then the launcher runs the 8-bit build and the 4-bit build (``ROW =
+D``: a demoted block's codes fill the first ``D/2`` bytes of its 8-bit rows) over their halves, each into
+its own partial slots (``part0``, ``part_stride``): by default both in one launch (``_cold_pair_kernel``),
+whose programs take one build's split each by their id, so the builds share one ramp and one tail, and
+their rings, live one after the other, the same shared memory.
 
 The hot zone (model precision) and the merge stay with the Triton kernels: the launcher runs this kernel
 over the cold blocks, then ``_merge_kernel``, which attends the hot zone and then merges; launched as a

@@ -10,6 +10,7 @@ import torch
 
 from kvtune.kernels.arch import arch_of, num_sms
 from kvtune.kernels.backend import use_triton
+from kvtune.kernels.bits_partition_ref import BitsPartition, empty_partition
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quest_summary import QuestSummary8
 from kvtune.kernels.sparse_table_choice import SelectOptions, select_kernel
@@ -17,7 +18,7 @@ from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount, compact, sparse_b
 
 __all__ = [
     "L1", "L2", "ByteCount", "compact", "loads_summary", "selection_summary", "sparse_block_table",
-    "sparse_block_table_ref",
+    "sparse_block_table_parts", "sparse_block_table_ref",
 ]  # fmt: skip
 
 
@@ -35,11 +36,7 @@ def sparse_block_table(
     :func:`kvtune.kernels.sparse_table_choice.select_kernel`; None: the default). ``summary``: select from
     the pool's float8 key bounds (:mod:`kvtune.kernels.quest_summary`) instead of its fp16 ones."""
     rows = q.shape[0] * pool.layout.num_kv_heads
-    if summary is not None and not loads_summary(q.device):
-        raise ValueError(
-            f"the float8 Quest summary needs sm_89 or newer (e4m3 loads), but {q.device} is "
-            f"{arch_of(q.device).name}: select from the pool's fp16 key bounds (summary=None)"
-        )
+    _check_summary(summary, q.device)
     kernel = use_triton(q) and select_kernel(
         k_blocks, q.shape[2], options, rows, num_sms(q.device), summary is not None
     )
@@ -52,6 +49,44 @@ def sparse_block_table(
 
         return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summary)
     return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count, summary)
+
+
+def sparse_block_table_parts(
+    q: torch.Tensor,
+    pool: ColdPool,
+    blocks: torch.Tensor,
+    tier: torch.Tensor,
+    k_blocks: int,
+    count: ByteCount,
+    options: SelectOptions | None = None,
+    summary: QuestSummary8 | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BitsPartition | None]:
+    """:func:`sparse_block_table`, and where the split selection builds the table of an 8-bit pool that may
+    hold demoted blocks, the table split by bits (:mod:`kvtune.kernels.bits_partition_ref`) that the mixed
+    Gluon attention reads, written by the same two launches (``hybrid_decode_attention``'s ``partition``:
+    the attention then launches no partition of its own); None elsewhere."""
+    _check_summary(summary, q.device)
+    rows = q.shape[0] * pool.layout.num_kv_heads
+    kernel = use_triton(q) and select_kernel(
+        k_blocks, q.shape[2], options, rows, num_sms(q.device), summary is not None
+    )
+    if not (kernel == "split" and pool.bits == 8 and pool.may_demote):
+        return (*sparse_block_table(q, pool, blocks, tier, k_blocks, count, options, summary), None)
+    from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
+
+    parts = empty_partition(blocks.shape[0], pool.layout.num_kv_heads, blocks.shape[1] + k_blocks, q.device)
+    table, num, n1 = sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, options, summary,
+                                                     parts)  # fmt: skip
+    return table, num, n1, parts
+
+
+def _check_summary(summary: QuestSummary8 | None, device: torch.device) -> None:
+    """A ValueError where a summary is given that ``device`` cannot load (:func:`loads_summary`)."""
+    if summary is not None and not loads_summary(device):
+        raise ValueError(
+            f"the float8 Quest summary needs sm_89 or newer (e4m3 loads), but {device} is "
+            f"{arch_of(device).name}: select from the pool's fp16 key bounds (summary=None)"
+        )
 
 
 def loads_summary(device: torch.device) -> bool:

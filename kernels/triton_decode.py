@@ -47,7 +47,7 @@ import triton.language as tl
 
 from kvtune.kernels import gluon_decode
 from kvtune.kernels.arch import HOPPER, Arch, arch_of, num_sms
-from kvtune.kernels.bits_partition_ref import BitsPartition
+from kvtune.kernels.bits_partition_ref import BitsPartition, partition_width
 from kvtune.kernels.decode_choice import PURE_INT8 as PURE_INT8
 from kvtune.kernels.decode_choice import DecodeKernel, decode_kernel, options_for
 from kvtune.kernels.decode_choice import DecodeKernelOptions as DecodeKernelOptions
@@ -856,6 +856,7 @@ def hybrid_decode_attention_triton(
     options: DecodeKernelOptions | None = None,
     kernel: DecodeKernel | None = None,
     arch: Arch | None = None,
+    partition: BitsPartition | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused hybrid decode attention (module docstring); the contract of ``hybrid_decode_attention_ref``.
 
@@ -865,7 +866,10 @@ def hybrid_decode_attention_triton(
     :func:`~kvtune.kernels.decode_choice.decode_kernel` where the caller made it (the dispatcher; a test
     forcing one), else made here with the Triton kernels taken as available (CPU tensors: the interpreter).
     ``arch``: the limits the launch plans with (None: those of the device; a test recording launches for a
-    compile on another architecture names it).
+    compile on another architecture names it). ``partition``: ``block_table`` split by bits as
+    ``partition_by_bits_ref`` would split it, written by the kernels that built the table
+    (:func:`~kvtune.kernels.sparse_table.sparse_block_table_parts`); ``gluon_mixed`` then reads it instead
+    of launching the partition (other kernels ignore it).
     """
     if kernel is None:
         kernel = decode_kernel(q, pool, block_table, options, triton=True)
@@ -887,7 +891,12 @@ def hybrid_decode_attention_triton(
     table = block_table.contiguous()
     ncold = num_cold.to(torch.int32).contiguous()
     # gluon_mixed: the table split by block bits; the two builds' partials side by side in each row's slots
-    parts = partition_by_bits_triton(table, ncold, pool.block_bits) if kernel == "gluon_mixed" else None
+    parts = None
+    if kernel == "gluon_mixed":
+        parts = partition_by_bits_triton(table, ncold, pool.block_bits) if partition is None else partition
+        if parts.positions.shape != (B, H, M) or parts.table.shape != (B, H, 2 * partition_width(M)):
+            raise ValueError(f"partition: a split of the [{B}, {H}, {M}] table must be empty_partition({B}, "
+                             f"{H}, {M})'s shapes")  # fmt: skip
     slots = plan.slots
     lse_w = parts.table.shape[2] if parts is not None else M
     part_acc = torch.empty((B * H * slots, G, D), dtype=torch.float32, device=dev)

@@ -17,6 +17,12 @@ follow the batch and the row width only (capturable in a CUDA graph), one compil
    ``splits x TOPK`` keys descending (keys are distinct, so a key's place is its rank); each goes to place
    ``n1 + rank`` of the table with its block's id; their bytes are added to the count.
 
+Over an 8-bit pool that may hold demoted blocks the two launches can also write the table split by bits
+(``parts``: :mod:`kvtune.kernels.bits_partition_ref`), which the mixed Gluon attention reads: program
+``(row, 0)`` places the row's L1 blocks in their halves as it lists them (it loads their bits already, for
+the bytes), and the merge places the selected ones after them (their bits are in their keys) and pads the
+halves. The attention then launches no partition of its own: one launch and its wait fewer a step.
+
 Ties: keys order by bound, then by position (later first), in both kernels, so the tables are the same.
 The bounds must be the same floats: Triton lays a ``[chunk, D]`` tile's rows over warps and its channels
 over lanes, so a block's sum over channels runs in the same order at 1 warp and 16 blocks a step as at 8
@@ -43,6 +49,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.arch import num_sms
+from kvtune.kernels.bits_partition_ref import BitsPartition, partition_width
 from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quest_summary import QuestSummary8
@@ -73,19 +80,40 @@ from kvtune.kernels.triton_sparse_table import (
 # ~2,860 and 33. On an H200 the split selection at 4 x 128K took 21.6 µs against 27.6 (4 or 8 warps alike).
 # Over 1,024 keys the network costs ~2.3 µs more a launch than over 256 (H100, 8 spans at 16 x 32K, 52a).
 MERGE_WARPS = 8
+PART_PAD = 512  # -1 entries per store of the split by bits' padding
 
 
 @triton.jit
-def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, bh, M, W, K,
-            quest_cost, H: tl.constexpr, SPLIT: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
-            POOL_BITS: tl.constexpr, MIXED: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+def _part_store(part_ptr, pos_ptr, bh, W, W2, at, blk, valid, bits, n8, n4):
+    """Entries ``blk`` (where ``valid``, in table order, at table places ``at``) of row bh to their half of
+    the split by bits (``bits_partition_ref``: 8-bit blocks from 0, 4-bit ones from ``W2``, ``n8`` and ``n4``
+    placed before them) and their places there to ``positions``. Returns the halves' new counts."""
+    four = valid & (bits == 4)
+    eight = valid & (bits != 4)
+    f = four.to(tl.int32)
+    e = eight.to(tl.int32)
+    dest = tl.where(four, W2 + n4 + tl.cumsum(f, 0) - f, n8 + tl.cumsum(e, 0) - e)
+    tl.store(part_ptr + bh.to(tl.int64) * 2 * W2 + dest, blk.to(tl.int32), mask=valid)
+    tl.store(pos_ptr + bh.to(tl.int64) * W + at, dest, mask=valid)
+    return n8 + tl.sum(e, 0), n4 + tl.sum(f, 0)
+
+
+@triton.jit
+def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, part_ptr,
+            pos_ptr, pcount_ptr, bh, M, W, K, W2, R, quest_cost, H: tl.constexpr, SPLIT: tl.constexpr,
+            T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr, MIXED: tl.constexpr,
+            FILL: tl.constexpr, PART: tl.constexpr):  # fmt: skip
     """Row bh's L1 blocks in order to its table, -1 after the selected places, the counts, and the bytes
-    of the L1 blocks and of Quest (Quest's by h == 0), as the single-program kernel's steps 1 and 3."""
+    of the L1 blocks and of Quest (Quest's by h == 0), as the single-program kernel's steps 1 and 3. PART
+    (MIXED): the L1 blocks also to their half of the row's split by bits (8-bit | 4-bit, ``W2`` wide each),
+    their positions there, -1 positions after the selected places, and each half's count so far."""
     b = bh // H
     row = b.to(tl.int64) * M
     out = table_ptr + bh.to(tl.int64) * W
     c1 = tl.zeros([], tl.int32)
     c2 = tl.zeros([], tl.int32)
+    n8 = tl.zeros([], tl.int32)
+    n4 = tl.zeros([], tl.int32)
     read = tl.zeros([SPLIT], tl.int64)
     js = tl.arange(0, SPLIT)
     blk = tl.load(blocks_ptr + row + js, mask=js < M, other=-1)
@@ -96,9 +124,12 @@ def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr
         if MIXED:  # every listed block's bits, loaded beside its tier
             bits = tl.load(bits_ptr + at, mask=blk >= 0, other=0).to(tl.int32)
         is1 = (blk >= 0) & (t == T1)
-        tl.store(out + c1 + tl.cumsum(is1.to(tl.int32), 0) - 1, blk.to(tl.int32), mask=is1)
+        at1 = c1 + tl.cumsum(is1.to(tl.int32), 0) - 1  # the L1 block's place in the table
+        tl.store(out + at1, blk.to(tl.int32), mask=is1)
         if MIXED:
             read += tl.load(cost_ptr + bits, mask=is1, other=0)
+            if PART:
+                n8, n4 = _part_store(part_ptr, pos_ptr, bh, W, W2, at1, blk, is1, bits, n8, n4)
         c1 += tl.sum(is1.to(tl.int32), 0)
         c2 += tl.sum(((blk >= 0) & (t == T2)).to(tl.int32), 0)
         blk = blk_n
@@ -106,6 +137,11 @@ def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr
     for p0 in range(c1 + ns, W, FILL):
         pad = p0 + tl.arange(0, FILL)
         tl.store(out + pad, tl.full([FILL], -1, tl.int32), mask=pad < W)
+        if PART:
+            tl.store(pos_ptr + bh.to(tl.int64) * W + pad, tl.full([FILL], -1, tl.int32), mask=pad < W)
+    if PART:
+        tl.store(pcount_ptr + bh, n8)
+        tl.store(pcount_ptr + R + bh, n4)
     tl.store(num_ptr + bh, c1 + ns)
     tl.store(n1_ptr + bh, c1)
     total = tl.where(bh % H == 0, c2.to(tl.int64) * quest_cost, 0)
@@ -158,32 +194,36 @@ def _score_span(q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, key
     tl.store(keys_ptr + slot * TOPK + tl.arange(0, TOPK), best)
 
 
-@triton.jit(do_not_specialize=["M", "W", "K", "SPAN", "P"])  # sizes follow the batch and lengths
+@triton.jit(do_not_specialize=["M", "W", "K", "SPAN", "P", "W2", "R"])  # sizes follow the batch and lengths
 def _span_kernel(
     q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr,
-    bytes_ptr, keys_ptr, scratch_ptr, M, W, K, SPAN, P, quest_cost, s_qb, s_qh, s_kn, s_kh,
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, MB: tl.constexpr, SPLIT: tl.constexpr,
-    TOPK: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr, MIXED: tl.constexpr,
-    SUMMARY8: tl.constexpr, FILL: tl.constexpr,
+    bytes_ptr, keys_ptr, scratch_ptr, part_ptr, pos_ptr, pcount_ptr, M, W, K, SPAN, P, W2, R, quest_cost,
+    s_qb, s_qh, s_kn, s_kh, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
+    SPLIT: tl.constexpr, TOPK: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr,
+    MIXED: tl.constexpr, SUMMARY8: tl.constexpr, FILL: tl.constexpr, PART: tl.constexpr,
 ):  # fmt: skip
-    """Program (row, 0): the row's L1 blocks, counts, padding and bytes; (row, s > 0): span s - 1's top-K."""
+    """Program (row, 0): the row's L1 blocks, counts, padding and bytes (PART: their split by bits too);
+    (row, s > 0): span s - 1's top-K."""
     bh = tl.program_id(0)
     s = tl.program_id(1)
     if s == 0:
-        _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, bh, M, W, K,
-                quest_cost, H, SPLIT, T1, T2, POOL_BITS, MIXED, FILL)  # fmt: skip
+        _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, part_ptr,
+                pos_ptr, pcount_ptr, bh, M, W, K, W2, R, quest_cost, H, SPLIT, T1, T2, POOL_BITS, MIXED, FILL,
+                PART)  # fmt: skip
     else:
         _score_span(q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, keys_ptr, scratch_ptr, bh,
                     s - 1, M, K, SPAN, P, s_qb, s_qh, s_kn, s_kh, H, G, D, MB, TOPK, T2, POOL_BITS, MIXED,
                     SUMMARY8)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["M", "W", "K", "P"])
-def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes_ptr, M, W, K, P,
-                        H: tl.constexpr, TOPK: tl.constexpr, NK: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["M", "W", "K", "P", "W2", "R"])
+def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes_ptr, part_ptr, pos_ptr,
+                        pcount_ptr, M, W, K, P, W2, R, H: tl.constexpr, TOPK: tl.constexpr, NK: tl.constexpr,
+                        PART: tl.constexpr, ZB: tl.constexpr):  # fmt: skip
     """Row bh's top-K of its spans' keys to table places n1 + rank, with their bytes (``cost[bits]``, the
     bits in the key). ``tl.topk`` (a bitonic network) sorts the TOPK largest of the NK keys descending, so a
-    key's rank is its place (keys are distinct)."""
+    key's rank is its place (keys are distinct). PART: the selected blocks also to their half of the split
+    by bits after the row's L1 blocks (``_l1_row``), the halves' counts, and -1 after each half."""
     bh = tl.program_id(0)
     n = P * TOPK
     e = tl.arange(0, NK)
@@ -198,6 +238,19 @@ def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes
     c1 = tl.load(n1_ptr + bh)
     tl.store(table_ptr + bh.to(tl.int64) * W + c1 + i, ids.to(tl.int32), mask=sel)
     tl.atomic_add(bytes_ptr, tl.sum(tl.load(cost_ptr + (top & 15), mask=sel, other=0), 0))
+    if PART:
+        n8, n4 = _part_store(part_ptr, pos_ptr, bh, W, W2, c1 + i, ids, sel, (top & 15).to(tl.int32),
+                             tl.load(pcount_ptr + bh), tl.load(pcount_ptr + R + bh))  # fmt: skip
+        tl.store(pcount_ptr + bh, n8)
+        tl.store(pcount_ptr + R + bh, n4)
+        half = part_ptr + bh.to(tl.int64) * 2 * W2
+        pad = tl.full([ZB], -1, tl.int32)
+        for p0 in range(n8, W2, ZB):
+            p = p0 + tl.arange(0, ZB)
+            tl.store(half + p, pad, mask=p < W2)
+        for p0 in range(n4, W2, ZB):
+            p = p0 + tl.arange(0, ZB)
+            tl.store(half + W2 + p, pad, mask=p < W2)
 
 
 def sparse_block_table_split_triton(
@@ -209,11 +262,18 @@ def sparse_block_table_split_triton(
     count: ByteCount,
     options: SelectOptions | None = None,
     summary: QuestSummary8 | None = None,
+    parts: BitsPartition | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~kvtune.kernels.triton_sparse_table.sparse_block_table_triton`'s contract and results (the same
     table, counts and bytes) in two launches, planned with ``options`` (None: the defaults;
     ``options.split`` is not read); ``summary``: the bounds from its e4m3 lo and span. With nothing to
-    select (``k_blocks`` 0) or a head dim the kernels do not tile, the single-program launcher's path."""
+    select (``k_blocks`` 0) or a head dim the kernels do not tile, the single-program launcher's path.
+
+    ``parts`` (an :func:`~kvtune.kernels.bits_partition_ref.empty_partition` for the table's shape): over an
+    8-bit pool that may hold demoted blocks, the two launches also write the table split by bits that the
+    mixed Gluon attention reads (``partition_by_bits_ref``'s result), so that the attention launches no
+    partition of its own; written only there and on this path (the single-program one leaves it as it is:
+    :func:`~kvtune.kernels.sparse_table.sparse_block_table_parts` knows which runs)."""
     opts = DEFAULT_SELECT if options is None else options
     if select_kernel(k_blocks, q.shape[2], replace(opts, split=True), summary=summary is not None) != "split":
         return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summary)
@@ -232,15 +292,28 @@ def sparse_block_table_split_triton(
     scratch = torch.empty((B * H, plan.splits, plan.span + topk), dtype=torch.int64, device=dev)
     cap = {"maxnreg": opts.maxnreg} if opts.maxnreg else {}
     k_lo, k_span, quest_cost = quest_bounds(pool, count, summary)
+    mixed = pool.bits == 8 and pool.may_demote
+    part = mixed and parts is not None
+    if parts is not None and part:
+        w2 = partition_width(W)
+        if parts.table.shape != (B, H, 2 * w2) or parts.positions.shape != (B, H, W):
+            raise ValueError(
+                f"parts: a split of [{B}, {H}, {W}] tables must be empty_partition({B}, {H}, {W})'s shapes"
+            )
+        split_out = (parts.table, parts.positions, parts.counts, w2, parts.counts.stride(0))
+    else:  # not written: any int32 tensors
+        split_out = (table, table, num, 1, 1)
     launch(_span_kernel, (B * H, plan.splits + 1),
         q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, keys,
-        scratch, M, W, k_blocks, plan.span, plan.splits, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0),
-        k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=opts.chunk, SPLIT=SPLIT, TOPK=topk, T1=L1,
-        T2=L2, POOL_BITS=pool.bits, MIXED=pool.bits == 8 and pool.may_demote, SUMMARY8=summary is not None,
-        FILL=FILL, num_warps=opts.span_warps(fp8), num_stages=1, **cap,
+        scratch, *split_out[:3], M, W, k_blocks, plan.span, plan.splits, *split_out[3:], quest_cost,
+        q.stride(0), q.stride(1), k_lo.stride(0), k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2],
+        MB=opts.chunk, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits, MIXED=mixed,
+        SUMMARY8=summary is not None, FILL=FILL, PART=part, num_warps=opts.span_warps(fp8), num_stages=1,
+        **cap,
     )  # fmt: skip
     launch(_merge_spans_kernel, (B * H,),
-        keys, blocks, count.cost, table, n1, count.total, M, W, k_blocks, plan.splits, H=H,
-        TOPK=topk, NK=max_splits(k_blocks, fp8) * topk, num_warps=MERGE_WARPS,
+        keys, blocks, count.cost, table, n1, count.total, *split_out[:3], M, W, k_blocks, plan.splits,
+        *split_out[3:], H=H, TOPK=topk, NK=max_splits(k_blocks, fp8) * topk, PART=part, ZB=PART_PAD,
+        num_warps=MERGE_WARPS,
     )  # fmt: skip
     return table, num, n1

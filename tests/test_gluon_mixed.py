@@ -328,6 +328,29 @@ def test_mixed_gluon_in_a_cuda_graph_gpu(gpu_kernels, shape: Shape, dtype: torch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("builds", ["two", "by_id"])
+def test_mixed_gluon_reads_a_given_split_gpu(gpu_kernels, builds: str) -> None:
+    """Given the table split by bits (as the split selection writes it), the builds and the merge read it
+    and give bit for bit what they give after their own partition, eagerly and replayed from a graph."""
+    td = gpu_kernels.triton_decode
+    inp = make_decode(GPU_SHAPES[1], 8, torch.bfloat16, "cuda", demote=True)
+    opts = _mixed_options(td, builds=builds)
+    want = td.hybrid_decode_attention_triton(**inp, options=opts)
+    parts = partition_by_bits_ref(inp["block_table"], inp["num_cold"], inp["pool"].block_bits)
+    run = lambda: td.hybrid_decode_attention_triton(**inp, options=opts, partition=parts)
+    got = run()
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    inp["q"].normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = td.hybrid_decode_attention_triton(**inp, options=opts)
+    assert all(torch.equal(x, y) for x, y in zip(captured, want, strict=True))
+
+
+@pytest.mark.gpu
 def test_mixed_gluon_on_a_sparse_table_gpu(gpu_kernels) -> None:
     """The sparse tier's table of an INT8 pool: the L1 blocks (8-bit) then the selected L2 ones (demoted),
     -1 padded past each row's count, at Llama-3-8B heads."""

@@ -206,8 +206,8 @@ def test_sparse_static_step_selects_plans_and_migrates_inside_the_graph(tiny, mo
     cache = _prefilled(tiny, config, [40, 52, 61], CPU)
     graphs = DecodeGraphs(tiny.model, cache, 4, cache.layout.blocks_for(100), capture=False, padded=True)
     calls = []
-    real = hc.sparse_block_table
-    monkeypatch.setattr(hc, "sparse_block_table", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = hc.sparse_block_table_parts
+    monkeypatch.setattr(hc, "sparse_block_table_parts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     slots = np.asarray([cache.slot_of(i) for i in range(3)])
     tokens = np.array([3, 4, 5])
     done = []

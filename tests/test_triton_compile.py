@@ -182,9 +182,12 @@ def _access(b: int = 3, m: int = 9, now_ms: float = 1234.5) -> Callable[[], Any]
 
 
 def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True, k_blocks: int = 4,
-                  heads: int = 8, group: int = 4, d: int = 128,
-                  split: bool = False) -> Callable[[], Any]:  # fmt: skip
-    """The sparse tier's table; ``split``: with the split Quest selection (the span and merge kernels)."""
+                  heads: int = 8, group: int = 4, d: int = 128, split: bool = False,
+                  parts: bool = False) -> Callable[[], Any]:  # fmt: skip
+    """The sparse tier's table; ``split``: with the split Quest selection (the span and merge kernels);
+    ``parts``: writing the table split by bits too, as the cache asks it to for an 8-bit pool with demoted
+    blocks."""
+    from kvtune.kernels.bits_partition_ref import empty_partition
     from kvtune.kernels.sparse_table import ByteCount
     from kvtune.kernels.sparse_table_choice import SelectOptions
     from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
@@ -197,7 +200,9 @@ def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True,
     pool = _pool(bits, heads, d, demotable=demotable)
     if split:
         opts = SelectOptions(split=True)
-        return lambda: sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, opts)
+        out = empty_partition(b, heads, m + k_blocks, "cpu") if parts else None
+        select = sparse_block_table_split_triton
+        return lambda: select(q, pool, blocks, tier, k_blocks, count, opts, parts=out)
     return lambda: sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
 
 
@@ -265,6 +270,9 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "sparse split top 100": lambda: _sparse_split(k_blocks=100),
     "sparse split top 1": lambda: _sparse_split(k_blocks=1),
     "sparse split smollm2 heads": lambda: _sparse_split(bits=4, demotable=False, heads=3, group=3, d=64),
+    "sparse split, split by bits": lambda: _sparse_split(parts=True),
+    "sparse split, split by bits, top 1": lambda: _sparse_split(parts=True, k_blocks=1),
+    "sparse split, split by bits, 16 x 512": lambda: _sparse_split(b=16, m=512, k_blocks=32, parts=True),
 }  # fmt: skip
 
 
@@ -328,6 +336,38 @@ def test_the_gluon_builds_block_loop_is_found_in_their_sass() -> None:
         assert r.name == "_cold_kernel" and 500 < r.loop_instructions < 2000, (bits, r)
 
 
+def test_the_mixed_path_reads_the_split_the_selection_wrote() -> None:
+    """Given the table split by bits (the split selection writes it for an 8-bit pool with demoted blocks),
+    the mixed Gluon path launches no partition of its own and its builds and merge read the given split; a
+    split of another table's shape is refused with the rule it breaks."""
+    from kvtune.kernels.bits_partition_ref import empty_partition
+    from kvtune.kernels.triton_decode import default_options, hybrid_decode_attention_triton
+
+    b, heads, m, d = 3, 8, 9, 128
+    pool = _pool(8)
+    hot = torch.zeros(4, heads, 96, d, dtype=torch.bfloat16)
+    table = torch.arange(b * heads * m, dtype=torch.int32).view(b, heads, m) % 40
+
+    def attend(parts: Any) -> Any:
+        return lambda: hybrid_decode_attention_triton(
+            torch.zeros(b, heads * 4, d, dtype=torch.bfloat16), hot, hot.clone(),
+            torch.arange(b, dtype=torch.int32), torch.full((b,), 40, dtype=torch.int32), pool, table,
+            torch.full((b, heads), m, dtype=torch.int32), 1 / math.sqrt(d), options=default_options(8),
+            kernel="gluon_mixed", partition=parts,
+        )  # fmt: skip
+
+    assert next(x.fn.__name__ for x in record_launches(attend(None))) == "_partition_kernel"
+    parts = empty_partition(b, heads, m, "cpu")
+    launches = record_launches(attend(parts))
+    assert [x.fn.__name__ for x in launches] == ["_cold_pair_kernel", "_merge_kernel"]
+    given = {x.data_ptr() for x in parts}
+    for launch in launches:
+        read = {a.data_ptr() for a in launch.args if isinstance(a, torch.Tensor)}
+        assert read & given, f"{launch.fn.__name__} reads none of the given split"
+    with pytest.raises(ValueError, match=r"partition: a split of the \[3, 8, 9\] table"):
+        record_launches(attend(empty_partition(b, heads, m + 1, "cpu")))
+
+
 # ---- the compile matrix: every card's architecture, with the options the dispatcher picks there -----------
 def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
     """The launches a decode step makes on ``arch`` with the default options (the Gluon kernel where a GPU
@@ -366,6 +406,7 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         "sparse split": _sparse_split,
         "sparse split int4": lambda: _sparse_split(bits=4, demotable=False),
         "sparse split 16 x 512, top 32": lambda: _sparse_split(b=16, m=512, k_blocks=32),
+        "sparse split, split by bits": lambda: _sparse_split(parts=True),
     }  # fmt: skip
 
 
@@ -460,6 +501,7 @@ SIZED: dict[str, Callable[[int, int], Callable[[], Any]]] = {
     "sparse table": _sparse_table,
     "sparse split": lambda b, m: _sparse_split(b=b, m=m),
     "sparse split, rows of several spans": lambda b, m: _sparse_split(b=b, m=64 * m + 1),
+    "sparse split, split by bits": lambda b, m: _sparse_split(b=b, m=m, parts=True),
     "access update": lambda b, m: _access(b, m, now_ms=1234.5 + b),
     "step kernels, seal, requantize": _step_sized,
 }

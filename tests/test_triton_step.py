@@ -243,6 +243,8 @@ def check_sparse_table(k, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
         single = k.triton_sparse_table.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, single_n)
         assert all(torch.equal(x, y) for x, y in zip((table, num, n1), single, strict=True))
         assert int(got_n.total) == int(single_n.total)
+        if may_demote and k_blocks > 0:  # the same launches split the table by bits, as the partition would
+            _check_parts(k, q, pool, blocks, tier, k_blocks, cost, options, table, num, device)
     for name, x, y in (("table", table, want_table), ("num_cold", num, want_num), ("num_l1", n1, want_n1)):
         assert x.dtype == y.dtype == torch.int32 and x.shape == y.shape, name
     assert torch.equal(num, want_num) and torch.equal(n1, want_n1)
@@ -258,6 +260,26 @@ def check_sparse_table(k, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
             assert torch.equal(table[i, j, :a], want_table[i, j, :a]), f"L1 blocks of row ({i}, {j})"
             _assert_selected(table[i, j, a:c].tolist(), want_table[i, j, a:c].tolist(),
                              dict(zip(l2[i].tolist(), bound[j].tolist())), f"row ({i}, {j})")  # fmt: skip
+
+
+def _check_parts(k, q, pool, blocks, tier, k_blocks: int, cost, options, table, num, device: str) -> None:
+    """The split selection given a partition to write (``parts``): the same table, counts and bytes, and
+    the table split by bits exactly as ``partition_by_bits_ref`` splits it. Each output starts filled with
+    a value no kernel writes, so an entry left unwritten shows."""
+    from kvtune.kernels.bits_partition_ref import empty_partition, partition_by_bits_ref
+    from kvtune.kernels.sparse_table import ByteCount
+
+    b, h, w = table.shape
+    parts = empty_partition(b, h, w, device)
+    for x in parts:
+        x.fill_(-7)
+    count = ByteCount(cost, 11, torch.zeros((), dtype=torch.int64, device=device))
+    split = k.triton_sparse_split.sparse_block_table_split_triton
+    got = split(q, pool, blocks, tier, k_blocks, count, options, parts=parts)
+    assert all(torch.equal(x, y) for x, y in zip(got, (table, num), strict=False)), "the table changed"
+    want = partition_by_bits_ref(table, num, pool.block_bits)
+    for name, x, y in zip(("table", "counts", "positions"), parts, want, strict=True):
+        assert torch.equal(x, y), f"the split by bits: {name} differs from the partition's"
 
 
 # (sequences, KV heads, group, head dim, blocks per row, k_blocks): k_blocks 0, 1, above the 64-block chunk

@@ -13,7 +13,8 @@ launch each), ``overlap`` (``gluon_overlap``: the 4-bit build started beside the
 ``by_id`` (``gluon_builds``: both in one launch), each optionally with ``:S``, the 4-bit ring's depth
 (``gluon_stages4``, 0: the default), and ``:B``, the 4-bit build's busy blocks (``gluon_busy_blocks4``),
 ``--rounds`` times each, alternating, for an A/B in one process (``--overlap both`` is ``--ways
-two,overlap``).
+two,overlap``). A way ending in ``/own``: the attention splits the table by bits itself (its partition
+launch, as before the selection wrote the split), e.g. ``default/own``.
 
     python lab/scripts/sparse_kernels.py --out $OUT [--steps 20] [--summary] [--shapes 16:32768,4:131072]
         [--ways two,paired,by_id,paired:4,paired:0:16] [--rounds 1]
@@ -42,7 +43,10 @@ from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
 
 def way_options(bits: int, way: str) -> DecodeKernelOptions:
     """The default options of ``bits`` launched ``way`` (module docstring; INT8's builds only)."""
+    way, _, own = way.partition("/")
     name, *rest = way.split(":")
+    if own not in ("", "own"):
+        raise SystemExit(f"--ways: {own!r} after / is not 'own'")
     known = ("default", "two", "overlap", "paired", "by_id")
     if name not in known or len(rest) > 2 or not all(x.isdigit() for x in rest):
         raise SystemExit(f"--ways: {way!r} is not one of {', '.join(known)}, each with optional :S[:B]")
@@ -62,11 +66,13 @@ def step_fn(case: da.Case, summary: bool, way: str = "default"):
     bounds = summary8(pool) if summary else None
     options = way_options(case.bits, way)
 
+    own = way.endswith("/own")  # the attention's own partition, not the selection's split
+
     def step():
-        table, num_cold, _ = da.select_table(inp["q"], pool, blocks, tier, k_blocks, count, None, bounds)
+        table, num_cold, parts = da.select_parts(inp["q"], pool, blocks, tier, k_blocks, count, None, bounds)
         return hybrid_decode_attention_triton(
             inp["q"], inp["hot_k"], inp["hot_v"], inp["hot_slot"], inp["hot_len"], pool, table, num_cold,
-            1 / math.sqrt(da.D), options=options,
+            1 / math.sqrt(da.D), options=options, partition=None if own else parts,
         )  # fmt: skip
 
     return step
@@ -184,7 +190,7 @@ def main() -> int:
             step = step_fn(case, args.summary, way)
             ms = da.bench(step)
             tag = (f"{b}x{length // 1024}K_b{bits}{'_e4m3' if args.summary else ''}"
-                   f"{'' if way == 'default' else '_' + way.replace(':', '-')}"
+                   f"{'' if way == 'default' else '_' + way.replace(':', '-').replace('/', '-')}"
                    f"{f'_r{rnd}' if args.rounds > 1 else ''}")  # fmt: skip
             res = summarise(profile_steps(step, args.steps, args.out / f"trace_{tag}.json"))
             res.update(shape=shape, bits=bits, summary=args.summary, way=way, round=rnd, graph_ms=ms,
