@@ -198,11 +198,12 @@ def _launch(k, options: Any) -> Any:
 
 
 def check_sparse_table(k, b: int, h: int, g: int, d: int, m: int, k_blocks: int, pool_kind: str, device: str,
-                       seed: int, options: Any = None) -> None:  # fmt: skip
+                       seed: int, options: Any = None, parts: bool = True) -> None:  # fmt: skip
     """Random tiers over scattered blocks (a shared prefix, -1 padding, a row without L2 blocks, a row with
     one, blocks of equal bounds): the L1 blocks in order, the reference's selection (as sets), counts and
     bytes equal, -1 after the count. ``options`` (a ``SelectOptions``): the kernels it selects, whose table,
-    counts and bytes must also equal the default kernel's exactly."""
+    counts and bytes must also equal the default kernel's exactly, and (``parts``, an 8-bit pool with
+    demoted blocks) whose split of the table by bits must equal the partition's."""
     from kvtune.kernels.layout import ColdLayout
     from kvtune.kernels.quant import seal_blocks_ref
     from kvtune.kernels.quest import quest_scores_ref
@@ -243,7 +244,7 @@ def check_sparse_table(k, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
         single = k.triton_sparse_table.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, single_n)
         assert all(torch.equal(x, y) for x, y in zip((table, num, n1), single, strict=True))
         assert int(got_n.total) == int(single_n.total)
-        if may_demote and k_blocks > 0:  # the same launches split the table by bits, as the partition would
+        if parts and may_demote and k_blocks > 0:  # split by bits as the partition splits it
             _check_parts(k, q, pool, blocks, tier, k_blocks, cost, options, table, num, device)
     for name, x, y in (("table", table, want_table), ("num_cold", num, want_num), ("num_l1", n1, want_n1)):
         assert x.dtype == y.dtype == torch.int32 and x.shape == y.shape, name
@@ -326,7 +327,7 @@ def _split(splits: int | None, build: str = "8:64") -> Any:
 def test_split_selection_interpreted(kernels, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
                                      pool_kind: str, splits: int | None, build: str) -> None:  # fmt: skip
     check_sparse_table(kernels, b, h, g, d, m, k_blocks, pool_kind, "cpu", seed=b * 100 + m,
-                       options=_split(splits, build))  # fmt: skip
+                       options=_split(splits, build), parts=splits is None)  # fmt: skip
 
 
 # 16 x 32K-like rows (Llama-3-8B heads, top 32) and SmolLM2-like heads; spans planned, and 5 wanted (4 at
