@@ -81,6 +81,11 @@ from kvtune.kernels.triton_sparse_table import (
 # Over 1,024 keys the network costs ~2.3 µs more a launch than over 256 (H100, 8 spans at 16 x 32K, 52a).
 MERGE_WARPS = 8
 PART_PAD = 512  # -1 entries per store of the split by bits' padding
+# Row entries per step of program (row, 0) where it also splits the row by bits: at 512 (two warps from the
+# summary) its vectors took the span kernel from 128 to 162 registers a thread (sm_90), so 6 two-warp
+# programs fit a multiprocessor instead of 8 and the spans at 16 x 32K ran in two waves (18.5 µs against
+# 12.4 without the split, H100); at 256 it stays at 128.
+PART_STEP = 256
 
 
 @triton.jit
@@ -201,15 +206,16 @@ def _span_kernel(
     s_qb, s_qh, s_kn, s_kh, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
     SPLIT: tl.constexpr, TOPK: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr,
     MIXED: tl.constexpr, SUMMARY8: tl.constexpr, FILL: tl.constexpr, PART: tl.constexpr,
+    L1_STEP: tl.constexpr,
 ):  # fmt: skip
-    """Program (row, 0): the row's L1 blocks, counts, padding and bytes (PART: their split by bits too);
-    (row, s > 0): span s - 1's top-K."""
+    """Program (row, 0): the row's L1 blocks, ``L1_STEP`` entries a step, counts, padding and bytes (PART:
+    their split by bits too); (row, s > 0): span s - 1's top-K."""
     bh = tl.program_id(0)
     s = tl.program_id(1)
     if s == 0:
         _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, part_ptr,
-                pos_ptr, pcount_ptr, bh, M, W, K, W2, R, quest_cost, H, SPLIT, T1, T2, POOL_BITS, MIXED, FILL,
-                PART)  # fmt: skip
+                pos_ptr, pcount_ptr, bh, M, W, K, W2, R, quest_cost, H, L1_STEP, T1, T2, POOL_BITS, MIXED,
+                FILL, PART)  # fmt: skip
     else:
         _score_span(q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, keys_ptr, scratch_ptr, bh,
                     s - 1, M, K, SPAN, P, s_qb, s_qh, s_kn, s_kh, H, G, D, MB, TOPK, T2, POOL_BITS, MIXED,
@@ -308,8 +314,8 @@ def sparse_block_table_split_triton(
         scratch, *split_out[:3], M, W, k_blocks, plan.span, plan.splits, *split_out[3:], quest_cost,
         q.stride(0), q.stride(1), k_lo.stride(0), k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2],
         MB=opts.chunk, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits, MIXED=mixed,
-        SUMMARY8=summary is not None, FILL=FILL, PART=part, num_warps=opts.span_warps(fp8), num_stages=1,
-        **cap,
+        SUMMARY8=summary is not None, FILL=FILL, PART=part, L1_STEP=PART_STEP if part else SPLIT,
+        num_warps=opts.span_warps(fp8), num_stages=1, **cap,
     )  # fmt: skip
     launch(_merge_spans_kernel, (B * H,),
         keys, blocks, count.cost, table, n1, count.total, *split_out[:3], M, W, k_blocks, plan.splits,

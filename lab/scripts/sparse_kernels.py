@@ -13,8 +13,9 @@ launch each), ``overlap`` (``gluon_overlap``: the 4-bit build started beside the
 ``by_id`` (``gluon_builds``: both in one launch), each optionally with ``:S``, the 4-bit ring's depth
 (``gluon_stages4``, 0: the default), and ``:B``, the 4-bit build's busy blocks (``gluon_busy_blocks4``),
 ``--rounds`` times each, alternating, for an A/B in one process (``--overlap both`` is ``--ways
-two,overlap``). A way ending in ``/own``: the attention splits the table by bits itself (its partition
-launch, as before the selection wrote the split), e.g. ``default/own``.
+two,overlap``). A way ending in ``/own``: the selection writes no split by bits and the attention splits
+the table itself (its partition launch: the step before the selection wrote the split), e.g.
+``default/own``.
 
     python lab/scripts/sparse_kernels.py --out $OUT [--steps 20] [--summary] [--shapes 16:32768,4:131072]
         [--ways two,paired,by_id,paired:4,paired:0:16] [--rounds 1]
@@ -69,10 +70,15 @@ def step_fn(case: da.Case, summary: bool, way: str = "default"):
     own = way.endswith("/own")  # the attention's own partition, not the selection's split
 
     def step():
-        table, num_cold, parts = da.select_parts(inp["q"], pool, blocks, tier, k_blocks, count, None, bounds)
+        if own:
+            table, num_cold, _ = da.select_table(inp["q"], pool, blocks, tier, k_blocks, count, None, bounds)
+            parts = None
+        else:
+            table, num_cold, parts = da.select_parts(inp["q"], pool, blocks, tier, k_blocks, count, None,
+                                                     bounds)  # fmt: skip
         return hybrid_decode_attention_triton(
             inp["q"], inp["hot_k"], inp["hot_v"], inp["hot_slot"], inp["hot_len"], pool, table, num_cold,
-            1 / math.sqrt(da.D), options=options, partition=None if own else parts,
+            1 / math.sqrt(da.D), options=options, partition=parts,
         )  # fmt: skip
 
     return step
