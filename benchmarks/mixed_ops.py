@@ -176,7 +176,8 @@ class Scene:
 KERNELS = {
     "kvtune.cache_impl.hybrid_cache": (
         "update_access", "hybrid_decode_attention", "seal_blocks", "requantize_int4",
-        "sparse_block_table_parts", "chunks_attention",  # chunks: one FlashAttention call on a GPU
+        "sparse_block_table_parts",
+        "chunks_attention",  # one FlashAttention call on a GPU; chunk by chunk on a CPU
         "pack_kv", "hot_write",
     ),
     "kvtune.engine.model": ("add_rms_norm", "rope_qkv", "silu_mul"),
