@@ -17,11 +17,14 @@ follow the batch and the row width only (capturable in a CUDA graph), one compil
    ``splits x TOPK`` keys descending (keys are distinct, so a key's place is its rank); each goes to place
    ``n1 + rank`` of the table with its block's id; their bytes are added to the count.
 
-Over an 8-bit pool that may hold demoted blocks the two launches can also write the table split by bits
-(``parts``: :mod:`kvtune.kernels.bits_partition_ref`), which the mixed Gluon attention reads: program
-``(row, 0)`` places the row's L1 blocks in their halves as it lists them (it loads their bits already, for
-the bytes), and the merge places the selected ones after them (their bits are in their keys) and pads the
-halves. The attention then launches no partition of its own: one launch and its wait fewer a step.
+Over an 8-bit pool that may hold demoted blocks the merge can also write the table split by bits (``parts``:
+:mod:`kvtune.kernels.bits_partition_ref`), which the mixed Gluon attention reads: the row's L1 blocks (their
+bits loaded), then the selected ones (their bits are in their keys), and the padding. The attention then
+launches no partition of its own: one launch and its wait fewer a step. (The span kernel's program ``(row,
+0)``, which loads the L1 blocks' bits already, placed them first; its vectors of 512 entries took the span
+kernel from 128 to 162 registers a thread at two warps, 6 programs a multiprocessor where the plan counts 8,
+and the spans at 16 x 32K took 18.5 µs against 12.4 on an H100: the merge of spans, at 32 registers, has the
+room.)
 
 Ties: keys order by bound, then by position (later first), in both kernels, so the tables are the same.
 The bounds must be the same floats: Triton lays a ``[chunk, D]`` tile's rows over warps and its channels
@@ -81,10 +84,8 @@ from kvtune.kernels.triton_sparse_table import (
 # Over 1,024 keys the network costs ~2.3 µs more a launch than over 256 (H100, 8 spans at 16 x 32K, 52a).
 MERGE_WARPS = 8
 PART_PAD = 512  # -1 entries per store of the split by bits' padding
-# Row entries per step of program (row, 0) where it also splits the row by bits: at 512 (two warps from the
-# summary) its vectors took the span kernel from 128 to 162 registers a thread (sm_90), so 6 two-warp
-# programs fit a multiprocessor instead of 8 and the spans at 16 x 32K ran in two waves (18.5 µs against
-# 12.4 without the split, H100); at 256 it stays at 128.
+# L1 entries per step of the merge's split by bits: one a thread at 8 warps (at 512, with the fp16 bounds'
+# 1,024 keys, the merge spilled 8 bytes; sm_90)
 PART_STEP = 256
 
 
@@ -104,21 +105,16 @@ def _part_store(part_ptr, pos_ptr, bh, W, W2, at, blk, valid, bits, n8, n4):
 
 
 @triton.jit
-def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, part_ptr,
-            pos_ptr, pcount_ptr, bh, M, W, K, W2, R, quest_cost, H: tl.constexpr, SPLIT: tl.constexpr,
-            T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr, MIXED: tl.constexpr,
-            FILL: tl.constexpr, PART: tl.constexpr):  # fmt: skip
+def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, bh, M, W, K,
+            quest_cost, H: tl.constexpr, SPLIT: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+            POOL_BITS: tl.constexpr, MIXED: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
     """Row bh's L1 blocks in order to its table, -1 after the selected places, the counts, and the bytes
-    of the L1 blocks and of Quest (Quest's by h == 0), as the single-program kernel's steps 1 and 3. PART
-    (MIXED): the L1 blocks also to their half of the row's split by bits (8-bit | 4-bit, ``W2`` wide each),
-    their positions there, -1 positions after the selected places, and each half's count so far."""
+    of the L1 blocks and of Quest (Quest's by h == 0), as the single-program kernel's steps 1 and 3."""
     b = bh // H
     row = b.to(tl.int64) * M
     out = table_ptr + bh.to(tl.int64) * W
     c1 = tl.zeros([], tl.int32)
     c2 = tl.zeros([], tl.int32)
-    n8 = tl.zeros([], tl.int32)
-    n4 = tl.zeros([], tl.int32)
     read = tl.zeros([SPLIT], tl.int64)
     js = tl.arange(0, SPLIT)
     blk = tl.load(blocks_ptr + row + js, mask=js < M, other=-1)
@@ -129,12 +125,9 @@ def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr
         if MIXED:  # every listed block's bits, loaded beside its tier
             bits = tl.load(bits_ptr + at, mask=blk >= 0, other=0).to(tl.int32)
         is1 = (blk >= 0) & (t == T1)
-        at1 = c1 + tl.cumsum(is1.to(tl.int32), 0) - 1  # the L1 block's place in the table
-        tl.store(out + at1, blk.to(tl.int32), mask=is1)
+        tl.store(out + c1 + tl.cumsum(is1.to(tl.int32), 0) - 1, blk.to(tl.int32), mask=is1)
         if MIXED:
             read += tl.load(cost_ptr + bits, mask=is1, other=0)
-            if PART:
-                n8, n4 = _part_store(part_ptr, pos_ptr, bh, W, W2, at1, blk, is1, bits, n8, n4)
         c1 += tl.sum(is1.to(tl.int32), 0)
         c2 += tl.sum(((blk >= 0) & (t == T2)).to(tl.int32), 0)
         blk = blk_n
@@ -142,11 +135,6 @@ def _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr
     for p0 in range(c1 + ns, W, FILL):
         pad = p0 + tl.arange(0, FILL)
         tl.store(out + pad, tl.full([FILL], -1, tl.int32), mask=pad < W)
-        if PART:
-            tl.store(pos_ptr + bh.to(tl.int64) * W + pad, tl.full([FILL], -1, tl.int32), mask=pad < W)
-    if PART:
-        tl.store(pcount_ptr + bh, n8)
-        tl.store(pcount_ptr + R + bh, n4)
     tl.store(num_ptr + bh, c1 + ns)
     tl.store(n1_ptr + bh, c1)
     total = tl.where(bh % H == 0, c2.to(tl.int64) * quest_cost, 0)
@@ -199,23 +187,20 @@ def _score_span(q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, key
     tl.store(keys_ptr + slot * TOPK + tl.arange(0, TOPK), best)
 
 
-@triton.jit(do_not_specialize=["M", "W", "K", "SPAN", "P", "W2", "R"])  # sizes follow the batch and lengths
+@triton.jit(do_not_specialize=["M", "W", "K", "SPAN", "P"])  # sizes follow the batch and lengths
 def _span_kernel(
     q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr,
-    bytes_ptr, keys_ptr, scratch_ptr, part_ptr, pos_ptr, pcount_ptr, M, W, K, SPAN, P, W2, R, quest_cost,
-    s_qb, s_qh, s_kn, s_kh, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
-    SPLIT: tl.constexpr, TOPK: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr,
-    MIXED: tl.constexpr, SUMMARY8: tl.constexpr, FILL: tl.constexpr, PART: tl.constexpr,
-    L1_STEP: tl.constexpr,
+    bytes_ptr, keys_ptr, scratch_ptr, M, W, K, SPAN, P, quest_cost, s_qb, s_qh, s_kn, s_kh,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, MB: tl.constexpr, SPLIT: tl.constexpr,
+    TOPK: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, POOL_BITS: tl.constexpr, MIXED: tl.constexpr,
+    SUMMARY8: tl.constexpr, FILL: tl.constexpr,
 ):  # fmt: skip
-    """Program (row, 0): the row's L1 blocks, ``L1_STEP`` entries a step, counts, padding and bytes (PART:
-    their split by bits too); (row, s > 0): span s - 1's top-K."""
+    """Program (row, 0): the row's L1 blocks, counts, padding and bytes; (row, s > 0): span s - 1's top-K."""
     bh = tl.program_id(0)
     s = tl.program_id(1)
     if s == 0:
-        _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, part_ptr,
-                pos_ptr, pcount_ptr, bh, M, W, K, W2, R, quest_cost, H, L1_STEP, T1, T2, POOL_BITS, MIXED,
-                FILL, PART)  # fmt: skip
+        _l1_row(blocks_ptr, tier_ptr, bits_ptr, cost_ptr, table_ptr, num_ptr, n1_ptr, bytes_ptr, bh, M, W, K,
+                quest_cost, H, SPLIT, T1, T2, POOL_BITS, MIXED, FILL)  # fmt: skip
     else:
         _score_span(q_ptr, kmin_ptr, kscale_ptr, bits_ptr, blocks_ptr, tier_ptr, keys_ptr, scratch_ptr, bh,
                     s - 1, M, K, SPAN, P, s_qb, s_qh, s_kn, s_kh, H, G, D, MB, TOPK, T2, POOL_BITS, MIXED,
@@ -223,13 +208,15 @@ def _span_kernel(
 
 
 @triton.jit(do_not_specialize=["M", "W", "K", "P", "W2", "R"])
-def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes_ptr, part_ptr, pos_ptr,
-                        pcount_ptr, M, W, K, P, W2, R, H: tl.constexpr, TOPK: tl.constexpr, NK: tl.constexpr,
-                        PART: tl.constexpr, ZB: tl.constexpr):  # fmt: skip
+def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes_ptr, bits_ptr, part_ptr,
+                        pos_ptr, pcount_ptr, M, W, K, P, W2, R, H: tl.constexpr, TOPK: tl.constexpr,
+                        NK: tl.constexpr, PART: tl.constexpr, PB: tl.constexpr,
+                        ZB: tl.constexpr):  # fmt: skip
     """Row bh's top-K of its spans' keys to table places n1 + rank, with their bytes (``cost[bits]``, the
     bits in the key). ``tl.topk`` (a bitonic network) sorts the TOPK largest of the NK keys descending, so a
-    key's rank is its place (keys are distinct). PART: the selected blocks also to their half of the split
-    by bits after the row's L1 blocks (``_l1_row``), the halves' counts, and -1 after each half."""
+    key's rank is its place (keys are distinct). PART: the row split by bits too, its L1 blocks (listed by
+    ``_l1_row``, ``PB`` at a time, their bits loaded) then the selected ones (their bits in their keys), the
+    halves' counts, -1 after each half and after the row's count in ``positions``."""
     bh = tl.program_id(0)
     n = P * TOPK
     e = tl.arange(0, NK)
@@ -242,11 +229,18 @@ def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes
     sel = (top != NONE) & (i < K)
     ids = tl.load(blocks_ptr + (bh // H).to(tl.int64) * M + ((top >> 4) & 0xFFFFFFF), mask=sel, other=-1)
     c1 = tl.load(n1_ptr + bh)
-    tl.store(table_ptr + bh.to(tl.int64) * W + c1 + i, ids.to(tl.int32), mask=sel)
+    out = table_ptr + bh.to(tl.int64) * W
+    tl.store(out + c1 + i, ids.to(tl.int32), mask=sel)
     tl.atomic_add(bytes_ptr, tl.sum(tl.load(cost_ptr + (top & 15), mask=sel, other=0), 0))
-    if PART:
-        n8, n4 = _part_store(part_ptr, pos_ptr, bh, W, W2, c1 + i, ids, sel, (top & 15).to(tl.int32),
-                             tl.load(pcount_ptr + bh), tl.load(pcount_ptr + R + bh))  # fmt: skip
+    if PART:  # the L1 blocks (in the table since the spans' launch), then the selected ones after them
+        n8 = c1 * 0
+        n4 = c1 * 0
+        for j0 in range(0, c1, PB):
+            j = j0 + tl.arange(0, PB)
+            blk = tl.load(out + j, mask=j < c1, other=0)
+            bits = tl.load(bits_ptr + blk, mask=j < c1, other=8).to(tl.int32)
+            n8, n4 = _part_store(part_ptr, pos_ptr, bh, W, W2, j, blk, j < c1, bits, n8, n4)
+        n8, n4 = _part_store(part_ptr, pos_ptr, bh, W, W2, c1 + i, ids, sel, (top & 15).to(tl.int32), n8, n4)
         tl.store(pcount_ptr + bh, n8)
         tl.store(pcount_ptr + R + bh, n4)
         half = part_ptr + bh.to(tl.int64) * 2 * W2
@@ -257,6 +251,9 @@ def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes
         for p0 in range(n4, W2, ZB):
             p = p0 + tl.arange(0, ZB)
             tl.store(half + W2 + p, pad, mask=p < W2)
+        for p0 in range(n8 + n4, W, ZB):
+            p = p0 + tl.arange(0, ZB)
+            tl.store(pos_ptr + bh.to(tl.int64) * W + p, pad, mask=p < W)
 
 
 def sparse_block_table_split_triton(
@@ -311,15 +308,14 @@ def sparse_block_table_split_triton(
         split_out = (table, table, num, 1, 1)
     launch(_span_kernel, (B * H, plan.splits + 1),
         q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, keys,
-        scratch, *split_out[:3], M, W, k_blocks, plan.span, plan.splits, *split_out[3:], quest_cost,
-        q.stride(0), q.stride(1), k_lo.stride(0), k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2],
-        MB=opts.chunk, SPLIT=SPLIT, TOPK=topk, T1=L1, T2=L2, POOL_BITS=pool.bits, MIXED=mixed,
-        SUMMARY8=summary is not None, FILL=FILL, PART=part, L1_STEP=PART_STEP if part else SPLIT,
+        scratch, M, W, k_blocks, plan.span, plan.splits, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0),
+        k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=opts.chunk, SPLIT=SPLIT, TOPK=topk, T1=L1,
+        T2=L2, POOL_BITS=pool.bits, MIXED=mixed, SUMMARY8=summary is not None, FILL=FILL,
         num_warps=opts.span_warps(fp8), num_stages=1, **cap,
     )  # fmt: skip
     launch(_merge_spans_kernel, (B * H,),
-        keys, blocks, count.cost, table, n1, count.total, *split_out[:3], M, W, k_blocks, plan.splits,
-        *split_out[3:], H=H, TOPK=topk, NK=max_splits(k_blocks, fp8) * topk, PART=part, ZB=PART_PAD,
-        num_warps=MERGE_WARPS,
+        keys, blocks, count.cost, table, n1, count.total, pool.block_bits, *split_out[:3], M, W, k_blocks,
+        plan.splits, *split_out[3:], H=H, TOPK=topk, NK=max_splits(k_blocks, fp8) * topk, PART=part,
+        PB=PART_STEP, ZB=PART_PAD, num_warps=MERGE_WARPS,
     )  # fmt: skip
     return table, num, n1
