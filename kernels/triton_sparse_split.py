@@ -273,8 +273,8 @@ def sparse_block_table_split_triton(
     select (``k_blocks`` 0) or a head dim the kernels do not tile, the single-program launcher's path.
 
     ``parts`` (an :func:`~kvtune.kernels.bits_partition_ref.empty_partition` for the table's shape): over an
-    8-bit pool that may hold demoted blocks, the two launches also write the table split by bits that the
-    mixed Gluon attention reads (``partition_by_bits_ref``'s result), so that the attention launches no
+    8-bit pool that may hold demoted blocks, the merge also writes the table split by bits that the mixed
+    Gluon attention reads (``partition_by_bits_ref``'s result), so that the attention launches no
     partition of its own; written only there and on this path (the single-program one leaves it as it is:
     :func:`~kvtune.kernels.sparse_table.sparse_block_table_parts` knows which runs)."""
     opts = DEFAULT_SELECT if options is None else options
