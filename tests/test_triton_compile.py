@@ -271,8 +271,6 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "sparse split top 1": lambda: _sparse_split(k_blocks=1),
     "sparse split smollm2 heads": lambda: _sparse_split(bits=4, demotable=False, heads=3, group=3, d=64),
     "sparse split, split by bits": lambda: _sparse_split(parts=True),
-    "sparse split, split by bits, top 1": lambda: _sparse_split(parts=True, k_blocks=1),
-    "sparse split, split by bits, 16 x 512": lambda: _sparse_split(b=16, m=512, k_blocks=32, parts=True),
 }  # fmt: skip
 
 
