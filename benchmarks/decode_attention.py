@@ -326,10 +326,10 @@ def sparse_case(
     selection_ms = bench(select)
     selected = select()
     attention_ms = bench(lambda: attend(selected))
-    # where the selection also writes the table split by bits (sparse INT8), Quest's selection alone beside it
-    quest_ms = selection_ms if selected[2] is None else bench(
-        lambda: select_table(inp["q"], pool, blocks, tier, k_blocks, count, selection, bounds)
-    )
+    quest_ms = selection_ms
+    if selected[2] is not None:  # the selection also split the table by bits: Quest's selection alone too
+        q = inp["q"]
+        quest_ms = bench(lambda: select_table(q, pool, blocks, tier, k_blocks, count, selection, bounds))
     plan = launch_plan(inp["q"], inp["hot_k"], pool, selected[0], options)
     splits = plan.splits
     slots = plan.slots  # each build's partials

@@ -63,8 +63,8 @@ def sparse_block_table_parts(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BitsPartition | None]:
     """:func:`sparse_block_table`, and where the split selection builds the table of an 8-bit pool that may
     hold demoted blocks, the table split by bits (:mod:`kvtune.kernels.bits_partition_ref`) that the mixed
-    Gluon attention reads, written by the same two launches (``hybrid_decode_attention``'s ``partition``:
-    the attention then launches no partition of its own); None elsewhere."""
+    Gluon attention reads, written by the selection's merge launch (``hybrid_decode_attention``'s
+    ``partition``: the attention then launches no partition of its own); None elsewhere."""
     _check_summary(summary, q.device)
     rows = q.shape[0] * pool.layout.num_kv_heads
     kernel = use_triton(q) and select_kernel(

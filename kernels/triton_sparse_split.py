@@ -23,8 +23,8 @@ bits loaded), then the selected ones (their bits are in their keys), and the pad
 launches no partition of its own: one launch and its wait fewer a step. (The span kernel's program ``(row,
 0)``, which loads the L1 blocks' bits already, placed them first; its vectors of 512 entries took the span
 kernel from 128 to 162 registers a thread at two warps, 6 programs a multiprocessor where the plan counts 8,
-and the spans at 16 x 32K took 18.5 µs against 12.4 on an H100: the merge of spans, at 32 registers, has the
-room.)
+and the spans at 16 x 32K took 18.5 µs against 12.4 on an H100; the merge of spans, at 32-44 registers, has
+the room.)
 
 Ties: keys order by bound, then by position (later first), in both kernels, so the tables are the same.
 The bounds must be the same floats: Triton lays a ``[chunk, D]`` tile's rows over warps and its channels
