@@ -26,6 +26,12 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[Any]) -> None:
+    """The tests that wait for the interpreter suite's child run last, so the rest of the suite runs beside it
+    instead of waiting."""
+    items.sort(key=lambda item: item.name == "test_interpreted_suite")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Where the interpreter suite will run (a CPU-only machine, the test selected), start its child pytest
     now: it runs beside the rest of the suite (tests/triton_testlib.py)."""

@@ -11,11 +11,7 @@ process started with ``TRITON_INTERPRET=1`` (see ``tests/test_triton_kernels.py`
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +20,7 @@ from kvtune.kernels.bits_partition_ref import empty_partition, partition_by_bits
 from kvtune.kernels.decode_attention import hybrid_decode_attention_ref
 from kvtune.kernels.requant import requantize_int4_ref
 from kvtune.tests.test_triton_kernels import Shape, assert_decode_close, make_decode, poison_allocator
-from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, fixtures
+from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, fixtures, interpreted_suite_result
 
 pytest.importorskip("triton")
 
@@ -33,15 +29,11 @@ kernels, gpu_kernels = fixtures(("triton_decode", "triton_bits_partition", "gluo
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRETING, reason="CPU-only machines run the interpreter suite")
 def test_interpreted_suite() -> None:
-    """This file's interpreted tests in a child pytest with TRITON_INTERPRET=1."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-m", "not gpu", "-k", "interpreted", "-p",
-           "no:cacheprovider"]  # fmt: skip
-    proc = subprocess.run(
-        cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+    """This file's interpreted tests, in the child pytest with TRITON_INTERPRET=1 that runs beside the rest of
+    the suite (``triton_testlib.INTERPRETED_FILES``; the session waits for it at its end)."""
+    code, out = interpreted_suite_result()
+    assert code == 0, out[-8000:]
+    assert " passed" in out and " failed" not in out, out[-2000:]
 
 
 def _mixed_table(b: int, h: int, m: int, device: str, seed: int = 0) -> tuple[torch.Tensor, ...]:

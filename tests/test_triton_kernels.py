@@ -41,9 +41,10 @@ kernels, gpu_kernels = fixtures(MODULES)
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRETING, reason="CPU-only machines run the interpreter suite")
 def test_interpreted_suite() -> None:
-    """The interpreted tests of ``INTERPRETED_FILES`` (this file's, test_triton_step.py's and
-    test_quest_summary.py's) in a child pytest with TRITON_INTERPRET=1 (started when collection ends: it runs
-    beside the rest of the suite)."""
+    """The interpreted tests of ``INTERPRETED_FILES`` (this file's, test_triton_step.py's,
+    test_quest_summary.py's, test_chunk_kv.py's and test_gluon_mixed.py's) in a child pytest with
+    TRITON_INTERPRET=1 (started when collection ends: it runs beside the rest of the suite, which waits for it
+    at its end)."""
     code, out = interpreted_suite_result()
     assert code == 0, out[-8000:]
     assert " passed" in out and " failed" not in out, out[-2000:]

@@ -25,6 +25,7 @@ TESTS = Path(__file__).resolve().parent
 # the interpreted tests of these files run in the child pytest (``-k interpreted``)
 INTERPRETED_FILES = (
     "test_triton_kernels.py", "test_triton_step.py", "test_quest_summary.py", "test_chunk_kv.py",
+    "test_gluon_mixed.py",
 )  # fmt: skip
 _suite: list[tuple[subprocess.Popen, Any]] = []  # the child started for this run, and its output file
 
