@@ -35,20 +35,8 @@ def sparse_block_table(
     """See :func:`sparse_block_table_ref`; Triton on CUDA (``options``: which Triton kernels,
     :func:`kvtune.kernels.sparse_table_choice.select_kernel`; None: the default). ``summary``: select from
     the pool's float8 key bounds (:mod:`kvtune.kernels.quest_summary`) instead of its fp16 ones."""
-    rows = q.shape[0] * pool.layout.num_kv_heads
-    _check_summary(summary, q.device)
-    kernel = use_triton(q) and select_kernel(
-        k_blocks, q.shape[2], options, rows, num_sms(q.device), summary is not None
-    )
-    if kernel == "split":
-        from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
-
-        return sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, options, summary)
-    if use_triton(q):
-        from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
-
-        return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summary)
-    return sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count, summary)
+    table, num, n1, _ = _select(q, pool, blocks, tier, k_blocks, count, options, summary, by_bits=False)
+    return table, num, n1
 
 
 def sparse_block_table_parts(
@@ -65,19 +53,43 @@ def sparse_block_table_parts(
     hold demoted blocks, the table split by bits (:mod:`kvtune.kernels.bits_partition_ref`) that the mixed
     Gluon attention reads, written by the selection's merge launch (``hybrid_decode_attention``'s
     ``partition``: the attention then launches no partition of its own); None elsewhere."""
+    return _select(q, pool, blocks, tier, k_blocks, count, options, summary, by_bits=True)
+
+
+def _select(
+    q: torch.Tensor,
+    pool: ColdPool,
+    blocks: torch.Tensor,
+    tier: torch.Tensor,
+    k_blocks: int,
+    count: ByteCount,
+    options: SelectOptions | None,
+    summary: QuestSummary8 | None,
+    by_bits: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BitsPartition | None]:
+    """The one dispatcher of both launchers: the kernel ``options`` pick for the rows and the device, and
+    (``by_bits``) the split by bits where the split selection writes one."""
     _check_summary(summary, q.device)
     rows = q.shape[0] * pool.layout.num_kv_heads
     kernel = use_triton(q) and select_kernel(
         k_blocks, q.shape[2], options, rows, num_sms(q.device), summary is not None
     )
-    if not (kernel == "split" and pool.bits == 8 and pool.may_demote):
-        return (*sparse_block_table(q, pool, blocks, tier, k_blocks, count, options, summary), None)
-    from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
+    if kernel == "split":
+        from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
 
-    parts = empty_partition(blocks.shape[0], pool.layout.num_kv_heads, blocks.shape[1] + k_blocks, q.device)
-    table, num, n1 = sparse_block_table_split_triton(q, pool, blocks, tier, k_blocks, count, options, summary,
-                                                     parts)  # fmt: skip
-    return table, num, n1, parts
+        parts = None
+        if by_bits and pool.bits == 8 and pool.may_demote:
+            w = blocks.shape[1] + k_blocks
+            parts = empty_partition(blocks.shape[0], pool.layout.num_kv_heads, w, q.device)
+        table, num, n1 = sparse_block_table_split_triton(
+            q, pool, blocks, tier, k_blocks, count, options, summary, parts
+        )
+        return table, num, n1, parts
+    if use_triton(q):
+        from kvtune.kernels.triton_sparse_table import sparse_block_table_triton
+
+        return (*sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summary), None)
+    return (*sparse_block_table_ref(q, pool, blocks, tier, k_blocks, count, summary), None)
 
 
 def _check_summary(summary: QuestSummary8 | None, device: torch.device) -> None:
