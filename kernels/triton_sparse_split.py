@@ -84,9 +84,8 @@ from kvtune.kernels.triton_sparse_table import (
 # Over 1,024 keys the network costs ~2.3 µs more a launch than over 256 (H100, 8 spans at 16 x 32K, 52a).
 MERGE_WARPS = 8
 PART_PAD = 512  # -1 entries per store of the split by bits' padding
-# L1 entries per step of the merge's split by bits: one a thread at 8 warps. The first step's entries and
-# bits load before the top-k; with the fp16 bounds' 1,024 keys that build keeps 8 bytes on the stack on
-# sm_90 (none on sm_80-sm_89, none from the e4m3 summary's 256 keys)
+# L1 entries per step of the merge's split by bits: one a thread at 8 warps (at 512, with the fp16 bounds'
+# 1,024 keys, the merge spilled 8 bytes; sm_90)
 PART_STEP = 256
 
 
@@ -216,19 +215,12 @@ def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes
     """Row bh's top-K of its spans' keys to table places n1 + rank, with their bytes (``cost[bits]``, the
     bits in the key). ``tl.topk`` (a bitonic network) sorts the TOPK largest of the NK keys descending, so a
     key's rank is its place (keys are distinct). PART: the row split by bits too, its L1 blocks (listed by
-    ``_l1_row``, ``PB`` at a time, their bits loaded; the first ``PB`` before the top-k, so that the loads
-    overlap it) then the selected ones (their bits in their keys), the halves' counts, -1 after each half
-    and after the row's count in ``positions``."""
+    ``_l1_row``, ``PB`` at a time, their bits loaded) then the selected ones (their bits in their keys), the
+    halves' counts, -1 after each half and after the row's count in ``positions``."""
     bh = tl.program_id(0)
     n = P * TOPK
     e = tl.arange(0, NK)
     key = tl.load(keys_ptr + bh.to(tl.int64) * n + e, mask=e < n, other=NONE)
-    c1 = tl.load(n1_ptr + bh)
-    out = table_ptr + bh.to(tl.int64) * W
-    if PART:  # the first PB L1 entries and their bits (a chain of two loads) in flight during the top-k
-        j1 = tl.arange(0, PB)
-        blk1 = tl.load(out + j1, mask=j1 < c1, other=0)
-        bits1 = tl.load(bits_ptr + blk1, mask=j1 < c1, other=8).to(tl.int32)
     if TOPK == 1:  # (tl.topk reduces to a scalar at k 1)
         top = tl.full([1], 0, tl.int64) + tl.max(key, 0)
     else:
@@ -236,11 +228,14 @@ def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes
     i = tl.arange(0, TOPK)
     sel = (top != NONE) & (i < K)
     ids = tl.load(blocks_ptr + (bh // H).to(tl.int64) * M + ((top >> 4) & 0xFFFFFFF), mask=sel, other=-1)
+    c1 = tl.load(n1_ptr + bh)
+    out = table_ptr + bh.to(tl.int64) * W
     tl.store(out + c1 + i, ids.to(tl.int32), mask=sel)
     tl.atomic_add(bytes_ptr, tl.sum(tl.load(cost_ptr + (top & 15), mask=sel, other=0), 0))
     if PART:  # the L1 blocks (in the table since the spans' launch), then the selected ones after them
-        n8, n4 = _part_store(part_ptr, pos_ptr, bh, W, W2, j1, blk1, j1 < c1, bits1, c1 * 0, c1 * 0)
-        for j0 in range(PB, c1, PB):
+        n8 = c1 * 0
+        n4 = c1 * 0
+        for j0 in range(0, c1, PB):
             j = j0 + tl.arange(0, PB)
             blk = tl.load(out + j, mask=j < c1, other=0)
             bits = tl.load(bits_ptr + blk, mask=j < c1, other=8).to(tl.int32)
