@@ -72,6 +72,7 @@ def test_decode_attention_quest_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "quest.json").exists()
 
 
+@pytest.mark.slow  # ~40 s on a 2-core CPU: a diagnostic benchmark (the pool's read ceiling)
 def test_pool_read_smoke(tmp_path: Path) -> None:
     """The read-ceiling pass checks each launch's XOR of the words it read before timing it."""
     _smoke("pool_read.py", tmp_path)
