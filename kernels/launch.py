@@ -70,14 +70,55 @@ def arg_key(arg: Any, constexpr: bool) -> Any:
     return None
 
 
+_SCALARS = frozenset({bool, int, float, str, type(None)})
+_INTS = frozenset({int})
+
+
 def _value_key(value: Any) -> Any:
     """A compile-time value as a key: ints, floats, strings, bools and None (and tuples of them) by value
-    (with their type: True and 1 compile apart), anything else by identity."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return (type(value), value)
+    (with their type: True and 1 compile apart), anything else by identity. A tuple of ints only (the
+    Gluon builds' orders and bit lists) is keyed as a whole, without a call per element."""
+    t = type(value)
+    if t in _SCALARS or isinstance(value, (bool, int, float, str)):
+        return (t, value)
     if isinstance(value, tuple):
+        if set(map(type, value)) <= _INTS:
+            return (tuple, value)
         return tuple(_value_key(v) for v in value)
-    return (type(value), id(value))
+    return (t, id(value))
+
+
+def _runtime_key(args: tuple[Any, ...], constexpr: tuple[bool, ...], cuda_only: bool = True) -> _Key | None:
+    """:func:`arg_key` of each positional argument in one loop (tensors and ints by their exact type, without
+    a call each); None where one is not keyed or (``cuda_only``) is a tensor off the GPU: the JIT's path."""
+    keys: list[Any] = []
+    append = keys.append
+    for a, c in zip(args, constexpr):
+        t = type(a)
+        if c:
+            append(("c", _value_key(a)))
+        elif t is torch.Tensor:
+            if cuda_only and not a.is_cuda:
+                return None
+            append((a.dtype, a.data_ptr() % 16 == 0))
+        elif t is int:
+            append((a == 1, a % 16 == 0, 0 if -_I32 <= a < _I32 else (1 if -_I64 <= a < _I64 else 2)))
+        else:
+            k = arg_key(a, c)
+            if k is None or (cuda_only and isinstance(a, torch.Tensor) and not a.is_cuda):
+                return None
+            append(k)
+    return tuple(keys)
+
+
+def _kwargs_key(kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The compile-time keyword values as a key (:func:`_value_key`'s, scalars without a call each)."""
+    out: list[Any] = []
+    append = out.append
+    for n, v in kwargs.items():
+        t = type(v)
+        append((n, (t, v)) if t in _SCALARS else (n, _value_key(v)))
+    return tuple(out)
 
 
 def _hooked(hook: Any) -> bool:
@@ -94,14 +135,11 @@ def launch(fn: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) ->
     # a runtime argument by keyword would be kept by value with the launch
     if not isinstance(grid, tuple) or not runtime.isdisjoint(kwargs):
         return fn[grid](*args, **kwargs)
-    keys = []
-    for a, c in zip(args, constexpr):
-        k = arg_key(a, c)
-        if k is None or (isinstance(a, torch.Tensor) and not a.is_cuda):
-            return fn[grid](*args, **kwargs)
-        keys.append(k)
+    keys = _runtime_key(args, constexpr)
+    if keys is None:
+        return fn[grid](*args, **kwargs)
     device = driver.active.get_current_device()
-    key = (fn, device, tuple(keys), tuple((n, _value_key(v)) for n, v in kwargs.items()))
+    key = (fn, device, keys, _kwargs_key(kwargs))
     entry = _entries.get(key)
     if entry is None:
         kernel = fn[grid](*args, **kwargs)

@@ -53,6 +53,24 @@ def test_compile_time_values_are_keyed_by_value_and_type() -> None:
     assert fast.arg_key("x", False) is None  # a type this module does not key: the JIT's path
 
 
+def test_one_loop_keys_each_argument_as_arg_key_does() -> None:
+    """The launch's own loops (tensors and ints by exact type, scalars without a call) give the keys that
+    ``arg_key`` and ``_value_key`` give one by one; a tensor off the GPU or an unkeyed type: the JIT's path."""
+    values = [*_values(), torch.nn.Parameter(torch.zeros(4)), (1, 2), (1, True), (1, 1.0), ((1, 2), 3), ()]
+    runtime = [v for v in values if not isinstance(v, tuple)]
+    want = tuple(fast.arg_key(v, False) for v in runtime)
+    assert fast._runtime_key(tuple(runtime), (False,) * len(runtime), cuda_only=False) == want
+    assert fast._runtime_key((torch.zeros(4),), (False,)) is None  # a CPU tensor
+    assert fast._runtime_key((1, "x"), (False, False), cuda_only=False) is None
+    assert fast._runtime_key(((1, True),), (True,), cuda_only=False) == (fast.arg_key((1, True), True),)
+    kwargs = {f"K{i}": v for i, v in enumerate(values)}
+    assert fast._kwargs_key(kwargs) == tuple((n, fast._value_key(v)) for n, v in kwargs.items())
+    tuples = [(1, 2), (1, True), (1, 1.0), (True, 2), ((1, 2), 3), ((1, True), 3), (), (1, 2, 3)]
+    for a, b in itertools.combinations(tuples, 2):  # tuples that compile apart never share a key
+        assert fast._value_key(a) != fast._value_key(b), (a, b)
+    assert fast._value_key((1, 2)) == fast._value_key((1, 2))
+
+
 @pytest.mark.gpu
 def test_fast_launches_give_the_jits_results_gpu() -> None:
     """The fused add + RMSNorm and the seal through kept launches, with aligned and misaligned inputs in
