@@ -55,7 +55,8 @@ def test_compile_time_values_are_keyed_by_value_and_type() -> None:
 
 def test_one_loop_keys_each_argument_as_arg_key_does() -> None:
     """The launch's own loops (tensors and ints by exact type, scalars without a call) give the keys that
-    ``arg_key`` and ``_value_key`` give one by one; a tensor off the GPU or an unkeyed type: the JIT's path."""
+    ``arg_key`` and ``_value_key`` give one by one; a tensor off the GPU or an unkeyed type: the JIT's
+    path."""
     values = [*_values(), torch.nn.Parameter(torch.zeros(4)), (1, 2), (1, True), (1, 1.0), ((1, 2), 3), ()]
     runtime = [v for v in values if not isinstance(v, tuple)]
     want = tuple(fast.arg_key(v, False) for v in runtime)
