@@ -20,7 +20,7 @@ from kvtune.kernels.bits_partition_ref import empty_partition, partition_by_bits
 from kvtune.kernels.decode_attention import hybrid_decode_attention_ref
 from kvtune.kernels.requant import requantize_int4_ref
 from kvtune.tests.test_triton_kernels import Shape, assert_decode_close, make_decode, poison_allocator
-from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, fixtures, interpreted_suite_result
+from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, assert_interpreted_suite_passed, fixtures
 
 pytest.importorskip("triton")
 
@@ -31,9 +31,7 @@ kernels, gpu_kernels = fixtures(("triton_decode", "triton_bits_partition", "gluo
 def test_interpreted_suite() -> None:
     """This file's interpreted tests, in the child pytest with TRITON_INTERPRET=1 that runs beside the rest of
     the suite (``triton_testlib.INTERPRETED_FILES``; the session waits for it at its end)."""
-    code, out = interpreted_suite_result()
-    assert code == 0, out[-8000:]
-    assert " passed" in out and " failed" not in out, out[-2000:]
+    assert_interpreted_suite_passed()
 
 
 def _mixed_table(b: int, h: int, m: int, device: str, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -26,7 +26,7 @@ from kvtune.kernels.layout import ColdLayout, ColdPool
 from kvtune.kernels.quant import codes_of_rows, dequantize_blocks_ref, seal_blocks_ref
 from kvtune.kernels.quest import quest_topk, quest_topk_ref
 from kvtune.kernels.requant import requantize_int4_ref
-from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, fixtures, interpreted_suite_result
+from kvtune.tests.triton_testlib import HAS_CUDA, INTERPRETING, assert_interpreted_suite_passed, fixtures
 
 pytest.importorskip("triton")
 
@@ -45,9 +45,7 @@ def test_interpreted_suite() -> None:
     test_quest_summary.py's, test_chunk_kv.py's and test_gluon_mixed.py's) in a child pytest with
     TRITON_INTERPRET=1 (started when collection ends: it runs beside the rest of the suite, which waits for it
     at its end)."""
-    code, out = interpreted_suite_result()
-    assert code == 0, out[-8000:]
-    assert " passed" in out and " failed" not in out, out[-2000:]
+    assert_interpreted_suite_passed()
 
 
 # ---- problem builders

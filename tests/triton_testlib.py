@@ -58,6 +58,13 @@ def interpreted_suite_result(timeout_s: float = 900.0) -> tuple[int, str]:
     return code, out.read()
 
 
+def assert_interpreted_suite_passed() -> None:
+    """Wait for the child (:func:`interpreted_suite_result`): exit status 0, tests passed, none failed."""
+    code, out = interpreted_suite_result()
+    assert code == 0, out[-8000:]
+    assert " passed" in out and " failed" not in out, out[-2000:]
+
+
 def stop_interpreted_suite() -> None:
     """End a child nobody waited for (the session stopped early)."""
     for proc, out in _suite:
