@@ -778,7 +778,11 @@ def aligned(pool: ColdPool) -> bool:
     its block and head strides multiples of 16 elements (Triton proves alignment only from arguments
     divisible by 16). A pool laid out otherwise (a page view with odd strides) takes the split kernel."""
     fields = (pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale)
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0 for t in fields)
+    for t in fields:
+        st = t.stride()
+        if t.data_ptr() % 16 or st[0] % 16 or st[1] % 16:
+            return False
+    return True
 
 
 def supported_mixed(

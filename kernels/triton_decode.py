@@ -675,7 +675,7 @@ def launch_plan(
            opts.gluon_table_ahead, kernel == "gluon_mixed" and opts.gluon_builds)  # fmt: skip
     # The wave model with the build's occupancy, once known: on the H200 it beat every programs-per-SM target
     # for the Gluon kernel.
-    plan = replace(opts, programs_per_sm=opts.gluon_programs_per_sm)
+    plan = _gluon_planning(opts)
     resident = _RESIDENT.get(key)
     splits, per = plan_splits(B * H, M, q.device, plan, resident and max(1, resident - WAVE_FREE))
     stages4 = 0
@@ -700,6 +700,13 @@ def plan_splits(
         splits = max(1, min(cdiv(target, bh), most))
     per = max(1, cdiv(m, splits))
     return cdiv(max(m, 1), per), per
+
+
+@functools.lru_cache(maxsize=64)
+def _gluon_planning(options: DecodeKernelOptions) -> DecodeKernelOptions:
+    """``options`` with the Gluon kernel's programs-per-SM target as the one :func:`plan_splits` reads (kept:
+    ``dataclasses.replace`` is a large part of a launch's host time)."""
+    return replace(options, programs_per_sm=options.gluon_programs_per_sm)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -777,9 +784,28 @@ def _aligned(pool: ColdPool, size: int) -> bool:
 
 def _check_inputs(q: torch.Tensor, hot_k: torch.Tensor, hot_v: torch.Tensor, pool: ColdPool,
                   block_table: torch.Tensor, num_cold: torch.Tensor) -> None:  # fmt: skip
-    """Shapes, dtypes, devices and unit inner strides the kernel relies on (ValueError naming the rule)."""
+    """Shapes, dtypes, devices and unit inner strides the kernel relies on (ValueError naming the rule). The
+    rules are checked as one expression first, each tensor's strides read once; named only where one fails."""
     B, Hq, D = q.shape
     H = block_table.shape[1]
+    hs, ks = hot_k.stride(), pool.k.stride()
+    if (
+        q.device == hot_k.device == hot_v.device == pool.k.device
+        and Hq % H == 0
+        and hot_k.shape == hot_v.shape
+        and tuple(hot_k.shape[1::2]) == (H, D)
+        and hs == hot_v.stride()
+        and q.stride(-1) == 1
+        and hs[-1] == 1
+        and ks[-1] == 1
+        and pool.k_min.stride(-1) == 1
+        and pool.v_min.stride(-1) == 1
+        and ks == pool.v.stride()
+        and block_table.dtype == torch.int32
+        and block_table.shape[0] == B
+        and tuple(num_cold.shape) == (B, H)
+    ):
+        return
     rules = {
         "q, hot_k, hot_v and the pool on one device":
             q.device == hot_k.device == hot_v.device == pool.k.device,
@@ -889,7 +915,8 @@ def hybrid_decode_attention_triton(
     pdl = gluon and opts.gluon_pdl
     dev = q.device
     table = block_table.contiguous()
-    ncold = num_cold.to(torch.int32).contiguous()
+    ncold = num_cold if num_cold.dtype == torch.int32 else num_cold.to(torch.int32)
+    ncold = ncold.contiguous()
     # gluon_mixed: the table split by block bits; the two builds' partials side by side in each row's slots
     parts = None
     if kernel == "gluon_mixed":
@@ -904,7 +931,8 @@ def hybrid_decode_attention_triton(
     blk_lse = torch.empty((B * H, max(lse_w, 1), G), dtype=torch.float32, device=dev)
     # the hot zone's lse, written by the split kernel's last split (the merge that attends it reads none)
     hot_lse = part_ml if gluon else torch.empty((B * H, G), dtype=torch.float32, device=dev)
-    hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
+    if hot_slot.dtype != torch.int32 or hot_len.dtype != torch.int32:
+        hot_slot, hot_len = hot_slot.to(torch.int32), hot_len.to(torch.int32)
     qk_scale = sm_scale * LOG2E
     if parts is not None:
         compiled = _launch_mixed(q, pool, parts, part_acc, part_ml, blk_lse, qk_scale, plan, pdl)

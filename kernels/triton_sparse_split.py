@@ -45,6 +45,7 @@ fp16, 32 spans at top 32; 512 from the summary; those of absent spans masked), o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -256,6 +257,12 @@ def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes
             tl.store(pos_ptr + bh.to(tl.int64) * W + p, pad, mask=p < W)
 
 
+@functools.lru_cache(maxsize=64)
+def _as_split(options: SelectOptions) -> SelectOptions:
+    """``options`` asking for the split selection (kept: ``dataclasses.replace`` is host time a launch)."""
+    return replace(options, split=True)
+
+
 def sparse_block_table_split_triton(
     q: torch.Tensor,
     pool: ColdPool,
@@ -278,7 +285,7 @@ def sparse_block_table_split_triton(
     partition of its own; written only there and on this path (the single-program one leaves it as it is:
     :func:`~kvtune.kernels.sparse_table.sparse_block_table_parts` knows which runs)."""
     opts = DEFAULT_SELECT if options is None else options
-    if select_kernel(k_blocks, q.shape[2], replace(opts, split=True), summary=summary is not None) != "split":
+    if select_kernel(k_blocks, q.shape[2], _as_split(opts), summary=summary is not None) != "split":
         return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summary)
     table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count, summary)
     B, M = blocks.shape

@@ -10,6 +10,7 @@ inline assembly ``ptxas`` refuses) fails here, in CI, not on the GPU.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -757,3 +758,33 @@ def test_the_mixed_path_plans_each_builds_ring(arch: str) -> None:
     assert stages == (EXPECTED_STAGES[8][arch], EXPECTED_STAGES[4][arch]) and pair.kwargs["BY_ID"]
     rings = max(ring_bytes(128, 64, 8, stages[0]), ring_bytes(128, 64, 4, stages[1]))
     assert compile_launch(pair, target_of(a)).metadata.shared == rings
+
+
+def test_the_launchers_input_check_names_the_rule_that_fails() -> None:
+    """``_check_inputs`` checks every rule in one expression first; an input that breaks one still gets the
+    error naming that rule, and inputs that keep them all pass."""
+    from kvtune.kernels import triton_decode as td
+
+    pool = _pool(8, heads=2, d=64, bs=16)
+    good = dict(
+        q=torch.zeros(3, 4, 64, dtype=torch.bfloat16),
+        hot_k=torch.zeros(3, 2, 32, 64, dtype=torch.bfloat16),
+        hot_v=torch.zeros(3, 2, 32, 64, dtype=torch.bfloat16),
+        pool=pool,
+        block_table=torch.zeros(3, 2, 5, dtype=torch.int32),
+        num_cold=torch.zeros(3, 2, dtype=torch.int32),
+    )
+    td._check_inputs(**good)
+    wide = torch.zeros(3, 4, 128, dtype=torch.bfloat16)[..., ::2]  # D of 64, stride 2
+    strided = torch.zeros(3, 32, 2, 64, dtype=torch.bfloat16).transpose(1, 2)  # hot_k's shape, other strides
+    broken = {
+        "Hq % H == 0": dict(q=torch.zeros(3, 3, 64, dtype=torch.bfloat16)),
+        "hot_k.shape == hot_v.shape": dict(hot_v=torch.zeros(3, 2, 16, 64, dtype=torch.bfloat16)),
+        "hot_k.stride() == hot_v.stride()": dict(hot_v=strided),
+        "unit stride on D": dict(q=wide),
+        "block_table [B, H, M] int32": dict(block_table=torch.zeros(3, 2, 5, dtype=torch.int64)),
+        "num_cold [B, H]": dict(num_cold=torch.zeros(3, 3, dtype=torch.int32)),
+    }  # fmt: skip
+    for rule, change in broken.items():
+        with pytest.raises(ValueError, match=re.escape(rule)):
+            td._check_inputs(**{**good, **change})

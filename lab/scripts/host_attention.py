@@ -2,7 +2,7 @@
 attention) at 16 x 32K, Llama-3-8B heads: microseconds a call over N calls queued without a wait (the GPU
 keeps up where its time is shorter), then cProfile's top functions by own time over the same calls.
 
-    python3 lab/scripts/host_attention.py [--calls 200] [--top 25] > host.log
+    python3 lab/scripts/host_attention.py [--calls 200] [--batches 1] [--top 25] > host.log
 """
 
 from __future__ import annotations
@@ -24,23 +24,28 @@ import decode_attention as da
 from kvtune.kernels.quest_summary import summary8
 
 
-def host_us(fn, calls: int) -> float:
-    """Host µs a call: ``calls`` calls back to back, the clock stopped before the final wait."""
+def host_us(fn, calls: int, batches: int) -> tuple[float, float, float]:
+    """Host µs a call (median, min, max over ``batches``): each batch ``calls`` calls back to back, the clock
+    stopped before the batch's final wait."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return host / calls * 1e6
+    per = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    per.sort()
+    return per[len(per) // 2], per[0], per[-1]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--batches", type=int, default=1, help="batches of --calls; the median is reported")
+    ap.add_argument("--top", type=int, default=25, help="functions listed by cProfile (0: no profile)")
     args = ap.parse_args()
     opts = da.defaults()
     cases = {}
@@ -69,8 +74,10 @@ def main() -> int:
     cases["sparse INT8 attention"] = attend
     cases["sparse INT8 step"] = lambda: attend(select())
     for name, fn in cases.items():
-        print(f"{name}: {host_us(fn, args.calls):.1f} µs of host a call", flush=True)
-    for name, fn in cases.items():
+        med, lo, hi = host_us(fn, args.calls, args.batches)
+        spread = f"{lo:.1f}-{hi:.1f} over {args.batches} batches"
+        print(f"{name}: {med:.1f} µs of host a call ({spread})", flush=True)
+    for name, fn in cases.items() if args.top else ():
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
