@@ -7,7 +7,10 @@ and the dispatcher without Triton installed.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 
 def next_pow2(n: int) -> int:
@@ -32,3 +35,11 @@ def require(name: str, rules: dict[str, bool], detail: Callable[[], str]) -> Non
     for rule, ok in rules.items():
         if not ok:
             raise ValueError(f"{name}: `{rule}` must hold ({detail()})")
+
+
+@functools.lru_cache(maxsize=256)
+def replaced(options: Any, **changes: Any) -> Any:
+    """``dataclasses.replace(options, **changes)`` of frozen (hashable) options, kept per (options, changes):
+    a launcher that derives the same options on every call pays a dict lookup, not a ``replace`` (a large
+    part of a launch's host time)."""
+    return dataclasses.replace(options, **changes)

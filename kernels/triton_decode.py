@@ -56,7 +56,7 @@ from kvtune.kernels.decode_ref import hybrid_decode_attention_ref
 from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.triton_bits_partition import partition_by_bits_triton
-from kvtune.kernels.triton_common import cdiv, next_pow2, require
+from kvtune.kernels.triton_common import cdiv, next_pow2, replaced, require
 
 LOG2E = 1.4426950408889634
 # Splits' partials the merge loads before it merges them (``_merge_kernel``'s ``SB``: 1, 4, 8 or 16; 8 was
@@ -675,7 +675,7 @@ def launch_plan(
            opts.gluon_table_ahead, kernel == "gluon_mixed" and opts.gluon_builds)  # fmt: skip
     # The wave model with the build's occupancy, once known: on the H200 it beat every programs-per-SM target
     # for the Gluon kernel.
-    plan = _gluon_planning(opts)
+    plan = replaced(opts, programs_per_sm=opts.gluon_programs_per_sm)
     resident = _RESIDENT.get(key)
     splits, per = plan_splits(B * H, M, q.device, plan, resident and max(1, resident - WAVE_FREE))
     stages4 = 0
@@ -700,13 +700,6 @@ def plan_splits(
         splits = max(1, min(cdiv(target, bh), most))
     per = max(1, cdiv(m, splits))
     return cdiv(max(m, 1), per), per
-
-
-@functools.lru_cache(maxsize=64)
-def _gluon_planning(options: DecodeKernelOptions) -> DecodeKernelOptions:
-    """``options`` with the Gluon kernel's programs-per-SM target as the one :func:`plan_splits` reads (kept:
-    ``dataclasses.replace`` is a large part of a launch's host time)."""
-    return replace(options, programs_per_sm=options.gluon_programs_per_sm)
 
 
 @functools.lru_cache(maxsize=4096)

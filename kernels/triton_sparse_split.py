@@ -45,9 +45,6 @@ fp16, 32 spans at top 32; 512 from the summary; those of absent spans masked), o
 
 from __future__ import annotations
 
-import functools
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
@@ -65,7 +62,7 @@ from kvtune.kernels.sparse_table_choice import (
     split_plan,
 )
 from kvtune.kernels.sparse_table_ref import L1, L2, ByteCount
-from kvtune.kernels.triton_common import next_pow2
+from kvtune.kernels.triton_common import next_pow2, replaced
 from kvtune.kernels.triton_sparse_table import (
     FILL,
     NONE,
@@ -257,12 +254,6 @@ def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes
             tl.store(pos_ptr + bh.to(tl.int64) * W + p, pad, mask=p < W)
 
 
-@functools.lru_cache(maxsize=64)
-def _as_split(options: SelectOptions) -> SelectOptions:
-    """``options`` asking for the split selection (kept: ``dataclasses.replace`` is host time a launch)."""
-    return replace(options, split=True)
-
-
 def sparse_block_table_split_triton(
     q: torch.Tensor,
     pool: ColdPool,
@@ -285,7 +276,8 @@ def sparse_block_table_split_triton(
     partition of its own; written only there and on this path (the single-program one leaves it as it is:
     :func:`~kvtune.kernels.sparse_table.sparse_block_table_parts` knows which runs)."""
     opts = DEFAULT_SELECT if options is None else options
-    if select_kernel(k_blocks, q.shape[2], _as_split(opts), summary=summary is not None) != "split":
+    fp8 = summary is not None
+    if select_kernel(k_blocks, q.shape[2], replaced(opts, split=True), summary=fp8) != "split":
         return sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summary)
     table, num, n1 = table_outputs(q, pool, blocks, tier, k_blocks, count, summary)
     B, M = blocks.shape
@@ -295,7 +287,6 @@ def sparse_block_table_split_triton(
         q = q.contiguous()
     H = pool.layout.num_kv_heads
     W, dev = M + k_blocks, q.device
-    fp8 = summary is not None
     plan = split_plan(B * H, M, k_blocks, num_sms(dev), opts, fp8)
     topk = next_pow2(k_blocks)
     keys = torch.empty((B * H, plan.splits, topk), dtype=torch.int64, device=dev)

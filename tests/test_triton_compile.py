@@ -761,8 +761,8 @@ def test_the_mixed_path_plans_each_builds_ring(arch: str) -> None:
 
 
 def test_the_launchers_input_check_names_the_rule_that_fails() -> None:
-    """``_check_inputs`` checks every rule in one expression first; an input that breaks one still gets the
-    error naming that rule, and inputs that keep them all pass."""
+    """``_check_inputs``: an input that breaks one rule gets the error naming that rule, and inputs that keep
+    them all pass."""
     from kvtune.kernels import triton_decode as td
 
     pool = _pool(8, heads=2, d=64, bs=16)
