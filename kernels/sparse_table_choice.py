@@ -25,10 +25,12 @@ from kvtune.kernels.triton_common import cdiv, next_pow2, tileable_head_dim
 
 SelectKernel = Literal["single", "split"]
 CHUNK = 64  # L2 positions a program scores at a time (the kernels' ``MB``)
-MERGE_KEYS = 1024  # keys the merge ranks at once: splits x next_pow2(k_blocks) at most (32 spans at top 32)
+MERGE_KEYS = 1024  # the most spans a row may have, as keys: splits x next_pow2(k_blocks) (32 spans at top 32)
 MERGE_KEYS_SUMMARY = 512  # the same from the e4m3 summary (16 spans at top 32: two-warp spans)
+MERGE_KEYS_MIN = 256  # the merge's narrowest build (merge_width)
 SPAN_WARPS = 1  # a span program's warps from the fp16 bounds (SelectOptions.warps None)
-SPAN_WARPS_SUMMARY = 2  # and from the e4m3 summary
+SPAN_WARPS_SUMMARY = 2  # and from the e4m3 summary, where a row has more than ONE_WARP_SPANS spans
+ONE_WARP_SPANS = 8  # from the e4m3 summary, rows of at most this many spans get one-warp spans
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,11 @@ class SelectOptions:
     maxnreg: register cap per thread of the span kernel (None: the compiler's choice, 185 at one warp, head
         dim 128 and top 32, no spills; at 8 warps 128 lets two programs share a multiprocessor).
     splits: scoring programs per row (None: planned by :func:`split_plan`; tests and sweeps set it).
-    warps: warps of a span's program (None: :data:`SPAN_WARPS` from the fp16 bounds,
-        :data:`SPAN_WARPS_SUMMARY` from the e4m3 summary). Few warps: a program meets no other warp until
+    warps: warps of a span's program (None: :data:`SPAN_WARPS` from the fp16 bounds; from the e4m3 summary
+        one where the plan gives a row at most :data:`ONE_WARP_SPANS` spans, else :data:`SPAN_WARPS_SUMMARY`:
+        on an H100 SXM at 16 x 32K, 8 spans a row, 13.9 µs with one-warp spans and a 256-key merge against
+        14.8 with two-warp spans and 512 keys, and at 4 x 128K, 16 spans, 18.5 against 17.0;
+        ``lab/scripts/select_warps.py``, run 62a). Few warps: a program meets no other warp until
         the merge, and issues about a quarter fewer instructions a block at one warp than at 8 (sm_90
         SASS). On an H100 SXM, top 2,048 (``lab/scripts/select_warps.py``, run 52a), fp16 / e4m3 bounds:
         at 4 x 128K 19.7 / 17.7 µs with 32 one-warp spans a row (1,024-key merge), 22.5 / 17.0 with 16
@@ -77,11 +82,14 @@ class SelectOptions:
         if self.chunk not in (16, 32, 64):
             raise ValueError(f"`chunk in (16, 32, 64)` must hold, but got chunk={self.chunk}")
 
-    def span_warps(self, summary: bool) -> int:
-        """The span programs' warps: as set, else by the bounds read (see ``warps``)."""
+    def span_warps(self, summary: bool, splits: int = 0) -> int:
+        """The span programs' warps: as set, else by the bounds read and the plan's ``splits`` spans a row
+        (0: not known; see ``warps``)."""
         if self.warps is not None:
             return self.warps
-        return SPAN_WARPS_SUMMARY if summary else SPAN_WARPS
+        if not summary:
+            return SPAN_WARPS
+        return 1 if 0 < splits <= ONE_WARP_SPANS else SPAN_WARPS_SUMMARY
 
 
 DEFAULT_SELECT = SelectOptions()
@@ -103,6 +111,14 @@ def merge_keys(summary: bool = False) -> int:
 def max_splits(k_blocks: int, summary: bool = False) -> int:
     """The most spans a row may have: the merge ranks ``splits x next_pow2(k_blocks)`` keys at once."""
     return max(1, merge_keys(summary) // next_pow2(k_blocks))
+
+
+def merge_width(k_blocks: int, splits: int) -> int:
+    """Keys the merge ranks at once for ``splits`` spans of ``next_pow2(k_blocks)`` keys each: their number
+    rounded up to a power of two, :data:`MERGE_KEYS_MIN` at least (at most :func:`merge_keys` where
+    ``splits`` is at most :func:`max_splits`). A build per width: a narrower merge where the plan gives a
+    row few spans (16 x 32K from the e4m3 summary: 8 spans at top 32, 256 keys against 512)."""
+    return max(MERGE_KEYS_MIN, next_pow2(splits * next_pow2(k_blocks)))
 
 
 def split_plan(

@@ -37,10 +37,11 @@ Why: the single kernel scores a row's L2 blocks one chunk after another in one p
 programs at 16 sequences x 8 KV heads (about one per multiprocessor, each waiting on its chunks in turn),
 32 at 4 x 128K. Here a row's chunks are spread over ``splits`` programs (planned from the rows and the
 multiprocessors, :func:`~kvtune.kernels.sparse_table_choice.split_plan`) of one warp each from the fp16
-bounds, two from the e4m3 summary (``SelectOptions.warps``, 16 blocks a step): a warp that never waits on
-another, about a quarter fewer instructions a block than at 8 warps, 185 registers and no spills at one.
-The merge ranks :func:`~kvtune.kernels.sparse_table_choice.max_splits` x ``TOPK`` keys (1,024 at most from
-fp16, 32 spans at top 32; 512 from the summary; those of absent spans masked), one build for every size.
+bounds; from the e4m3 summary one where a row has at most 8 spans, else two (``SelectOptions.warps``, 16
+blocks a step): a warp that never waits on another, about a quarter fewer instructions a block than at 8
+warps, 185 registers and no spills at one. The merge ranks the spans' ``splits x TOPK`` keys rounded up to
+a power of two, 256 at least (:func:`~kvtune.kernels.sparse_table_choice.merge_width`: 1,024 at most from
+fp16, 32 spans at top 32; 512 from the summary; those of absent spans masked), a build per width.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from kvtune.kernels.quest_summary import QuestSummary8
 from kvtune.kernels.sparse_table_choice import (
     DEFAULT_SELECT,
     SelectOptions,
-    max_splits,
+    merge_width,
     select_kernel,
     split_plan,
 )
@@ -309,11 +310,11 @@ def sparse_block_table_split_triton(
         scratch, M, W, k_blocks, plan.span, plan.splits, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0),
         k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=opts.chunk, SPLIT=SPLIT, TOPK=topk, T1=L1,
         T2=L2, POOL_BITS=pool.bits, MIXED=mixed, SUMMARY8=summary is not None, FILL=FILL,
-        num_warps=opts.span_warps(fp8), num_stages=1, **cap,
+        num_warps=opts.span_warps(fp8, plan.splits), num_stages=1, **cap,
     )  # fmt: skip
     launch(_merge_spans_kernel, (B * H,),
         keys, blocks, count.cost, table, n1, count.total, pool.block_bits, *split_out[:3], M, W, k_blocks,
-        plan.splits, *split_out[3:], H=H, TOPK=topk, NK=max_splits(k_blocks, fp8) * topk, PART=part,
+        plan.splits, *split_out[3:], H=H, TOPK=topk, NK=merge_width(k_blocks, plan.splits), PART=part,
         PB=PART_STEP, ZB=PART_PAD, num_warps=MERGE_WARPS,
     )  # fmt: skip
     return table, num, n1

@@ -7,12 +7,16 @@ import pytest
 from kvtune.kernels.sparse_table_choice import (
     CHUNK,
     DEFAULT_SELECT,
+    MERGE_KEYS_MIN,
+    ONE_WARP_SPANS,
     SelectOptions,
     SplitPlan,
     max_splits,
+    merge_width,
     select_kernel,
     split_plan,
 )
+from kvtune.kernels.triton_common import next_pow2
 
 SPLIT = SelectOptions(split=True)
 
@@ -62,12 +66,36 @@ def test_from_the_summary_the_default_splits_up_to_a_row_a_multiprocessor(rows: 
     assert select_kernel(32, 128, None, rows, 132, summary=True) == kernel
 
 
-def test_from_the_summary_spans_have_two_warps_and_the_merge_512_keys() -> None:
+def test_from_the_summary_spans_have_two_warps_and_at_most_512_keys() -> None:
     assert DEFAULT_SELECT.span_warps(False) == 1 and DEFAULT_SELECT.span_warps(True) == 2
     assert SelectOptions(warps=4).span_warps(True) == 4
     assert max_splits(32) == 32 and max_splits(32, summary=True) == 16
     assert split_plan(32, 2047, 32, 132, SPLIT, summary=True) == SplitPlan(16, 2 * CHUNK)  # 4 x 128K
     assert split_plan(128, 511, 32, 132, SPLIT, summary=True) == SplitPlan(8, CHUNK)  # 16 x 32K
+
+
+def test_from_the_summary_rows_of_few_spans_get_one_warp_spans() -> None:
+    """16 x 32K plans 8 spans a row (one warp each), 4 x 128K 16 (two); from fp16 always one; warps as set."""
+    assert DEFAULT_SELECT.span_warps(True, ONE_WARP_SPANS) == 1
+    assert DEFAULT_SELECT.span_warps(True, 1) == 1
+    assert DEFAULT_SELECT.span_warps(True, ONE_WARP_SPANS + 1) == 2
+    assert DEFAULT_SELECT.span_warps(True) == 2  # the plan not known
+    assert DEFAULT_SELECT.span_warps(False, 32) == 1 and DEFAULT_SELECT.span_warps(False, 4) == 1
+    assert SelectOptions(warps=4).span_warps(True, 2) == 4
+
+
+@pytest.mark.parametrize(
+    ("k_blocks", "splits", "width"),
+    [(32, 8, 256), (32, 16, 512), (32, 32, 1024), (32, 1, 256), (32, 3, 256), (32, 9, 512), (100, 8, 1024),
+     (300, 2, 1024), (2000, 1, 2048), (8, 4, 256)],
+)  # fmt: skip
+def test_the_merge_ranks_the_spans_keys_rounded_up(k_blocks: int, splits: int, width: int) -> None:
+    """As many keys as the spans hold, a power of two, 256 at least; never more than before (the most
+    spans a row may have times their keys), so a plan's merge never grows."""
+    got = merge_width(k_blocks, splits)
+    assert got == width and got >= splits * next_pow2(k_blocks)
+    if splits <= max_splits(k_blocks):
+        assert got <= max(MERGE_KEYS_MIN, max_splits(k_blocks) * next_pow2(k_blocks))
 
 
 # (rows, row width, k_blocks, multiprocessors, options) -> plan

@@ -11,12 +11,11 @@ the float8 summary. CUDA graph replays (median of ``do_bench_cudagraph``), µs, 
 The byte counter is the step's, made once (the engine's: no fill a layer); every variant's table, counts
 and bytes are checked against the default build's first.
 
-Split variants ``sW:C:S[:R]`` time the split selection (:mod:`kvtune.kernels.triton_sparse_split`: ``S``
-scoring programs a row, 0 = planned, then a merge launch) with its span programs at ``W`` warps and ``C``
-blocks a step, capped at ``R`` registers a thread (0: no cap; default the options'): at one warp a program
-meets no other warp until the merge. The merge ranks ``S`` x top-k blocks keys rounded up to a power of two,
-256 at least (as in run 52a); planned spans (``S`` 0) keep ``MERGE_KEYS`` as set (1,024; 512 from the
-summary).
+Split variants ``sW:C:S[:R[:K]]`` time the split selection (:mod:`kvtune.kernels.triton_sparse_split`:
+``S`` scoring programs a row, 0 = planned, then a merge launch) with its span programs at ``W`` warps (0:
+the options' choice from the plan) and ``C`` blocks a step, capped at ``R`` registers a thread (0: no cap;
+default the options'): at one warp a program meets no other warp until the merge. The merge ranks the
+spans' keys rounded up to a power of two, 256 at least (the launcher's ``merge_width``), or ``K`` keys.
 
 ``--baseline FILE``: also the single kernel of another version of that module (a copy of the file), at its
 own defaults, as ``base``.
@@ -48,30 +47,34 @@ from kvtune.kernels.triton_common import next_pow2
 
 DEFAULT = (tst.NUM_WARPS, tst.CHUNK)
 MERGE_KEYS = choice.MERGE_KEYS, choice.MERGE_KEYS_SUMMARY
+MERGE_WIDTH = tss.merge_width
 
 
 class Variant(NamedTuple):
-    """A build to time: the single kernel (``splits`` None) or the split selection at ``warps`` and
-    ``chunk``; ``splits`` 0 = planned, ``cap`` the span kernel's register cap (0: none)."""
+    """A build to time: the single kernel (``splits`` None) or the split selection at ``warps`` (0: the
+    options' choice from the plan) and ``chunk``; ``splits`` 0 = planned, ``cap`` the span kernel's
+    register cap (0: none), ``keys`` the merge's width (0: the launcher's, ``merge_width``)."""
 
     warps: int
     chunk: int
     splits: int | None = None
     cap: int | None = SelectOptions().maxnreg
+    keys: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Variant:
-        """``W:C`` (the single kernel) or ``sW:C:S[:R]`` (the split selection)."""
+        """``W:C`` (the single kernel) or ``sW:C:S[:R[:K]]`` (the split selection)."""
         nums = [int(x) for x in text.removeprefix("s").split(":")]
         if text.startswith("s") != (len(nums) >= 3):
-            raise SystemExit(f"--variants: {text!r} is neither W:C nor sW:C:S[:R]")
+            raise SystemExit(f"--variants: {text!r} is neither W:C nor sW:C:S[:R[:K]]")
         return cls(*nums)
 
     @property
     def name(self) -> str:
         if self.splits is None:
             return f"{self.warps}w {self.chunk}"
-        return f"{self.warps}w {self.chunk} split {self.splits} regs {self.cap}"
+        keys = f" keys {self.keys}" if self.keys else ""
+        return f"{self.warps or 'planned '}w {self.chunk} split {self.splits} regs {self.cap}{keys}"
 
 
 def load_module(path: Path):
@@ -93,15 +96,18 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[Varia
                 return base.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
             if variant.splits is not None:
                 opts = SelectOptions(split=True, splits=variant.splits or None, maxnreg=variant.cap or None,
-                                     warps=variant.warps, chunk=variant.chunk)  # fmt: skip
-                if variant.splits:  # the merge as wide as the spans need, 256 keys at least (planned: as set)
+                                     warps=variant.warps or None, chunk=variant.chunk)  # fmt: skip
+                if variant.splits:  # forced spans past the planned cap (max_splits): the cap raised to them
                     keys = max(256, next_pow2(variant.splits * next_pow2(k_blocks)))
                     choice.MERGE_KEYS = choice.MERGE_KEYS_SUMMARY = keys
+                if variant.keys:
+                    tss.merge_width = lambda k, s: variant.keys
                 try:
                     args = (q, pool, blocks, tier, k_blocks, count, opts, summ)
                     return tss.sparse_block_table_split_triton(*args)
                 finally:
                     choice.MERGE_KEYS, choice.MERGE_KEYS_SUMMARY = MERGE_KEYS
+                    tss.merge_width = MERGE_WIDTH
             tst.NUM_WARPS, tst.CHUNK = variant.warps, variant.chunk
             try:
                 return tst.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
