@@ -124,12 +124,14 @@ class DecodeKernelOptions:
 # where no block is ever demoted, which the Gluon kernel can take.
 _DEFAULTS = {
     # gluon_mixed: the Gluon builds over the table split by bits; gluon_stages 3, the 8-bit ring's depth (as
-    # in ``PURE_INT8``); busy splits of at least 24 blocks (8-bit build) and 4 (4-bit build): a sparse row
-    # lists a fraction of its table, from which 33 splits are planned at 4 x 128K on an H200. Launched
-    # split-major (``gluon_decode.SPLIT_MAJOR``), 24:4 took 0.0720 ms there against 0.0738 at 20:4, 0.0729 at
-    # 16:4 and 0.1071 with every split busy (1:0), and 0.0677 against 0.0698 at 16 x 32K (graphs, two rounds
-    # each); both builds in one launch, each program one build's split (gluon_builds); the split kernel's
-    # options stay for what the Gluon kernel does not take
+    # in ``PURE_INT8``); both builds in one launch, each program one build's split (gluon_builds); busy
+    # splits of at least 32 blocks (8-bit build) and 8 (4-bit build): a sparse row lists a fraction of its
+    # table, from which 33 splits are planned at 4 x 128K. With both builds in one launch, on an H100 SXM
+    # (attention alone, graphs, two calls; lab/scripts/merge_tile.py --busy) 32:8 took 79.6 / 77.6 µs at 16 x
+    # 32K / 4 x 128K against 81.7 / 83.2 at 24:4 (the default chosen on an H200 when the builds launched
+    # apart), 32:4 2.2-3.1 µs and a 4-bit busy count of 8 0-4.6 µs shorter than 24:4 in both calls; 64:4
+    # (one 8-bit split a row at 16 x 32K) 30 µs longer. The split kernel's options stay for what the Gluon
+    # kernel does not take
     8: DecodeKernelOptions(
         cvt=2,
         mixed=True,
@@ -137,8 +139,8 @@ _DEFAULTS = {
         maxnreg=128,
         gluon_mixed=True,
         gluon_stages=3,
-        gluon_busy_blocks=24,
-        gluon_busy_blocks4=4,
+        gluon_busy_blocks=32,
+        gluon_busy_blocks4=8,
         gluon_builds="by_id",
     ),
     # INT4: 2 stages and a 128-register cap fit 4 programs per multiprocessor (3 stages or no cap: 3).
