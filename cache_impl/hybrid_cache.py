@@ -72,7 +72,7 @@ from kvtune.kernels.layout import ColdPool
 from kvtune.kernels.quant import dequantize_blocks, seal_blocks
 from kvtune.kernels.requant import requantize_int4, requantize_int4_masked
 from kvtune.kernels.sparse_table import ByteCount, selection_summary, sparse_block_table_parts
-from kvtune.kernels.sparse_table_choice import SelectOptions
+from kvtune.kernels.sparse_table_choice import CHUNK, SelectOptions, build_spans
 
 # a prompt chunk's attention: PyTorch's SDPA backends but cuDNN's, which builds an execution plan for each
 # new pair of lengths on the host (H200, torch 2.11: 59 ms median, up to 856 ms, for a prompt's first layer
@@ -223,12 +223,20 @@ class HybridCache:
             seal_blocks(pool, block[0], k, v, self.config.quantization_bits, block[0])
             if self.config.sparse_top_k == 0:
                 continue
+            summary, k_blocks = selection_summary(pool, q), self.config.sparse_blocks
             for split in (True, False):  # the selection is split where rows are few (the step's size)
                 select = SelectOptions(split=split)
                 sparse_block_table_parts(
-                    q, pool, block, self.tiers.tier[layer], self.config.sparse_blocks, scratch, select,
-                    selection_summary(pool, q),
+                    q, pool, block, self.tiers.tier[layer], k_blocks, scratch, select, summary
                 )  # fmt: skip
+            if on_gpu(self.device):  # the split selection's other builds (its spans' warps, its merge's width
+                # follow a row's span count, which the step's rows and lengths set): one row of as many spans
+                for spans in build_spans(k_blocks, summary is not None)[1:]:
+                    row = block.new_zeros((1, spans * CHUNK))
+                    select = SelectOptions(split=True, splits=spans)
+                    sparse_block_table_parts(
+                        q, pool, row, self.tiers.tier[layer], k_blocks, scratch, select, summary
+                    )  # fmt: skip
             if pool.bits == 8:
                 requantize_int4(pool, block[0])
         if self.sparse and self.pools[0].bits == 8:  # the device queue's demotion (an empty list: no change)

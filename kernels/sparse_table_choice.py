@@ -121,6 +121,17 @@ def merge_width(k_blocks: int, splits: int) -> int:
     return max(MERGE_KEYS_MIN, next_pow2(splits * next_pow2(k_blocks)))
 
 
+def build_spans(k_blocks: int, summary: bool = False, options: SelectOptions = DEFAULT_SELECT) -> list[int]:
+    """A span count for each build the split selection may launch at top ``k_blocks`` (the spans' warps and
+    the merge's width both follow a row's spans: :meth:`SelectOptions.span_warps`, :func:`merge_width`), the
+    fewest spans first: what a warm-up launches, each with ``splits`` forced, so that no step compiles one
+    (from the e4m3 summary at top 32: 1 and 9; from fp16: 1, 9 and 17)."""
+    builds: dict[tuple[int, int], int] = {}
+    for spans in range(1, max_splits(k_blocks, summary) + 1):
+        builds.setdefault((options.span_warps(summary, spans), merge_width(k_blocks, spans)), spans)
+    return list(builds.values())
+
+
 def split_plan(
     rows: int, width: int, k_blocks: int, sms: int, options: SelectOptions, summary: bool = False
 ) -> SplitPlan:

@@ -11,6 +11,7 @@ from kvtune.kernels.sparse_table_choice import (
     ONE_WARP_SPANS,
     SelectOptions,
     SplitPlan,
+    build_spans,
     max_splits,
     merge_width,
     select_kernel,
@@ -135,3 +136,18 @@ def test_split_plan(args: tuple, plan: SplitPlan) -> None:
 def test_select_options_are_checked(field: str, value: int, rule: str) -> None:
     with pytest.raises(ValueError, match=f"`{rule}`.*{field}={value}"):
         SelectOptions(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("k_blocks", "summary", "spans"),
+    [(32, True, [1, 9]), (32, False, [1, 9, 17]), (8, True, [1, 9, 33]), (300, False, [1, 2]),
+     (100, False, [1, 3, 5])],
+)  # fmt: skip
+def test_a_warm_up_launches_every_build_a_plan_may_give(k_blocks: int, summary: bool, spans: list) -> None:
+    """Every span count a plan may give (1 .. max_splits) maps to a build one of these counts launches."""
+    got = build_spans(k_blocks, summary)
+    assert got == spans
+    builds = {(DEFAULT_SELECT.span_warps(summary, s), merge_width(k_blocks, s)) for s in got}
+    assert len(builds) == len(got)
+    for s in range(1, max_splits(k_blocks, summary) + 1):
+        assert (DEFAULT_SELECT.span_warps(summary, s), merge_width(k_blocks, s)) in builds

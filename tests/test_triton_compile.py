@@ -634,6 +634,42 @@ def test_warm_up_compiles_every_kernel_of_a_sparse_replay(monkeypatch: pytest.Mo
     )
 
 
+@pytest.mark.parametrize("summary", [False, True], ids=["fp16 bounds", "e4m3 summary"])
+def test_warm_up_compiles_every_build_of_the_split_selection(
+    monkeypatch: pytest.MonkeyPatch, summary: bool
+) -> None:
+    """The split selection's spans' warps and its merge's width follow a row's span count, which the step's
+    rows and lengths set: ``compile_kernels`` on a GPU must have compiled the build of every count a plan may
+    give (1 .. max_splits), so that a long row met only in the timed replay compiles nothing."""
+    from kvtune.cache_impl import hybrid_cache
+    from kvtune.cache_impl.config import HybridConfig
+    from kvtune.cache_impl.hybrid_cache import HybridCache, ModelKVShape
+    from kvtune.kernels.sparse_table import ByteCount, sparse_block_table_parts
+    from kvtune.kernels.sparse_table_choice import CHUNK, SelectOptions, max_splits, split_plan
+
+    _forced_triton(monkeypatch)
+    monkeypatch.setattr(hybrid_cache, "on_gpu", lambda device: True)  # compile_kernels' GPU-only builds
+    monkeypatch.setenv("KVTUNE_QUEST_SUMMARY", "1" if summary else "0")
+    shape = ModelKVShape(num_layers=1, num_kv_heads=1, head_dim=64, num_q_heads=2, dtype=torch.float16)
+    config = HybridConfig(
+        kv_cache_strategy="hybrid_v2", hot_tokens=16, block_size=16, quantization_bits=8, sparse_top_k=512
+    )
+    cache = HybridCache(config, shape, 16 << 20, "cpu", max_seqs=1)
+    warm_keys = _keys_of(cache.compile_kernels)
+    pool, k_blocks = cache.pools[0], config.sparse_blocks
+    assert (pool.summary is not None) == summary
+    q = torch.zeros(1, shape.num_q_heads, shape.head_dim, dtype=shape.dtype)
+    count = ByteCount(cache._cost, cache._quest_cost, torch.zeros_like(cache._bytes_dev))
+    for spans in range(1, max_splits(k_blocks, summary) + 1):  # one row of ``spans`` chunks: planned so
+        blocks = torch.zeros((1, spans * CHUNK), dtype=torch.int64)
+        assert split_plan(1, spans * CHUNK, k_blocks, 4, SelectOptions(split=True), summary).splits == spans
+        keys = _keys_of(lambda blocks=blocks: sparse_block_table_parts(
+            q, pool, blocks, cache.tiers.tier[0], k_blocks, count, SelectOptions(split=True), pool.summary
+        ))  # fmt: skip
+        assert {name for name, _, _ in keys} >= {"_span_kernel", "_merge_spans_kernel"}, keys
+        assert keys <= warm_keys, f"{spans} spans: compiled only when met: {keys - warm_keys}"
+
+
 # ---- the split count's wave model and the occupancy it plans with ---------------------------------------
 @pytest.mark.parametrize(
     ("bits", "demotable", "most"), [(0, True, 4), (4, True, 4), (8, False, 4), (8, True, 4)], ids=str
