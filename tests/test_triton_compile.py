@@ -184,10 +184,10 @@ def _access(b: int = 3, m: int = 9, now_ms: float = 1234.5) -> Callable[[], Any]
 
 def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True, k_blocks: int = 4,
                   heads: int = 8, group: int = 4, d: int = 128, split: bool = False,
-                  parts: bool = False) -> Callable[[], Any]:  # fmt: skip
+                  parts: bool = False, summary: bool = False) -> Callable[[], Any]:  # fmt: skip
     """The sparse tier's table; ``split``: with the split Quest selection (the span and merge kernels);
     ``parts``: writing the table split by bits too, as the cache asks it to for an 8-bit pool with demoted
-    blocks."""
+    blocks; ``summary``: Quest from the pool's e4m3 summary (sm_89 and newer)."""
     from kvtune.kernels.bits_partition_ref import empty_partition
     from kvtune.kernels.sparse_table import ByteCount
     from kvtune.kernels.sparse_table_choice import SelectOptions
@@ -198,13 +198,13 @@ def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True,
     blocks = (torch.arange(b * m) % 40).view(b, m)
     tier = torch.ones(40, dtype=torch.int8)
     q = torch.zeros(b, heads * group, d, dtype=torch.bfloat16)
-    pool = _pool(bits, heads, d, demotable=demotable)
+    pool = _pool(bits, heads, d, demotable=demotable, summary=summary)
     if split:
         opts = SelectOptions(split=True)
         out = empty_partition(b, heads, m + k_blocks, "cpu") if parts else None
         select = sparse_block_table_split_triton
-        return lambda: select(q, pool, blocks, tier, k_blocks, count, opts, parts=out)
-    return lambda: sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count)
+        return lambda: select(q, pool, blocks, tier, k_blocks, count, opts, pool.summary, parts=out)
+    return lambda: sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, pool.summary)
 
 
 def _sparse_split(**kw: Any) -> Callable[[], Any]:
@@ -406,10 +406,29 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         "sparse split int4": lambda: _sparse_split(bits=4, demotable=False),
         "sparse split 16 x 512, top 32": lambda: _sparse_split(b=16, m=512, k_blocks=32),
         "sparse split, split by bits": lambda: _sparse_split(parts=True),
+        # Quest from the e4m3 summary (e4m3 loads: sm_89 and newer): one-warp spans and the 256-key merge
+        # where a row has at most 8 spans, two-warp spans and 512 keys for one row of 10
+        **({"sparse table from the summary": lambda: _sparse_table(summary=True),
+            "sparse split from the summary": lambda: _sparse_split(summary=True, parts=True),
+            "sparse split from the summary, 10 spans": lambda: _sparse_split(
+                b=1, heads=1, m=10 * 64, k_blocks=32, summary=True)} if arch.fp8 else {}),
     }  # fmt: skip
 
 
 MATRIX = [(a, case) for a in ARCHS for case in _matrix_cases(ARCHS[a])]
+
+
+@pytest.mark.parametrize(
+    ("case", "warps", "keys"),
+    [("sparse split from the summary", 1, 256), ("sparse split from the summary, 10 spans", 2, 512)],
+)
+def test_from_the_summary_a_rows_spans_set_their_warps_and_the_merges_keys(
+    case: str, warps: int, keys: int
+) -> None:
+    """The matrix's two builds of the split selection from the summary are the two a step may launch."""
+    launches = {x.fn.__name__: x for x in record_launches(_matrix_cases(ARCHS["sm_90"])[case]())}
+    assert launches["_span_kernel"].kwargs["num_warps"] == warps
+    assert launches["_merge_spans_kernel"].kwargs["NK"] == keys
 
 
 @pytest.mark.parametrize(("arch", "case"), MATRIX)
