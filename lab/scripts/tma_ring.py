@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_attention as da
 
 from kvtune.kernels import triton_decode
-from kvtune.kernels.decode_choice import default_options
+from kvtune.kernels.decode_choice import PURE_INT8, default_options
 
 
 @gluon.jit
@@ -147,9 +147,10 @@ def shape_row(batch: int, length: int, bits: int, stages: list[int]) -> dict:
     per_block = 2 * pool.k[0, 0].numel() + 2 * 2 * (pool.k_scale.shape[2] + pool.k.shape[2])
     nbytes = n * per_block
     sdpa_ms, sdpa_tbs = da.sdpa_case(batch, length)
-    attn_ms = da.bench(lambda: da.run_hybrid(inp, default_options(bits)))
+    opts = PURE_INT8 if bits == 8 else default_options(bits)  # the dense rows' options, as decode_attention.py
+    attn_ms = da.bench(lambda: da.run_hybrid(inp, opts))
     # planned after the attention's first launch, which reads its build's occupancy (the wave model's input)
-    plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], pool, table, default_options(bits))
+    plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], pool, table, opts)
     row: dict = dict(batch=batch, length=length, bits=bits, splits=plan.splits, kernel=plan.kernel,
                      sdpa_ms=sdpa_ms, sdpa_tbs=sdpa_tbs, attention_ms=attn_ms, ring_bytes=nbytes,
                      rings={})  # fmt: skip
