@@ -147,7 +147,7 @@ def shape_row(batch: int, length: int, bits: int, stages: list[int]) -> dict:
     per_block = 2 * pool.k[0, 0].numel() + 2 * 2 * (pool.k_scale.shape[2] + pool.k.shape[2])
     nbytes = n * per_block
     sdpa_ms, sdpa_tbs = da.sdpa_case(batch, length)
-    opts = PURE_INT8 if bits == 8 else default_options(bits)  # the dense rows' options, as decode_attention.py
+    opts = PURE_INT8 if bits == 8 else default_options(bits)  # the dense rows, as decode_attention.py
     attn_ms = da.bench(lambda: da.run_hybrid(inp, opts))
     # planned after the attention's first launch, which reads its build's occupancy (the wave model's input)
     plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], pool, table, opts)
