@@ -309,7 +309,7 @@ def sparse_block_table_split_triton(
         q, k_lo, k_span, pool.block_bits, blocks, tier, count.cost, table, num, n1, count.total, keys,
         scratch, M, W, k_blocks, plan.span, plan.splits, quest_cost, q.stride(0), q.stride(1), k_lo.stride(0),
         k_lo.stride(1), H=H, G=q.shape[1] // H, D=q.shape[2], MB=opts.chunk, SPLIT=SPLIT, TOPK=topk, T1=L1,
-        T2=L2, POOL_BITS=pool.bits, MIXED=mixed, SUMMARY8=summary is not None, FILL=FILL,
+        T2=L2, POOL_BITS=pool.bits, MIXED=mixed, SUMMARY8=fp8, FILL=FILL,
         num_warps=opts.span_warps(fp8, plan.splits), num_stages=1, **cap,
     )  # fmt: skip
     launch(_merge_spans_kernel, (B * H,),
