@@ -15,7 +15,9 @@ Split variants ``sW:C:S[:R[:K]]`` time the split selection (:mod:`kvtune.kernels
 ``S`` scoring programs a row, 0 = planned, then a merge launch) with its span programs at ``W`` warps (0:
 the options' choice from the plan) and ``C`` blocks a step, capped at ``R`` registers a thread (0: no cap;
 default the options'): at one warp a program meets no other warp until the merge. The merge ranks the
-spans' keys rounded up to a power of two, 256 at least (the launcher's ``merge_width``), or ``K`` keys.
+spans' keys rounded up to a power of two, 256 at least (the launcher's ``merge_width``), or ``K`` keys. A
+trailing ``p`` (``s0:16:0p``): the merge also writes the table split by bits, as in the sparse INT8 step
+(``sparse_block_table_parts``; the benchmark's "Quest alone" leaves it out).
 
 ``--baseline FILE``: also the single kernel of another version of that module (a copy of the file), at its
 own defaults, as ``base``.
@@ -41,6 +43,7 @@ import decode_attention as da
 from kvtune.kernels import sparse_table_choice as choice
 from kvtune.kernels import triton_sparse_split as tss
 from kvtune.kernels import triton_sparse_table as tst
+from kvtune.kernels.bits_partition_ref import empty_partition
 from kvtune.kernels.quest_summary import summary8
 from kvtune.kernels.sparse_table_choice import SelectOptions
 from kvtune.kernels.triton_common import next_pow2
@@ -60,21 +63,25 @@ class Variant(NamedTuple):
     splits: int | None = None
     cap: int | None = SelectOptions().maxnreg
     keys: int = 0
+    parts: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Variant:
-        """``W:C`` (the single kernel) or ``sW:C:S[:R[:K]]`` (the split selection)."""
-        nums = [int(x) for x in text.removeprefix("s").split(":")]
-        if text.startswith("s") != (len(nums) >= 3):
-            raise SystemExit(f"--variants: {text!r} is neither W:C nor sW:C:S[:R[:K]]")
-        return cls(*nums)
+        """``W:C`` (the single kernel) or ``sW:C:S[:R[:K]][p]`` (the split selection; ``p``: with the split
+        by bits)."""
+        parts = text.startswith("s") and text.endswith("p")
+        nums = [int(x) for x in text.removeprefix("s").removesuffix("p" if parts else "").split(":")]
+        if text.startswith("s") != (len(nums) >= 3) or len(nums) > 5:
+            raise SystemExit(f"--variants: {text!r} is neither W:C nor sW:C:S[:R[:K]][p]")
+        return cls(*nums, parts=parts)
 
     @property
     def name(self) -> str:
         if self.splits is None:
             return f"{self.warps}w {self.chunk}"
         keys = f" keys {self.keys}" if self.keys else ""
-        return f"{self.warps or 'planned '}w {self.chunk} split {self.splits} regs {self.cap}{keys}"
+        parts = " by bits" if self.parts else ""
+        return f"{self.warps or 'planned '}w {self.chunk} split {self.splits} regs {self.cap}{keys}{parts}"
 
 
 def load_module(path: Path):
@@ -102,8 +109,12 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[Varia
                     choice.MERGE_KEYS = choice.MERGE_KEYS_SUMMARY = keys
                 if variant.keys:
                     tss.merge_width = lambda k, s: variant.keys
+                parts = None
+                if variant.parts:  # what the step's selection writes beside the table
+                    rows, width = blocks.shape[0], blocks.shape[1] + k_blocks
+                    parts = empty_partition(rows, pool.layout.num_kv_heads, width, q.device)
                 try:
-                    args = (q, pool, blocks, tier, k_blocks, count, opts, summ)
+                    args = (q, pool, blocks, tier, k_blocks, count, opts, summ, parts)
                     return tss.sparse_block_table_split_triton(*args)
                 finally:
                     choice.MERGE_KEYS, choice.MERGE_KEYS_SUMMARY = MERGE_KEYS
