@@ -86,6 +86,10 @@ PART_PAD = 512  # -1 entries per store of the split by bits' padding
 # L1 entries per step of the merge's split by bits: one a thread at 8 warps (at 512, with the fp16 bounds'
 # 1,024 keys, the merge spilled 8 bytes; sm_90)
 PART_STEP = 256
+# The merge loads its first step of L1 ids and their bits before its top-k network (whose instructions then
+# hide the bits' round trip), instead of after it. Identical outputs; not yet timed on a GPU, so off
+# (``lab/scripts/select_warps.py``'s variants ending in ``pa`` time it).
+MERGE_L1_AHEAD = False
 
 
 @triton.jit
@@ -210,16 +214,23 @@ def _span_kernel(
 def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes_ptr, bits_ptr, part_ptr,
                         pos_ptr, pcount_ptr, M, W, K, P, W2, R, H: tl.constexpr, TOPK: tl.constexpr,
                         NK: tl.constexpr, PART: tl.constexpr, PB: tl.constexpr,
-                        ZB: tl.constexpr):  # fmt: skip
+                        ZB: tl.constexpr, AHEAD: tl.constexpr = False):  # fmt: skip
     """Row bh's top-K of its spans' keys to table places n1 + rank, with their bytes (``cost[bits]``, the
     bits in the key). ``tl.topk`` (a bitonic network) sorts the TOPK largest of the NK keys descending, so a
     key's rank is its place (keys are distinct). PART: the row split by bits too, its L1 blocks (listed by
     ``_l1_row``, ``PB`` at a time, their bits loaded) then the selected ones (their bits in their keys), the
-    halves' counts, -1 after each half and after the row's count in ``positions``."""
+    halves' counts, -1 after each half and after the row's count in ``positions``. AHEAD: the first ``PB``
+    L1 ids and their bits are loaded before the network (:data:`MERGE_L1_AHEAD`)."""
     bh = tl.program_id(0)
     n = P * TOPK
     e = tl.arange(0, NK)
     key = tl.load(keys_ptr + bh.to(tl.int64) * n + e, mask=e < n, other=NONE)
+    c1 = tl.load(n1_ptr + bh)
+    out = table_ptr + bh.to(tl.int64) * W
+    jp = tl.arange(0, PB)
+    if PART and AHEAD:  # converted only where used, so that no wait for the bits comes before the network
+        blk0 = tl.load(out + jp, mask=jp < c1, other=0)
+        bits0 = tl.load(bits_ptr + blk0, mask=jp < c1, other=8)
     if TOPK == 1:  # (tl.topk reduces to a scalar at k 1)
         top = tl.full([1], 0, tl.int64) + tl.max(key, 0)
     else:
@@ -227,15 +238,15 @@ def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes
     i = tl.arange(0, TOPK)
     sel = (top != NONE) & (i < K)
     ids = tl.load(blocks_ptr + (bh // H).to(tl.int64) * M + ((top >> 4) & 0xFFFFFFF), mask=sel, other=-1)
-    c1 = tl.load(n1_ptr + bh)
-    out = table_ptr + bh.to(tl.int64) * W
     tl.store(out + c1 + i, ids.to(tl.int32), mask=sel)
     tl.atomic_add(bytes_ptr, tl.sum(tl.load(cost_ptr + (top & 15), mask=sel, other=0), 0))
     if PART:  # the L1 blocks (in the table since the spans' launch), then the selected ones after them
         n8 = c1 * 0
         n4 = c1 * 0
-        for j0 in range(0, c1, PB):
-            j = j0 + tl.arange(0, PB)
+        if AHEAD:
+            n8, n4 = _part_store(part_ptr, pos_ptr, bh, W, W2, jp, blk0, jp < c1, bits0.to(tl.int32), n8, n4)
+        for j0 in range(PB if AHEAD else 0, c1, PB):
+            j = j0 + jp
             blk = tl.load(out + j, mask=j < c1, other=0)
             bits = tl.load(bits_ptr + blk, mask=j < c1, other=8).to(tl.int32)
             n8, n4 = _part_store(part_ptr, pos_ptr, bh, W, W2, j, blk, j < c1, bits, n8, n4)
@@ -315,6 +326,6 @@ def sparse_block_table_split_triton(
     launch(_merge_spans_kernel, (B * H,),
         keys, blocks, count.cost, table, n1, count.total, pool.block_bits, *split_out[:3], M, W, k_blocks,
         plan.splits, *split_out[3:], H=H, TOPK=topk, NK=merge_width(k_blocks, plan.splits), PART=part,
-        PB=PART_STEP, ZB=PART_PAD, num_warps=MERGE_WARPS,
+        PB=PART_STEP, ZB=PART_PAD, AHEAD=part and MERGE_L1_AHEAD, num_warps=MERGE_WARPS,
     )  # fmt: skip
     return table, num, n1

@@ -17,7 +17,8 @@ the options' choice from the plan) and ``C`` blocks a step, capped at ``R`` regi
 default the options'): at one warp a program meets no other warp until the merge. The merge ranks the
 spans' keys rounded up to a power of two, 256 at least (the launcher's ``merge_width``), or ``K`` keys. A
 trailing ``p`` (``s0:16:0p``): the merge also writes the table split by bits, as in the sparse INT8 step
-(``sparse_block_table_parts``; the benchmark's "Quest alone" leaves it out).
+(``sparse_block_table_parts``; the benchmark's "Quest alone" leaves it out); ``pa``: with its first step of
+L1 ids and bits loaded before its top-k network (``triton_sparse_split.MERGE_L1_AHEAD``).
 
 ``--baseline FILE``: also the single kernel of another version of that module (a copy of the file), at its
 own defaults, as ``base``.
@@ -51,6 +52,7 @@ from kvtune.kernels.triton_common import next_pow2
 DEFAULT = (tst.NUM_WARPS, tst.CHUNK)
 MERGE_KEYS = choice.MERGE_KEYS, choice.MERGE_KEYS_SUMMARY
 MERGE_WIDTH = tss.merge_width
+L1_AHEAD = tss.MERGE_L1_AHEAD
 
 
 class Variant(NamedTuple):
@@ -64,23 +66,27 @@ class Variant(NamedTuple):
     cap: int | None = SelectOptions().maxnreg
     keys: int = 0
     parts: bool = False
+    ahead: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Variant:
-        """``W:C`` (the single kernel) or ``sW:C:S[:R[:K]][p]`` (the split selection; ``p``: with the split
-        by bits)."""
-        parts = text.startswith("s") and text.endswith("p")
-        nums = [int(x) for x in text.removeprefix("s").removesuffix("p" if parts else "").split(":")]
-        if text.startswith("s") != (len(nums) >= 3) or len(nums) > 5:
-            raise SystemExit(f"--variants: {text!r} is neither W:C nor sW:C:S[:R[:K]][p]")
-        return cls(*nums, parts=parts)
+        """``W:C`` (the single kernel) or ``sW:C:S[:R[:K]][p|pa]`` (the split selection; ``p``: with the
+        split by bits, ``pa``: and the merge's L1 step ahead of its network)."""
+        body = text.rstrip("pa")
+        suffix = text[len(body) :]
+        nums = [int(x) for x in body.removeprefix("s").split(":")]
+        split = text.startswith("s")
+        allowed = ("", "p", "pa") if split else ("",)
+        if split != (len(nums) >= 3) or len(nums) > 5 or suffix not in allowed:
+            raise SystemExit(f"--variants: {text!r} is neither W:C nor sW:C:S[:R[:K]][p|pa]")
+        return cls(*nums, parts=bool(suffix), ahead=suffix == "pa")
 
     @property
     def name(self) -> str:
         if self.splits is None:
             return f"{self.warps}w {self.chunk}"
         keys = f" keys {self.keys}" if self.keys else ""
-        parts = " by bits" if self.parts else ""
+        parts = (" by bits" if self.parts else "") + (" L1 ahead" if self.ahead else "")
         return f"{self.warps or 'planned '}w {self.chunk} split {self.splits} regs {self.cap}{keys}{parts}"
 
 
@@ -113,12 +119,14 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[Varia
                 if variant.parts:  # what the step's selection writes beside the table
                     rows, width = blocks.shape[0], blocks.shape[1] + k_blocks
                     parts = empty_partition(rows, pool.layout.num_kv_heads, width, q.device)
+                tss.MERGE_L1_AHEAD = variant.ahead
                 try:
                     args = (q, pool, blocks, tier, k_blocks, count, opts, summ, parts)
                     return tss.sparse_block_table_split_triton(*args)
                 finally:
                     choice.MERGE_KEYS, choice.MERGE_KEYS_SUMMARY = MERGE_KEYS
                     tss.merge_width = MERGE_WIDTH
+                    tss.MERGE_L1_AHEAD = L1_AHEAD
             tst.NUM_WARPS, tst.CHUNK = variant.warps, variant.chunk
             try:
                 return tst.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
