@@ -211,6 +211,23 @@ def _sparse_split(**kw: Any) -> Callable[[], Any]:
     return _sparse_table(split=True, **kw)
 
 
+def _l1_ahead() -> Callable[[], Any]:
+    """The split selection writing the split by bits, its merge's first L1 step loaded before its top-k
+    network (``MERGE_L1_AHEAD``, off by default)."""
+    from kvtune.kernels import triton_sparse_split as tss
+
+    run = _sparse_split(parts=True)
+
+    def ahead() -> Any:
+        default, tss.MERGE_L1_AHEAD = tss.MERGE_L1_AHEAD, True
+        try:
+            return run()
+        finally:
+            tss.MERGE_L1_AHEAD = default
+
+    return ahead
+
+
 CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "decode int8 pure": lambda: _decode(8, demotable=False),
     "decode int8 mixed": lambda: _decode(8, demotable=True),
@@ -406,6 +423,7 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         "sparse split int4": lambda: _sparse_split(bits=4, demotable=False),
         "sparse split 16 x 512, top 32": lambda: _sparse_split(b=16, m=512, k_blocks=32),
         "sparse split, split by bits": lambda: _sparse_split(parts=True),
+        "sparse split, split by bits, L1 ahead": _l1_ahead,
         # Quest from the e4m3 summary (e4m3 loads: sm_89 and newer): one-warp spans and the 256-key merge
         # where a row has at most 8 spans, two-warp spans and 512 keys for one row of 10
         **({"sparse table from the summary": lambda: _sparse_table(summary=True),
