@@ -59,6 +59,10 @@ class SelectOptions:
         (8 spans a row) 20.6 / 16.2 with one warp and 1,024 keys, 18.7 / **14.9** with two warps and 512
         keys, against 18.4 / 16.8 single.
     chunk: L2 positions a span's program scores at a time, a power of two dividing :data:`CHUNK`.
+    merge_l1_ahead: where the merge also splits the table by bits, it loads its first step of L1 ids and
+        their bits before its top-k network (whose instructions then hide the bits' round trip) instead of
+        after it. The same outputs; not yet timed on a GPU, so off (``lab/scripts/select_warps.py``'s
+        variants ending in ``pa`` time it).
     """
 
     split: bool | None = None
@@ -67,6 +71,7 @@ class SelectOptions:
     splits: int | None = None
     warps: int | None = None
     chunk: int = 16
+    merge_l1_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.programs_per_sm < 1:

@@ -86,10 +86,6 @@ PART_PAD = 512  # -1 entries per store of the split by bits' padding
 # L1 entries per step of the merge's split by bits: one a thread at 8 warps (at 512, with the fp16 bounds'
 # 1,024 keys, the merge spilled 8 bytes; sm_90)
 PART_STEP = 256
-# The merge loads its first step of L1 ids and their bits before its top-k network (whose instructions then
-# hide the bits' round trip), instead of after it. Identical outputs; not yet timed on a GPU, so off
-# (``lab/scripts/select_warps.py``'s variants ending in ``pa`` time it).
-MERGE_L1_AHEAD = False
 
 
 @triton.jit
@@ -220,7 +216,7 @@ def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes
     key's rank is its place (keys are distinct). PART: the row split by bits too, its L1 blocks (listed by
     ``_l1_row``, ``PB`` at a time, their bits loaded) then the selected ones (their bits in their keys), the
     halves' counts, -1 after each half and after the row's count in ``positions``. AHEAD: the first ``PB``
-    L1 ids and their bits are loaded before the network (:data:`MERGE_L1_AHEAD`)."""
+    L1 ids and their bits are loaded before the network (``SelectOptions.merge_l1_ahead``)."""
     bh = tl.program_id(0)
     n = P * TOPK
     e = tl.arange(0, NK)
@@ -326,6 +322,6 @@ def sparse_block_table_split_triton(
     launch(_merge_spans_kernel, (B * H,),
         keys, blocks, count.cost, table, n1, count.total, pool.block_bits, *split_out[:3], M, W, k_blocks,
         plan.splits, *split_out[3:], H=H, TOPK=topk, NK=merge_width(k_blocks, plan.splits), PART=part,
-        PB=PART_STEP, ZB=PART_PAD, AHEAD=part and MERGE_L1_AHEAD, num_warps=MERGE_WARPS,
+        PB=PART_STEP, ZB=PART_PAD, AHEAD=part and opts.merge_l1_ahead, num_warps=MERGE_WARPS,
     )  # fmt: skip
     return table, num, n1

@@ -184,10 +184,12 @@ def _access(b: int = 3, m: int = 9, now_ms: float = 1234.5) -> Callable[[], Any]
 
 def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True, k_blocks: int = 4,
                   heads: int = 8, group: int = 4, d: int = 128, split: bool = False,
-                  parts: bool = False, summary: bool = False) -> Callable[[], Any]:  # fmt: skip
+                  parts: bool = False, summary: bool = False,
+                  l1_ahead: bool = False) -> Callable[[], Any]:  # fmt: skip
     """The sparse tier's table; ``split``: with the split Quest selection (the span and merge kernels);
     ``parts``: writing the table split by bits too, as the cache asks it to for an 8-bit pool with demoted
-    blocks; ``summary``: Quest from the pool's e4m3 summary (sm_89 and newer)."""
+    blocks; ``summary``: Quest from the pool's e4m3 summary (sm_89 and newer); ``l1_ahead``: the merge's
+    first L1 step loaded before its top-k network (``SelectOptions.merge_l1_ahead``)."""
     from kvtune.kernels.bits_partition_ref import empty_partition
     from kvtune.kernels.sparse_table import ByteCount
     from kvtune.kernels.sparse_table_choice import SelectOptions
@@ -200,7 +202,7 @@ def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True,
     q = torch.zeros(b, heads * group, d, dtype=torch.bfloat16)
     pool = _pool(bits, heads, d, demotable=demotable, summary=summary)
     if split:
-        opts = SelectOptions(split=True)
+        opts = SelectOptions(split=True, merge_l1_ahead=l1_ahead)
         out = empty_partition(b, heads, m + k_blocks, "cpu") if parts else None
         select = sparse_block_table_split_triton
         return lambda: select(q, pool, blocks, tier, k_blocks, count, opts, pool.summary, parts=out)
@@ -209,23 +211,6 @@ def _sparse_table(b: int = 2, m: int = 9, bits: int = 8, demotable: bool = True,
 
 def _sparse_split(**kw: Any) -> Callable[[], Any]:
     return _sparse_table(split=True, **kw)
-
-
-def _l1_ahead() -> Callable[[], Any]:
-    """The split selection writing the split by bits, its merge's first L1 step loaded before its top-k
-    network (``MERGE_L1_AHEAD``, off by default)."""
-    from kvtune.kernels import triton_sparse_split as tss
-
-    run = _sparse_split(parts=True)
-
-    def ahead() -> Any:
-        default, tss.MERGE_L1_AHEAD = tss.MERGE_L1_AHEAD, True
-        try:
-            return run()
-        finally:
-            tss.MERGE_L1_AHEAD = default
-
-    return ahead
 
 
 CASES: dict[str, Callable[[], Callable[[], Any]]] = {
@@ -423,7 +408,7 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         "sparse split int4": lambda: _sparse_split(bits=4, demotable=False),
         "sparse split 16 x 512, top 32": lambda: _sparse_split(b=16, m=512, k_blocks=32),
         "sparse split, split by bits": lambda: _sparse_split(parts=True),
-        "sparse split, split by bits, L1 ahead": _l1_ahead,
+        "sparse split, split by bits, L1 ahead": lambda: _sparse_split(parts=True, l1_ahead=True),
         # Quest from the e4m3 summary (e4m3 loads: sm_89 and newer): one-warp spans and the 256-key merge
         # where a row has at most 8 spans, two-warp spans and 512 keys for one row of 10
         **({"sparse table from the summary": lambda: _sparse_table(summary=True),

@@ -9,6 +9,7 @@ allocator on the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import math
@@ -266,25 +267,21 @@ def check_sparse_table(k, b: int, h: int, g: int, d: int, m: int, k_blocks: int,
 def _check_parts(k, q, pool, blocks, tier, k_blocks: int, cost, options, table, num, device: str) -> None:
     """The split selection given a partition to write (``parts``): the same table, counts and bytes, and
     the table split by bits exactly as ``partition_by_bits_ref`` splits it, with the merge's first L1 step
-    loaded after its top-k network and before it (``MERGE_L1_AHEAD``). Each output starts filled with a
+    loaded after its top-k network and before it (``merge_l1_ahead``). Each output starts filled with a
     value no kernel writes, so an entry left unwritten shows."""
     from kvtune.kernels.bits_partition_ref import empty_partition, partition_by_bits_ref
     from kvtune.kernels.sparse_table import ByteCount
 
     b, h, w = table.shape
     want = partition_by_bits_ref(table, num, pool.block_bits)
-    tss = k.triton_sparse_split
+    split = k.triton_sparse_split.sparse_block_table_split_triton
     for ahead in (False, True):
         parts = empty_partition(b, h, w, device)
         for x in parts:
             x.fill_(-7)
         count = ByteCount(cost, 11, torch.zeros((), dtype=torch.int64, device=device))
-        default, tss.MERGE_L1_AHEAD = tss.MERGE_L1_AHEAD, ahead
-        try:
-            args = (q, pool, blocks, tier, k_blocks, count, options)
-            got = tss.sparse_block_table_split_triton(*args, parts=parts)
-        finally:
-            tss.MERGE_L1_AHEAD = default
+        opts = dataclasses.replace(options, merge_l1_ahead=ahead)
+        got = split(q, pool, blocks, tier, k_blocks, count, opts, parts=parts)
         assert all(torch.equal(x, y) for x, y in zip(got, (table, num), strict=False)), "the table changed"
         for name, x, y in zip(("table", "counts", "positions"), parts, want, strict=True):
             assert torch.equal(x, y), f"split by bits (L1 ahead {ahead}): {name} differs from the reference"

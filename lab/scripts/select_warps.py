@@ -18,7 +18,7 @@ default the options'): at one warp a program meets no other warp until the merge
 spans' keys rounded up to a power of two, 256 at least (the launcher's ``merge_width``), or ``K`` keys. A
 trailing ``p`` (``s0:16:0p``): the merge also writes the table split by bits, as in the sparse INT8 step
 (``sparse_block_table_parts``; the benchmark's "Quest alone" leaves it out); ``pa``: with its first step of
-L1 ids and bits loaded before its top-k network (``triton_sparse_split.MERGE_L1_AHEAD``).
+L1 ids and bits loaded before its top-k network (``SelectOptions.merge_l1_ahead``).
 
 ``--baseline FILE``: also the single kernel of another version of that module (a copy of the file), at its
 own defaults, as ``base``.
@@ -52,7 +52,6 @@ from kvtune.kernels.triton_common import next_pow2
 DEFAULT = (tst.NUM_WARPS, tst.CHUNK)
 MERGE_KEYS = choice.MERGE_KEYS, choice.MERGE_KEYS_SUMMARY
 MERGE_WIDTH = tss.merge_width
-L1_AHEAD = tss.MERGE_L1_AHEAD
 
 
 class Variant(NamedTuple):
@@ -109,7 +108,8 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[Varia
                 return base.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
             if variant.splits is not None:
                 opts = SelectOptions(split=True, splits=variant.splits or None, maxnreg=variant.cap or None,
-                                     warps=variant.warps or None, chunk=variant.chunk)  # fmt: skip
+                                     warps=variant.warps or None, chunk=variant.chunk,
+                                     merge_l1_ahead=variant.ahead)  # fmt: skip
                 if variant.splits:  # forced spans past the planned cap (max_splits): the cap raised to them
                     keys = max(256, next_pow2(variant.splits * next_pow2(k_blocks)))
                     choice.MERGE_KEYS = choice.MERGE_KEYS_SUMMARY = keys
@@ -119,14 +119,12 @@ def case_row(b: int, length: int, tokens: int, rounds: int, variants: list[Varia
                 if variant.parts:  # what the step's selection writes beside the table
                     rows, width = blocks.shape[0], blocks.shape[1] + k_blocks
                     parts = empty_partition(rows, pool.layout.num_kv_heads, width, q.device)
-                tss.MERGE_L1_AHEAD = variant.ahead
                 try:
                     args = (q, pool, blocks, tier, k_blocks, count, opts, summ, parts)
                     return tss.sparse_block_table_split_triton(*args)
                 finally:
                     choice.MERGE_KEYS, choice.MERGE_KEYS_SUMMARY = MERGE_KEYS
                     tss.merge_width = MERGE_WIDTH
-                    tss.MERGE_L1_AHEAD = L1_AHEAD
             tst.NUM_WARPS, tst.CHUNK = variant.warps, variant.chunk
             try:
                 return tst.sparse_block_table_triton(q, pool, blocks, tier, k_blocks, count, summ)
