@@ -4,7 +4,8 @@ The kernels run on the architectures of the card catalog (``search_spaces/cards.
 (A10G), sm_89 (L4, L40S, RTX 4090) and sm_90 (H100, H200). The launch options that depend on the card are
 taken from an :class:`Arch`, never assumed to be Hopper's:
 
-* programmatic dependent launch (``griddepcontrol``) exists from sm_90 only (:attr:`Arch.pdl`);
+* programmatic dependent launch (``griddepcontrol``) and tensor copies (TMA) exist from sm_90 only
+  (:attr:`Arch.pdl`, :attr:`Arch.tma`);
 * a Gluon build's shared-memory ring must fit ``shared_per_program``, and the programs resident per
   multiprocessor follow from ``shared_per_sm``, ``regs_per_sm`` and ``max_programs_per_sm``;
 * the largest block size whose decode kernels fit a program's shared memory (``max_block_size``): the
@@ -51,6 +52,11 @@ class Arch:
     @property
     def pdl(self) -> bool:
         """Programmatic dependent launch (``griddepcontrol``): Hopper and later."""
+        return self.capability >= (9, 0)
+
+    @property
+    def tma(self) -> bool:
+        """Tensor memory access (bulk tensor copies against an mbarrier): Hopper and later."""
         return self.capability >= (9, 0)
 
     @property

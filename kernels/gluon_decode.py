@@ -57,6 +57,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kvtune.kernels.arch import Arch
 from kvtune.kernels.backend import on_gpu
@@ -389,6 +391,23 @@ def _copy_values(vbuf, vsb, vmb, st, bid, h, cv_ptr, vsc_ptr, vmin_ptr, s_cn, s_
 
 
 @gluon.jit
+def _tma_copy(kd, vd, ksd, kmd, vsd, vmd, bars, kbuf, vbuf, ksb, kmb, vsb, vmb, st, bid, h,
+              H: gl.constexpr, T: gl.constexpr, NBYTES: gl.constexpr):  # fmt: skip
+    """Start the tensor (TMA) copies of block ``bid``'s key and value codes, key scales and mins, value
+    scales and mins (KV head ``h``) into stage ``st``: six copies issued by one lane, their ``NBYTES``
+    counted on the stage's mbarrier (``TMA`` of :func:`_cold_part`)."""
+    bar = bars.index(st)
+    mbarrier.expect(bar, NBYTES)
+    r = (bid * H + h).to(gl.int32)
+    tma.async_copy_global_to_shared(kd, [r * T, 0], bar, kbuf.index(st))
+    tma.async_copy_global_to_shared(vd, [r * T, 0], bar, vbuf.index(st))
+    tma.async_copy_global_to_shared(ksd, [r, 0], bar, ksb.index(st))
+    tma.async_copy_global_to_shared(kmd, [r, 0], bar, kmb.index(st))
+    tma.async_copy_global_to_shared(vsd, [r, 0], bar, vsb.index(st))
+    tma.async_copy_global_to_shared(vmd, [r, 0], bar, vmb.index(st))
+
+
+@gluon.jit
 def _scores(kc, ks, km, ks_hi, km_h, q_lo, q_hi, neg, kmz,
             C: gl.constexpr, T: gl.constexpr, KIND: gl.constexpr, ROWS: gl.constexpr, K_ORDER: gl.constexpr,
             Q_ORDER: gl.constexpr, KM_ORDER: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
@@ -484,12 +503,15 @@ def _cold_part(
     V_ORDER: gl.constexpr, V_BITS: gl.constexpr, TC_BITS: gl.constexpr, Q_BITS: gl.constexpr,
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
     KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, ROW: gl.constexpr,
+    kd=None, vd=None, ksd=None, kmd=None, vsd=None, vmd=None, TMA: gl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of split ``pid_s`` of row ``bh`` (sequence * KV head) over its cold blocks (module
     docstring): the partial (m, l, acc) in the layout of ``_split_kernel``'s partials (slot ``part0 +
     split`` of the row's ``part_stride``), and each block's lse. ``ROW``: bytes from one code row to the
     next (``C``; ``D`` for the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each
-    row)."""
+    row). ``TMA`` (with a ring, sm_90): the ring is filled by tensor copies over the descriptors ``kd`` ..
+    ``vmd`` (:func:`descriptors`), one lane issuing a block's six against its stage's mbarrier, instead of
+    every lane's ``cp.async``; the block ids are loaded one iteration ahead (``TABLE_AHEAD`` is not read)."""
     b = bh // H
     h = bh % H
     C: gl.constexpr = D if KIND == 8 else D // 2  # channels per operand (and bytes per code row)
@@ -537,31 +559,56 @@ def _cold_part(
         # is computed (one commit group per block, empty past the split's end). TABLE_AHEAD: each group also
         # copies the block-table entry STAGES blocks further on into a ring of 16 ids, so that an iteration
         # reads its next block id from shared memory instead of waiting on a load from the iteration before.
-        kbuf = gl.allocate_shared_memory(ck_ptr.dtype.element_ty, [STAGES, T, C], SK)
-        vbuf = gl.allocate_shared_memory(cv_ptr.dtype.element_ty, [STAGES, T, C], SV)
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        ksb = gl.allocate_shared_memory(ksc_ptr.dtype.element_ty, [STAGES, D], plain)
-        kmsb = gl.allocate_shared_memory(kmin_ptr.dtype.element_ty, [STAGES, D], plain)
-        vsb = gl.allocate_shared_memory(vsc_ptr.dtype.element_ty, [STAGES, T], plain)
-        vmb = gl.allocate_shared_memory(vmin_ptr.dtype.element_ty, [STAGES, T], plain)
-        ids = gl.allocate_shared_memory(table_ptr.dtype.element_ty, [16, 1], plain)
-        zero1 = gl.arange(0, 1, layout=one)
-        tc = gl.arange(0, T, layout=gl.SliceLayout(1, COPY))
-        cc = gl.arange(0, C, layout=gl.SliceLayout(0, COPY))
-        v_copy = tc[:, None] * ROW + cc[None, :]  # consecutive lanes along whole rows
-        k_copy = v_copy if KROWS else k_off
-        cd = gl.arange(0, D, layout=gl.BlockedLayout([max(D // 32, 2)], [32], [1], [0]))
-        ct = gl.arange(0, T, layout=gl.BlockedLayout([2], [32], [1], [0]))
-        for i in gl.static_range(STAGES - 1):
-            if j0 + i < j1:
-                bid0 = gl.load(table_ptr + row + j0 + i).to(gl.int64)
-                _copy_keys(kbuf, ksb, kmsb, i, bid0, h, ck_ptr, ksc_ptr, kmin_ptr, s_cn, s_ch, s_kn, s_kh,
-                           k_copy, cd)  # fmt: skip
-                _copy_values(vbuf, vsb, vmb, i, bid0, h, cv_ptr, vsc_ptr, vmin_ptr, s_cn, s_ch, s_vn, s_vh,
-                             v_copy, ct)  # fmt: skip
-            if TABLE_AHEAD:  # the id of block j0 + STAGES + i
-                _copy_id(ids, table_ptr, row, j0, STAGES + i, j1, zero1)
-            async_copy.commit_group()
+        if TMA:
+            # the stages in the descriptors' layouts (codes swizzled as the copies write them, one-row scale
+            # tiles unswizzled); the scales read back through a plain [STAGES, n] view of the same bytes
+            kbuf = gl.allocate_shared_memory(ck_ptr.dtype.element_ty, [STAGES, T, C], kd.layout)
+            vbuf = gl.allocate_shared_memory(cv_ptr.dtype.element_ty, [STAGES, T, C], vd.layout)
+            ks3 = gl.allocate_shared_memory(ksc_ptr.dtype.element_ty, [STAGES, 1, D], ksd.layout)
+            km3 = gl.allocate_shared_memory(kmin_ptr.dtype.element_ty, [STAGES, 1, D], kmd.layout)
+            vs3 = gl.allocate_shared_memory(vsc_ptr.dtype.element_ty, [STAGES, 1, T], vsd.layout)
+            vm3 = gl.allocate_shared_memory(vmin_ptr.dtype.element_ty, [STAGES, 1, T], vmd.layout)
+            ksb = ks3._reinterpret(ksc_ptr.dtype.element_ty, [STAGES, D], plain)
+            kmsb = km3._reinterpret(kmin_ptr.dtype.element_ty, [STAGES, D], plain)
+            vsb = vs3._reinterpret(vsc_ptr.dtype.element_ty, [STAGES, T], plain)
+            vmb = vm3._reinterpret(vmin_ptr.dtype.element_ty, [STAGES, T], plain)
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(bars.index(i), count=1)
+            gl.thread_barrier()  # every lane sees the barriers initialised
+            SB: gl.constexpr = ksc_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a scale or min
+            NBYTES: gl.constexpr = 2 * T * C + 2 * (D + T) * SB  # a block's six copies
+            for i in gl.static_range(STAGES - 1):
+                if j0 + i < j1:
+                    bid0 = gl.load(table_ptr + row + j0 + i).to(gl.int64)
+                    _tma_copy(kd, vd, ksd, kmd, vsd, vmd, bars, kbuf, vbuf, ks3, km3, vs3, vm3, i, bid0, h,
+                              H, T, NBYTES)  # fmt: skip
+        else:
+            kbuf = gl.allocate_shared_memory(ck_ptr.dtype.element_ty, [STAGES, T, C], SK)
+            vbuf = gl.allocate_shared_memory(cv_ptr.dtype.element_ty, [STAGES, T, C], SV)
+            ksb = gl.allocate_shared_memory(ksc_ptr.dtype.element_ty, [STAGES, D], plain)
+            kmsb = gl.allocate_shared_memory(kmin_ptr.dtype.element_ty, [STAGES, D], plain)
+            vsb = gl.allocate_shared_memory(vsc_ptr.dtype.element_ty, [STAGES, T], plain)
+            vmb = gl.allocate_shared_memory(vmin_ptr.dtype.element_ty, [STAGES, T], plain)
+            ids = gl.allocate_shared_memory(table_ptr.dtype.element_ty, [16, 1], plain)
+            zero1 = gl.arange(0, 1, layout=one)
+            tc = gl.arange(0, T, layout=gl.SliceLayout(1, COPY))
+            cc = gl.arange(0, C, layout=gl.SliceLayout(0, COPY))
+            v_copy = tc[:, None] * ROW + cc[None, :]  # consecutive lanes along whole rows
+            k_copy = v_copy if KROWS else k_off
+            cd = gl.arange(0, D, layout=gl.BlockedLayout([max(D // 32, 2)], [32], [1], [0]))
+            ct = gl.arange(0, T, layout=gl.BlockedLayout([2], [32], [1], [0]))
+            for i in gl.static_range(STAGES - 1):
+                if j0 + i < j1:
+                    bid0 = gl.load(table_ptr + row + j0 + i).to(gl.int64)
+                    _copy_keys(kbuf, ksb, kmsb, i, bid0, h, ck_ptr, ksc_ptr, kmin_ptr, s_cn, s_ch, s_kn, s_kh,
+                               k_copy, cd)  # fmt: skip
+                    _copy_values(vbuf, vsb, vmb, i, bid0, h, cv_ptr, vsc_ptr, vmin_ptr, s_cn, s_ch, s_vn,
+                                 s_vh, v_copy, ct)  # fmt: skip
+                if TABLE_AHEAD:  # the id of block j0 + STAGES + i
+                    _copy_id(ids, table_ptr, row, j0, STAGES + i, j1, zero1)
+                async_copy.commit_group()
     # the id of the first block the loop copies (direct loads: loads); after it, each next id is read an
     # iteration ahead, or taken from the id ring (TABLE_AHEAD)
     nxt = _block_id(table_ptr, row, j0 + max(STAGES - 1, 0), j1)
@@ -569,21 +616,28 @@ def _cold_part(
         if STAGES > 0:
             st = (j - j0) % STAGES
             gl.thread_barrier()  # every lane is done with the stage the next copy overwrites (block j - 1's)
-            if TABLE_AHEAD and j > j0:  # block j + STAGES - 1's id, copied STAGES iterations ago
-                nxt = gl.max(ids.index((j - j0 + STAGES - 1) % 16).load(one), 0).to(gl.int64)
-            if j + STAGES - 1 < j1:
-                sn = (st + STAGES - 1) % STAGES
-                _copy_keys(kbuf, ksb, kmsb, sn, nxt, h, ck_ptr, ksc_ptr, kmin_ptr,
-                           s_cn, s_ch, s_kn, s_kh, k_copy, cd)  # fmt: skip
-                _copy_values(vbuf, vsb, vmb, sn, nxt, h, cv_ptr, vsc_ptr, vmin_ptr,
-                             s_cn, s_ch, s_vn, s_vh, v_copy, ct)  # fmt: skip
-            if TABLE_AHEAD:
-                _copy_id(ids, table_ptr, row, j0, j - j0 + 2 * STAGES - 1, j1, zero1)
-            else:
+            if TMA:
+                if j + STAGES - 1 < j1:
+                    _tma_copy(kd, vd, ksd, kmd, vsd, vmd, bars, kbuf, vbuf, ks3, km3, vs3, vm3,
+                              (st + STAGES - 1) % STAGES, nxt, h, H, T, NBYTES)  # fmt: skip
                 nxt = _block_id(table_ptr, row, j + STAGES, j1)
-            async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)  # block j's copies (this lane's) have landed
-            gl.thread_barrier()  # ... and every other lane's
+                mbarrier.wait(bars.index(st), ((j - j0) // STAGES) & 1)  # block j has landed, every byte
+            else:
+                if TABLE_AHEAD and j > j0:  # block j + STAGES - 1's id, copied STAGES iterations ago
+                    nxt = gl.max(ids.index((j - j0 + STAGES - 1) % 16).load(one), 0).to(gl.int64)
+                if j + STAGES - 1 < j1:
+                    sn = (st + STAGES - 1) % STAGES
+                    _copy_keys(kbuf, ksb, kmsb, sn, nxt, h, ck_ptr, ksc_ptr, kmin_ptr,
+                               s_cn, s_ch, s_kn, s_kh, k_copy, cd)  # fmt: skip
+                    _copy_values(vbuf, vsb, vmb, sn, nxt, h, cv_ptr, vsc_ptr, vmin_ptr,
+                                 s_cn, s_ch, s_vn, s_vh, v_copy, ct)  # fmt: skip
+                if TABLE_AHEAD:
+                    _copy_id(ids, table_ptr, row, j0, j - j0 + 2 * STAGES - 1, j1, zero1)
+                else:
+                    nxt = _block_id(table_ptr, row, j + STAGES, j1)
+                async_copy.commit_group()
+                async_copy.wait_group(STAGES - 1)  # block j's copies (this lane's) have landed
+                gl.thread_barrier()  # ... and every other lane's
             s8, c8 = _staged_scores(kbuf, ksb, kmsb, st, q_lo, q_hi, neg, kmz, C, D, T, KIND, LK, LQ, LKM,
                                     ROWS, K_ORDER, Q_ORDER, KM_ORDER, TC_BITS, Q_BITS, KM_BITS)  # fmt: skip
             vs = vsb.index(st).load(gl.SliceLayout(0, ROWS)).to(gl.float32)
@@ -639,10 +693,12 @@ def _cold_kernel(
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
     KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, ROW: gl.constexpr,
     SPLIT_MAJOR: gl.constexpr = False, FOLLOW: gl.constexpr = False,
+    kd=None, vd=None, ksd=None, kmd=None, vsd=None, vmd=None, TMA: gl.constexpr = False,
 ):  # fmt: skip
     """One build over its grid of (split, sequence * KV head) programs (:func:`_cold_part`). ``FOLLOW``:
     this launch is a programmatic dependent of the build before it, whose outputs it does not read: it
-    waits for that build only after its own stores (``gluon_overlap``)."""
+    waits for that build only after its own stores (``gluon_overlap``). ``TMA``: the ring filled by tensor
+    copies over the descriptors ``kd`` .. ``vmd``."""
     pid_s = gl.program_id(1 if SPLIT_MAJOR else 0)  # SPLIT_MAJOR: grid (B * H, splits)
     bh = gl.program_id(0 if SPLIT_MAJOR else 1)
     if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
@@ -651,7 +707,8 @@ def _cold_kernel(
                num_cold_ptr, part_acc_ptr, part_ml_ptr, blk_lse_ptr, qk_scale, busy_blocks, num_splits, M,
                part_stride, part0, s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, H, G, D, T, KIND,
                LK, LQ, LKM, LV, LP, LP4, ROWS, K_ORDER, Q_ORDER, KM_ORDER, V_ORDER, V_BITS, TC_BITS, Q_BITS,
-               KM_BITS, SK, SV, COPY, STAGES, KROWS, TABLE_AHEAD, ROW)  # fmt: skip
+               KM_BITS, SK, SV, COPY, STAGES, KROWS, TABLE_AHEAD, ROW, kd, vd, ksd, kmd, vsd, vmd,
+               TMA)  # fmt: skip
     if FOLLOW:  # end no earlier than the build before: the merge, waiting on this launch, then has both
         _wait_primary(pid_s)
 
@@ -785,6 +842,39 @@ def aligned(pool: ColdPool) -> bool:
     return True
 
 
+def tma_ready(pool: ColdPool) -> bool:
+    """Whether tensor copies (``TMA``) can fill the ring from ``pool``: each field laid out as whole rows
+    (codes ``[N H T, row]``, scales ``[N H, D]`` / ``[N H, T]``, every row right after the one before) from
+    a 16-byte aligned start, as a 2-D descriptor reads it; a pool laid out otherwise keeps ``cp.async``."""
+    return all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0
+        for t in (pool.k, pool.v, pool.k_min, pool.k_scale, pool.v_min, pool.v_scale)
+    )
+
+
+def descriptors(pool: ColdPool, kind: int, row: int | None = None) -> tuple[TensorDescriptor, ...]:
+    """The six 2-D tensor descriptors the ``TMA`` ring copies from (:func:`tma_ready` pools): key and value
+    codes as rows ``[N H T, row]`` read ``[T, C]`` at a time (``C`` = the build's bytes per token, ``kind``
+    8: ``D``, 4: ``D / 2``; ``row``: the pool's own width by default), swizzled by ``C`` bytes (32, 64 or
+    128) as the copies write them; key scales and mins ``[N H, D]`` and value scales and mins ``[N H, T]`` a
+    row at a time, unswizzled."""
+    n, h, t, width = pool.k.shape
+    d = pool.k_scale.shape[2]
+    c = d if kind == 8 else d // 2
+    row = width if row is None else row
+    swizzle = c if c in (32, 64, 128) else 0
+    codes = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8, rank=2)
+    halves = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    return (
+        TensorDescriptor(pool.k, [n * h * t, row], [row, 1], [t, c], codes),
+        TensorDescriptor(pool.v, [n * h * t, row], [row, 1], [t, c], codes),
+        TensorDescriptor(pool.k_scale, [n * h, d], [d, 1], [1, d], halves),
+        TensorDescriptor(pool.k_min, [n * h, d], [d, 1], [1, d], halves),
+        TensorDescriptor(pool.v_scale, [n * h, t], [t, 1], [1, t], halves),
+        TensorDescriptor(pool.v_min, [n * h, t], [t, 1], [1, t], halves),
+    )
+
+
 def supported_mixed(
     q: torch.Tensor, block_size: int, code_stride: tuple[int, ...], num_kv_heads: int
 ) -> bool:
@@ -805,16 +895,21 @@ SPLIT_MAJOR = True
 
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
                 stages: int = 2, pdl: bool = False, key_rows: bool = True, table_ahead: bool = True,
-                row: int | None = None, follow: bool = False) -> object:  # fmt: skip
+                row: int | None = None, follow: bool = False,
+                tma: tuple[TensorDescriptor, ...] | None = None) -> object:  # fmt: skip
     """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H), in :data:`SPLIT_MAJOR` order, with its runtime
     ``args`` (in order); ``pdl``: the next launch on the stream, a programmatic dependent, may start at once;
     ``row``: bytes between code rows (None: the pool's own width, ``D * kind / 8``; ``D`` for 4-bit codes in
     an 8-bit pool); ``follow``: launched as a programmatic dependent of the launch before it (launched with
-    ``pdl``), which it does not read, and waits for it at its end (``FOLLOW``)."""
+    ``pdl``), which it does not read, and waits for it at its end (``FOLLOW``); ``tma``: the ring (``stages``
+    above 0) filled by tensor copies over these :func:`descriptors` (``TMA``; sm_90)."""
     channels = D if kind == 8 else D // 2
-    constants = build_constants(channels, T, stages, key_rows, table_ahead)
+    tma = tma if stages > 0 else None
+    constants = build_constants(channels, T, stages, key_rows, table_ahead and tma is None)
     order = (grid[1], grid[0]) if SPLIT_MAJOR else grid
     extra: dict[str, object] = {"FOLLOW": True, "launch_pdl": True} if follow else {}
+    if tma is not None:
+        extra.update(zip(("kd", "vd", "ksd", "kmd", "vsd", "vmd"), tma, strict=True), TMA=True)
     return launch(_cold_kernel, order, *args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, ROW=row or channels,
                   SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **constants, **extra)  # fmt: skip
 

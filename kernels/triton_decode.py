@@ -672,7 +672,8 @@ def launch_plan(
         return DecodePlan(kernel, opts, meta, (), splits, per)
     # (gluon_mixed: the 8-bit build's occupancy plans both builds' splits)
     key = ("gluon", str(q.device), bits, D, pool.k.shape[2], G, opts.gluon_stages, opts.gluon_key_rows,
-           opts.gluon_table_ahead, kernel == "gluon_mixed" and opts.gluon_builds)  # fmt: skip
+           opts.gluon_table_ahead, kernel == "gluon_mixed" and opts.gluon_builds,
+           kernel == "gluon" and opts.gluon_tma)  # fmt: skip
     # The wave model with the build's occupancy, once known: on the H200 it beat every programs-per-SM target
     # for the Gluon kernel.
     plan = replaced(opts, programs_per_sm=opts.gluon_programs_per_sm)
@@ -765,7 +766,8 @@ def _resolved(
     stages = options.gluon_stages
     if bits in (4, 8) and (options.gluon or options.gluon_mixed):
         stages = gluon_decode.ring_stages(arch, head_dim, block_size, bits, stages)
-    return replace(options, cvt=cvt, gluon_pdl=options.gluon_pdl and arch.pdl, gluon_stages=stages)
+    return replace(options, cvt=cvt, gluon_pdl=options.gluon_pdl and arch.pdl, gluon_stages=stages,
+                   gluon_tma=options.gluon_tma and arch.tma and stages > 0)  # fmt: skip
 
 
 def _aligned(pool: ColdPool, size: int) -> bool:
@@ -919,6 +921,8 @@ def hybrid_decode_attention_triton(
              pool.k_min.stride(0), pool.k_min.stride(1), pool.v_min.stride(0), pool.v_min.stride(1)),
             H=H, G=G, D=D, T=pool.k.shape[2], kind=pool.bits, stages=opts.gluon_stages, pdl=pdl,
             key_rows=opts.gluon_key_rows, table_ahead=opts.gluon_table_ahead,
+            tma=gluon_decode.descriptors(pool, pool.bits) if opts.gluon_tma and gluon_decode.tma_ready(pool)
+            else None,
         )  # fmt: skip
     else:
         launch(_split_kernel, (B * H, splits) if SPLIT_MAJOR else (splits, B * H),

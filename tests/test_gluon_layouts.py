@@ -111,3 +111,46 @@ def test_key_bits_is_a_permutation_with_lanes_on_bits_1_and_2(c: int) -> None:
     assert sorted(bits) == list(range(c.bit_length() - 1))
     low = min(4, c.bit_length() - 3)
     assert bits[1:3] == [low, low + 1] and bits[0] == 0
+
+
+def _tma_stage(c: int, t: int, swizzle: int) -> dict[tuple[int, int], int]:
+    """Byte offset of every [token, byte] of a ``[t, c]`` stage written by a tensor copy with a swizzle of
+    ``swizzle`` bytes (0, 32, 64, 128): address bits 4.. XOR bits 7.. (one bit per doubling of 16 bytes)."""
+    n = {0: 0, 32: 1, 64: 2, 128: 3}[swizzle]
+    return {(r, col): (r * c + col) ^ ((((r * c + col) >> 7) & ((1 << n) - 1)) << 4)
+            for r in range(t) for col in range(c)}  # fmt: skip
+
+
+def _ways(dist, where: dict[tuple[int, ...], int]) -> int:
+    """The most lanes of one phase whose vectors share a bank group, over every vector load in ``dist``."""
+    vec, worst = _vector(dist), 1
+    for reg in _vector_regs(dist):
+        starts = [where[xy] for xy in _lane_starts(dist, reg)]
+        per = 128 // vec
+        for p in range(0, 32, per):
+            slots = [(a % 128) // vec for a in starts[p : p + per]]
+            worst = max(worst, max(slots.count(x) for x in slots))
+    return worst
+
+
+@pytest.mark.parametrize("c, t", SHAPES)
+def test_tma_stages_take_the_least_conflicting_swizzle(c: int, t: int) -> None:
+    """``gluon_tma``: a tensor copy can only write the hardware's swizzles, not the stages above. The
+    descriptors (``gluon_decode.descriptors``) swizzle by the row's width, ``c`` bytes, which of the
+    swizzles a ``[t, c]`` box allows gives the fewest bank conflicts on the loads back: keys meet every
+    bank once for rows of 64 bytes or fewer and twice for 128 (two tokens' halves share a phase), values
+    once for rows of 128 bytes and twice below (tokens 0, 2, 4, 6 in one phase; no swizzle would be four
+    ways). The loads stay correct either way; the conflicts cost shared-memory wavefronts, not bytes."""
+    import torch
+
+    from kvtune.kernels.layout import ColdLayout
+
+    lay = gd.layouts(c, t)
+    d = c if c == 128 else 2 * c  # the 8-bit build of d128 or the 4-bit builds of d128 / d64
+    pool = ColdLayout(t, 2, d, 8 if c == d else 4, torch.bfloat16).allocate(4, "cpu")
+    chosen = gd.descriptors(pool, 8 if c == d else 4)[0].layout.swizzle_byte_width
+    assert chosen == c
+    cost = {s: (_ways(lay.k_mem, _tma_stage(c, t, s)), _ways(lay.v_mem, _tma_stage(c, t, s)))
+            for s in (0, 32, 64, 128) if s <= c}  # fmt: skip
+    assert cost[chosen] == ((2 if c == 128 else 1), (1 if c == 128 else 2))
+    assert all(max(cost[chosen]) <= max(v) and sum(cost[chosen]) <= sum(v) for v in cost.values())

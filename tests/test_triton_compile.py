@@ -72,11 +72,12 @@ def _decode(
 
 
 def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64, b: int = 3,
-           m: int = 9, stages: int = 2) -> Callable[[], Any]:  # fmt: skip
+           m: int = 9, stages: int = 2, tma: bool = False) -> Callable[[], Any]:  # fmt: skip
     """The launches with the Gluon cold kernel: it takes CUDA tensors only, so the launcher is told it
-    applies (every other condition of ``gluon_decode.supported`` holds for these pools)."""
+    applies (every other condition of ``gluon_decode.supported`` holds for these pools); ``tma``: its ring
+    filled by tensor copies (``gluon_tma``)."""
     return _decode(bits, demotable=False, heads=heads, group=group, d=d, b=b, m=m, bs=bs, kernel="gluon",
-                   gluon=True, gluon_stages=stages)  # fmt: skip
+                   gluon=True, gluon_stages=stages, gluon_tma=tma)  # fmt: skip
 
 
 def _gluon_mixed(d: int = 128, bs: int = 64, b: int = 3, m: int = 9, stages: int = 3, heads: int = 8,
@@ -225,6 +226,10 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "decode int4 gluon smollm2 heads": lambda: _gluon(4, heads=3, group=3, d=64, bs=32),
     **{f"decode int{bits} gluon stages {s}": (lambda bits=bits, s=s: _gluon(bits, stages=s))
        for bits in (8, 4) for s in (0, 3)},
+    **{f"decode int{bits} gluon tma d{d} bs{bs} stages {s}": (
+        lambda bits=bits, d=d, bs=bs, s=s: _gluon(bits, d=d, bs=bs, stages=s, tma=True))
+       for bits in (8, 4) for d, bs, s in ((128, 64, 2), (128, 64, 3), (64, 16, 2), (64, 32, 4))},
+    "decode int4 gluon tma smollm2 heads": lambda: _gluon(4, heads=3, group=3, d=64, bs=32, tma=True),
     **{f"decode int8 gluon mixed d{d} bs{bs}": (lambda d=d, bs=bs: _gluon_mixed(d, bs))
        for d in (64, 128) for bs in (16, 32, 64)},
     "decode int8 gluon mixed smollm2 heads": lambda: _gluon_mixed(64, 32, heads=3, group=3),
@@ -285,6 +290,28 @@ def test_kernels_compile_for_sm90(case: str) -> None:
         compiled = compile_launch(launch)
         assert compiled.asm["cubin"], f"{launch.fn.__name__}: no cubin"
         assert ".target sm_90" in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_tma_build_fills_its_ring_by_tensor_copies_only(bits: int) -> None:
+    """``gluon_tma`` on sm_90: the cold kernel's ring takes six tensor copies a block and no ``cp.async``
+    (the block ids are loaded an iteration ahead), keeps every value in registers, and needs fewer
+    registers than the ``cp.async`` build, whose lanes hold their copies' addresses (INT4: 195 against 255
+    registers, 10 programs a multiprocessor against 8)."""
+    from kvtune.kernels.aot import resources
+    from kvtune.kernels.triton_decode import resident_programs
+
+    (tma,) = [x for x in record_launches(_gluon(bits, tma=True)) if x.fn.__name__ == "_cold_kernel"]
+    (plain,) = [x for x in record_launches(_gluon(bits)) if x.fn.__name__ == "_cold_kernel"]
+    assert tma.kwargs["TMA"] and not tma.kwargs["TABLE_AHEAD"] and "TMA" not in plain.kwargs
+    compiled = compile_launch(tma)
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor.2d") == 12  # six a block, before the loop and in it
+    assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx and "cp.async.commit_group" not in ptx
+    r, r0 = resources(tma, compiled=compiled), resources(plain)
+    assert r.stack_bytes == 0 and r.registers < r0.registers, (r, r0)
+    resident = [resident_programs(x.registers, 1, x.shared_bytes) for x in (r, r0)]
+    assert resident[0] >= resident[1], resident
 
 
 def test_overlapped_builds_launch_the_4_bit_build_as_a_dependent_that_waits_at_its_end() -> None:
@@ -380,6 +407,9 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         **{f"decode int{bits} gluon d{d} bs{bs}": (lambda bits=bits, d=d, bs=bs: _decode(
             bits, False, d=d, bs=bs, kernel="gluon", arch=arch))
            for bits in (8, 4) for d, bs in ((128, 64), (64, 16))},
+        # tensor copies asked: sm_90 builds them, the others keep cp.async
+        **{f"decode int{bits} gluon, tma asked": (lambda bits=bits: _decode(
+            bits, False, kernel="gluon", arch=arch, gluon_tma=True)) for bits in (8, 4)},
         **{f"decode int{bits}{' mixed' * dem} block {big}": (lambda bits=bits, dem=dem: _decode(
             bits, dem, bs=big, m=3, kernel="split", arch=arch))
            for bits, dem in ((8, True), (4, False), (0, False))},
@@ -452,6 +482,8 @@ def test_kernels_compile_for_every_architecture(arch: str, case: str) -> None:
         assert compiled.metadata.shared <= a.shared_per_program, (name, compiled.metadata.shared)
         if not a.pdl:
             assert "griddepcontrol" not in ptx and not launch.kwargs.get("launch_pdl"), name
+        if not a.tma:
+            assert "cp.async.bulk" not in ptx and not launch.kwargs.get("TMA"), name
         if name == "_cold_kernel":
             stack = resources(launch, target_of(a), compiled).stack_bytes
             assert stack == 0, (name, launch.kwargs.get("KIND"), stack)

@@ -67,6 +67,9 @@ GPU_SHAPES = [
     Shape(5, 3, 7, 64, 24, 33, 56),
     Shape(2, 8, 4, 128, 64, 300, 128),
 ]
+# the shapes the Gluon cold kernel takes (blocks of 16, 32 or 64 tokens)
+GLUON_SHAPES = [GPU_SHAPES[0], GPU_SHAPES[2], Shape(3, 4, 3, 64, 32, 21, 48), Shape(2, 2, 8, 128, 16, 50, 70),
+                Shape(1, 3, 1, 64, 64, 9, 64)]  # fmt: skip
 
 
 def make_pool(shape: Shape, bits: int, dtype: torch.dtype, device: str, demote: bool) -> ColdPool:
@@ -500,11 +503,7 @@ def test_decode_v_pairs_gpu(gpu_kernels, shape: Shape, knobs: dict, dtype: torch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "shape",
-    [GPU_SHAPES[0], GPU_SHAPES[2], Shape(3, 4, 3, 64, 32, 21, 48), Shape(2, 2, 8, 128, 16, 50, 70),
-     Shape(1, 3, 1, 64, 64, 9, 64)], ids=str,
-)  # fmt: skip
+@pytest.mark.parametrize("shape", GLUON_SHAPES, ids=str)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
@@ -533,6 +532,51 @@ def test_decode_gluon_gpu(
     poison_allocator("cuda")
     got = td.hybrid_decode_attention_triton(**inp, options=opts)
     assert_decode_close(got, want, inp["num_cold"], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GLUON_SHAPES, ids=str)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("dtype", "stages"), [(torch.bfloat16, 2), (torch.bfloat16, 3), (torch.float16, 4)])
+def test_decode_gluon_tma_gpu(gpu_kernels, monkeypatch, shape: Shape, bits: int, dtype: torch.dtype,
+                              stages: int) -> None:  # fmt: skip
+    """``gluon_tma`` (sm_90): the ring filled by tensor copies gives the ``cp.async`` ring's outputs bit for
+    bit under the same split plan (the same bytes reach the same registers), and matches the reference;
+    captured in a CUDA graph and replayed on new inputs written into the captured ones (the descriptors
+    hold the pool's addresses), it matches the reference of what they then hold."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("tensor copies (TMA) need sm_90")
+    td = gpu_kernels.triton_decode
+    inp = make_decode(shape, bits, dtype, "cuda", demote=False)
+    base = replace(td.PURE_INT8 if bits == 8 else td.default_options(bits), gluon=True, gluon_stages=stages)
+    tma = replace(base, gluon_tma=True)
+    assert gpu_kernels.gluon_decode.tma_ready(inp["pool"])
+    assert td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], tma).options.gluon_tma
+
+    def fixed(bh, m, device, options, resident=None):  # the same splits for both rings
+        per = max(1, -(-m // 3))
+        return -(-m // per), per
+
+    monkeypatch.setattr(td, "plan_splits", fixed)
+    want = hybrid_decode_attention_ref(**inp)
+    plain = td.hybrid_decode_attention_triton(**inp, options=base)
+    poison_allocator("cuda")
+    got = td.hybrid_decode_attention_triton(**inp, options=tma)
+    assert all(torch.equal(x, y) for x, y in zip(got, plain))
+    assert_decode_close(got, want, inp["num_cold"], dtype)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = td.hybrid_decode_attention_triton(**inp, options=tma)
+    torch.manual_seed(7)
+    fresh = make_decode(shape, bits, dtype, "cuda", demote=False)
+    for name in ("q", "hot_k", "hot_v", "hot_slot", "hot_len", "block_table", "num_cold"):
+        inp[name].copy_(fresh[name])
+    for name in ("k", "v", "k_min", "k_scale", "v_min", "v_scale"):
+        getattr(inp["pool"], name).copy_(getattr(fresh["pool"], name))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_decode_close(captured, hybrid_decode_attention_ref(**inp), inp["num_cold"], dtype)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,11 @@ attention would. Checked first against the same XOR computed by PyTorch on a sma
 If the ring alone reads near the ceiling (SDPA's bytes per second), the attention built on it could reach
 0.31x; if it is no faster than run 10's ring, bulk copies are not the lever.
 
+The attention built on it (``DecodeKernelOptions.gluon_tma``: the same kernel, its ring filled by these
+copies over ``gluon_decode.descriptors``) is timed beside the shipped one in the same run, with the relative
+difference of its outputs from the shipped kernel's (the split plans may differ: the TMA build needs fewer
+registers, so more of its programs fit a multiprocessor).
+
     python lab/scripts/tma_ring.py --out $OUT [--shapes 64:8192,16:32768] [--bits 4,8] [--stages 2,3,4]
 """
 
@@ -22,18 +27,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_attention as da
 
-from kvtune.kernels import triton_decode
+from kvtune.kernels import gluon_decode, triton_decode
 from kvtune.kernels.decode_choice import PURE_INT8, default_options
 
 
@@ -96,31 +101,15 @@ def _tma_ring_kernel(kd, vd, ksd, kmd, vsd, vmd, table_ptr, out_ptr, per, M,
     gl.store(out_ptr + bh * gl.num_programs(0) + pid_s, gl.sum(gl.sum(acc.to(gl.int32), 1), 0))
 
 
-def descriptors(pool) -> tuple[TensorDescriptor, ...]:
-    """2-D descriptors over the pool: code rows ``[N H T, C]`` (blocks of ``[T, C]``), scale rows ``[N H, D]``
-    and ``[N H, T]`` (blocks of one row)."""
-    N, H, T, C = pool.k.shape
-    D = pool.k_scale.shape[2]
-    codes = gl.NVMMASharedLayout(swizzle_byte_width=min(128, C), element_bitwidth=8, rank=2)
-    halves = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    return (
-        TensorDescriptor(pool.k, [N * H * T, C], [C, 1], [T, C], codes),
-        TensorDescriptor(pool.v, [N * H * T, C], [C, 1], [T, C], codes),
-        TensorDescriptor(pool.k_scale, [N * H, D], [D, 1], [1, D], halves),
-        TensorDescriptor(pool.k_min, [N * H, D], [D, 1], [1, D], halves),
-        TensorDescriptor(pool.v_scale, [N * H, T], [T, 1], [1, T], halves),
-        TensorDescriptor(pool.v_min, [N * H, T], [T, 1], [1, T], halves),
-    )
-
-
 def tma_ring(pool, table: torch.Tensor, splits: int, stages: int, load: bool, descs=None) -> torch.Tensor:
     """One launch over ``table`` [B, H, M] (every entry a block) in ``splits`` splits a row."""
     B, H, M = table.shape
     T, C, D = pool.k.shape[2], pool.k.shape[3], pool.k_scale.shape[2]
     per = -(-M // splits)
     out = torch.empty(B * H * splits, dtype=torch.int32, device=table.device)
-    _tma_ring_kernel[(splits, B * H)](*(descs or descriptors(pool)), table, out, per, M, H=H, T=T, C=C, D=D,
-                                      STAGES=stages, LOAD=load, num_warps=1)  # fmt: skip
+    descs = descs or gluon_decode.descriptors(pool, pool.bits)
+    _tma_ring_kernel[(splits, B * H)](*descs, table, out, per, M, H=H, T=T, C=C, D=D, STAGES=stages,
+                                      LOAD=load, num_warps=1)  # fmt: skip
     return out
 
 
@@ -149,12 +138,21 @@ def shape_row(batch: int, length: int, bits: int, stages: list[int]) -> dict:
     sdpa_ms, sdpa_tbs = da.sdpa_case(batch, length)
     opts = PURE_INT8 if bits == 8 else default_options(bits)  # the dense rows, as decode_attention.py
     attn_ms = da.bench(lambda: da.run_hybrid(inp, opts))
+    shipped = da.run_hybrid(inp, opts)[0].float()
+    tma_opts = replace(opts, gluon_tma=True)
+    attn_tma_ms = da.bench(lambda: da.run_hybrid(inp, tma_opts))
+    diff = float((da.run_hybrid(inp, tma_opts)[0].float() - shipped).norm() / shipped.norm())
+    if not diff < 1e-2:
+        raise SystemExit(f"INT{bits} {batch} x {length}: the TMA build's output differs from the shipped "
+                         f"one's by {diff:.2e} (relative)")  # fmt: skip
     # planned after the attention's first launch, which reads its build's occupancy (the wave model's input)
     plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], pool, table, opts)
+    plan_tma = triton_decode.launch_plan(inp["q"], inp["hot_k"], pool, table, tma_opts)
     row: dict = dict(batch=batch, length=length, bits=bits, splits=plan.splits, kernel=plan.kernel,
                      sdpa_ms=sdpa_ms, sdpa_tbs=sdpa_tbs, attention_ms=attn_ms, ring_bytes=nbytes,
-                     rings={})  # fmt: skip
-    descs = descriptors(pool)
+                     attention_tma_ms=attn_tma_ms, tma_splits=plan_tma.splits,
+                     tma_used=plan_tma.options.gluon_tma, tma_relative_diff=diff, rings={})  # fmt: skip
+    descs = gluon_decode.descriptors(pool, pool.bits)
     for st in stages:
         for load in (False, True):
             ms = da.bench(lambda st=st, load=load: tma_ring(pool, table, plan.splits, st, load, descs))
@@ -187,10 +185,13 @@ def main() -> int:
             rings = ", ".join(f"{k} {v['ms']:.4f} ms ({v['tbs']:.2f} TB/s)" for k, v in r["rings"].items())
             attn, mb = r["attention_ms"], r["ring_bytes"] / 1e6
             sdpa = r["sdpa_ms"]
+            tma = r["attention_tma_ms"]
             print(f"INT{bits} {b} x {n // 1024}K ({mb:.1f} MB, {r['splits']} splits): SDPA {sdpa:.4f} ms "
                   f"({r['sdpa_tbs']:.2f} TB/s); attention {attn:.4f} ms ({attn / sdpa:.3f}x, "
-                  f"{mb / attn / 1e3:.2f} TB/s on the ring's bytes); TMA ring {rings}",
-                  flush=True)  # fmt: skip
+                  f"{mb / attn / 1e3:.2f} TB/s on the ring's bytes); attention on the TMA ring "
+                  f"({'used' if r['tma_used'] else 'NOT used'}, {r['tma_splits']} splits) {tma:.4f} ms "
+                  f"({tma / sdpa:.3f}x, {mb / tma / 1e3:.2f} TB/s; outputs {r['tma_relative_diff']:.1e} "
+                  f"from the shipped kernel's); TMA ring alone {rings}", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tma_ring.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows),
                                                        indent=1))  # fmt: skip
