@@ -78,12 +78,13 @@ class DecodeKernelOptions:
         step took 94.2-94.7 µs against 96.3-100.9 at 16 x 32K and 92.7-94.4 against 100.1-103.6 at 4 x
         128K; ``"paired"`` 97.6-98.2 and 97.5-97.9 (``lab/scripts/sparse_kernels.py --ways``).
     gluon_stages4: ``gluon_mixed``'s 4-bit ring depth (0: ``gluon_stages``, at most 2).
-    gluon_tma: (``gluon``, a ring, sm_90) the ring is filled by tensor copies (TMA): one lane issues a
-        block's six copies (codes, scales, mins) against its stage's mbarrier, instead of every lane issuing
-        its 16-byte ``cp.async`` pieces, so the copies cost the computing warp a few instructions a block
-        instead of ~40 of its ~1,050 (INT4, sm_90 SASS). Pools whose fields are not whole contiguous rows
-        (``gluon_decode.tma_ready``), the ``gluon_mixed`` builds and cards below sm_90 keep ``cp.async``.
-        Off until timed on an H100 / H200 (``lab/scripts/tma_ring.py``).
+    gluon_tma: (``gluon`` and ``gluon_mixed``, a ring, sm_90) the ring is filled by tensor copies (TMA):
+        one lane issues a block's six copies (codes, scales, mins) against its stage's mbarrier, instead of
+        every lane issuing its 16-byte ``cp.async`` pieces, so the copies cost the computing warp a few
+        instructions a block instead of ~40 of its ~1,050, and the lanes hold no copy addresses (INT4: 195
+        registers against 255, 10 programs a multiprocessor against 8; sm_90 SASS). Pools whose fields are
+        not whole contiguous rows (``gluon_decode.tma_ready``) and cards below sm_90 keep ``cp.async``.
+        Off until timed on an H100 / H200 (``lab/scripts/tma_ring.py``, ``lab/scripts/sparse_kernels.py``).
 
     Named constants, the same in every shipped default (tests and sweeps set the other values):
 

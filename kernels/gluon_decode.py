@@ -662,6 +662,9 @@ def _cold_part(
                 s8, c8, gl.load(cv_ptr + base + v_off), vs, vmn, m_i, l_i, vm_i, acc, acc_h, ones,
                 blk_lse_ptr + (row + j) * G, rows, G, C, T, KIND, LV, LP, LP4, TC_BITS, V_ORDER, False,
             )  # fmt: skip
+    if STAGES > 0 and TMA:  # every copy issued was waited for; the memory may serve another build's ring
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
     # partials: acc + sum(p * vmin), channels back in memory order
     part = (bh * part_stride + part0 + pid_s).to(gl.int64)
     vmo = gl.convert_layout(vm_i, gl.SliceLayout(0, MMA))
@@ -732,6 +735,7 @@ def _cold_pair_kernel(
     KM_BITS4: gl.constexpr, SK4: gl.constexpr, SV4: gl.constexpr, COPY4: gl.constexpr, STAGES4: gl.constexpr,
     KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, BY_ID: gl.constexpr,
     SPLIT_MAJOR: gl.constexpr = False,
+    kd=None, vd=None, kd4=None, vd4=None, ksd=None, kmd=None, vsd=None, vmd=None, TMA: gl.constexpr = False,
 ):  # fmt: skip
     """Both builds of ``gluon_mixed`` in one launch (``gluon_builds``), over an 8-bit pool whose demoted
     blocks hold 4-bit codes in the first half of their rows: the 8-bit build over ``table_ptr`` (partial
@@ -739,7 +743,9 @@ def _cold_pair_kernel(
     them). ``BY_ID``: the grid holds ``num_splits + num_splits4`` splits a row and each program takes one
     build's split by its id; else ``max(num_splits, num_splits4)`` and each program reads its split of
     both builds, the 8-bit one first. The builds' rings are live one after the other: the compiler gives
-    them the same shared memory."""
+    them the same shared memory. ``TMA``: both rings filled by tensor copies, the 8-bit build's codes over
+    ``kd`` / ``vd``, the 4-bit build's over ``kd4`` / ``vd4`` (the first half of each row), the scales and
+    mins over the descriptors they share."""
     pid_s = gl.program_id(1 if SPLIT_MAJOR else 0)  # SPLIT_MAJOR: grid (B * H, splits)
     bh = gl.program_id(0 if SPLIT_MAJOR else 1)
     if PDL:  # the merge launch that follows (a programmatic dependent) may start now: it waits to merge
@@ -749,7 +755,8 @@ def _cold_pair_kernel(
                    num_cold_ptr, part_acc_ptr, part_ml_ptr, blk_lse_ptr, qk_scale, busy_blocks, num_splits, M,
                    part_stride, 0, s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, H, G, D, T, 8,
                    LK, LQ, LKM, LV, LP, LP4, ROWS, K_ORDER, Q_ORDER, KM_ORDER, V_ORDER, V_BITS, TC_BITS,
-                   Q_BITS, KM_BITS, SK, SV, COPY, STAGES, KROWS, TABLE_AHEAD, D)  # fmt: skip
+                   Q_BITS, KM_BITS, SK, SV, COPY, STAGES, KROWS, TABLE_AHEAD, D, kd, vd, ksd, kmd, vsd, vmd,
+                   TMA)  # fmt: skip
     if not BY_ID or pid_s >= num_splits:
         pid4 = pid_s - num_splits if BY_ID else pid_s
         _cold_part(pid4, bh, q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table4_ptr,
@@ -757,7 +764,8 @@ def _cold_pair_kernel(
                    num_splits4, M, part_stride, num_splits, s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh,
                    H, G, D, T, 4,
                    LK4, LQ4, LKM4, LV4, LP_4, LP4_4, ROWS4, K_ORDER4, Q_ORDER4, KM_ORDER4, V_ORDER4, V_BITS4,
-                   TC_BITS4, Q_BITS4, KM_BITS4, SK4, SV4, COPY4, STAGES4, KROWS, TABLE_AHEAD, D)  # fmt: skip
+                   TC_BITS4, Q_BITS4, KM_BITS4, SK4, SV4, COPY4, STAGES4, KROWS, TABLE_AHEAD, D, kd4, vd4,
+                   ksd, kmd, vsd, vmd, TMA)  # fmt: skip
 
 
 # ---- host side ----
@@ -875,6 +883,14 @@ def descriptors(pool: ColdPool, kind: int, row: int | None = None) -> tuple[Tens
     )
 
 
+def pair_descriptors(pool: ColdPool) -> tuple[TensorDescriptor, ...]:
+    """The eight descriptors of :func:`launch_pair`'s ``tma`` over an 8-bit pool with demoted blocks: the
+    8-bit build's key and value codes, the 4-bit build's (``[T, D / 2]`` of the ``D``-byte rows), then the
+    key scales and mins, value scales and mins both builds read (:func:`descriptors`)."""
+    eight, four = descriptors(pool, 8), descriptors(pool, 4)
+    return (*eight[:2], *four[:2], *eight[2:])
+
+
 def supported_mixed(
     q: torch.Tensor, block_size: int, code_stride: tuple[int, ...], num_kv_heads: int
 ) -> bool:
@@ -916,11 +932,17 @@ def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: i
 
 def launch_pair(splits: tuple[int, int], rows: int, args: tuple[object, ...], *, H: int, G: int, D: int,
                 T: int, stages: tuple[int, int], by_id: bool, pdl: bool = False, key_rows: bool = True,
-                table_ahead: bool = True) -> object:  # fmt: skip
+                table_ahead: bool = True,
+                tma: tuple[TensorDescriptor, ...] | None = None) -> object:  # fmt: skip
     """Launch ``_cold_pair_kernel``: both builds of an 8-bit pool with demoted blocks in one launch, with
     ``splits`` (8-bit, 4-bit) a row over ``rows`` = B * H rows, ring depths ``stages`` (8-bit, 4-bit) and
     its runtime ``args`` (in order); ``by_id``: each program takes one build's split (``BY_ID``), else
-    its split of both; ``pdl`` as :func:`launch_cold`."""
+    its split of both; ``pdl`` as :func:`launch_cold`; ``tma``: the rings filled by tensor copies over
+    :func:`pair_descriptors` (a build without a ring loads its blocks as before)."""
+    extra: dict[str, object] = {}
+    if tma is not None:
+        extra = dict(zip(("kd", "vd", "kd4", "vd4", "ksd", "kmd", "vsd", "vmd"), tma, strict=True), TMA=True)
+        table_ahead = False
     eight = build_constants(D, T, stages[0], key_rows, table_ahead)
     four = build_constants(D // 2, T, stages[1], key_rows, table_ahead)
     renamed = {"LP": "LP_4", "LP4": "LP4_4"}
@@ -931,4 +953,4 @@ def launch_pair(splits: tuple[int, int], rows: int, args: tuple[object, ...], *,
     n = splits[0] + splits[1] if by_id else max(splits)
     order = (rows, n) if SPLIT_MAJOR else (n, rows)
     return launch(_cold_pair_kernel, order, *args, H=H, G=G, D=D, T=T, PDL=pdl, BY_ID=by_id,
-                  SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **both)  # fmt: skip
+                  SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **both, **extra)  # fmt: skip

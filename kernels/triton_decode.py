@@ -672,8 +672,7 @@ def launch_plan(
         return DecodePlan(kernel, opts, meta, (), splits, per)
     # (gluon_mixed: the 8-bit build's occupancy plans both builds' splits)
     key = ("gluon", str(q.device), bits, D, pool.k.shape[2], G, opts.gluon_stages, opts.gluon_key_rows,
-           opts.gluon_table_ahead, kernel == "gluon_mixed" and opts.gluon_builds,
-           kernel == "gluon" and opts.gluon_tma)  # fmt: skip
+           opts.gluon_table_ahead, kernel == "gluon_mixed" and opts.gluon_builds, opts.gluon_tma)  # fmt: skip
     # The wave model with the build's occupancy, once known: on the H200 it beat every programs-per-SM target
     # for the Gluon kernel.
     plan = replaced(opts, programs_per_sm=opts.gluon_programs_per_sm)
@@ -823,7 +822,10 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
         H=H, G=q.shape[1] // H, D=D, T=pool.k.shape[2], key_rows=opts.gluon_key_rows,
         table_ahead=opts.gluon_table_ahead,
     )  # fmt: skip
+    tma = opts.gluon_tma and gluon_decode.tma_ready(pool)
     if opts.gluon_builds != "two":  # both builds in one launch
+        if tma:
+            common["tma"] = gluon_decode.pair_descriptors(pool)
         return gluon_decode.launch_pair(
             (plan.splits, splits4), B * H,
             (*head, parts.table, parts.counts[0], blk_lse, parts.table[..., w:], parts.counts[1],
@@ -840,7 +842,7 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
             (*head, parts.table[..., i * w:], parts.counts[i], part_acc, part_ml, blk_lse[:, i * w:],
              qk_scale, busy, splits, 2 * w, slots, part0, *strides),
             kind=kind, stages=stages, pdl=pdl and (i == 1 or overlap), row=D, follow=overlap and i == 1,
-            **common,
+            tma=gluon_decode.descriptors(pool, kind) if tma else None, **common,
         ))  # fmt: skip
     return launched[0]
 

@@ -230,17 +230,20 @@ GPU_SHAPES = [
 
 
 def _mixed_options(td, stages: int = 3, pdl: bool = True, overlap: bool = False, builds: str = "two",
-                   stages4: int = 0):  # fmt: skip
+                   stages4: int = 0, tma: bool = False):  # fmt: skip
     return replace(td.default_options(8), gluon_mixed=True, gluon_stages=stages, gluon_pdl=pdl,
-                   gluon_overlap=overlap, gluon_builds=builds, gluon_stages4=stages4)  # fmt: skip
+                   gluon_overlap=overlap, gluon_builds=builds, gluon_stages4=stages4,
+                   gluon_tma=tma)  # fmt: skip
 
 
 def _check_mixed(td, shape: Shape, dtype: torch.dtype, stages: int = 3, pdl: bool = True,
-                 overlap: bool = False, builds: str = "two", stages4: int = 0) -> None:  # fmt: skip
+                 overlap: bool = False, builds: str = "two", stages4: int = 0,
+                 tma: bool = False) -> None:  # fmt: skip
     inp = make_decode(shape, 8, dtype, "cuda", demote=True)
-    opts = _mixed_options(td, stages, pdl, overlap, builds, stages4)
+    opts = _mixed_options(td, stages, pdl, overlap, builds, stages4, tma)
     plan = td.launch_plan(inp["q"], inp["hot_k"], inp["pool"], inp["block_table"], opts)
     assert plan.kernel == "gluon_mixed" and plan.stages4 == (stages4 or min(stages, 2))
+    assert plan.options.gluon_tma == tma
     want = hybrid_decode_attention_ref(**inp)
     poison_allocator("cuda")
     got = td.hybrid_decode_attention_triton(**inp, options=opts)
@@ -282,6 +285,17 @@ def test_mixed_gluon_in_one_launch_gpu(
     split by its id, match the reference, block mass included; with a 4-bit ring of 4 in the 8-bit ring's
     shared memory."""
     _check_mixed(gpu_kernels.triton_decode, shape, dtype, builds=builds, stages4=stages4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize(("builds", "stages"), [("by_id", 3), ("paired", 2), ("two", 3)])
+def test_mixed_gluon_on_tensor_copies_gpu(gpu_kernels, shape: Shape, builds: str, stages: int) -> None:
+    """``gluon_tma`` (sm_90): both builds' rings filled by tensor copies (the 4-bit build's codes a
+    ``[T, D / 2]`` box of the ``D``-byte rows) match the reference, in one launch or two."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("tensor copies (TMA) need sm_90")
+    _check_mixed(gpu_kernels.triton_decode, shape, torch.bfloat16, stages, builds=builds, tma=True)
 
 
 @pytest.mark.gpu

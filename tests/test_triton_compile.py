@@ -82,15 +82,16 @@ def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64
 
 def _gluon_mixed(d: int = 128, bs: int = 64, b: int = 3, m: int = 9, stages: int = 3, heads: int = 8,
                  group: int = 4, arch: Any = None, overlap: bool = False, builds: str | None = None,
-                 stages4: int = 0) -> Callable[[], Any]:  # fmt: skip
+                 stages4: int = 0, tma: bool = False) -> Callable[[], Any]:  # fmt: skip
     """The launches of the mixed Gluon path (an 8-bit pool with demoted blocks: the partition kernel, the
     8-bit and the 4-bit builds, the merge); the launcher is told it applies, as for ``_gluon``;
     ``overlap``: the 4-bit build beside the 8-bit one (``gluon_overlap``, two launches); ``builds``: how
-    the builds launch (``gluon_builds``; None: the default), with a 4-bit ring of ``stages4``."""
+    the builds launch (``gluon_builds``; None: the default), with a 4-bit ring of ``stages4``; ``tma``: the
+    rings filled by tensor copies (``gluon_tma``)."""
     ways = {"gluon_builds": "two" if overlap else builds} if overlap or builds else {}
     return _decode(8, demotable=True, heads=heads, group=group, d=d, b=b, m=m, bs=bs, kernel="gluon_mixed",
                    arch=arch, gluon_mixed=True, gluon_stages=stages, gluon_overlap=overlap,
-                   gluon_stages4=stages4, **ways)  # fmt: skip
+                   gluon_stages4=stages4, gluon_tma=tma, **ways)  # fmt: skip
 
 
 def _partition(b: int = 3, m: int = 9, heads: int = 8) -> Callable[[], Any]:
@@ -240,6 +241,10 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     "decode int8 gluon mixed smollm2 heads, paired": lambda: _gluon_mixed(64, 32, heads=3, group=3,
                                                                           builds="paired"),
     **{f"decode int8 gluon mixed stages {s}": (lambda s=s: _gluon_mixed(stages=s)) for s in (0, 2)},
+    **{f"decode int8 gluon mixed tma, builds {w}": (lambda w=w: _gluon_mixed(builds=w, tma=True))
+       for w in ("two", "paired", "by_id")},
+    "decode int8 gluon mixed tma d64 bs16": lambda: _gluon_mixed(64, 16, tma=True),
+    "decode int8 gluon mixed tma smollm2 heads": lambda: _gluon_mixed(64, 32, heads=3, group=3, tma=True),
     "bits partition": _partition,
     "bits partition 16 x 543": lambda: _partition(b=16, m=543),
     "quest int8": lambda: _quest(8),
@@ -312,6 +317,24 @@ def test_the_tma_build_fills_its_ring_by_tensor_copies_only(bits: int) -> None:
     assert r.stack_bytes == 0 and r.registers < r0.registers, (r, r0)
     resident = [resident_programs(x.registers, 1, x.shared_bytes) for x in (r, r0)]
     assert resident[0] >= resident[1], resident
+
+
+@pytest.mark.parametrize("builds", ["by_id", "paired"])
+def test_the_mixed_pair_on_tensor_copies_reads_each_builds_codes_by_its_own_descriptors(builds: str) -> None:
+    """``gluon_mixed`` with ``gluon_tma``, both builds in one launch: the 8-bit build's codes come as
+    ``[T, D]`` boxes, the 4-bit build's as ``[T, D / 2]`` boxes of the same ``D``-byte rows; both read the
+    same scale descriptors; the pair compiles with tensor copies only and no stack."""
+    from kvtune.kernels.aot import resources
+
+    (pair,) = [x for x in record_launches(_gluon_mixed(builds=builds, tma=True))
+               if x.fn.__name__ == "_cold_pair_kernel"]  # fmt: skip
+    kw = pair.kwargs
+    assert kw["TMA"] and not kw["TABLE_AHEAD"]
+    assert kw["kd"].block_shape == [64, 128] and kw["kd4"].block_shape == [64, 64]
+    assert kw["kd"].shape == kw["kd4"].shape == [40 * 8 * 64, 128]
+    compiled = compile_launch(pair)
+    assert "cp.async.cg" not in compiled.asm["ptx"] and "cp.async.bulk.tensor.2d" in compiled.asm["ptx"]
+    assert resources(pair, compiled=compiled).stack_bytes == 0
 
 
 def test_overlapped_builds_launch_the_4_bit_build_as_a_dependent_that_waits_at_its_end() -> None:
@@ -416,6 +439,7 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
         **{f"decode int8 gluon mixed d{d} bs{bs}": (lambda d=d, bs=bs: _gluon_mixed(d, bs, arch=arch))
            for d, bs in ((128, 64), (64, 16))},
         "decode int8 gluon mixed, two launches": lambda: _gluon_mixed(arch=arch, builds="two"),
+        "decode int8 gluon mixed, tma asked": lambda: _gluon_mixed(arch=arch, tma=True),
         "quest int8": lambda: _quest(8),
         "seal int4 in an 8-bit pool": lambda: _seal(8, 4),
         "seal int8 from hot zones": lambda: _seal(8, 8, from_hot_zones=True),

@@ -15,7 +15,8 @@ launch each), ``overlap`` (``gluon_overlap``: the 4-bit build started beside the
 ``--rounds`` times each, alternating, for an A/B in one process (``--overlap both`` is ``--ways
 two,overlap``). A way ending in ``/own``: the selection writes no split by bits and the attention splits
 the table itself (its partition launch: the step before the selection wrote the split), e.g.
-``default/own``.
+``default/own``. A way ending in ``+tma`` fills the Gluon builds' rings by tensor copies (``gluon_tma``,
+sm_90), e.g. ``default+tma``.
 
     python lab/scripts/sparse_kernels.py --out $OUT [--steps 20] [--summary] [--shapes 16:32768,4:131072]
         [--ways two,paired,by_id,paired:4,paired:0:16] [--rounds 1]
@@ -43,7 +44,13 @@ from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
 
 
 def way_options(bits: int, way: str) -> DecodeKernelOptions:
-    """The default options of ``bits`` launched ``way`` (module docstring; INT8's builds only)."""
+    """The default options of ``bits`` launched ``way`` (module docstring; INT8's builds only, ``+tma``
+    every width's)."""
+    way, _, tma = way.partition("+")
+    if tma not in ("", "tma"):
+        raise SystemExit(f"--ways: {tma!r} after + is not 'tma'")
+    if tma:
+        return replace(way_options(bits, way), gluon_tma=True)
     way, _, own = way.partition("/")
     name, *rest = way.split(":")
     if own not in ("", "own"):
