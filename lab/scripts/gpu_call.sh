@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # One GPU call, in stages, each under its own time limit, logs under $OUT:
-#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels engine noise grid mixed precision sparsekernels quest pieces host plugin busy bound step sparse collapse forward launch hostab warm whole wholeengine leaks)
+#   bash lab/scripts/gpu_call.sh STAGE...   (stages: env tests kernels ring ringtests launches engine noise grid mixed precision sparsekernels quest pieces host plugin busy bound step sparse collapse forward launch hostab warm whole wholeengine leaks)
+# kernels: the decode-attention table, graph replays (KERNELS_S); launches: the same as launches (LAUNCHES_S)
+# ring: the cold ring's A/Bs in one process each: tensor copies (tma_ring.py: the ring alone and the attention
+#   on it; TMA_S), the busy blocks of the one-launch builds (merge_tile.py --busy; MT_S), the selection's L1
+#   step ahead (select_warps.py; SW_S), the sparse INT8 step on tensor copies (sparse_kernels.py; SKT_S)
+# ringtests: GPU tests of the tensor-copy builds and of the warm-up's selection builds (RINGTESTS_S)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # sparse: SPARSE_SHAPES (batch:context ...), SPARSE_HOLD=1 (tiers held as set up: decode_step.py --hold-tiers), SPARSE_S
 # pieces: PIECES_TESTS_S, PIECES_S (each replay), PIECES_BUDGET (4e9), PIECES_REPEATS (3)
@@ -40,6 +45,28 @@ for stage in "$@"; do
     log "decode attention"
     timeout ${KERNELS_S:-150} python3 benchmarks/decode_attention.py --quick --graphs --out "$OUT/attn" > "$OUT/attn.log" 2>&1
     tail -40 "$OUT/attn.log" ;;
+  ring)
+    log "the cold ring on tensor copies: the ring alone and the attention on it, beside the shipped kernel and SDPA"
+    timeout ${TMA_S:-110} python3 lab/scripts/tma_ring.py --out "$OUT/tma" > "$OUT/tma.log" 2>&1; tail -8 "$OUT/tma.log"
+    log "the one-launch builds' busy blocks (attention alone over a fixed table)"
+    timeout ${MT_S:-80} python3 lab/scripts/merge_tile.py --busy 24:4,32:4,32:8,32:8:2 --out "$OUT/mt" > "$OUT/mt.log" 2>&1
+    tail -12 "$OUT/mt.log"
+    log "the selection with its split by bits, the merge's first L1 step ahead or not"
+    timeout ${SW_S:-60} python3 lab/scripts/select_warps.py --tokens 2048 --variants s0:16:0,s0:16:0p,s0:16:0pa \
+      --rounds 2 --out "$OUT/sw" > "$OUT/sw.log" 2>&1; tail -6 "$OUT/sw.log"
+    log "the sparse INT8 step, its builds' rings by cp.async and by tensor copies (e4m3 summary)"
+    KVTUNE_QUEST_SUMMARY=1 timeout ${SKT_S:-90} python3 lab/scripts/sparse_kernels.py --summary --bits 8 \
+      --ways default,default+tma --rounds 2 --steps 10 --out "$OUT/skt" > "$OUT/skt.log" 2>&1
+    grep -E "^[0-9]+x" "$OUT/skt.log" | tail -8 ;;
+  ringtests)
+    log "gpu tests: the tensor-copy builds, the warm-up's selection builds, the split by bits"
+    timeout ${RINGTESTS_S:-120} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton_kernels.py \
+      tests/test_gluon_mixed.py tests/test_triton_step.py -k "tma or tensor_copies or no_kernel_compiles or split" \
+      2>&1 | tee "$OUT/ringtests.log" | tail -8 ;;
+  launches)
+    log "decode attention as launches"
+    timeout ${LAUNCHES_S:-90} python3 benchmarks/decode_attention.py --quick --out "$OUT/launches" > "$OUT/launches.log" 2>&1
+    tail -14 "$OUT/launches.log" ;;
   engine)
     log "engine of 70b9c8a"
     (cd .old && PYTHONPATH=$PWD timeout ${OLD_S:-120} python3 benchmarks/engine_replay.py --model random:llama-3.1-8b \
