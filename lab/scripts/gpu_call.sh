@@ -56,7 +56,7 @@ for stage in "$@"; do
       --rounds 2 --out "$OUT/sw" > "$OUT/sw.log" 2>&1; tail -6 "$OUT/sw.log"
     log "the sparse INT8 step, its builds' rings by cp.async and by tensor copies (e4m3 summary)"
     KVTUNE_QUEST_SUMMARY=1 timeout ${SKT_S:-90} python3 lab/scripts/sparse_kernels.py --summary --bits 8 \
-      --ways default,default+tma --rounds 2 --steps 10 --out "$OUT/skt" > "$OUT/skt.log" 2>&1
+      --ways default,default+tma,default+tma2 --rounds 2 --steps 10 --out "$OUT/skt" > "$OUT/skt.log" 2>&1
     grep -E "^[0-9]+x" "$OUT/skt.log" | tail -8 ;;
   ringtests)
     log "gpu tests: the tensor-copy builds, the warm-up's selection builds, the split by bits"

@@ -16,7 +16,8 @@ launch each), ``overlap`` (``gluon_overlap``: the 4-bit build started beside the
 two,overlap``). A way ending in ``/own``: the selection writes no split by bits and the attention splits
 the table itself (its partition launch: the step before the selection wrote the split), e.g.
 ``default/own``. A way ending in ``+tma`` fills the Gluon builds' rings by tensor copies (``gluon_tma``,
-sm_90), e.g. ``default+tma``.
+sm_90), e.g. ``default+tma``; ``+tmaN`` also sets the 8-bit ring's depth to N (``gluon_stages``), e.g.
+``default+tma2``.
 
     python lab/scripts/sparse_kernels.py --out $OUT [--steps 20] [--summary] [--shapes 16:32768,4:131072]
         [--ways two,paired,by_id,paired:4,paired:0:16] [--rounds 1]
@@ -47,10 +48,11 @@ def way_options(bits: int, way: str) -> DecodeKernelOptions:
     """The default options of ``bits`` launched ``way`` (module docstring; INT8's builds only, ``+tma``
     every width's)."""
     way, _, tma = way.partition("+")
-    if tma not in ("", "tma"):
-        raise SystemExit(f"--ways: {tma!r} after + is not 'tma'")
+    if tma and not (tma.startswith("tma") and (tma[3:] == "" or tma[3:].isdigit())):
+        raise SystemExit(f"--ways: {tma!r} after + is not 'tma' or 'tmaN'")
     if tma:
-        return replace(way_options(bits, way), gluon_tma=True)
+        opts = replace(way_options(bits, way), gluon_tma=True)
+        return replace(opts, gluon_stages=int(tma[3:])) if tma[3:] and bits == 8 else opts
     way, _, own = way.partition("/")
     name, *rest = way.split(":")
     if own not in ("", "own"):

@@ -19,6 +19,9 @@ copies over ``gluon_decode.descriptors``) is timed beside the shipped one in the
 difference of its outputs from the shipped kernel's (the split plans may differ: the TMA build needs fewer
 registers, so more of its programs fit a multiprocessor).
 
+The attention on tensor copies is timed at its default ring depth and at one more (INT4: 3 stages, 8
+programs a multiprocessor where 2 fit 10) or one fewer (INT8: 2 stages, 6 programs where 3 fit 4).
+
     python lab/scripts/tma_ring.py --out $OUT [--shapes 64:8192,16:32768] [--bits 4,8] [--stages 2,3,4]
 """
 
@@ -145,13 +148,16 @@ def shape_row(batch: int, length: int, bits: int, stages: list[int]) -> dict:
     if not diff < 1e-2:
         raise SystemExit(f"INT{bits} {batch} x {length}: the TMA build's output differs from the shipped "
                          f"one's by {diff:.2e} (relative)")  # fmt: skip
+    other = replace(tma_opts, gluon_stages=opts.gluon_stages + (1 if bits == 4 else -1))
+    other_ms = da.bench(lambda: da.run_hybrid(inp, other))
     # planned after the attention's first launch, which reads its build's occupancy (the wave model's input)
     plan = triton_decode.launch_plan(inp["q"], inp["hot_k"], pool, table, opts)
     plan_tma = triton_decode.launch_plan(inp["q"], inp["hot_k"], pool, table, tma_opts)
     row: dict = dict(batch=batch, length=length, bits=bits, splits=plan.splits, kernel=plan.kernel,
                      sdpa_ms=sdpa_ms, sdpa_tbs=sdpa_tbs, attention_ms=attn_ms, ring_bytes=nbytes,
                      attention_tma_ms=attn_tma_ms, tma_splits=plan_tma.splits,
-                     tma_used=plan_tma.options.gluon_tma, tma_relative_diff=diff, rings={})  # fmt: skip
+                     tma_used=plan_tma.options.gluon_tma, tma_relative_diff=diff,
+                     attention_tma_other=dict(stages=other.gluon_stages, ms=other_ms), rings={})  # fmt: skip
     descs = gluon_decode.descriptors(pool, pool.bits)
     for st in stages:
         for load in (False, True):
@@ -191,7 +197,8 @@ def main() -> int:
                   f"{mb / attn / 1e3:.2f} TB/s on the ring's bytes); attention on the TMA ring "
                   f"({'used' if r['tma_used'] else 'NOT used'}, {r['tma_splits']} splits) {tma:.4f} ms "
                   f"({tma / sdpa:.3f}x, {mb / tma / 1e3:.2f} TB/s; outputs {r['tma_relative_diff']:.1e} "
-                  f"from the shipped kernel's); TMA ring alone {rings}", flush=True)  # fmt: skip
+                  f"from the shipped kernel's), at {r['attention_tma_other']['stages']} stages "
+                  f"{r['attention_tma_other']['ms']:.4f} ms; TMA ring alone {rings}", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tma_ring.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows),
                                                        indent=1))  # fmt: skip
