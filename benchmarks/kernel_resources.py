@@ -1,7 +1,7 @@
 """Registers, stack and shared memory of the decode-attention kernel variants, the programs per SM they
 allow on an H100/H200 (:func:`kvtune.kernels.triton_decode.resident_programs`) and the SASS instructions of
 their block loop (:func:`kvtune.kernels.aot.longest_loop`; for the pair of sparse INT8's builds in one launch,
-the longest backward branch's span, more than one build's loop), read from a sm_90 compile on any machine (no
+the longer of the two builds' loops), read from a sm_90 compile on any machine (no
 GPU needed: :mod:`kvtune.kernels.aot`), sparse INT8's builds (``gluon_mixed``) among them; then the merge that
 follows the Gluon kernel, with 4, 8 or 16 splits' partials in flight at the padded 16 rows or at the group's
 own (``MERGE_TILE``, ``MERGE_GROUP_ROWS``).
@@ -32,13 +32,17 @@ MIXED = "gluon mixed"  # an 8-bit pool with demoted blocks: gluon_mixed's first 
 VARIANTS: dict[int, dict[str, dict[str, Any]]] = {
     8: {"Gluon, 3 stages (default)": {GLUON: True}, "Gluon, 2 stages": {GLUON: True, "gluon_stages": 2},
         "Gluon, direct loads": {GLUON: True, "gluon_stages": 0},
+        "Gluon, tensor copies": {GLUON: True, "gluon_tma": True},
         "Triton, pure INT8": {}, "Triton, byte values (no v_pairs)": {"v_pairs": False},
         "Triton, cap 96": {"maxnreg": 96}, "Triton, mixed 8/4-bit pool": {"mixed": True},
         "Gluon mixed, both builds (default)": {MIXED: True},
         "Gluon mixed, 8-bit build alone": {MIXED: True, "gluon_builds": "two"},
-        "Gluon mixed, both, paired": {MIXED: True, "gluon_builds": "paired"}},
+        "Gluon mixed, both, paired": {MIXED: True, "gluon_builds": "paired"},
+        "Gluon mixed, both, tensor copies": {MIXED: True, "gluon_tma": True}},
     4: {"Gluon, 2 stages (default)": {GLUON: True}, "Gluon, 3 stages": {GLUON: True, "gluon_stages": 3},
         "Gluon, direct loads": {GLUON: True, "gluon_stages": 0},
+        "Gluon, tensor copies": {GLUON: True, "gluon_tma": True},
+        "Gluon, tensor copies, 3 stages": {GLUON: True, "gluon_tma": True, "gluon_stages": 3},
         "Triton (2 stages, cap 128)": {}, "Triton, 2 stages, no cap": {"maxnreg": None},
         "Triton, 3 stages, cap 128": {"num_stages": 3}},
     0: {"Triton (default)": {}},

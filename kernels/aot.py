@@ -152,9 +152,11 @@ def resources(launch: Launch, target: GPUTarget = HOPPER, compiled: Any = None) 
 
 
 def longest_loop(sass: str) -> int:
-    """Instructions between the target of a backward branch and the branch, for the longest such span of a
-    ``cuobjdump -sass`` listing: a decode kernel's block loop, whose length per block is what an issue-bound
-    kernel pays (0 where the listing has no backward branch)."""
+    """Instructions between the target of a conditional backward branch and the branch, for the longest such
+    span of a ``cuobjdump -sass`` listing: a decode kernel's block loop, whose length per block is what an
+    issue-bound kernel pays (0 where the listing has none). An unconditional backward branch is no loop's
+    back edge: it returns from code placed out of line (an mbarrier wait's retry after ``EXIT``) into the
+    middle of the loop."""
     seen: list[int] = []
     best = 0
     for line in sass.splitlines():
@@ -163,7 +165,7 @@ def longest_loop(sass: str) -> int:
             continue
         addr = int(m.group(1), 16)
         seen.append(addr)
-        branch = re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)", m.group(2))
+        branch = re.search(r"^@!?U?P\w*\s+BRA\b[^;]*?0x([0-9a-f]+)", m.group(2))
         if branch is not None and int(branch.group(1), 16) < addr:
             start = int(branch.group(1), 16)
             best = max(best, sum(1 for a in seen if start <= a <= addr))

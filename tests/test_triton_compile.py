@@ -371,8 +371,13 @@ def test_longest_loop_counts_the_span_of_the_longest_backward_branch() -> None:
         /*0050*/              @P1 BRA 0x40 ;
         /*0060*/                   BRA 0x70 ;
         /*0070*/                   EXIT ;
+        /*0080*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR4], R3 ;
+        /*0090*/              @!P2 BRA 0x80 ;
+        /*00a0*/                   BRA 0x20 ;
     """
-    assert longest_loop(sass) == 3  # 0x10..0x30; the 2-instruction loop and the forward branch lose
+    # 0x10..0x30; the 2-instruction loops, the forward branch and the out-of-line block's unconditional
+    # return into the loop (0x20..0xa0) lose
+    assert longest_loop(sass) == 3
     assert longest_loop("") == 0
 
 
@@ -385,6 +390,9 @@ def test_the_gluon_builds_block_loop_is_found_in_their_sass() -> None:
         launches = record_launches(_gluon(bits, stages=2))
         r = resources(launches[0])
         assert r.name == "_cold_kernel" and 500 < r.loop_instructions < 2000, (bits, r)
+        # on tensor copies: the same loop less the lanes' copies (the wait's retry sits out of line)
+        tma = resources(record_launches(_gluon(bits, stages=2, tma=True))[0])
+        assert 500 < tma.loop_instructions < r.loop_instructions, (bits, tma, r)
 
 
 def test_the_mixed_path_reads_the_split_the_selection_wrote() -> None:
