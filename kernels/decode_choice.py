@@ -85,6 +85,12 @@ class DecodeKernelOptions:
         registers against 255, 10 programs a multiprocessor against 8; sm_90 SASS). Pools whose fields are
         not whole contiguous rows (``gluon_decode.tma_ready``) and cards below sm_90 keep ``cp.async``.
         Off until timed on an H100 / H200 (``lab/scripts/tma_ring.py``, ``lab/scripts/sparse_kernels.py``).
+    gluon_after_select: (``gluon_mixed``, sm_90) the cold builds launch as a programmatic dependent of the
+        launch before them, which in a sparse step is the selection's merge (it lets its dependents start as
+        it starts: ``triton_sparse_split``): each program loads and scales its queries and sets up its ring,
+        then waits for that launch to end before it reads the table split by bits. The builds' launch and
+        set-up then overlap the merge instead of following it. The launch before is waited for whatever it
+        is, so the outputs do not change. Off until timed (``lab/scripts/sparse_kernels.py``, ``+after``).
 
     Named constants, the same in every shipped default (tests and sweeps set the other values):
 
@@ -118,6 +124,7 @@ class DecodeKernelOptions:
     gluon_builds: GluonBuilds = "two"
     gluon_stages4: int = 0
     gluon_tma: bool = False
+    gluon_after_select: bool = False
     # named constants
     num_stages: int = 2
     min_blocks_per_split: int = 4

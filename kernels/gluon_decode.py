@@ -504,6 +504,7 @@ def _cold_part(
     KM_BITS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, COPY: gl.constexpr, STAGES: gl.constexpr,
     KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, ROW: gl.constexpr,
     kd=None, vd=None, ksd=None, kmd=None, vsd=None, vmd=None, TMA: gl.constexpr = False,
+    AFTER: gl.constexpr = False,
 ):  # fmt: skip
     """Partial attention of split ``pid_s`` of row ``bh`` (sequence * KV head) over its cold blocks (module
     docstring): the partial (m, l, acc) in the layout of ``_split_kernel``'s partials (slot ``part0 +
@@ -511,7 +512,10 @@ def _cold_part(
     next (``C``; ``D`` for the 4-bit blocks of an 8-bit pool, whose codes fill the first half of each
     row). ``TMA`` (with a ring, sm_90): the ring is filled by tensor copies over the descriptors ``kd`` ..
     ``vmd`` (:func:`descriptors`), one lane issuing a block's six against its stage's mbarrier, instead of
-    every lane's ``cp.async``; the block ids are loaded one iteration ahead (``TABLE_AHEAD`` is not read)."""
+    every lane's ``cp.async``; the block ids are loaded one iteration ahead (``TABLE_AHEAD`` is not read).
+    ``AFTER``: launched as a programmatic dependent of the launch before (``gluon_after_select``), the
+    program waits for it to end once its queries are loaded and its ring set up, before it reads the table
+    and the counts (the reads take their row from the wait's result, so none is moved above it)."""
     b = bh // H
     h = bh % H
     C: gl.constexpr = D if KIND == 8 else D // 2  # channels per operand (and bytes per code row)
@@ -547,6 +551,8 @@ def _cold_part(
 
     # the row's own count split evenly over its busy splits, one per ``busy_blocks`` listed blocks (see
     # triton_decode._split_kernel and _busy_splits); the splits after them take no block and write nothing
+    if AFTER:  # the table and the counts are the launch before's outputs
+        bh = _wait_primary(bh)
     nc = gl.load(num_cold_ptr + bh)
     busy = gl.maximum(gl.minimum((nc + busy_blocks - 1) // busy_blocks, num_splits), 1)
     per = (nc + busy - 1) // busy
@@ -697,6 +703,7 @@ def _cold_kernel(
     KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, ROW: gl.constexpr,
     SPLIT_MAJOR: gl.constexpr = False, FOLLOW: gl.constexpr = False,
     kd=None, vd=None, ksd=None, kmd=None, vsd=None, vmd=None, TMA: gl.constexpr = False,
+    AFTER: gl.constexpr = False,
 ):  # fmt: skip
     """One build over its grid of (split, sequence * KV head) programs (:func:`_cold_part`). ``FOLLOW``:
     this launch is a programmatic dependent of the build before it, whose outputs it does not read: it
@@ -711,7 +718,7 @@ def _cold_kernel(
                part_stride, part0, s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, H, G, D, T, KIND,
                LK, LQ, LKM, LV, LP, LP4, ROWS, K_ORDER, Q_ORDER, KM_ORDER, V_ORDER, V_BITS, TC_BITS, Q_BITS,
                KM_BITS, SK, SV, COPY, STAGES, KROWS, TABLE_AHEAD, ROW, kd, vd, ksd, kmd, vsd, vmd,
-               TMA)  # fmt: skip
+               TMA, AFTER)  # fmt: skip
     if FOLLOW:  # end no earlier than the build before: the merge, waiting on this launch, then has both
         _wait_primary(pid_s)
 
@@ -736,6 +743,7 @@ def _cold_pair_kernel(
     KROWS: gl.constexpr, TABLE_AHEAD: gl.constexpr, PDL: gl.constexpr, BY_ID: gl.constexpr,
     SPLIT_MAJOR: gl.constexpr = False,
     kd=None, vd=None, kd4=None, vd4=None, ksd=None, kmd=None, vsd=None, vmd=None, TMA: gl.constexpr = False,
+    AFTER: gl.constexpr = False,
 ):  # fmt: skip
     """Both builds of ``gluon_mixed`` in one launch (``gluon_builds``), over an 8-bit pool whose demoted
     blocks hold 4-bit codes in the first half of their rows: the 8-bit build over ``table_ptr`` (partial
@@ -756,7 +764,7 @@ def _cold_pair_kernel(
                    part_stride, 0, s_qb, s_qh, s_cn, s_ch, s_kn, s_kh, s_vn, s_vh, H, G, D, T, 8,
                    LK, LQ, LKM, LV, LP, LP4, ROWS, K_ORDER, Q_ORDER, KM_ORDER, V_ORDER, V_BITS, TC_BITS,
                    Q_BITS, KM_BITS, SK, SV, COPY, STAGES, KROWS, TABLE_AHEAD, D, kd, vd, ksd, kmd, vsd, vmd,
-                   TMA)  # fmt: skip
+                   TMA, AFTER)  # fmt: skip
     if not BY_ID or pid_s >= num_splits:
         pid4 = pid_s - num_splits if BY_ID else pid_s
         _cold_part(pid4, bh, q_ptr, ck_ptr, cv_ptr, kmin_ptr, ksc_ptr, vmin_ptr, vsc_ptr, table4_ptr,
@@ -765,7 +773,7 @@ def _cold_pair_kernel(
                    H, G, D, T, 4,
                    LK4, LQ4, LKM4, LV4, LP_4, LP4_4, ROWS4, K_ORDER4, Q_ORDER4, KM_ORDER4, V_ORDER4, V_BITS4,
                    TC_BITS4, Q_BITS4, KM_BITS4, SK4, SV4, COPY4, STAGES4, KROWS, TABLE_AHEAD, D, kd4, vd4,
-                   ksd, kmd, vsd, vmd, TMA)  # fmt: skip
+                   ksd, kmd, vsd, vmd, TMA, AFTER and BY_ID)  # fmt: skip
 
 
 # ---- host side ----
@@ -799,13 +807,14 @@ def build_constants(
 RING_RESIDENT = 4
 
 
-def ring_bytes(d: int, t: int, kind: int, stages: int, scale_bytes: int = 2) -> int:
+def ring_bytes(d: int, t: int, kind: int, stages: int, scale_bytes: int = 2, tma: bool = False) -> int:
     """Shared memory of one program's ring: per stage a block's key and value codes ([T, C] each), the key
-    scales and mins ([D] each) and the value scales and mins ([T] each); the 16-entry id ring (int32)."""
+    scales and mins ([D] each) and the value scales and mins ([T] each); the 16-entry id ring (int32), or
+    with ``tma`` (tensor copies) a stage's mbarrier (8 bytes) instead."""
     if stages == 0:
         return 0
     c = d if kind == 8 else d // 2
-    return stages * (2 * t * c + 2 * d * scale_bytes + 2 * t * scale_bytes) + 16 * 4
+    return stages * (2 * t * c + 2 * d * scale_bytes + 2 * t * scale_bytes) + (8 * stages if tma else 16 * 4)
 
 
 def ring_stages(arch: Arch, d: int, t: int, kind: int, stages: int) -> int:
@@ -912,13 +921,14 @@ SPLIT_MAJOR = True
 def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: int, D: int, T: int, kind: int,
                 stages: int = 2, pdl: bool = False, key_rows: bool = True, table_ahead: bool = True,
                 row: int | None = None, follow: bool = False,
-                tma: tuple[TensorDescriptor, ...] | None = None) -> object:  # fmt: skip
+                tma: tuple[TensorDescriptor, ...] | None = None, after: bool = False) -> object:  # fmt: skip
     """Launch ``_cold_kernel`` over ``grid`` = (splits, B * H), in :data:`SPLIT_MAJOR` order, with its runtime
     ``args`` (in order); ``pdl``: the next launch on the stream, a programmatic dependent, may start at once;
     ``row``: bytes between code rows (None: the pool's own width, ``D * kind / 8``; ``D`` for 4-bit codes in
     an 8-bit pool); ``follow``: launched as a programmatic dependent of the launch before it (launched with
     ``pdl``), which it does not read, and waits for it at its end (``FOLLOW``); ``tma``: the ring (``stages``
-    above 0) filled by tensor copies over these :func:`descriptors` (``TMA``; sm_90)."""
+    above 0) filled by tensor copies over these :func:`descriptors` (``TMA``; sm_90); ``after``: launched as
+    a programmatic dependent of the launch before it, whose outputs it reads after waiting (``AFTER``)."""
     channels = D if kind == 8 else D // 2
     tma = tma if stages > 0 else None
     constants = build_constants(channels, T, stages, key_rows, table_ahead and tma is None)
@@ -926,23 +936,27 @@ def launch_cold(grid: tuple[int, int], args: tuple[object, ...], *, H: int, G: i
     extra: dict[str, object] = {"FOLLOW": True, "launch_pdl": True} if follow else {}
     if tma is not None:
         extra.update(zip(("kd", "vd", "ksd", "kmd", "vsd", "vmd"), tma, strict=True), TMA=True)
+    if after:
+        extra.update(AFTER=True, launch_pdl=True)
     return launch(_cold_kernel, order, *args, H=H, G=G, D=D, T=T, KIND=kind, PDL=pdl, ROW=row or channels,
                   SPLIT_MAJOR=SPLIT_MAJOR, num_warps=1, **constants, **extra)  # fmt: skip
 
 
 def launch_pair(splits: tuple[int, int], rows: int, args: tuple[object, ...], *, H: int, G: int, D: int,
                 T: int, stages: tuple[int, int], by_id: bool, pdl: bool = False, key_rows: bool = True,
-                table_ahead: bool = True,
-                tma: tuple[TensorDescriptor, ...] | None = None) -> object:  # fmt: skip
+                table_ahead: bool = True, tma: tuple[TensorDescriptor, ...] | None = None,
+                after: bool = False) -> object:  # fmt: skip
     """Launch ``_cold_pair_kernel``: both builds of an 8-bit pool with demoted blocks in one launch, with
     ``splits`` (8-bit, 4-bit) a row over ``rows`` = B * H rows, ring depths ``stages`` (8-bit, 4-bit) and
     its runtime ``args`` (in order); ``by_id``: each program takes one build's split (``BY_ID``), else
-    its split of both; ``pdl`` as :func:`launch_cold`; ``tma``: the rings filled by tensor copies over
-    :func:`pair_descriptors` (a build without a ring loads its blocks as before)."""
+    its split of both; ``pdl``, ``after`` as :func:`launch_cold`; ``tma``: the rings filled by tensor copies
+    over :func:`pair_descriptors` (a build without a ring loads its blocks as before)."""
     extra: dict[str, object] = {}
     if tma is not None:
         extra = dict(zip(("kd", "vd", "kd4", "vd4", "ksd", "kmd", "vsd", "vmd"), tma, strict=True), TMA=True)
         table_ahead = False
+    if after:
+        extra.update(AFTER=True, launch_pdl=True)
     eight = build_constants(D, T, stages[0], key_rows, table_ahead)
     four = build_constants(D // 2, T, stages[1], key_rows, table_ahead)
     renamed = {"LP": "LP_4", "LP4": "LP4_4"}

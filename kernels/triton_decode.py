@@ -766,7 +766,8 @@ def _resolved(
     if bits in (4, 8) and (options.gluon or options.gluon_mixed):
         stages = gluon_decode.ring_stages(arch, head_dim, block_size, bits, stages)
     return replace(options, cvt=cvt, gluon_pdl=options.gluon_pdl and arch.pdl, gluon_stages=stages,
-                   gluon_tma=options.gluon_tma and arch.tma and stages > 0)  # fmt: skip
+                   gluon_tma=options.gluon_tma and arch.tma and stages > 0,
+                   gluon_after_select=options.gluon_after_select and arch.pdl)  # fmt: skip
 
 
 def _aligned(pool: ColdPool, size: int) -> bool:
@@ -831,7 +832,8 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
             (*head, parts.table, parts.counts[0], blk_lse, parts.table[..., w:], parts.counts[1],
              blk_lse[:, w:], part_acc, part_ml, qk_scale, busy8, busy4, plan.splits, splits4, 2 * w, slots,
              *strides),
-            stages=(opts.gluon_stages, plan.stages4), by_id=opts.gluon_builds == "by_id", pdl=pdl, **common,
+            stages=(opts.gluon_stages, plan.stages4), by_id=opts.gluon_builds == "by_id", pdl=pdl,
+            after=opts.gluon_after_select, **common,
         )  # fmt: skip
     builds = ((8, opts.gluon_stages, plan.splits, busy8, 0), (4, plan.stages4, splits4, busy4, plan.splits))
     overlap = pdl and opts.gluon_overlap
@@ -842,7 +844,8 @@ def _launch_mixed(q: torch.Tensor, pool: ColdPool, parts: BitsPartition, part_ac
             (*head, parts.table[..., i * w:], parts.counts[i], part_acc, part_ml, blk_lse[:, i * w:],
              qk_scale, busy, splits, 2 * w, slots, part0, *strides),
             kind=kind, stages=stages, pdl=pdl and (i == 1 or overlap), row=D, follow=overlap and i == 1,
-            tma=gluon_decode.descriptors(pool, kind) if tma else None, **common,
+            tma=gluon_decode.descriptors(pool, kind) if tma else None,
+            after=opts.gluon_after_select and i == 0, **common,
         ))  # fmt: skip
     return launched[0]
 

@@ -50,7 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtune.kernels.arch import num_sms
+from kvtune.kernels.arch import arch_of, num_sms
+from kvtune.kernels.backend import on_gpu
 from kvtune.kernels.bits_partition_ref import BitsPartition, partition_width
 from kvtune.kernels.launch import launch
 from kvtune.kernels.layout import ColdPool
@@ -209,14 +210,18 @@ def _span_kernel(
 @triton.jit(do_not_specialize=["M", "W", "K", "P", "W2", "R"])
 def _merge_spans_kernel(keys_ptr, blocks_ptr, cost_ptr, table_ptr, n1_ptr, bytes_ptr, bits_ptr, part_ptr,
                         pos_ptr, pcount_ptr, M, W, K, P, W2, R, H: tl.constexpr, TOPK: tl.constexpr,
-                        NK: tl.constexpr, PART: tl.constexpr, PB: tl.constexpr,
-                        ZB: tl.constexpr, AHEAD: tl.constexpr = False):  # fmt: skip
+                        NK: tl.constexpr, PART: tl.constexpr, PB: tl.constexpr, ZB: tl.constexpr,
+                        AHEAD: tl.constexpr = False, TRIGGER: tl.constexpr = False):  # fmt: skip
     """Row bh's top-K of its spans' keys to table places n1 + rank, with their bytes (``cost[bits]``, the
     bits in the key). ``tl.topk`` (a bitonic network) sorts the TOPK largest of the NK keys descending, so a
     key's rank is its place (keys are distinct). PART: the row split by bits too, its L1 blocks (listed by
     ``_l1_row``, ``PB`` at a time, their bits loaded) then the selected ones (their bits in their keys), the
     halves' counts, -1 after each half and after the row's count in ``positions``. AHEAD: the first ``PB``
-    L1 ids and their bits are loaded before the network (``SelectOptions.merge_l1_ahead``)."""
+    L1 ids and their bits are loaded before the network (``SelectOptions.merge_l1_ahead``). TRIGGER (sm_90):
+    a launch that follows as a programmatic dependent may start now (the mixed attention's builds with
+    ``gluon_after_select``, which wait for this launch's end before reading its outputs)."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0)
     n = P * TOPK
     e = tl.arange(0, NK)
@@ -322,6 +327,7 @@ def sparse_block_table_split_triton(
     launch(_merge_spans_kernel, (B * H,),
         keys, blocks, count.cost, table, n1, count.total, pool.block_bits, *split_out[:3], M, W, k_blocks,
         plan.splits, *split_out[3:], H=H, TOPK=topk, NK=merge_width(k_blocks, plan.splits), PART=part,
-        PB=PART_STEP, ZB=PART_PAD, AHEAD=part and opts.merge_l1_ahead, num_warps=MERGE_WARPS,
+        PB=PART_STEP, ZB=PART_PAD, AHEAD=part and opts.merge_l1_ahead,
+        TRIGGER=part and on_gpu(q) and arch_of(dev).pdl, num_warps=MERGE_WARPS,
     )  # fmt: skip
     return table, num, n1

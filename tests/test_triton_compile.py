@@ -537,6 +537,14 @@ def test_the_gluon_ring_takes_the_shared_memory_the_plan_counts(arch: str, bits:
     stages = cold.kwargs["STAGES"]
     assert stages == EXPECTED_STAGES[bits][arch]
     assert compile_launch(cold, target_of(a)).metadata.shared == ring_bytes(128, 64, bits, stages)
+    if a.tma:  # the ring on tensor copies: its barriers instead of the id ring
+        (tma,) = [
+            x
+            for x in record_launches(_decode(bits, False, kernel="gluon", arch=a, gluon_tma=True))
+            if x.fn.__name__ == "_cold_kernel"
+        ]
+        shared = compile_launch(tma, target_of(a)).metadata.shared
+        assert shared == ring_bytes(128, 64, bits, stages, tma=True)
 
 
 # the default ring (8-bit: 3, 4-bit: 2) where 4 programs fit a multiprocessor's shared memory, else shallower
