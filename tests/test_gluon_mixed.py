@@ -381,3 +381,57 @@ def test_aligned_pools_only_take_the_gluon_kernel() -> None:
         assert gluon_decode.aligned(pool)
     odd = replace(pool, k_min=torch.zeros(22, 2 * 64 + 8, dtype=torch.float16)[:, :128].view(22, 2, 64))
     assert not gluon_decode.aligned(odd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("builds", ["by_id", "paired", "two"])
+@pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
+def test_mixed_builds_launched_after_the_selection_gpu(gpu_kernels, builds: str, tma: bool) -> None:
+    """``gluon_after_select`` (sm_90): the split selection writes the table split by bits and its merge lets
+    the builds start at once; they wait for it before reading the split. The step's outputs are those of
+    the builds launched after the selection ends, bit for bit, eagerly and replayed from a graph on new
+    queries and tiers (the table then changes under the waiting builds)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    from kvtune.kernels.sparse_table import L1, L2, ByteCount
+    from kvtune.kernels.sparse_table_choice import SelectOptions
+    from kvtune.kernels.triton_sparse_split import sparse_block_table_split_triton
+
+    td = gpu_kernels.triton_decode
+    inp = make_decode(Shape(4, 8, 4, 128, 64, 96, 128), 8, torch.bfloat16, "cuda", demote=False)
+    pool = inp["pool"]
+    b, m, k = 4, 96, 8
+    blocks = torch.randperm(pool.num_blocks, device="cuda")[: b * m].view(b, m)
+    tier = torch.full((pool.num_blocks,), L2, device="cuda", dtype=torch.int8)
+    tier[blocks[:, -12:]] = L1  # the newest eighth of each row
+    requantize_int4_ref(pool, blocks[:, :-12].flatten())  # L2 blocks are 4-bit in an 8-bit pool
+    pool.may_demote = True
+    count = ByteCount(torch.arange(9, device="cuda") * 1000, 4096, torch.zeros((), dtype=torch.int64,
+                                                                            device="cuda"))  # fmt: skip
+
+    def step(after: bool) -> tuple[torch.Tensor, ...]:
+        parts = empty_partition(b, 8, m + k, "cuda")
+        table, num, _ = sparse_block_table_split_triton(inp["q"], pool, blocks, tier, k, count,
+                                                        SelectOptions(split=True), None, parts)  # fmt: skip
+        opts = _mixed_options(td, builds=builds, tma=tma)
+        return td.hybrid_decode_attention_triton(
+            inp["q"], inp["hot_k"], inp["hot_v"], inp["hot_slot"], inp["hot_len"], pool, table, num,
+            inp["sm_scale"], options=replace(opts, gluon_after_select=after), partition=parts,
+        )  # fmt: skip
+
+    plan_opts = replace(_mixed_options(td, builds=builds, tma=tma), gluon_after_select=True)
+    plan = td.launch_plan(inp["q"], inp["hot_k"], pool, inp["block_table"], plan_opts)
+    assert plan.options.gluon_after_select
+    want = step(False)
+    got = step(True)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(True)
+    inp["q"].normal_()
+    tier[blocks[:, -24:-12]] = L1  # more L1 blocks (4-bit ones among them: promoted back)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = step(False)
+    assert all(torch.equal(x, y) for x, y in zip(captured, want, strict=True))

@@ -82,16 +82,17 @@ def _gluon(bits: int, heads: int = 8, group: int = 4, d: int = 128, bs: int = 64
 
 def _gluon_mixed(d: int = 128, bs: int = 64, b: int = 3, m: int = 9, stages: int = 3, heads: int = 8,
                  group: int = 4, arch: Any = None, overlap: bool = False, builds: str | None = None,
-                 stages4: int = 0, tma: bool = False) -> Callable[[], Any]:  # fmt: skip
+                 stages4: int = 0, tma: bool = False, after: bool = False) -> Callable[[], Any]:  # fmt: skip
     """The launches of the mixed Gluon path (an 8-bit pool with demoted blocks: the partition kernel, the
     8-bit and the 4-bit builds, the merge); the launcher is told it applies, as for ``_gluon``;
     ``overlap``: the 4-bit build beside the 8-bit one (``gluon_overlap``, two launches); ``builds``: how
     the builds launch (``gluon_builds``; None: the default), with a 4-bit ring of ``stages4``; ``tma``: the
-    rings filled by tensor copies (``gluon_tma``)."""
+    rings filled by tensor copies (``gluon_tma``); ``after``: the builds launched as programmatic dependents
+    of the launch before (``gluon_after_select``)."""
     ways = {"gluon_builds": "two" if overlap else builds} if overlap or builds else {}
     return _decode(8, demotable=True, heads=heads, group=group, d=d, b=b, m=m, bs=bs, kernel="gluon_mixed",
                    arch=arch, gluon_mixed=True, gluon_stages=stages, gluon_overlap=overlap,
-                   gluon_stages4=stages4, gluon_tma=tma, **ways)  # fmt: skip
+                   gluon_stages4=stages4, gluon_tma=tma, gluon_after_select=after, **ways)  # fmt: skip
 
 
 def _partition(b: int = 3, m: int = 9, heads: int = 8) -> Callable[[], Any]:
@@ -244,6 +245,9 @@ CASES: dict[str, Callable[[], Callable[[], Any]]] = {
     **{f"decode int8 gluon mixed tma, builds {w}": (lambda w=w: _gluon_mixed(builds=w, tma=True))
        for w in ("two", "paired", "by_id")},
     "decode int8 gluon mixed tma d64 bs16": lambda: _gluon_mixed(64, 16, tma=True),
+    **{f"decode int8 gluon mixed after the selection, builds {w}": (
+        lambda w=w: _gluon_mixed(builds=w, after=True)) for w in ("two", "paired", "by_id")},
+    "decode int8 gluon mixed tma after the selection": lambda: _gluon_mixed(tma=True, after=True),
     "decode int8 gluon mixed tma smollm2 heads": lambda: _gluon_mixed(64, 32, heads=3, group=3, tma=True),
     "bits partition": _partition,
     "bits partition 16 x 543": lambda: _partition(b=16, m=543),
@@ -335,6 +339,40 @@ def test_the_mixed_pair_on_tensor_copies_reads_each_builds_codes_by_its_own_desc
     compiled = compile_launch(pair)
     assert "cp.async.cg" not in compiled.asm["ptx"] and "cp.async.bulk.tensor.2d" in compiled.asm["ptx"]
     assert resources(pair, compiled=compiled).stack_bytes == 0
+
+
+@pytest.mark.parametrize("builds", ["two", "paired", "by_id"])
+def test_builds_after_the_selection_launch_as_dependents_that_wait_before_the_table(builds: str) -> None:
+    """``gluon_after_select``: the first cold launch is a programmatic dependent (``launch_pdl``) whose
+    programs wait (``griddepcontrol.wait``) before they read the table split by bits; a second build
+    launched after it is not one (unless overlapped: ``gluon_overlap``)."""
+    cold = [x for x in record_launches(_gluon_mixed(builds=builds, after=True))
+            if x.fn.__name__ in ("_cold_kernel", "_cold_pair_kernel")]  # fmt: skip
+    first, rest = cold[0], cold[1:]
+    assert first.kwargs["AFTER"] and first.kwargs["launch_pdl"]
+    assert "griddepcontrol.wait" in compile_launch(first).asm["ptx"]
+    assert all("AFTER" not in x.kwargs for x in rest) and len(cold) == (2 if builds == "two" else 1)
+
+
+def test_the_selection_lets_the_builds_start_where_the_card_launches_dependents() -> None:
+    """The split selection's merge, where it writes the split by bits, lets a programmatic dependent start
+    as it starts (``gdc_launch_dependents``) when planned for sm_90; planned for sm_86, or on a CPU that
+    plans for no GPU (the interpreter), it does not."""
+    from kvtune.kernels.arch import ARCHS, HOPPER
+    from kvtune.kernels.backend import Ahead, plan_ahead
+
+    def merge(ahead: Any) -> Any:
+        plan_ahead(ahead)
+        try:
+            launches = record_launches(_sparse_split(parts=True))
+        finally:
+            plan_ahead(None)
+        return next(x for x in launches if x.fn.__name__ == "_merge_spans_kernel")
+
+    hopper = merge(Ahead(HOPPER, 4))
+    assert hopper.kwargs["TRIGGER"]
+    assert "griddepcontrol.launch_dependents" in compile_launch(hopper).asm["ptx"]
+    assert not merge(Ahead(ARCHS["sm_86"], 4)).kwargs["TRIGGER"] and not merge(None).kwargs["TRIGGER"]
 
 
 def test_overlapped_builds_launch_the_4_bit_build_as_a_dependent_that_waits_at_its_end() -> None:
@@ -448,6 +486,7 @@ def _matrix_cases(arch: Any) -> dict[str, Callable[[], Any]]:
            for d, bs in ((128, 64), (64, 16))},
         "decode int8 gluon mixed, two launches": lambda: _gluon_mixed(arch=arch, builds="two"),
         "decode int8 gluon mixed, tma asked": lambda: _gluon_mixed(arch=arch, tma=True),
+        "decode int8 gluon mixed, after the selection asked": lambda: _gluon_mixed(arch=arch, after=True),
         "quest int8": lambda: _quest(8),
         "seal int4 in an 8-bit pool": lambda: _seal(8, 4),
         "seal int8 from hot zones": lambda: _seal(8, 8, from_hot_zones=True),

@@ -4,7 +4,8 @@
 # kernels: the decode-attention table, graph replays (KERNELS_S); launches: the same as launches (LAUNCHES_S)
 # ring: the cold ring's A/Bs in one process each: tensor copies (tma_ring.py: the ring alone and the attention
 #   on it; TMA_S), the busy blocks of the one-launch builds (merge_tile.py --busy; MT_S), the selection's L1
-#   step ahead (select_warps.py; SW_S), the sparse INT8 step on tensor copies (sparse_kernels.py; SKT_S)
+#   step ahead (select_warps.py; SW_S), the sparse INT8 step's builds on tensor copies and launched beside
+#   the selection's merge (sparse_kernels.py; SKT_S)
 # ringtests: GPU tests of the tensor-copy builds and of the warm-up's selection builds (RINGTESTS_S)
 # noise: ROUTES (p90,attainment,confirm,pooled3,all,draws8,draws12), NOISE_REPEATS, NOISE_ONLY (windows, e.g. 0,1), NOISE_TAG
 # sparse: SPARSE_SHAPES (batch:context ...), SPARSE_HOLD=1 (tiers held as set up: decode_step.py --hold-tiers), SPARSE_S
@@ -54,14 +55,15 @@ for stage in "$@"; do
     log "the selection with its split by bits, the merge's first L1 step ahead or not"
     timeout ${SW_S:-60} python3 lab/scripts/select_warps.py --tokens 2048 --variants s0:16:0,s0:16:0p,s0:16:0pa \
       --rounds 2 --out "$OUT/sw" > "$OUT/sw.log" 2>&1; tail -6 "$OUT/sw.log"
-    log "the sparse INT8 step, its builds' rings by cp.async and by tensor copies (e4m3 summary)"
-    KVTUNE_QUEST_SUMMARY=1 timeout ${SKT_S:-90} python3 lab/scripts/sparse_kernels.py --summary --bits 8 \
-      --ways default,default+tma,default+tma2 --rounds 2 --steps 10 --out "$OUT/skt" > "$OUT/skt.log" 2>&1
-    grep -E "^[0-9]+x" "$OUT/skt.log" | tail -8 ;;
+    log "the sparse INT8 step: its builds on cp.async or tensor copies, after the selection or beside its merge (e4m3)"
+    KVTUNE_QUEST_SUMMARY=1 timeout ${SKT_S:-120} python3 lab/scripts/sparse_kernels.py --summary --bits 8 \
+      --ways default,default+tma,default+tma2,default+after,default+tma+after --rounds 2 --steps 10 \
+      --out "$OUT/skt" > "$OUT/skt.log" 2>&1
+    grep -E "^[0-9]+x" "$OUT/skt.log" | tail -20 ;;
   ringtests)
     log "gpu tests: the tensor-copy builds, the warm-up's selection builds, the split by bits"
     timeout ${RINGTESTS_S:-120} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton_kernels.py \
-      tests/test_gluon_mixed.py tests/test_triton_step.py -k "tma or tensor_copies or no_kernel_compiles or split" \
+      tests/test_gluon_mixed.py tests/test_triton_step.py -k "tma or tensor_copies or after_the_selection or no_kernel_compiles or split" \
       2>&1 | tee "$OUT/ringtests.log" | tail -8 ;;
   launches)
     log "decode attention as launches"

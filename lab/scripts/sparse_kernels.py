@@ -17,7 +17,8 @@ two,overlap``). A way ending in ``/own``: the selection writes no split by bits 
 the table itself (its partition launch: the step before the selection wrote the split), e.g.
 ``default/own``. A way ending in ``+tma`` fills the Gluon builds' rings by tensor copies (``gluon_tma``,
 sm_90), e.g. ``default+tma``; ``+tmaN`` also sets the 8-bit ring's depth to N (``gluon_stages``), e.g.
-``default+tma2``.
+``default+tma2``; ``+after`` launches the builds as programmatic dependents of the selection's merge
+(``gluon_after_select``, sm_90), e.g. ``default+after`` or ``default+tma+after``.
 
     python lab/scripts/sparse_kernels.py --out $OUT [--steps 20] [--summary] [--shapes 16:32768,4:131072]
         [--ways two,paired,by_id,paired:4,paired:0:16] [--rounds 1]
@@ -47,12 +48,19 @@ from kvtune.kernels.triton_decode import hybrid_decode_attention_triton
 def way_options(bits: int, way: str) -> DecodeKernelOptions:
     """The default options of ``bits`` launched ``way`` (module docstring; INT8's builds only, ``+tma``
     every width's)."""
-    way, _, tma = way.partition("+")
-    if tma and not (tma.startswith("tma") and (tma[3:] == "" or tma[3:].isdigit())):
-        raise SystemExit(f"--ways: {tma!r} after + is not 'tma' or 'tmaN'")
-    if tma:
-        opts = replace(way_options(bits, way), gluon_tma=True)
-        return replace(opts, gluon_stages=int(tma[3:])) if tma[3:] and bits == 8 else opts
+    way, *extras = way.split("+")
+    if extras:
+        opts = way_options(bits, way)
+        for extra in extras:
+            if extra == "after":
+                opts = replace(opts, gluon_after_select=True)
+            elif extra.startswith("tma") and (extra[3:] == "" or extra[3:].isdigit()):
+                opts = replace(opts, gluon_tma=True)
+                if extra[3:] and bits == 8:
+                    opts = replace(opts, gluon_stages=int(extra[3:]))
+            else:
+                raise SystemExit(f"--ways: {extra!r} after + is not 'tma', 'tmaN' or 'after'")
+        return opts
     way, _, own = way.partition("/")
     name, *rest = way.split(":")
     if own not in ("", "own"):
@@ -76,7 +84,7 @@ def step_fn(case: da.Case, summary: bool, way: str = "default"):
     bounds = summary8(pool) if summary else None
     options = way_options(case.bits, way)
 
-    own = way.endswith("/own")  # the attention's own partition, not the selection's split
+    own = "/own" in way  # the attention's own partition, not the selection's split
 
     def step():
         if own:
