@@ -32,7 +32,9 @@ folds into q (keys) or the final store (values).
 Blocks j + 1 .. j + s - 1 are in flight while block j is computed: ``cp.async`` copies them into a ring of
 ``s`` stages in shared memory, consecutive lanes along whole rows (stage layouts in which both the copies
 and the loads back in the operands' layouts meet every bank once); the block ids travel in the same commit
-groups, ``s`` blocks ahead, so no iteration waits on the load of its next id.
+groups, ``s`` blocks ahead, so no iteration waits on the load of its next id. With ``gluon_tma`` (sm_90)
+tensor copies fill the ring instead: one lane issues a block's six copies against its stage's mbarrier
+(the stages then take the copies' swizzle, ``descriptors``), and the lanes hold no copy addresses.
 
 An 8-bit pool whose blocks may be demoted to 4 bits (``gluon_mixed``) lists both widths in one table row:
 the row is split by bits first (by the sparse selection's kernels where they built the table, else by the
@@ -514,8 +516,8 @@ def _cold_part(
     ``vmd`` (:func:`descriptors`), one lane issuing a block's six against its stage's mbarrier, instead of
     every lane's ``cp.async``; the block ids are loaded one iteration ahead (``TABLE_AHEAD`` is not read).
     ``AFTER``: launched as a programmatic dependent of the launch before (``gluon_after_select``), the
-    program waits for it to end once its queries are loaded and its ring set up, before it reads the table
-    and the counts (the reads take their row from the wait's result, so none is moved above it)."""
+    program loads and scales its queries, then waits for that launch to end before it reads the table and
+    the counts (the reads take their row from the wait's result, so none is moved above it)."""
     b = bh // H
     h = bh % H
     C: gl.constexpr = D if KIND == 8 else D // 2  # channels per operand (and bytes per code row)
