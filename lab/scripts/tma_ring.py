@@ -156,7 +156,8 @@ def shape_row(batch: int, length: int, bits: int, stages: list[int]) -> dict:
     row: dict = dict(batch=batch, length=length, bits=bits, splits=plan.splits, kernel=plan.kernel,
                      sdpa_ms=sdpa_ms, sdpa_tbs=sdpa_tbs, attention_ms=attn_ms, ring_bytes=nbytes,
                      attention_tma_ms=attn_tma_ms, tma_splits=plan_tma.splits,
-                     tma_used=plan_tma.options.gluon_tma, tma_relative_diff=diff,
+                     tma_used=plan_tma.options.gluon_tma and gluon_decode.tma_ready(pool),
+                     tma_relative_diff=diff,
                      attention_tma_other=dict(stages=other.gluon_stages, ms=other_ms), rings={})  # fmt: skip
     descs = gluon_decode.descriptors(pool, pool.bits)
     for st in stages:
