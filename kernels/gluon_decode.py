@@ -871,22 +871,28 @@ def tma_ready(pool: ColdPool) -> bool:
     )
 
 
-def descriptors(pool: ColdPool, kind: int, row: int | None = None) -> tuple[TensorDescriptor, ...]:
-    """The six 2-D tensor descriptors the ``TMA`` ring copies from (:func:`tma_ready` pools): key and value
-    codes as rows ``[N H T, row]`` read ``[T, C]`` at a time (``C`` = the build's bytes per token, ``kind``
-    8: ``D``, 4: ``D / 2``; ``row``: the pool's own width by default), swizzled by ``C`` bytes (32, 64 or
-    128) as the copies write them; key scales and mins ``[N H, D]`` and value scales and mins ``[N H, T]`` a
-    row at a time, unswizzled."""
+def _code_descriptors(pool: ColdPool, kind: int, row: int | None = None) -> tuple[TensorDescriptor, ...]:
+    """Key and value codes as rows ``[N H T, row]`` read ``[T, C]`` at a time (``C`` = the build's bytes per
+    token, ``kind`` 8: ``D``, 4: ``D / 2``; ``row``: the pool's own width by default), swizzled by ``C`` bytes
+    (32, 64 or 128) as the copies write them."""
     n, h, t, width = pool.k.shape
     d = pool.k_scale.shape[2]
     c = d if kind == 8 else d // 2
     row = width if row is None else row
     swizzle = c if c in (32, 64, 128) else 0
     codes = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8, rank=2)
-    halves = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     return (
         TensorDescriptor(pool.k, [n * h * t, row], [row, 1], [t, c], codes),
         TensorDescriptor(pool.v, [n * h * t, row], [row, 1], [t, c], codes),
+    )
+
+
+def _scale_descriptors(pool: ColdPool) -> tuple[TensorDescriptor, ...]:
+    """Key scales and mins ``[N H, D]``, value scales and mins ``[N H, T]``, a row at a time, unswizzled."""
+    n, h, t, _ = pool.k.shape
+    d = pool.k_scale.shape[2]
+    halves = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    return (
         TensorDescriptor(pool.k_scale, [n * h, d], [d, 1], [1, d], halves),
         TensorDescriptor(pool.k_min, [n * h, d], [d, 1], [1, d], halves),
         TensorDescriptor(pool.v_scale, [n * h, t], [t, 1], [1, t], halves),
@@ -894,12 +900,20 @@ def descriptors(pool: ColdPool, kind: int, row: int | None = None) -> tuple[Tens
     )
 
 
+def descriptors(pool: ColdPool, kind: int, row: int | None = None) -> tuple[TensorDescriptor, ...]:
+    """The six 2-D tensor descriptors the ``TMA`` ring copies from (:func:`tma_ready` pools): key and value
+    codes as rows ``[N H T, row]`` read ``[T, C]`` at a time (``C`` = the build's bytes per token, ``kind``
+    8: ``D``, 4: ``D / 2``; ``row``: the pool's own width by default), swizzled by ``C`` bytes (32, 64 or
+    128) as the copies write them; key scales and mins ``[N H, D]`` and value scales and mins ``[N H, T]`` a
+    row at a time, unswizzled."""
+    return (*_code_descriptors(pool, kind, row), *_scale_descriptors(pool))
+
+
 def pair_descriptors(pool: ColdPool) -> tuple[TensorDescriptor, ...]:
     """The eight descriptors of :func:`launch_pair`'s ``tma`` over an 8-bit pool with demoted blocks: the
     8-bit build's key and value codes, the 4-bit build's (``[T, D / 2]`` of the ``D``-byte rows), then the
     key scales and mins, value scales and mins both builds read (:func:`descriptors`)."""
-    eight, four = descriptors(pool, 8), descriptors(pool, 4)
-    return (*eight[:2], *four[:2], *eight[2:])
+    return (*_code_descriptors(pool, 8), *_code_descriptors(pool, 4), *_scale_descriptors(pool))
 
 
 def supported_mixed(

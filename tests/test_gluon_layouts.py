@@ -40,15 +40,20 @@ def _lane_starts(dist, reg: int) -> list[tuple[int, int]]:
     return [tuple(a ^ b for a, b in zip(at, lane, strict=True)) for lane in lanes]
 
 
-def _conflict_free(addresses: list[int], vec: int) -> bool:
-    """A warp access of ``vec`` bytes per lane runs in phases of 128 bytes' worth of lanes; within each phase
-    the lanes' vectors must sit in distinct bank groups."""
+def _phase_ways(addresses: list[int], vec: int) -> int:
+    """A warp access of ``vec`` bytes per lane runs in phases of 128 bytes' worth of lanes: the most lanes of
+    one phase whose vectors sit in the same bank group (1: every bank met once)."""
     per_phase = 128 // vec
+    worst = 1
     for p in range(0, 32, per_phase):
         slots = [(a % 128) // vec for a in addresses[p : p + per_phase]]
-        if len(set(slots)) != len(slots):
-            return False
-    return True
+        worst = max(worst, max(slots.count(x) for x in slots))
+    return worst
+
+
+def _conflict_free(addresses: list[int], vec: int) -> bool:
+    """Within each phase the lanes' vectors sit in distinct bank groups."""
+    return _phase_ways(addresses, vec) == 1
 
 
 def _vector_regs(dist) -> range:
@@ -123,14 +128,8 @@ def _tma_stage(c: int, t: int, swizzle: int) -> dict[tuple[int, int], int]:
 
 def _ways(dist, where: dict[tuple[int, ...], int]) -> int:
     """The most lanes of one phase whose vectors share a bank group, over every vector load in ``dist``."""
-    vec, worst = _vector(dist), 1
-    for reg in _vector_regs(dist):
-        starts = [where[xy] for xy in _lane_starts(dist, reg)]
-        per = 128 // vec
-        for p in range(0, 32, per):
-            slots = [(a % 128) // vec for a in starts[p : p + per]]
-            worst = max(worst, max(slots.count(x) for x in slots))
-    return worst
+    vec = _vector(dist)
+    return max(_phase_ways([where[xy] for xy in _lane_starts(dist, reg)], vec) for reg in _vector_regs(dist))
 
 
 @pytest.mark.parametrize("c, t", SHAPES)
